@@ -1,0 +1,359 @@
+"""The kernel's side of the supervisor: start it, talk to it, follow a job to its end.
+
+The supervisor is started on first use, in its own session (so the kernel's interrupt never
+reaches it), with a listening socket the kernel created in an owner-only directory. The kernel
+keeps one connection open for its whole life: that connection is the supervisor's lifeline.
+A reader thread turns frames into replies and per-job queues; the cell's thread waits on its
+job's queue, so an interrupt lands in the cell, which forwards it as a stop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import queue
+import secrets
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+from elastic_nb import procs, protocol
+from elastic_nb.errors import SupervisorDied
+from elastic_nb.spec import JobSpec
+
+__all__ = ["JobHandle", "Renderer", "SupervisorClient", "get_client"]
+
+HELLO_TIMEOUT_S = 30.0
+REQUEST_TIMEOUT_S = 30.0
+# After an interrupt the supervisor normally ends the job in well under a second (SIGTERM to the
+# whole group, 2 s grace at most); past this the kernel kills the job's processes itself.
+STOP_TIMEOUT_S = 4.0
+
+_GONE = object()
+
+
+class Renderer(Protocol):
+    def update(self, msg: dict[str, Any]) -> None: ...
+    def end(self, summary: dict[str, Any]) -> None: ...
+
+
+def runtime_dir() -> Path:
+    """Owner-only directory for sockets: $XDG_RUNTIME_DIR/elastic_nb or /tmp/elastic_nb-UID."""
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    if base and os.path.isdir(base) and os.access(base, os.W_OK):
+        path = Path(base) / "elastic_nb"
+    else:
+        path = Path(tempfile.gettempdir()) / f"elastic_nb-{os.getuid()}"
+    with contextlib.suppress(FileExistsError):
+        path.mkdir(mode=0o700)
+    st = path.lstat()
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        raise RuntimeError(f"{path} is not a directory owned by this user; refusing to use it")
+    if st.st_mode & 0o077:
+        path.chmod(0o700)
+    return path
+
+
+class SupervisorClient:
+    def __init__(self) -> None:
+        self._send_lock = threading.Lock()
+        self._pending: dict[int, queue.Queue[Any]] = {}
+        self._jobs: dict[str, JobHandle] = {}
+        self._req = itertools.count(1)
+        self._alive = True
+        self._start()
+
+    # ---- lifecycle --------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        rt = runtime_dir()
+        stem = rt / f"sup-{os.getpid()}-{secrets.token_hex(3)}"
+        self.socket_path = f"{stem}.sock"
+        self.log_path = f"{stem}.log"
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            listener.bind(self.socket_path)
+            os.chmod(self.socket_path, 0o600)
+            listener.listen(16)
+            with open(self.log_path, "ab") as log:
+                self._proc = subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "elastic_nb.supervisor",
+                        "--listen-fd",
+                        str(listener.fileno()),
+                        "--kernel-pid",
+                        str(os.getpid()),
+                    ],
+                    pass_fds=[listener.fileno()],
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=log,
+                    start_new_session=True,
+                )
+        finally:
+            listener.close()
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.connect(self.socket_path)  # queued in the backlog until the supervisor accepts
+        decoder = protocol.FrameDecoder()
+        self._sock.settimeout(HELLO_TIMEOUT_S)
+        self._sock.sendall(
+            protocol.encode(
+                protocol.HELLO, version=protocol.VERSION, role="kernel", kernel_pid=os.getpid()
+            )
+        )
+        hello = None
+        try:
+            while hello is None:
+                data = self._sock.recv(1 << 16)
+                if not data:
+                    break
+                for msg, _ in decoder.feed(data):
+                    hello = msg
+                    break
+        except OSError:
+            pass
+        if hello is None:
+            self._alive = False
+            raise SupervisorDied(
+                f"the elastic_nb supervisor did not start; its log says:\n{self._log_tail()}"
+            )
+        if hello.get("error"):
+            raise SupervisorDied(hello["error"])
+        protocol.check_hello(hello)
+        self.pid = int(hello["pid"])
+        self._sock.settimeout(None)
+        self._reader = threading.Thread(
+            target=self._read, args=(decoder,), name="elastic_nb-client", daemon=True
+        )
+        self._reader.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._alive
+
+    def close(self) -> None:
+        """Closing the lifeline makes the supervisor stop every job and exit."""
+        self._alive = False
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        with contextlib.suppress(OSError):
+            self._sock.close()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._proc.wait(timeout=10)
+
+    def _log_tail(self, n: int = 20) -> str:
+        with contextlib.suppress(OSError):
+            return "\n".join(Path(self.log_path).read_text(errors="replace").splitlines()[-n:])
+        return ""
+
+    # ---- frames -----------------------------------------------------------------------------
+
+    def _read(self, decoder: protocol.FrameDecoder) -> None:
+        try:
+            while True:
+                data = self._sock.recv(1 << 16)
+                if not data:
+                    break
+                for msg, _ in decoder.feed(data):
+                    self._dispatch(msg)
+        except (OSError, protocol.ProtocolError):
+            pass
+        finally:
+            self._alive = False
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._proc.wait(timeout=1)  # reap it
+            for q in list(self._pending.values()):
+                q.put(_GONE)
+            for job in list(self._jobs.values()):
+                job._deliver(_GONE)
+
+    def _dispatch(self, msg: dict[str, Any]) -> None:
+        kind = msg["kind"]
+        if kind == protocol.REPLY:
+            q = self._pending.pop(msg.get("req", -1), None)
+            if q is not None:
+                q.put(msg)
+        elif kind in (protocol.UPDATE, protocol.END):
+            job = self._jobs.get(msg.get("job", ""))
+            if job is not None:
+                job._deliver(msg)
+
+    def send(self, kind: str, blob: bytes | None = None, **fields: Any) -> int:
+        req = next(self._req)
+        data = protocol.encode(kind, blob, req=req, **fields)
+        with self._send_lock:
+            try:
+                self._sock.sendall(data)
+            except OSError as e:
+                self._alive = False
+                raise SupervisorDied(f"the elastic_nb supervisor is gone ({e})") from None
+        return req
+
+    def request(
+        self,
+        kind: str,
+        blob: bytes | None = None,
+        timeout: float = REQUEST_TIMEOUT_S,
+        **fields: Any,
+    ) -> dict[str, Any]:
+        q: queue.Queue[Any] = queue.Queue(1)
+        req = next(self._req)
+        self._pending[req] = q
+        data = protocol.encode(kind, blob, req=req, **fields)
+        with self._send_lock:
+            try:
+                self._sock.sendall(data)
+            except OSError as e:
+                self._pending.pop(req, None)
+                self._alive = False
+                raise SupervisorDied(f"the elastic_nb supervisor is gone ({e})") from None
+        try:
+            reply = q.get(timeout=timeout)
+        except queue.Empty:
+            self._pending.pop(req, None)
+            raise SupervisorDied(
+                f"the elastic_nb supervisor did not answer {kind!r} in {timeout:g} s"
+            ) from None
+        if reply is _GONE:
+            raise SupervisorDied(
+                f"the elastic_nb supervisor exited; its log says:\n{self._log_tail()}"
+            )
+        if not reply.get("ok"):
+            raise RuntimeError(reply.get("error", "request failed"))
+        return reply
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    def submit(
+        self, spec: JobSpec, source: str, meta: dict[str, Any], payload: bytes | None
+    ) -> JobHandle:
+        reply = self.request(
+            protocol.SUBMIT,
+            payload,
+            spec=spec.to_dict(),
+            cell={"source": source, "meta": meta},
+            env=dict(os.environ),
+        )
+        job = JobHandle(self, reply["job"], reply["run_dir"], spec)
+        self._jobs[job.id] = job
+        return job
+
+    def stop(self, job_id: str | None = None, reason: str = "user") -> list[str]:
+        return self.request(protocol.STOP, job=job_id, reason=reason)["stopping"]
+
+    def jobs(self) -> list[dict[str, Any]]:
+        return self.request(protocol.JOBS)["jobs"]
+
+    def status(self) -> dict[str, Any]:
+        return self.request(protocol.STATUS)
+
+
+class JobHandle:
+    """A job as the kernel sees it: its events, and its summary once it has ended."""
+
+    def __init__(self, client: SupervisorClient, job_id: str, run_dir: str, spec: JobSpec) -> None:
+        self.id = job_id
+        self.run_dir = run_dir
+        self.spec = spec
+        self.summary: dict[str, Any] | None = None
+        self._client = client
+        self._queue: queue.Queue[Any] = queue.Queue()
+
+    def __repr__(self) -> str:
+        state = self.summary["outcome"] if self.summary else "running"
+        return f"<elastic_nb job {self.id} {state} run_dir={self.run_dir}>"
+
+    def _deliver(self, msg: Any) -> None:
+        self._queue.put(msg)
+
+    def wait(self, renderer: Renderer) -> dict[str, Any]:
+        """Feed the job's events to `renderer` until it ends; return its summary.
+
+        A KeyboardInterrupt (the kernel's interrupt) stops the job, waits for it to be gone
+        (at most STOP_TIMEOUT_S, then kills its processes from here) and is re-raised.
+        """
+        interrupted = False
+        deadline: float | None = None
+        while self.summary is None:
+            try:
+                try:
+                    msg = self._queue.get(timeout=0.25)
+                except queue.Empty:
+                    if deadline is not None and time.monotonic() > deadline:
+                        self._kill_here(
+                            "interrupted", "the supervisor did not stop the job in time"
+                        )
+                        break
+                    continue
+                if msg is _GONE:
+                    self._kill_here("failed", "the supervisor exited")
+                    raise SupervisorDied(
+                        f"the elastic_nb supervisor (pid {self._client.pid}) exited while job {self.id} "
+                        "ran; the job's processes were killed. The next %%elastic cell starts a new one."
+                    )
+                if msg["kind"] == protocol.UPDATE:
+                    renderer.update(msg)
+                elif msg["kind"] == protocol.END:
+                    self.summary = msg["summary"]
+                    renderer.end(self.summary)
+            except KeyboardInterrupt:
+                if interrupted:
+                    self._kill_here("interrupted", "interrupted twice")  # the user insists
+                    break
+                interrupted = True
+                deadline = time.monotonic() + STOP_TIMEOUT_S
+                with contextlib.suppress(SupervisorDied):
+                    self._client.send(protocol.STOP, job=self.id, reason="interrupt")
+        if interrupted:
+            raise KeyboardInterrupt
+        assert self.summary is not None
+        return self.summary
+
+    def _kill_here(self, outcome: str, reason: str) -> None:
+        """Last resort from the kernel itself: kill every process carrying this job's marker."""
+        procs.kill_job([self.id], signal.SIGKILL)
+        self.summary = {
+            "job": self.id,
+            "outcome": outcome,
+            "reason": reason,
+            "world_size": self.spec.world_size,
+            "attempt": 0,
+            "restarts": 0,
+            "max_restarts": self.spec.max_restarts,
+            "wall_s": 0.0,
+            "run_dir": self.run_dir,
+            "failure": None,
+            "others": [],
+            "result": False,
+        }
+
+
+_client: SupervisorClient | None = None
+_client_lock = threading.Lock()
+
+
+def get_client() -> SupervisorClient:
+    """This kernel's supervisor, started on first use and again if it died."""
+    global _client
+    with _client_lock:
+        if _client is None or not _client.alive:
+            _client = SupervisorClient()
+        return _client
+
+
+def shutdown_client() -> None:
+    global _client
+    with _client_lock:
+        if _client is not None:
+            _client.close()
+            _client = None

@@ -1,0 +1,4 @@
+from elastic_nb.launcher.agent import main
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,238 @@
+"""Run one job's `elastic_launch` and narrate what the agent does to the supervisor.
+
+The launcher's stdout is the protocol pipe to the supervisor; it is moved to a private fd before
+torch loads so that nothing torch or C++ prints can corrupt it, and fd 1 joins fd 2, which the
+supervisor points at the run directory's ``launcher.log``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+from elastic_nb import protocol
+from elastic_nb.rundir import RunDir
+from elastic_nb.spec import JobSpec
+
+# torchelastic's SIGTERM -> SIGKILL grace for ranks (LaunchConfig.shutdown_timeout, default 30 s).
+# A notebook user waits on this after an interrupt: keep it short.
+SHUTDOWN_TIMEOUT_S = 2
+_PR_SET_PDEATHSIG = 1
+
+
+class Channel:
+    """Frames to the supervisor. Written from the agent's thread and from logging handlers."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+        self._lock = threading.Lock()
+        self._last_tick = 0.0
+
+    def send(self, kind: str, **fields: Any) -> None:
+        data = protocol.encode(kind, **fields)
+        with self._lock:
+            try:
+                while data:
+                    data = data[os.write(self._fd, data) :]
+            except BrokenPipeError:
+                pass  # the supervisor is gone; our parent-death signal ends us
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        if now - self._last_tick >= 1.0:
+            self._last_tick = now
+            self.send(protocol.TICK, t=time.time())
+
+
+def main() -> None:
+    channel = Channel(os.dup(1))
+    os.dup2(2, 1)
+    _die_with_parent()
+    sys.stdout = sys.stderr
+
+    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+
+    from elastic_nb.worker import bootstrap
+
+    channel.send(protocol.READY, pid=os.getpid())
+    line = sys.stdin.readline()
+    if not line:
+        return  # the supervisor let us go without a job
+    assignment = json.loads(line)
+    job_id, rd = assignment["job"], RunDir(assignment["run_dir"])
+    spec = JobSpec.from_json(rd.spec.read_text())
+    _apply_environment(spec, job_id, rd)
+    _observe_agent(channel)
+    config = _launch_config(spec, rd, job_id)
+    code = 0
+    try:
+        elastic_launch(config, bootstrap)(str(rd.path))
+        channel.send(protocol.RESULT, ok=True)
+    except ChildFailedError as e:
+        failures = {
+            str(rank): {"exitcode": f.exitcode, "pid": f.pid, "message": f.message}
+            for rank, f in e.failures.items()
+        }
+        channel.send(protocol.RESULT, ok=False, error="ranks failed", failures=failures)
+        code = 1
+    except SignalException as e:
+        channel.send(protocol.RESULT, ok=False, error=f"launcher received {e.sigval.name}")
+        code = 128 + int(e.sigval)
+    except BaseException as e:
+        logging.getLogger(__name__).exception("elastic_launch raised")
+        channel.send(protocol.RESULT, ok=False, error=f"{type(e).__name__}: {e}")
+        code = 1
+    # Nothing is left to do once the ranks are joined and the result is sent, and finalizing an
+    # interpreter that loaded torch takes about 0.4 s that the notebook would wait for.
+    logging.shutdown()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _die_with_parent() -> None:
+    """If the supervisor dies, SIGTERM reaches us; torch's handler then stops the ranks."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+    expected = os.environ.get("ELASTIC_NB_SUPERVISOR_PID")
+    if expected and os.getppid() != int(expected):
+        sys.exit(1)  # the supervisor died before the signal was armed
+
+
+def _apply_environment(spec: JobSpec, job_id: str, rd: RunDir) -> None:
+    """Ranks inherit this process's environment (torchelastic only adds its rank variables)."""
+    env = os.environ
+    env.update(spec.env)
+    env["ELASTIC_NB_JOB"] = job_id
+    env["ELASTIC_NB_RUN_DIR"] = str(rd.path)
+    env.setdefault("PYTHONUNBUFFERED", "1")  # rank logs are files: no block buffering
+    if spec.nproc > 1:
+        # torchrun's rule: N ranks each spinning up all cores' OpenMP threads thrash the machine.
+        env.setdefault("OMP_NUM_THREADS", "1")
+    # With the shared agent store a restarted attempt can read the previous attempt's keys and
+    # hang in process-group init (class of pytorch#135712); a store of its own fixed it 10/10.
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    os.chdir(spec.cwd)
+
+
+def _launch_config(spec: JobSpec, rd: RunDir, job_id: str) -> Any:
+    from torch.distributed.launcher.api import LaunchConfig
+
+    from elastic_nb.launcher.logs import RunDirLogsSpecs
+
+    rdzv_configs: dict[str, Any] = dict(spec.rdzv_conf)
+    if spec.rdzv_backend == "static":
+        rdzv_configs.setdefault("rank", 0)  # the one node is node 0 (as torchrun sets it)
+    kwargs: dict[str, Any] = {
+        "min_nodes": 1,
+        "max_nodes": 1,
+        "nproc_per_node": spec.nproc,
+        "run_id": spec.rdzv_id or job_id,
+        "rdzv_backend": spec.rdzv_backend,
+        "rdzv_endpoint": spec.rdzv_endpoint,
+        "rdzv_configs": rdzv_configs,
+        "max_restarts": spec.max_restarts,
+        "monitor_interval": spec.monitor_interval,
+        "start_method": spec.start_method,
+        "logs_specs": RunDirLogsSpecs(rd),
+    }
+    if "shutdown_timeout" in LaunchConfig.__dataclass_fields__:  # torch >= 2.10
+        kwargs["shutdown_timeout"] = SHUTDOWN_TIMEOUT_S
+    # LaunchConfig asks torch.cuda about devices (for NUMA binding). Ask NVML rather than the
+    # CUDA runtime, so this process never initialises CUDA or holds GPU memory.
+    previous = os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")
+    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
+    try:
+        return LaunchConfig(**kwargs)
+    finally:
+        if previous is None:
+            del os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"]
+        else:
+            os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = previous
+
+
+class _EventHandler(logging.Handler):
+    """torchelastic records agent events as JSON on the logger ``torchelastic-events-null``."""
+
+    def __init__(self, channel: Channel) -> None:
+        super().__init__(logging.INFO)
+        self._channel = channel
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            event = json.loads(record.getMessage())
+            md = event["metadata"]
+            attempt = int(md.get("agent_restarts") or 0)
+            state = md.get("state")
+            if state == "START" and md.get("global_rank") is not None:
+                self._channel.send(
+                    protocol.START,
+                    attempt=attempt,
+                    rank=int(md["global_rank"]),
+                    pid=int(md["worker_id"]),
+                )
+            elif state == "RENDEZVOUS":
+                self._channel.send(
+                    protocol.RENDEZVOUS,
+                    attempt=attempt,
+                    seconds=(md.get("duration_ms") or 0) / 1000,
+                )
+        except Exception:
+            self.handleError(record)
+
+
+class _StripTraceback(logging.Filter):
+    """MultiprocessContext._poll reports a failed rank with logger.exception; formatting that
+    traceback imports torch._dynamo (about 1.2-1.8 s, measured 1.36 s -> 0.49 s from raise to
+    ChildFailedError without it). The rank's traceback is in the run directory already."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.exc_info = None
+        record.exc_text = None
+        return True
+
+
+def _observe_agent(channel: Channel) -> None:
+    from torch.distributed.elastic import events, metrics
+    from torch.distributed.elastic.multiprocessing.api import MultiprocessContext
+
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_StripTraceback())
+
+    # Create the events logger the way torch does (it caches it), then make sure INFO passes
+    # whatever LOGLEVEL the user gave the ranks.
+    events_logger = events._get_or_create_logger("null")
+    events_logger.setLevel(logging.INFO)
+    events_logger.addHandler(_EventHandler(channel))
+
+    class _Ticks(metrics.MetricHandler):
+        # The agent's monitor loop puts metrics on every pass: a tick that stops means a stuck agent.
+        def emit(self, metric_data: Any) -> None:
+            channel.tick()
+
+    metrics.configure(_Ticks(), group="torchelastic")
+
+    # Every attempt ends in MultiprocessContext.close(), after torch has joined the ranks: the
+    # one place where all exit codes are known (a ChildFailedError lists only one rank).
+    original_close = MultiprocessContext._close
+
+    def _close(self: Any, death_sig: signal.Signals, timeout: int = 30) -> None:
+        original_close(self, death_sig, timeout)
+        if self._pc is None or getattr(self, "_elastic_nb_reported", False):
+            return
+        self._elastic_nb_reported = True
+        codes = {}
+        for local_rank, proc in enumerate(self._pc.processes):
+            env = self.envs[local_rank]
+            codes[env["RANK"]] = proc.exitcode
+        attempt = int(self.envs[0]["TORCHELASTIC_RESTART_COUNT"])
+        channel.send(protocol.EXITS, attempt=attempt, codes=codes)
+
+    MultiprocessContext._close = _close  # type: ignore[method-assign]

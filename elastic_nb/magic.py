@@ -1,0 +1,423 @@
+"""The IPython magics.
+
+Run a cell on N ranks (torchrun spellings; ``%%elastic?`` lists every flag)::
+
+    %load_ext elastic_nb
+
+    %%elastic --nproc 4
+    import torch, torch.distributed as dist
+    dist.init_process_group()
+    x = torch.ones(1) * (dist.get_rank() + 1)
+    dist.all_reduce(x)
+    x.item()                      # rank 0's last expression is the cell's result
+
+Manage jobs and session defaults with the line magic::
+
+    %elastic config --nproc 4 --max-restarts 1     # defaults for later cells (config reset)
+    %elastic jobs                                  # this session's jobs
+    %elastic logs [JOB] [--rank R] [--attempt K] [--tail N]
+    %elastic stop [JOB]                            # stop running jobs
+    %elastic status                                # the supervisor process
+
+The cell blocks until every rank has finished. Interrupt the kernel to stop the job: every rank
+is ended within seconds and the kernel is yours again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pickle
+import sys
+from typing import Any
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_cell_magic, magics_class
+from IPython.core.magic_arguments import argument, argument_group, magic_arguments, parse_argstring
+from IPython.utils.text import SList
+
+from elastic_nb.cell import prepare_cell
+from elastic_nb.client import JobHandle, get_client
+from elastic_nb.errors import ElasticError, JobFailed, JobStopped, JobTimeout
+from elastic_nb.render_text import TextRenderer
+from elastic_nb.rundir import RunDir
+from elastic_nb.spec import DEFAULTS, JobSpec, SpecError, default_log_dir, preflight
+
+__all__ = ["ElasticMagics"]
+
+_S = argparse.SUPPRESS  # only flags the user gives are parsed: defaults merge in layers
+
+
+def _default(name: str) -> str:
+    value = DEFAULTS[name]
+    if name == "log_dir":
+        return default_log_dir()
+    if value in (None, (), {}):
+        return "none"
+    return str(value)
+
+
+def launch_arguments(func: Any) -> Any:
+    """The flags of %%elastic, shared by %elastic config."""
+    decorators = [
+        argument_group("ranks"),
+        argument(
+            "--nproc",
+            "--nproc-per-node",
+            "--nproc_per_node",
+            dest="nproc",
+            metavar="N",
+            default=_S,
+            help=f"ranks to run: a number, 'gpu' (one per visible GPU), 'cpu' or 'auto' (default: {_default('nproc')})",
+        ),
+        argument(
+            "--nnodes",
+            metavar="N|MIN:MAX",
+            default=_S,
+            help="nodes; only 1 in this version: more nodes need a rendezvous every node reaches (default: 1)",
+        ),
+        argument(
+            "--max-restarts",
+            "--max_restarts",
+            dest="max_restarts",
+            metavar="N",
+            default=_S,
+            help=f"restarts of the whole group after a failure (default: {_default('max_restarts')})",
+        ),
+        argument(
+            "--monitor-interval",
+            "--monitor_interval",
+            dest="monitor_interval",
+            metavar="S",
+            default=_S,
+            help=f"how often torchelastic's agent checks its ranks (default: {_default('monitor_interval')})",
+        ),
+        argument(
+            "--start-method",
+            "--start_method",
+            dest="start_method",
+            metavar="spawn|forkserver",
+            default=_S,
+            help=f"how ranks are started (default: {_default('start_method')})",
+        ),
+        argument_group("rendezvous"),
+        argument(
+            "--rdzv-backend",
+            "--rdzv_backend",
+            dest="rdzv_backend",
+            metavar="c10d|static",
+            default=_S,
+            help=f"rendezvous backend (default: {_default('rdzv_backend')})",
+        ),
+        argument(
+            "--rdzv-endpoint",
+            "--rdzv_endpoint",
+            dest="rdzv_endpoint",
+            metavar="HOST:PORT",
+            default=_S,
+            help=f"rendezvous address on this machine; port 0 picks a free one (default: {_default('rdzv_endpoint')})",
+        ),
+        argument(
+            "--rdzv-id",
+            "--rdzv_id",
+            dest="rdzv_id",
+            metavar="ID",
+            default=_S,
+            help="rendezvous run id (default: the job id)",
+        ),
+        argument(
+            "--rdzv-conf",
+            "--rdzv_conf",
+            dest="rdzv_conf",
+            metavar="K=V,...",
+            action="append",
+            default=_S,
+            help="extra rendezvous settings, e.g. join_timeout=60 (default: none)",
+        ),
+        argument_group("environment and limits"),
+        argument(
+            "--env",
+            metavar="K=V",
+            action="append",
+            default=_S,
+            help="set an environment variable in every rank; repeatable (default: none)",
+        ),
+        argument(
+            "--timeout",
+            metavar="S",
+            default=_S,
+            help="deadline for the whole job, in seconds; past it every rank is stopped (default: none)",
+        ),
+        argument(
+            "--collective-timeout",
+            dest="collective_timeout",
+            metavar="S",
+            default=_S,
+            help="default timeout of every process group the cell creates (gloo and NCCL), in "
+            "seconds (default: torch's, 30 min gloo / 10 min NCCL)",
+        ),
+        argument_group("data"),
+        argument(
+            "--push",
+            metavar="NAMES",
+            action="append",
+            default=_S,
+            help="notebook objects to send to every rank (comma-separated, repeatable); modules, "
+            "functions and classes the cell uses travel without it (default: none)",
+        ),
+        argument(
+            "--pull",
+            metavar="NAMES",
+            action="append",
+            default=_S,
+            help="objects to bring back into the notebook when the job succeeds (default: none)",
+        ),
+        argument(
+            "--pull-rank",
+            dest="pull_rank",
+            metavar="R",
+            default=_S,
+            help=f"the rank --pull takes its objects from (default: {_default('pull_rank')})",
+        ),
+        argument_group("output"),
+        argument(
+            "--no-widgets",
+            dest="widgets",
+            action="store_false",
+            default=_S,
+            help="print rank output as text (the only renderer in this version)",
+        ),
+        argument(
+            "--log-dir",
+            "--log_dir",
+            dest="log_dir",
+            metavar="DIR",
+            default=_S,
+            help=f"where run directories go (default: {_default('log_dir')})",
+        ),
+    ]
+    for deco in reversed(decorators):
+        func = deco(func)
+    return func
+
+
+@magics_class
+class ElasticMagics(Magics):
+    def __init__(self, shell: Any) -> None:
+        super().__init__(shell)
+        self.session_defaults: dict[str, Any] = {}
+        self.jobs: dict[str, JobHandle] = {}
+
+    @magic_arguments()
+    @launch_arguments
+    @line_cell_magic
+    def elastic(self, line: str, cell: str | None = None) -> Any:
+        """Run the cell on N torch.distributed ranks under torchelastic (``%%elastic``), or
+        manage jobs (``%elastic status|jobs|logs|stop|config``).
+        """
+        if cell is None:
+            return self._line(line)
+        return self._cell(line, cell)
+
+    # ---- %%elastic --------------------------------------------------------------------------
+
+    def _options(self, argv_line: str) -> dict[str, Any]:
+        return vars(parse_argstring(self.elastic, argv_line))
+
+    def _spec(self, options: dict[str, Any]) -> JobSpec:
+        try:
+            return JobSpec.from_options(
+                {**self.session_defaults, **options}, cwd=os.getcwd(), sys_path=sys.path
+            )
+        except SpecError as e:
+            raise UsageError(str(e)) from None
+
+    def _cell(self, line: str, cell: str) -> Any:
+        spec = self._spec(self._options(line))
+        prepared = prepare_cell(
+            line, cell, self.shell.user_ns, self.shell.user_ns_hidden, spec.push
+        )
+        try:
+            preflight(spec)
+        except SpecError as e:
+            raise UsageError(str(e)) from None
+        job = get_client().submit(spec, prepared.source, prepared.meta, prepared.payload)
+        self.jobs[job.id] = job
+        renderer = TextRenderer(job.id, job.run_dir)
+        renderer.start(spec.nproc)
+        summary = job.wait(renderer)
+        if summary["outcome"] == "timeout":
+            raise JobTimeout(summary)
+        if summary["outcome"] in ("stopped", "interrupted"):
+            raise JobStopped(summary)
+        if summary["outcome"] != "succeeded":
+            raise JobFailed(summary)
+        rd = RunDir(job.run_dir)
+        if spec.pull:
+            pulled = _load(
+                rd.pulled(summary["attempt"], spec.pull_rank), f"--pull from rank {spec.pull_rank}"
+            )
+            self.shell.user_ns.update(pulled)
+        if summary["result"]:
+            how, value = _load(rd.result(summary["attempt"]), "the cell's result")
+            return value if how == "value" else _Repr(value)
+        return None
+
+    # ---- %elastic -----------------------------------------------------------------------------
+
+    def _line(self, line: str) -> Any:
+        command, _, rest = line.strip().partition(" ")
+        handlers = {
+            "status": self._status,
+            "jobs": self._jobs,
+            "logs": self._logs,
+            "stop": self._stop,
+            "config": self._config,
+        }
+        if command not in handlers:
+            raise UsageError(
+                f"%elastic {command}: unknown command. Use one of: {', '.join(handlers)} "
+                "(or %%elastic to run a cell; %elastic? for help)"
+            )
+        return handlers[command](rest.strip())
+
+    def _status(self, rest: str) -> None:
+        from elastic_nb import client
+
+        c = client._client
+        if c is None or not c.alive:
+            print("supervisor: not running (it starts with the next %%elastic cell)")
+            return
+        st = c.status()
+        print(f"supervisor: pid {st['pid']}, up {st['uptime_s']:.0f} s")
+        print(f"  socket: {c.socket_path}")
+        print(f"  log:    {c.log_path}")
+        print(f"  running jobs: {', '.join(st['running']) or 'none'}")
+
+    def _jobs(self, rest: str) -> SList:
+        running = {}
+        from elastic_nb import client
+
+        if client._client is not None and client._client.alive:
+            running = {j["job"]: j for j in client._client.jobs()}
+        rows = []
+        for job in self.jobs.values():
+            s = job.summary
+            if s is not None:
+                rows.append(
+                    (
+                        job.id,
+                        s["outcome"],
+                        s["world_size"],
+                        f"{s['restarts']}/{s['max_restarts']}",
+                        f"{s['wall_s']:.1f}",
+                        job.run_dir,
+                    )
+                )
+            else:
+                info = running.get(job.id, {})
+                rows.append(
+                    (
+                        job.id,
+                        info.get("state", "running"),
+                        job.spec.world_size,
+                        "-",
+                        f"{info.get('wall_s', 0):.1f}",
+                        job.run_dir,
+                    )
+                )
+        if not rows:
+            print("no jobs in this session yet")
+            return SList()
+        header = ("job", "state", "ranks", "restarts", "wall s", "run dir")
+        widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+        out = SList(
+            "  ".join(str(v).ljust(w) for v, w in zip(row, widths, strict=True)).rstrip()
+            for row in [header, *rows]
+        )
+        print("\n".join(out))
+        return SList()
+
+    def _logs(self, rest: str) -> None:
+        parser = argparse.ArgumentParser(prog="%elastic logs", add_help=False)
+        parser.add_argument("job", nargs="?")
+        parser.add_argument("--rank", type=int)
+        parser.add_argument("--attempt", type=int)
+        parser.add_argument("--tail", type=int, default=50, help="lines per file; 0 for all")
+        try:
+            args = parser.parse_args(rest.split())
+        except SystemExit:
+            raise UsageError(
+                "usage: %elastic logs [JOB] [--rank R] [--attempt K] [--tail N]"
+            ) from None
+        job = self._job(args.job)
+        rd = RunDir(job.run_dir)
+        attempts = rd.attempts()
+        if not attempts:
+            print(f"job {job.id} has no logs yet ({rd})")
+            return
+        attempt = attempts[-1] if args.attempt is None else args.attempt
+        ranks = range(job.spec.nproc) if args.rank is None else [args.rank]
+        for rank in ranks:
+            paths = [(s, rd.log(attempt, rank, s)) for s in ("out", "err")]
+            paths = [(s, p) for s, p in paths if p.exists() and p.stat().st_size]
+            if not paths:
+                print(f"==> rank {rank}, attempt {attempt}: no output <==")
+            for stream, path in paths:
+                lines = path.read_text(errors="replace").splitlines()
+                shown = lines[-args.tail :] if args.tail else lines
+                print(
+                    f"==> rank {rank} std{stream}, attempt {attempt}: {path} ({len(lines)} lines) <=="
+                )
+                for text in shown:
+                    print(f"[rank {rank}] {text}")
+
+    def _stop(self, rest: str) -> None:
+        from elastic_nb import client
+
+        job_id = rest or None
+        if job_id is not None:
+            self._job(job_id)
+        if client._client is None or not client._client.alive:
+            print("no running jobs")
+            return
+        stopping = client._client.stop(job_id, reason="user")
+        print(f"stopping: {', '.join(stopping)}" if stopping else "no running jobs")
+
+    def _config(self, rest: str) -> None:
+        if rest == "reset":
+            self.session_defaults.clear()
+        elif rest:
+            options = self._options(rest)
+            self._spec(options)  # reject a bad default now, not at the next cell
+            self.session_defaults.update(options)
+        if self.session_defaults:
+            print("session defaults for %%elastic (flags on a cell override them):")
+            for key, value in sorted(self.session_defaults.items()):
+                print(f"  --{key.replace('_', '-')}: {value}")
+        else:
+            print("no session defaults: every flag has its built-in default (%elastic? lists them)")
+
+    def _job(self, job_id: str | None) -> JobHandle:
+        if not self.jobs:
+            raise UsageError("no jobs in this session yet")
+        if job_id is None:
+            return list(self.jobs.values())[-1]
+        if job_id not in self.jobs:
+            raise UsageError(f"no job {job_id!r} in this session (%elastic jobs lists them)")
+        return self.jobs[job_id]
+
+
+class _Repr(str):
+    """A result that could not be pickled in the rank: shown by its repr there."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def _load(path: os.PathLike[str], what: str) -> Any:
+    try:
+        with open(path, "rb") as f:
+            return pickle.load(f)
+    except Exception as e:
+        raise ElasticError(f"could not load {what} from {path}: {type(e).__name__}: {e}") from None

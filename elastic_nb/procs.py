@@ -1,0 +1,156 @@
+"""Owning a job's process tree: find it, signal it, reap it, name how a process ended.
+
+Every process of a job carries ``ELASTIC_NB_JOB=<job id>`` in the environment it was started
+with: the launcher gets it from the supervisor, and spawn, forkserver and any subprocess of a
+rank inherit it. `job_processes` finds them by that marker, never by name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+from collections.abc import Iterable
+
+import psutil
+
+__all__ = [
+    "MARKER",
+    "describe_exit",
+    "job_processes",
+    "kill_job",
+    "pidfd_open",
+    "reap_orphans",
+    "set_child_subreaper",
+    "signal_group",
+    "signal_name",
+    "zombie_exit_code",
+]
+
+MARKER = "ELASTIC_NB_JOB"
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def job_processes(job_ids: Iterable[str] | None = None) -> list[psutil.Process]:
+    """Live (non-zombie) processes of this user whose start environment carries the job marker.
+
+    ``job_ids=None`` matches any job. Processes that exit while we look are skipped.
+    """
+    wanted = None if job_ids is None else set(job_ids)
+    me = os.getpid()
+    uid = os.getuid()
+    found = []
+    for p in psutil.process_iter(["uids"]):
+        try:
+            if p.pid == me or p.info["uids"] is None or p.info["uids"].real != uid:
+                continue
+            job = _marker_of(p.pid)
+            if job is None or (wanted is not None and job not in wanted):
+                continue
+            if p.status() == psutil.STATUS_ZOMBIE:
+                continue
+            found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, ProcessLookupError):
+            continue
+    return found
+
+
+def _marker_of(pid: int) -> str | None:
+    # Reading /proc/PID/environ directly: psutil's environ() parses the whole block into a dict,
+    # and this runs for every process on the machine after every job.
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    key = MARKER.encode() + b"="
+    for item in data.split(b"\0"):
+        if item.startswith(key):
+            return item[len(key) :].decode(errors="replace")
+    return None
+
+
+def kill_job(job_ids: Iterable[str], sig: int = signal.SIGKILL) -> list[int]:
+    """Signal every process of the given jobs; returns the pids signalled."""
+    pids = []
+    for p in job_processes(job_ids):
+        with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
+            p.send_signal(sig)
+            pids.append(p.pid)
+    return pids
+
+
+def signal_group(pgid: int, sig: int) -> bool:
+    try:
+        os.killpg(pgid, sig)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+def pidfd_open(pid: int) -> int | None:
+    """A descriptor that becomes readable when ``pid`` exits, child or not (Linux >= 5.3)."""
+    try:
+        return os.pidfd_open(pid)
+    except (OSError, AttributeError):
+        return None
+
+
+def zombie_exit_code(pid: int) -> int | None:
+    """The exit code of a dead, not yet reaped process, from /proc/PID/stat (Linux >= 3.5).
+
+    Returns the subprocess convention: ``N`` for exit(N), ``-SIG`` for death by signal; None
+    when the process is gone or still running.
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(b")") + 2 :].split()
+    # fields[0] is field 3 (state); exit_code is field 52.
+    if len(fields) < 50 or fields[0] != b"Z":
+        return None
+    return os.waitstatus_to_exitcode(int(fields[49]))
+
+
+def signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def describe_exit(code: int | None) -> str:
+    if code is None:
+        return "exited (status unknown)"
+    if code < 0:
+        return f"killed by {signal_name(-code)}"
+    return f"exited with code {code}"
+
+
+def set_child_subreaper() -> None:
+    """Orphans of our launchers (ranks whose launcher was killed) become our children, so we
+    can reap them instead of leaving zombies to an init that may not."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def reap_orphans(keep: Iterable[int] = ()) -> list[int]:
+    """Reap our zombie children except ``keep`` (children whose Popen object reaps them)."""
+    keep = set(keep)
+    reaped = []
+    try:
+        children = psutil.Process().children()
+    except psutil.Error:
+        return reaped
+    for child in children:
+        if child.pid in keep:
+            continue
+        with contextlib.suppress(ChildProcessError, OSError):
+            pid, _ = os.waitpid(child.pid, os.WNOHANG)
+            if pid:
+                reaped.append(pid)
+    return reaped

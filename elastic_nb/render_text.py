@@ -1,0 +1,62 @@
+"""The text renderer: rank-prefixed lines, alerts and a one-line summary, on stdout/stderr.
+
+It serves every frontend without widgets (terminal IPython, nbconvert/nbclient, CI) and is what
+a saved notebook keeps. Lines arrive in batches (the supervisor bounds them); a batch that left
+lines out says how many and where the full log is.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any, TextIO
+
+from elastic_nb import report
+
+__all__ = ["TextRenderer"]
+
+# An unfinished progress bar is re-printed at most this often per rank and stream.
+PROGRESS_EVERY_S = 5.0
+
+
+class TextRenderer:
+    def __init__(
+        self, job_id: str, run_dir: str, out: TextIO | None = None, err: TextIO | None = None
+    ) -> None:
+        self._job = job_id
+        self._run_dir = run_dir
+        self._out = out or sys.stdout
+        self._err = err or sys.stderr
+        self._progress_at: dict[tuple[int, str], float] = {}
+
+    def start(self, nproc: int) -> None:
+        self._out.write(
+            f"[elastic_nb] job {self._job}: starting {nproc} rank{'s' if nproc != 1 else ''}\n"
+        )
+        self._out.flush()
+
+    def update(self, msg: dict[str, Any]) -> None:
+        for alert in msg.get("alerts", ()):
+            stream = self._err if alert["severity"] == "error" else self._out
+            stream.write(f"[elastic_nb] {alert['title']}\n")
+            if alert.get("text"):
+                stream.write(alert["text"].rstrip("\n") + "\n")
+        for attempt, rank, name, lines, skipped, progress in msg.get("logs", ()):
+            stream = self._out if name == "out" else self._err
+            prefix = f"[rank {rank}] "
+            if skipped:
+                log = f"{self._run_dir}/attempt-{attempt}/rank-{rank}.{name}"
+                stream.write(f"{prefix}... {skipped:,} lines not shown (full log: {log})\n")
+            if lines:
+                stream.write("".join(f"{prefix}{line}\n" for line in lines))
+            if progress is not None:
+                now = time.monotonic()
+                if now - self._progress_at.get((rank, name), -PROGRESS_EVERY_S) >= PROGRESS_EVERY_S:
+                    self._progress_at[(rank, name)] = now
+                    stream.write(f"{prefix}{progress}\n")
+        self._out.flush()
+        self._err.flush()
+
+    def end(self, summary: dict[str, Any]) -> None:
+        self._out.write(report.summary_line(summary) + "\n")
+        self._out.flush()

@@ -1,0 +1,122 @@
+"""The run directory: one per job, the record a user attaches to a bug report.
+
+Its layout is defined here and nowhere else::
+
+    <log-dir>/<job-id>/
+        spec.json                 the JobSpec
+        cell.py                   the cell, line for line (the magic line kept as a comment)
+        cell.json                 how to run it: last-expression display, shipped names, pulls
+        payload.pkl               pushed and shipped objects (cloudpickle)
+        launcher.log              the launcher's own output (torchelastic's logging)
+        events.jsonl              every event the supervisor saw, one JSON object a line
+        summary.json              the outcome, written when the job ends
+        attempt-<K>/              one per attempt; a restart never deletes an earlier one
+            rank-<R>.out|err      the rank's stdout/stderr, captured at the fd level
+            rank-<R>.failure.json what the rank raised, with our own sub-second clock
+            rank-<R>.done.json    the rank finished the cell
+            rank-<R>.torch-error.json   torchelastic's own error file
+            rank-0.result.pkl     the value of the cell's last expression (rank 0)
+            rank-<R>.pull.pkl     the --pull objects (from --pull-rank)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+__all__ = ["RunDir"]
+
+_ATTEMPT = re.compile(r"attempt-(\d+)\Z")
+
+
+class RunDir:
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+
+    def __repr__(self) -> str:
+        return f"RunDir({str(self.path)!r})"
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+    # job-level files
+    @property
+    def spec(self) -> Path:
+        return self.path / "spec.json"
+
+    @property
+    def cell(self) -> Path:
+        return self.path / "cell.py"
+
+    @property
+    def cell_meta(self) -> Path:
+        return self.path / "cell.json"
+
+    @property
+    def payload(self) -> Path:
+        return self.path / "payload.pkl"
+
+    @property
+    def launcher_log(self) -> Path:
+        return self.path / "launcher.log"
+
+    @property
+    def events(self) -> Path:
+        return self.path / "events.jsonl"
+
+    @property
+    def summary(self) -> Path:
+        return self.path / "summary.json"
+
+    # per-attempt files
+    def attempt(self, attempt: int) -> Path:
+        return self.path / f"attempt-{attempt}"
+
+    def attempts(self) -> list[int]:
+        try:
+            names = os.listdir(self.path)
+        except FileNotFoundError:
+            return []
+        return sorted(int(m.group(1)) for n in names if (m := _ATTEMPT.match(n)))
+
+    def log(self, attempt: int, rank: int, stream: str) -> Path:
+        if stream not in ("out", "err"):
+            raise ValueError(f"stream must be 'out' or 'err', not {stream!r}")
+        return self.attempt(attempt) / f"rank-{rank}.{stream}"
+
+    def failure(self, attempt: int, rank: int) -> Path:
+        return self.attempt(attempt) / f"rank-{rank}.failure.json"
+
+    def done(self, attempt: int, rank: int) -> Path:
+        return self.attempt(attempt) / f"rank-{rank}.done.json"
+
+    def torch_error(self, attempt: int, rank: int) -> Path:
+        return self.attempt(attempt) / f"rank-{rank}.torch-error.json"
+
+    def result(self, attempt: int) -> Path:
+        return self.attempt(attempt) / "rank-0.result.pkl"
+
+    def pulled(self, attempt: int, rank: int) -> Path:
+        return self.attempt(attempt) / f"rank-{rank}.pull.pkl"
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Readers poll these files: never let one see half a record."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+def write_json(path: Path, obj: Any) -> None:
+    write_atomic(path, json.dumps(obj, indent=1, default=str).encode())
+
+
+def read_json(path: Path) -> Any | None:
+    try:
+        return json.loads(path.read_bytes())
+    except FileNotFoundError:
+        return None

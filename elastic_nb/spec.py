@@ -1,0 +1,406 @@
+"""The one description of a job: every launch knob, parsed and validated before anything starts.
+
+`JobSpec.from_options` turns the raw flag values of `%%elastic` (merged with the session's
+`%elastic config` defaults) into a frozen `JobSpec`, raising `SpecError` with a sentence a user
+can act on. `preflight` checks what only the machine can answer (a writable log directory, a
+free rendezvous port). Nothing here imports torch or IPython: the spec travels as JSON to the
+supervisor, the launcher and every rank.
+"""
+
+from __future__ import annotations
+
+import errno
+import ipaddress
+import json
+import os
+import re
+import socket
+import tempfile
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = ["DEFAULTS", "JobSpec", "SpecError", "default_log_dir", "preflight"]
+
+
+class SpecError(ValueError):
+    """A flag value that cannot launch a job; the message names the flag and the fix."""
+
+
+START_METHODS = ("spawn", "forkserver")
+RDZV_BACKENDS = ("c10d", "static")
+
+# Variables torchelastic or elastic_nb set for every rank; a user value would break the launch.
+MANAGED_ENV = frozenset(
+    {
+        "RANK",
+        "LOCAL_RANK",
+        "GROUP_RANK",
+        "ROLE_RANK",
+        "ROLE_NAME",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_WORLD_SIZE",
+        "ROLE_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "TORCHELASTIC_RESTART_COUNT",
+        "TORCHELASTIC_MAX_RESTARTS",
+        "TORCHELASTIC_RUN_ID",
+        "TORCHELASTIC_USE_AGENT_STORE",
+        "TORCHELASTIC_ERROR_FILE",
+    }
+)
+MANAGED_PREFIX = "ELASTIC_NB_"
+
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+
+
+def default_log_dir() -> str:
+    """Run directories live under the user's cache directory unless --log-dir says otherwise."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "elastic_nb", "runs")
+
+
+# Built-in defaults of every option, by JobSpec field name. `%elastic config` overrides them
+# for the session; flags on the cell override both.
+DEFAULTS: dict[str, Any] = {
+    "nproc": "1",
+    "nnodes": "1",
+    "max_restarts": 0,
+    "monitor_interval": 0.1,
+    "start_method": "spawn",
+    "rdzv_backend": "c10d",
+    "rdzv_endpoint": "localhost:0",
+    "rdzv_id": None,
+    "rdzv_conf": (),
+    "env": (),
+    "timeout": None,
+    "collective_timeout": None,
+    "push": (),
+    "pull": (),
+    "pull_rank": 0,
+    "widgets": True,
+    "log_dir": None,
+}
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """Everything the supervisor, the launcher and the ranks need to run one cell."""
+
+    nproc: int
+    max_restarts: int = 0
+    monitor_interval: float = 0.1
+    start_method: str = "spawn"
+    rdzv_backend: str = "c10d"
+    rdzv_endpoint: str = "localhost:0"
+    rdzv_id: str | None = None
+    rdzv_conf: dict[str, str] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)
+    timeout: float | None = None
+    collective_timeout: float | None = None
+    push: tuple[str, ...] = ()
+    pull: tuple[str, ...] = ()
+    pull_rank: int = 0
+    widgets: bool = True
+    log_dir: str = field(default_factory=default_log_dir)
+    cwd: str = field(default_factory=os.getcwd)
+    sys_path: tuple[str, ...] = ()
+
+    @property
+    def world_size(self) -> int:
+        # Single node only: --nnodes other than 1 is refused in from_options.
+        return self.nproc
+
+    # ---- construction -------------------------------------------------------------------
+
+    @classmethod
+    def from_options(
+        cls,
+        options: Mapping[str, Any],
+        *,
+        cwd: str | None = None,
+        sys_path: Iterable[str] = (),
+    ) -> JobSpec:
+        """Build a spec from raw option values (strings or lists of strings, as argparse gives).
+
+        Unknown keys are a programming error; missing keys take `DEFAULTS`.
+        """
+        unknown = set(options) - set(DEFAULTS)
+        if unknown:
+            raise TypeError(f"unknown job options: {sorted(unknown)}")
+        o = {**DEFAULTS, **options}
+        cwd = os.path.abspath(cwd or os.getcwd())
+
+        nproc = _parse_nproc(o["nproc"])
+        _check_single_node(str(o["nnodes"]), str(o["rdzv_endpoint"]))
+        max_restarts = _parse_int("--max-restarts", o["max_restarts"], minimum=0)
+        monitor_interval = _parse_seconds("--monitor-interval", o["monitor_interval"])
+        if monitor_interval > 10:
+            raise SpecError(
+                f"--monitor-interval {monitor_interval:g}: the agent checks its ranks this often; "
+                "above 10 s failures go unnoticed for too long"
+            )
+        start_method = str(o["start_method"])
+        if start_method == "fork":
+            raise SpecError(
+                "--start-method fork is not offered: the launcher process has asked torch about "
+                "CUDA, and forking after that breaks CUDA in the ranks; use spawn or forkserver"
+            )
+        if start_method not in START_METHODS:
+            raise SpecError(
+                f"--start-method {start_method}: choose one of {', '.join(START_METHODS)}"
+            )
+        rdzv_backend = str(o["rdzv_backend"])
+        if rdzv_backend not in RDZV_BACKENDS:
+            raise SpecError(
+                f"--rdzv-backend {rdzv_backend}: single-node jobs rendezvous with "
+                f"{' or '.join(RDZV_BACKENDS)}"
+            )
+        rdzv_endpoint = _parse_endpoint(str(o["rdzv_endpoint"]))
+        if rdzv_backend == "static" and rdzv_endpoint.rsplit(":", 1)[1] == "0":
+            raise SpecError(
+                "--rdzv-backend static needs a fixed port: --rdzv-endpoint localhost:PORT"
+            )
+        rdzv_id = o["rdzv_id"]
+        if rdzv_id is not None and not re.fullmatch(r"[A-Za-z0-9_.\-]+", str(rdzv_id)):
+            raise SpecError(f"--rdzv-id {rdzv_id!r}: use letters, digits, '.', '_' and '-'")
+        pull_rank = _parse_int("--pull-rank", o["pull_rank"], minimum=0)
+        if pull_rank >= nproc:
+            raise SpecError(f"--pull-rank {pull_rank}: the job has ranks 0..{nproc - 1}")
+        push = _parse_names("--push", o["push"])
+        pull = _parse_names("--pull", o["pull"])
+        log_dir = o["log_dir"] or default_log_dir()
+        log_dir = os.path.abspath(os.path.join(cwd, os.path.expanduser(str(log_dir))))
+        return cls(
+            nproc=nproc,
+            max_restarts=max_restarts,
+            monitor_interval=monitor_interval,
+            start_method=start_method,
+            rdzv_backend=rdzv_backend,
+            rdzv_endpoint=rdzv_endpoint,
+            rdzv_id=None if rdzv_id is None else str(rdzv_id),
+            rdzv_conf=_parse_pairs("--rdzv-conf", o["rdzv_conf"], split_commas=True),
+            env=_parse_env(o["env"]),
+            timeout=_parse_optional_seconds("--timeout", o["timeout"]),
+            collective_timeout=_parse_optional_seconds(
+                "--collective-timeout", o["collective_timeout"]
+            ),
+            push=push,
+            pull=pull,
+            pull_rank=pull_rank,
+            widgets=bool(o["widgets"]),
+            log_dir=log_dir,
+            cwd=cwd,
+            sys_path=tuple(sys_path),
+        )
+
+    # ---- transport ----------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["push"], d["pull"], d["sys_path"] = list(self.push), list(self.pull), list(self.sys_path)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> JobSpec:
+        d = dict(d)
+        for key in ("push", "pull", "sys_path"):
+            d[key] = tuple(d.get(key, ()))
+        return cls(**d)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> JobSpec:
+        return cls.from_dict(json.loads(text))
+
+
+# ---- environment checks ---------------------------------------------------------------------
+
+
+def preflight(spec: JobSpec) -> None:
+    """Check what only this machine can answer, so a bad setting fails before any launch."""
+    _check_writable_dir(spec.log_dir)
+    host, port = spec.rdzv_endpoint.rsplit(":", 1)
+    if int(port):
+        _check_port_free(host.strip("[]"), int(port))
+
+
+def _check_writable_dir(path: str) -> None:
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-check-"):
+            pass
+    except OSError as e:
+        raise SpecError(f"--log-dir {path}: cannot write there ({e.strerror or e})") from None
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """Refuse a busy rendezvous port: torch's c10d treats a busy local port as a store some
+    other agent hosts and would try to join it instead of failing (rendezvous/c10d_rendezvous_backend)."""
+    families = [socket.AF_INET] + ([socket.AF_INET6] if socket.has_ipv6 else [])
+    for family in families:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            # The store binds with SO_REUSEADDR; mirror it so TIME_WAIT leftovers don't count.
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("::" if family == socket.AF_INET6 else "", port))
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    raise SpecError(
+                        f"--rdzv-endpoint {host}:{port}: port {port} is already in use; "
+                        "pick a free port or use localhost:0 to let the launcher choose"
+                    ) from None
+                if e.errno == errno.EADDRNOTAVAIL:  # no IPv6 on this host
+                    continue
+                raise
+
+
+# ---- parsers --------------------------------------------------------------------------------
+
+
+def _parse_int(flag: str, value: Any, *, minimum: int) -> int:
+    try:
+        n = int(str(value).strip())
+    except ValueError:
+        raise SpecError(f"{flag} {value!r}: expected a whole number") from None
+    if n < minimum:
+        raise SpecError(f"{flag} {n}: must be at least {minimum}")
+    return n
+
+
+def _parse_seconds(flag: str, value: Any) -> float:
+    try:
+        s = float(str(value).strip())
+    except ValueError:
+        raise SpecError(f"{flag} {value!r}: expected a number of seconds") from None
+    if not s > 0 or s != s or s == float("inf"):
+        raise SpecError(f"{flag} {value}: must be a positive number of seconds")
+    return s
+
+
+def _parse_optional_seconds(flag: str, value: Any) -> float | None:
+    if value is None or str(value).strip().lower() in ("", "none", "off"):
+        return None
+    return _parse_seconds(flag, value)
+
+
+def _parse_nproc(value: Any) -> int:
+    text = str(value).strip().lower()
+    if text in ("gpu", "auto"):
+        gpus = visible_gpu_count()
+        if gpus:
+            return gpus
+        if text == "gpu":
+            raise SpecError("--nproc gpu: no NVIDIA GPU is visible to this kernel")
+        text = "cpu"
+    if text == "cpu":
+        return os.cpu_count() or 1
+    n = _parse_int("--nproc", text, minimum=1)
+    return n
+
+
+def visible_gpu_count() -> int:
+    """Count GPUs without touching CUDA in the kernel (never initialise CUDA before a fork)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
+    try:
+        return len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        return 0
+
+
+def _check_single_node(nnodes: str, endpoint: str) -> None:
+    text = nnodes.strip()
+    parts = text.split(":")
+    if len(parts) > 2:
+        raise SpecError(f"--nnodes {text}: expected N or MIN:MAX")
+    try:
+        lo, hi = int(parts[0]), int(parts[-1])
+    except ValueError:
+        raise SpecError(f"--nnodes {text}: expected N or MIN:MAX with whole numbers") from None
+    if lo < 1:
+        raise SpecError(f"--nnodes {text}: a job needs at least one node")
+    if lo > hi:
+        raise SpecError(f"--nnodes {text}: MIN ({lo}) is larger than MAX ({hi})")
+    if (lo, hi) != (1, 1):
+        raise SpecError(
+            f"--nnodes {text}: a multi-node job needs a rendezvous every node can reach "
+            f"(--rdzv-endpoint HOST:PORT on a shared host, not {endpoint}) and an agent on each "
+            "node; this version of elastic_nb runs single-node jobs only, so use --nnodes 1"
+        )
+
+
+def _parse_endpoint(text: str) -> str:
+    host, sep, port = text.strip().rpartition(":")
+    if not sep or not host:
+        raise SpecError(f"--rdzv-endpoint {text!r}: expected HOST:PORT, e.g. localhost:29500")
+    port_n = _parse_int("--rdzv-endpoint port", port, minimum=0)
+    if port_n > 65535:
+        raise SpecError(f"--rdzv-endpoint {text}: port {port_n} is out of range")
+    if not _is_local_host(host.strip("[]")):
+        raise SpecError(
+            f"--rdzv-endpoint {text}: {host} is not this machine; a remote rendezvous means a "
+            "multi-node job, which this version does not run (use localhost:PORT)"
+        )
+    return f"{host}:{port_n}"
+
+
+def _is_local_host(host: str) -> bool:
+    if host in ("localhost", socket.gethostname(), socket.getfqdn()):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _flatten(value: Any) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    out: list[str] = []
+    for v in value:
+        out.extend(_flatten(v))
+    return out
+
+
+def _parse_names(flag: str, value: Any) -> tuple[str, ...]:
+    names: list[str] = []
+    for item in _flatten(value):
+        for name in item.replace(",", " ").split():
+            if not _NAME.match(name):
+                raise SpecError(f"{flag} {name!r}: not a Python name")
+            if name not in names:
+                names.append(name)
+    return tuple(names)
+
+
+def _parse_pairs(flag: str, value: Any, *, split_commas: bool) -> dict[str, str]:
+    pairs: dict[str, str] = {}
+    if isinstance(value, Mapping):
+        return {str(k): str(v) for k, v in value.items()}
+    for item in _flatten(value):
+        for pair in item.split(",") if split_commas else [item]:
+            key, sep, val = pair.partition("=")
+            if not sep or not key.strip():
+                raise SpecError(f"{flag} {pair!r}: expected KEY=VALUE")
+            pairs[key.strip()] = val
+    return pairs
+
+
+def _parse_env(value: Any) -> dict[str, str]:
+    env = _parse_pairs("--env", value, split_commas=False)
+    for key in env:
+        if not _NAME.match(key):
+            raise SpecError(f"--env {key}=...: not a valid environment variable name")
+        if key in MANAGED_ENV or key.startswith(MANAGED_PREFIX):
+            raise SpecError(
+                f"--env {key}=...: {key} is set by the launcher for every rank and cannot be overridden"
+            )
+    return env

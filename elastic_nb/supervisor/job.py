@@ -1,0 +1,506 @@
+"""One job in the supervisor: its launcher process, its ranks, its logs, and its end.
+
+A job runs until one thing *decides* its outcome, then it tears its process tree down and
+reports. What decides, first come first served:
+
+* every rank of the current attempt finished the cell and exited        -> succeeded
+* a rank failed in the last attempt the restart budget allows           -> failed
+* the launcher exited (torchelastic gave up, or the launcher broke)     -> from its result
+* `stop` from the kernel (interrupt, %elastic stop)                      -> interrupted / stopped
+* the --timeout deadline                                                 -> timeout
+* the supervisor shutting down (the kernel died)                         -> stopped
+
+Deciding on our own observations rather than waiting for `elastic_launch` to return is what
+makes failures fast: torchelastic notices a dead rank at its next monitor tick, then stops the
+others with a 30 s default grace. Here the whole process group gets SIGTERM at once, SIGKILL
+after a short grace, and every process carrying the job's marker is accounted for before the
+kernel hears the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import anyio
+
+from elastic_nb import procs, protocol
+from elastic_nb.rundir import RunDir, read_json, write_atomic, write_json
+from elastic_nb.spec import JobSpec
+from elastic_nb.supervisor.tailer import LogTailer
+from elastic_nb.supervisor.verdict import RankState, Verdict, analyze
+
+__all__ = ["Job"]
+
+STOP_GRACE_S = 2.0  # SIGTERM -> SIGKILL
+POLL_S = 0.05  # log tail and record polling
+FLUSH_S = 0.1  # one update per job per flush: at most 10 messages a second
+KILL_WAIT_S = 5.0  # after SIGKILL, how long processes may take to vanish (D state)
+
+Send = Callable[..., Awaitable[None]]
+
+_STOP_OUTCOMES = {"interrupt": "interrupted", "user": "stopped", "shutdown": "stopped"}
+
+
+class Job:
+    def __init__(
+        self,
+        job_id: str,
+        spec: JobSpec,
+        source: str,
+        meta: dict[str, Any],
+        payload: bytes | None,
+        env: dict[str, str],
+        send: Send,
+        reap: Callable[[], None],
+    ) -> None:
+        self.id = job_id
+        self.spec = spec
+        self.rd = RunDir(os.path.join(spec.log_dir, job_id))
+        self.state = "starting"
+        self.attempt = 0
+        self.created = time.time()
+        self.summary: dict[str, Any] | None = None
+        self._source, self._meta, self._payload, self._env = source, meta, payload, env
+        self._send = send
+        self._reap = reap
+        self._ranks: dict[tuple[int, int], RankState] = {}
+        self._failed_attempts: dict[int, float] = {}
+        self._outcome: tuple[str, str] | None = None
+        self._decided = anyio.Event()
+        self._teardown_at: float | None = None
+        self._launcher: subprocess.Popen[bytes] | None = None
+        self._launcher_result: dict[str, Any] | None = None
+        self._launcher_exits: dict[int, dict[str, int]] = {}
+        self._leftovers: list[int] = []
+        self._tailer = LogTailer()
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._pending_ranks: dict[int, dict[str, Any]] = {}
+        self._pending_alerts: list[dict[str, Any]] = []
+        self._state_dirty = True
+        self._events = None
+
+    # ---- for the server -----------------------------------------------------------------
+
+    @property
+    def launcher_pid(self) -> int | None:
+        return self._launcher.pid if self._launcher else None
+
+    @property
+    def running(self) -> bool:
+        return self.summary is None
+
+    def request_stop(self, reason: str) -> None:
+        outcome = _STOP_OUTCOMES.get(reason, "stopped")
+        text = {
+            "interrupt": "interrupted from the kernel",
+            "user": "stopped with %elastic stop",
+            "shutdown": "the supervisor shut down (its kernel exited)",
+        }.get(reason, reason)
+        self._decide(outcome, text)
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "job": self.id,
+            "state": self.state,
+            "attempt": self.attempt,
+            "world_size": self.spec.world_size,
+            "run_dir": str(self.rd),
+            "created": self.created,
+            "outcome": self.summary["outcome"] if self.summary else None,
+            "wall_s": self.summary["wall_s"] if self.summary else time.time() - self.created,
+        }
+
+    async def run(self) -> None:
+        try:
+            self._prepare()
+            if self._outcome is not None:
+                return  # stopped before it started
+            self._start_launcher()
+            async with anyio.create_task_group() as tg:
+                self._tg = tg
+                tg.start_soon(self._read_launcher)
+                tg.start_soon(self._poll_loop)
+                await self._decided.wait()
+                # Rank watchers and the launcher reader keep running through the teardown:
+                # they record how and when each process ended.
+                await self._teardown()
+                tg.cancel_scope.cancel()
+        except Exception as e:  # a bug of ours must still end the job cleanly
+            self._decide("failed", f"elastic_nb supervisor error: {type(e).__name__}: {e}")
+            self._log_event("internal_error", error=repr(e))
+        finally:
+            with anyio.CancelScope(shield=True):
+                self._decide("stopped", "the supervisor shut down (its kernel exited)")
+                if self._launcher is not None and self._launcher.returncode is None:
+                    await self._teardown()
+                await self._finish()
+
+    # ---- start ----------------------------------------------------------------------------
+
+    def _prepare(self) -> None:
+        self.rd.path.mkdir(parents=True, exist_ok=False)
+        self._events = open(self.rd.events, "a", buffering=1)  # noqa: SIM115
+        self.rd.spec.write_text(self.spec.to_json())
+        self.rd.cell.write_text(self._source)
+        write_json(self.rd.cell_meta, self._meta)
+        if self._payload:
+            write_atomic(self.rd.payload, self._payload)
+        self._log_event("created", nproc=self.spec.nproc)
+
+    def _start_launcher(self) -> None:
+        env = dict(self._env)
+        env[procs.MARKER] = self.id
+        env["ELASTIC_NB_SUPERVISOR_PID"] = str(os.getpid())
+        if "matplotlib_inline" in env.get("MPLBACKEND", ""):
+            env["MPLBACKEND"] = "Agg"  # the kernel's inline backend means nothing in a rank
+        with open(self.rd.launcher_log, "ab") as log:
+            # start_new_session: the job is one process group we can signal as a whole, and
+            # the kernel's interrupt (sent to the kernel's group) never reaches it directly.
+            self._launcher = subprocess.Popen(
+                [sys.executable, "-m", "elastic_nb.launcher"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                cwd=self.spec.cwd,
+                env=env,
+                start_new_session=True,
+            )
+        assert self._launcher.stdin is not None and self._launcher.stdout is not None
+        os.set_blocking(self._launcher.stdout.fileno(), False)
+        self._launcher.stdin.write(
+            json.dumps({"job": self.id, "run_dir": str(self.rd)}).encode() + b"\n"
+        )
+        self._launcher.stdin.close()
+        self._log_event("launcher", pid=self._launcher.pid)
+
+    # ---- observing ------------------------------------------------------------------------
+
+    async def _read_launcher(self) -> None:
+        assert self._launcher is not None and self._launcher.stdout is not None
+        fd = self._launcher.stdout.fileno()
+        decoder = protocol.FrameDecoder()
+        while True:
+            await anyio.wait_readable(fd)
+            try:
+                data = os.read(fd, 1 << 16)
+            except BlockingIOError:
+                continue
+            if not data:
+                break
+            for msg, _ in decoder.feed(data):
+                self._on_launcher(msg)
+        # The pipe's write end lives only in the launcher: EOF means it is exiting.
+        with anyio.move_on_after(KILL_WAIT_S):
+            while self._launcher.poll() is None:
+                await anyio.sleep(0.02)
+        self._decide_from_launcher()
+
+    def _on_launcher(self, msg: dict[str, Any]) -> None:
+        kind = msg["kind"]
+        self._log_event(f"launcher.{kind}", **{k: v for k, v in msg.items() if k != "kind"})
+        if kind == protocol.READY:
+            self._set_state("rendezvous")
+        elif kind == protocol.START:
+            self._on_start(int(msg["attempt"]), int(msg["rank"]), int(msg["pid"]))
+        elif kind == protocol.EXITS:
+            codes = {int(r): c for r, c in msg["codes"].items()}
+            self._launcher_exits[int(msg["attempt"])] = codes
+            for rank, code in codes.items():
+                r = self._ranks.get((int(msg["attempt"]), rank))
+                if r is not None and r.exit_code is None and code is not None:
+                    r.exit_code = code
+        elif kind == protocol.RESULT:
+            self._launcher_result = msg
+
+    def _on_start(self, attempt: int, rank: int, pid: int) -> None:
+        if attempt > self.attempt:
+            self._announce_restart(attempt)
+        self.attempt = max(self.attempt, attempt)
+        r = RankState(attempt, rank, pid=pid, started_at=time.time())
+        self._ranks[(attempt, rank)] = r
+        self._tailer.follow(
+            attempt, rank, {s: self.rd.log(attempt, rank, s) for s in ("out", "err")}
+        )
+        self._pending_ranks[rank] = {"state": "running", "pid": pid, "attempt": attempt}
+        self._set_state("running")
+        assert self._tg is not None
+        self._tg.start_soon(self._watch_rank, r)
+
+    def _announce_restart(self, attempt: int) -> None:
+        previous = attempt - 1
+        verdict = analyze(self._attempt_ranks(previous), None)
+        why = (
+            f"rank {verdict.root.rank} {verdict.root.failure_summary()}"
+            if verdict.root
+            else "it failed"
+        )
+        self._alert(
+            "restart",
+            "warning",
+            f"attempt {previous} failed: {why}; restarting as attempt {attempt} "
+            f"(restart {attempt}/{self.spec.max_restarts})",
+            rank=verdict.root.rank if verdict.root else None,
+        )
+
+    async def _watch_rank(self, r: RankState) -> None:
+        assert r.pid is not None
+        fd = procs.pidfd_open(r.pid)
+        if fd is None:
+            while os.path.exists(f"/proc/{r.pid}") and procs.zombie_exit_code(r.pid) is None:
+                await anyio.sleep(POLL_S)
+        else:
+            try:
+                await anyio.wait_readable(fd)
+            finally:
+                os.close(fd)
+        r.died_at = time.time()
+        # Read before torchelastic reaps it (it joins ranks at its next monitor tick).
+        if r.exit_code is None:
+            r.exit_code = procs.zombie_exit_code(r.pid)
+        self._read_records(r)
+        self._log_event("rank.exit", attempt=r.attempt, rank=r.rank, code=r.exit_code)
+        self._evaluate(r)
+
+    def _read_records(self, r: RankState) -> None:
+        if r.done is None:
+            r.done = read_json(self.rd.done(r.attempt, r.rank))
+        if r.failure is None and r.done is None:
+            r.failure = read_json(self.rd.failure(r.attempt, r.rank))
+
+    def _evaluate(self, r: RankState) -> None:
+        kind = r.kind(self._teardown_at)
+        chip: dict[str, Any] = {"attempt": r.attempt, "pid": r.pid}
+        if kind == "done":
+            chip.update(state="done" if r.died_at else "running")
+        elif kind == "running":
+            chip.update(state="running")
+        else:
+            chip.update(state="failed", detail=r.failure_summary())
+        self._pending_ranks[r.rank] = chip
+        if kind in ("exception", "peer", "exit", "exit0", "signal"):
+            self._on_rank_failed(r, kind)
+        elif kind == "done" and r.attempt == self.attempt:
+            current = self._attempt_ranks(self.attempt)
+            if len(current) == self.spec.nproc and all(x.done and x.died_at for x in current):
+                self._decide("succeeded", "every rank finished the cell")
+
+    def _on_rank_failed(self, r: RankState, kind: str) -> None:
+        if r.attempt in self._failed_attempts:
+            return
+        self._failed_attempts[r.attempt] = r.failed_at or time.time()
+        self._log_event("attempt.failed", attempt=r.attempt, rank=r.rank, kind=kind)
+        # An exit(0) without finishing leaves torchelastic waiting forever for a return value
+        # (multiprocessing/api.py, _poll): no restart would come, so it ends the job.
+        if r.attempt >= self.spec.max_restarts or kind == "exit0":
+            self._decide("failed", f"rank {r.rank} {r.failure_summary()}")
+        else:
+            self._set_state("restarting")
+
+    def _attempt_ranks(self, attempt: int) -> list[RankState]:
+        return [r for (a, _), r in sorted(self._ranks.items()) if a == attempt]
+
+    async def _poll_loop(self) -> None:
+        next_flush = 0.0
+        while True:
+            self._tailer.poll()
+            for r in self._attempt_ranks(self.attempt):
+                if r.died_at is None and r.failure is None:
+                    # A failure record lands before the process exits (torch and Python teardown
+                    # can take a while): act on it at once.
+                    r.failure = read_json(self.rd.failure(r.attempt, r.rank))
+                    if r.failure is not None:
+                        self._evaluate(r)
+            if self.spec.timeout is not None and time.time() - self.created > self.spec.timeout:
+                self._decide("timeout", f"the --timeout of {self.spec.timeout:g} s passed")
+            if time.monotonic() >= next_flush:
+                await self._flush()
+                next_flush = time.monotonic() + FLUSH_S
+            await anyio.sleep(POLL_S)
+
+    def _decide_from_launcher(self) -> None:
+        assert self._launcher is not None
+        code = self._launcher.poll()
+        result = self._launcher_result
+        if result and result.get("ok"):
+            self._decide("succeeded", "elastic_launch returned")
+        elif result:
+            self._decide("failed", f"torchelastic gave up: {result.get('error')}")
+        else:
+            self._decide(
+                "failed", f"the launcher {procs.describe_exit(code)} (see {self.rd.launcher_log})"
+            )
+
+    # ---- ending ---------------------------------------------------------------------------
+
+    def _decide(self, outcome: str, reason: str) -> None:
+        if self._outcome is not None:
+            return
+        self._outcome = (outcome, reason)
+        if outcome != "succeeded":
+            self._teardown_at = time.time()
+        self._log_event("decided", outcome=outcome, reason=reason)
+        self._decided.set()
+
+    async def _teardown(self) -> None:
+        """Leave nothing behind: SIGTERM the group, grace, SIGKILL, then account for every
+        process with the job's marker (a rank may have started its own session)."""
+        assert self._outcome is not None
+        if self._launcher is None:
+            return
+        if self._outcome[0] == "succeeded":
+            # torch has joined the ranks; the launcher is on its way out.
+            await self._wait_gone(STOP_GRACE_S)
+        for sig, wait in ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, KILL_WAIT_S)):
+            if not self._alive():
+                break
+            if self._teardown_at is None:
+                self._teardown_at = time.time()
+            procs.signal_group(self._launcher.pid, sig)
+            stray = procs.kill_job([self.id], sig)
+            if self._outcome[0] == "succeeded":
+                self._leftovers = sorted(set(self._leftovers) | set(stray))
+            self._log_event("teardown", signal=signal.Signals(sig).name, stray=stray)
+            await self._wait_gone(wait)
+        self._launcher.wait()
+        self._reap()
+        for fd_owner in (self._launcher.stdout,):
+            if fd_owner is not None:
+                fd_owner.close()
+
+    def _alive(self) -> bool:
+        assert self._launcher is not None
+        return self._launcher.poll() is None or bool(procs.job_processes([self.id]))
+
+    async def _wait_gone(self, timeout: float) -> None:
+        with anyio.move_on_after(timeout):
+            while self._alive():
+                await anyio.sleep(POLL_S)
+
+    async def _finish(self) -> None:
+        assert self._outcome is not None
+        outcome, reason = self._outcome
+        self._tailer.poll(final=True)
+        for r in self._ranks.values():
+            self._read_records(r)
+            if r.died_at is None:
+                r.died_at = time.time()  # gone by now: teardown saw to it
+            if r.exit_code is None:
+                r.exit_code = self._launcher_exits.get(r.attempt, {}).get(r.rank)
+            self._evaluate_chip_only(r)
+        verdict = analyze(self._attempt_ranks(self.attempt), self._teardown_at)
+        if outcome == "failed" and verdict.root is None and self._failed_attempts:
+            outcome = "failed"
+        self.state = outcome
+        self._state_dirty = True
+        await self._flush()
+        self.summary = self._summarize(outcome, reason, verdict)
+        write_json(self.rd.summary, self.summary)
+        self._log_event("end", outcome=outcome)
+        self._tailer.close()
+        if self._events is not None:
+            self._events.close()
+        await self._send(protocol.END, job=self.id, summary=self.summary)
+
+    def _evaluate_chip_only(self, r: RankState) -> None:
+        kind = r.kind(self._teardown_at)
+        state = {"done": "done", "running": "running", "terminated": "stopped"}.get(kind, "failed")
+        chip: dict[str, Any] = {"state": state, "attempt": r.attempt, "pid": r.pid}
+        if state in ("failed", "stopped"):
+            chip["detail"] = r.failure_summary()
+        if r.attempt == self.attempt:
+            self._pending_ranks[r.rank] = chip
+
+    def _summarize(self, outcome: str, reason: str, verdict: Verdict) -> dict[str, Any]:
+        root = verdict.root
+        failure = None
+        if outcome == "failed" and root is not None:
+            failure = {
+                "rank": root.rank,
+                "attempt": root.attempt,
+                "cause": verdict.cause,
+                "summary": root.failure_summary(),
+                "record": root.failure,
+                "exit_code": root.exit_code,
+            }
+        ended = time.time()
+        return {
+            "job": self.id,
+            "outcome": outcome,
+            "reason": reason,
+            "world_size": self.spec.world_size,
+            "attempt": self.attempt,
+            "restarts": self.attempt,
+            "max_restarts": self.spec.max_restarts,
+            "started": self.created,
+            "ended": ended,
+            "wall_s": ended - self.created,
+            "run_dir": str(self.rd),
+            "failure": failure,
+            "others": verdict.others if outcome != "succeeded" else [],
+            "launcher_log_tail": self._launcher_log_tail()
+            if failure is None and outcome == "failed"
+            else None,
+            "leftovers": self._leftovers,
+            "result": self.rd.result(self.attempt).exists(),
+            "lines": self._tailer.lines_total(),
+        }
+
+    def _launcher_log_tail(self, n: int = 15) -> str:
+        with contextlib.suppress(OSError):
+            return "\n".join(self.rd.launcher_log.read_text(errors="replace").splitlines()[-n:])
+        return ""
+
+    # ---- reporting ------------------------------------------------------------------------
+
+    def _set_state(self, state: str) -> None:
+        if state != self.state:
+            self.state = state
+            self._state_dirty = True
+            self._log_event("state", state=state)
+
+    def _alert(
+        self, kind: str, severity: str, title: str, rank: int | None = None, text: str | None = None
+    ) -> None:
+        alert = {
+            "kind": kind,
+            "severity": severity,
+            "title": title,
+            "rank": rank,
+            "text": text,
+            "time": time.time(),
+        }
+        self._pending_alerts.append(alert)
+        self._log_event("alert", **alert)
+
+    async def _flush(self) -> None:
+        update: dict[str, Any] = {}
+        if self._state_dirty:
+            update.update(state=self.state, attempt=self.attempt)
+            self._state_dirty = False
+        if self._pending_ranks:
+            update["ranks"] = {str(k): v for k, v in self._pending_ranks.items()}
+            self._pending_ranks = {}
+        if self._pending_alerts:
+            update["alerts"], self._pending_alerts = self._pending_alerts, []
+        logs = [
+            [b.attempt, b.rank, b.stream, b.lines, b.skipped, b.progress]
+            for b in self._tailer.take()
+        ]
+        if logs:
+            update["logs"] = logs
+        if update:
+            await self._send(protocol.UPDATE, job=self.id, **update)
+
+    def _log_event(self, event: str, **fields: Any) -> None:
+        if self._events is not None:
+            self._events.write(
+                json.dumps({"t": time.time(), "event": event, **fields}, default=str) + "\n"
+            )

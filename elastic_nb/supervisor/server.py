@@ -1,0 +1,208 @@
+"""The supervisor: one process per kernel, owning every job that kernel starts.
+
+It listens on a Unix socket the kernel created in an owner-only directory (the kernel hands the
+listening descriptor over, so there is no race to connect), runs each job as a task, and lives
+exactly as long as its kernel: when the kernel's connection closes or the kernel's pid exits
+(SIGKILL included), every job is torn down and the supervisor exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import signal
+import socket
+import time
+from typing import Any
+
+import anyio
+from anyio.abc import SocketListener, SocketStream, TaskGroup
+
+from elastic_nb import procs, protocol
+from elastic_nb.spec import JobSpec, SpecError
+from elastic_nb.supervisor.job import Job
+
+__all__ = ["Supervisor"]
+
+
+class Connection:
+    def __init__(self, stream: SocketStream) -> None:
+        self._stream = stream
+        self._lock = anyio.Lock()
+        self._decoder = protocol.FrameDecoder()
+        self.closed = False
+
+    async def send(self, kind: str, blob: bytes | None = None, **fields: Any) -> None:
+        if self.closed:
+            return
+        data = protocol.encode(kind, blob, **fields)
+        async with self._lock:
+            try:
+                await self._stream.send(data)
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+                self.closed = True
+
+    async def messages(self):  # type: ignore[no-untyped-def]
+        while True:
+            try:
+                data = await self._stream.receive()
+            except (
+                anyio.EndOfStream,
+                anyio.BrokenResourceError,
+                anyio.ClosedResourceError,
+                OSError,
+            ):
+                self.closed = True
+                return
+            for item in self._decoder.feed(data):
+                yield item
+
+
+class Supervisor:
+    def __init__(self, listen_fd: int, kernel_pid: int) -> None:
+        self._listen_fd = listen_fd
+        self._kernel_pid = kernel_pid
+        self._jobs: dict[str, Job] = {}
+        self._started = time.time()
+        self._tg: TaskGroup | None = None
+
+    async def run(self) -> None:
+        procs.set_child_subreaper()
+        listener = await SocketListener.from_socket(socket.socket(fileno=self._listen_fd))
+        try:
+            async with anyio.create_task_group() as tg:
+                self._tg = tg
+                tg.start_soon(self._watch_kernel)
+                tg.start_soon(self._watch_signals)
+                tg.start_soon(self._reap_periodically)
+                await listener.serve(self._serve_connection, task_group=tg)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await listener.aclose()
+
+    # ---- lifeline ---------------------------------------------------------------------------
+
+    async def _watch_kernel(self) -> None:
+        fd = procs.pidfd_open(self._kernel_pid)
+        if fd is None:
+            while procs.zombie_exit_code(self._kernel_pid) is None and _pid_alive(self._kernel_pid):
+                await anyio.sleep(0.2)
+        else:
+            try:
+                await anyio.wait_readable(fd)
+            finally:
+                os.close(fd)
+        self._shutdown()
+
+    async def _watch_signals(self) -> None:
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGHUP, signal.SIGINT) as signals:
+            async for _ in signals:
+                self._shutdown()
+                return
+
+    async def _reap_periodically(self) -> None:
+        while True:
+            await anyio.sleep(1.0)
+            self.reap()
+
+    def reap(self) -> None:
+        procs.reap_orphans(keep={j.launcher_pid for j in self._jobs.values() if j.launcher_pid})
+
+    def _shutdown(self) -> None:
+        """Stop every job; the task group ends when the last one has torn down."""
+        for job in self._jobs.values():
+            job.request_stop("shutdown")
+        assert self._tg is not None
+        self._tg.start_soon(self._cancel_when_jobs_end)
+
+    async def _cancel_when_jobs_end(self) -> None:
+        while any(j.running for j in self._jobs.values()):
+            await anyio.sleep(0.05)
+        assert self._tg is not None
+        self._tg.cancel_scope.cancel()
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    async def _serve_connection(self, stream: SocketStream) -> None:
+        conn = Connection(stream)
+        is_kernel = False
+        try:
+            async for msg, blob in conn.messages():
+                if msg["kind"] == protocol.HELLO:
+                    try:
+                        protocol.check_hello(msg)
+                    except protocol.ProtocolError as e:
+                        await conn.send(protocol.HELLO, version=protocol.VERSION, error=str(e))
+                        return
+                    is_kernel = msg.get("role") == "kernel"
+                    await conn.send(protocol.HELLO, version=protocol.VERSION, pid=os.getpid())
+                    continue
+                await self._handle(conn, msg, blob)
+        finally:
+            with contextlib.suppress(Exception):
+                await stream.aclose()
+            if is_kernel:
+                self._shutdown()  # the kernel closed its lifeline: it is gone or shutting down
+
+    async def _handle(self, conn: Connection, msg: dict[str, Any], blob: bytes | None) -> None:
+        kind, req = msg["kind"], msg.get("req")
+        try:
+            if kind == protocol.SUBMIT:
+                reply = self._submit(conn, msg, blob)
+            elif kind == protocol.STOP:
+                reply = self._stop(msg.get("job"), msg.get("reason", "user"))
+            elif kind == protocol.JOBS:
+                reply = {"jobs": [j.info() for j in self._jobs.values()]}
+            elif kind == protocol.STATUS:
+                reply = {
+                    "pid": os.getpid(),
+                    "uptime_s": time.time() - self._started,
+                    "running": [j.id for j in self._jobs.values() if j.running],
+                }
+            else:
+                raise protocol.ProtocolError(f"unknown request {kind!r}")
+        except (SpecError, protocol.ProtocolError, KeyError, OSError) as e:
+            await conn.send(protocol.REPLY, req=req, ok=False, error=str(e))
+            return
+        await conn.send(protocol.REPLY, req=req, ok=True, **reply)
+
+    def _submit(self, conn: Connection, msg: dict[str, Any], blob: bytes | None) -> dict[str, Any]:
+        spec = JobSpec.from_dict(msg["spec"])
+        job_id = secrets.token_hex(4)
+        while job_id in self._jobs:
+            job_id = secrets.token_hex(4)
+        job = Job(
+            job_id,
+            spec,
+            msg["cell"]["source"],
+            msg["cell"]["meta"],
+            blob,
+            env=msg.get("env") or dict(os.environ),
+            send=conn.send,
+            reap=self.reap,
+        )
+        self._jobs[job_id] = job
+        assert self._tg is not None
+        self._tg.start_soon(job.run)
+        return {"job": job_id, "run_dir": str(job.rd)}
+
+    def _stop(self, job_id: str | None, reason: str) -> dict[str, Any]:
+        if job_id is not None and job_id not in self._jobs:
+            raise KeyError(f"no job {job_id!r}")
+        targets = [self._jobs[job_id]] if job_id else list(self._jobs.values())
+        stopping = [j.id for j in targets if j.running]
+        for j in targets:
+            if j.running:
+                j.request_stop(reason)
+        return {"stopping": stopping}
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True

@@ -1,0 +1,144 @@
+"""Which rank broke an attempt, and what happened to the others because of it.
+
+torchelastic names as root cause the failure with the smallest whole-second timestamp, ties to the
+lowest rank, so it often blames a victim (elastic/multiprocessing/errors/__init__.py). Here every
+rank's failure carries a sub-second time of our own: the worker stamps the exception it raised,
+the supervisor stamps the moment a rank's pidfd says it died. The root is the earliest failure
+that is not itself a consequence; "connection closed by peer" errors and SIGTERMs sent while the
+group is being torn down are consequences.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+from dataclasses import dataclass
+from typing import Any
+
+from elastic_nb.procs import describe_exit, signal_name
+
+__all__ = ["RankState", "Verdict", "analyze"]
+
+# What a rank raises when another rank of its group died under it (gloo and NCCL wordings).
+_PEER_DIED = re.compile(
+    r"connection closed by peer|connection reset by peer|broken pipe|remote process exited"
+    r"|communicator was aborted|NCCL.*(?:aborted|remote)",
+    re.IGNORECASE,
+)
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGKILL)
+
+
+@dataclass
+class RankState:
+    """What the supervisor knows of one rank in one attempt."""
+
+    attempt: int
+    rank: int
+    pid: int | None = None
+    started_at: float | None = None
+    done: dict[str, Any] | None = None  # the worker's done record
+    failure: dict[str, Any] | None = None  # the worker's failure record
+    died_at: float | None = None  # our clock, when its pidfd fired
+    exit_code: int | None = None  # N, or -SIG
+
+    @property
+    def failed_at(self) -> float | None:
+        return self.failure["time"] if self.failure else self.died_at
+
+    def kind(self, teardown_at: float | None) -> str:
+        """done | running | exception | peer | terminated | exit | exit0 | signal"""
+        if self.done is not None:
+            return "done"
+        if self.failure is not None:
+            if self.failure["type"] == "KeyboardInterrupt":
+                return "terminated"  # torch gives ranks PDEATHSIG=SIGINT
+            if _PEER_DIED.search(self.failure["message"]):
+                return "peer"
+            return "exception"
+        if self.died_at is None:
+            return "running"
+        if teardown_at is not None and self.died_at >= teardown_at:
+            return "terminated"
+        if self.exit_code == 0:
+            return "exit0"
+        if self.exit_code is None or self.exit_code > 0:
+            return "exit"
+        return "signal"
+
+    def failure_summary(self) -> str:
+        if self.failure:
+            text = f"{self.failure['type']}: {self.failure['message']}".rstrip(": ")
+            if self.failure.get("cell_line"):
+                text += f" (cell line {self.failure['cell_line']})"
+            return text
+        if self.exit_code == 0 and self.died_at is not None and self.done is None:
+            return "exited with code 0 before finishing the cell (os._exit?)"
+        return describe_exit(self.exit_code)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "attempt": self.attempt,
+            "pid": self.pid,
+            "exit_code": self.exit_code,
+            "died_at": self.died_at,
+            "done": self.done is not None,
+            "failure": self.failure,
+        }
+
+
+@dataclass
+class Verdict:
+    root: RankState | None
+    cause: str | None  # the root's kind: exception | exit | exit0 | signal | peer
+    others: list[dict[str, Any]]  # one per other rank: rank, kind, text, delay
+
+
+def analyze(ranks: list[RankState], teardown_at: float | None) -> Verdict:
+    kinds = {r.rank: r.kind(teardown_at) for r in ranks}
+    failed = sorted(
+        (r for r in ranks if kinds[r.rank] in ("exception", "peer", "exit", "exit0", "signal")),
+        key=lambda r: r.failed_at or 0.0,
+    )
+    # A rank killed by SIGTERM/SIGINT/SIGKILL after another rank failed was stopped by the agent.
+    if failed:
+        first = failed[0].failed_at or 0.0
+        for r in failed[1:]:
+            if (
+                kinds[r.rank] == "signal"
+                and -(r.exit_code or 0) in _STOP_SIGNALS
+                and (r.failed_at or 0) >= first
+            ):
+                kinds[r.rank] = "agent"
+        failed = [r for r in failed if kinds[r.rank] != "agent"]
+    roots = [r for r in failed if kinds[r.rank] != "peer"] or failed
+    root = roots[0] if roots else None
+
+    others = []
+    for r in sorted(ranks, key=lambda r: r.rank):
+        if r is root:
+            continue
+        kind = kinds[r.rank]
+        delay = None
+        if root is not None and r.failed_at is not None and root.failed_at is not None:
+            delay = r.failed_at - root.failed_at
+        others.append(
+            {"rank": r.rank, "kind": kind, "text": _describe(r, kind, root), "delay": delay}
+        )
+    return Verdict(root, kinds[root.rank] if root else None, others)
+
+
+def _describe(r: RankState, kind: str, root: RankState | None) -> str:
+    after = f" after rank {root.rank} failed" if root is not None else ""
+    if kind == "done":
+        return "finished the cell"
+    if kind == "running":
+        return "was still running"
+    if kind == "peer":
+        return f"{r.failure_summary()}: its peer had died"
+    if kind == "terminated":
+        how = "SIGINT" if r.failure else signal_name(-(r.exit_code or 0))
+        return f"stopped by elastic_nb ({how}){after}"
+    if kind == "agent":
+        return f"stopped by the torchelastic agent ({signal_name(-(r.exit_code or 0))}){after}"
+    return f"also failed: {r.failure_summary()}"

@@ -1,0 +1,246 @@
+"""The worker bootstrap: what every rank runs.
+
+torchelastic calls `bootstrap(run_dir)` in each rank process (spawn/forkserver pickle it by
+reference, so it lives at the top level of an importable module). It prepares the process,
+patches the process-group default timeouts, restores the objects the kernel shipped, runs the
+cell in a fresh ``__main__`` with the cell's own line numbers, and leaves its outcome in the run
+directory: a failure record stamped with our own sub-second clock, or a done record, the value of
+the cell's last expression (rank 0) and the ``--pull`` objects.
+
+This module is imported in every rank before torch: keep its top level light.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import importlib
+import io
+import json
+import os
+import pickle
+import sys
+import time
+import traceback
+import types
+from typing import Any
+
+from elastic_nb.rundir import RunDir, write_atomic, write_json
+from elastic_nb.spec import JobSpec
+
+__all__ = ["bootstrap"]
+
+
+def bootstrap(run_dir: str) -> bool:
+    """Run the job's cell in this rank. Returns True; raises what the cell raised."""
+    rd = RunDir(run_dir)
+    rank = int(os.environ["RANK"])
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    spec = JobSpec.from_json(rd.spec.read_text())
+    meta = json.loads(rd.cell_meta.read_text())
+    _prepare_process(spec, rd)
+
+    namespace = _fresh_main().__dict__
+    phase = "restore"
+    exit_note = None
+    try:
+        _restore(rd, meta, namespace)
+        phase = "cell"
+        try:
+            value = _run_cell(rd, meta, namespace)
+        except SystemExit as e:
+            if e.code not in (0, None):
+                raise
+            value, exit_note = None, "sys.exit(0)"  # a script may end early; so may a cell
+        phase = "pull"
+        if spec.pull and rank == spec.pull_rank:
+            _dump(rd.pulled(attempt, rank), _pulled(spec.pull, namespace, rank))
+        if rank == 0 and meta["display"] and value is not None:
+            _dump_result(rd.result(attempt), value)
+    except BaseException as e:
+        _record_failure(rd, attempt, rank, e, phase, meta)
+        raise
+    write_json(
+        rd.done(attempt, rank),
+        {
+            "rank": rank,
+            "attempt": attempt,
+            "pid": os.getpid(),
+            "time": time.time(),
+            "note": exit_note,
+        },
+    )
+    return True
+
+
+# ---- process preparation --------------------------------------------------------------------
+
+
+def _prepare_process(spec: JobSpec, rd: RunDir) -> None:
+    os.chdir(spec.cwd)
+    # The notebook's sys.path first (so `sys.path.append("../src")` in the notebook works), then
+    # whatever this interpreter added.
+    sys.path[:] = list(spec.sys_path) + [p for p in sys.path if p not in spec.sys_path]
+    sys.argv = [str(rd.cell)]
+    if spec.collective_timeout is not None:
+        _patch_default_timeouts(spec.collective_timeout)
+
+
+def _patch_default_timeouts(seconds: float) -> None:
+    """Make --collective-timeout the default of every process group the cell creates.
+
+    init_process_group/new_group take `timeout or _get_default_timeout(backend)`, which reads
+    these two module globals of distributed_c10d (torch.distributed.constants is only copied
+    from; patching it has no effect). An explicit timeout= in the cell still wins.
+    """
+    from datetime import timedelta
+
+    import torch.distributed.distributed_c10d as c10d
+
+    td = timedelta(seconds=seconds)
+    c10d.default_pg_timeout = td
+    # None on CPU-only builds, a timedelta where NCCL is compiled in.
+    c10d.default_pg_nccl_timeout = td
+
+
+def _fresh_main() -> types.ModuleType:
+    """A clean ``__main__`` for the cell, so classes it defines pickle as ``__main__.X``.
+
+    No ``__file__``: a spawn-started grandchild (a DataLoader worker, say) must not re-run the
+    cell the way it re-runs a script's main module.
+    """
+    main = types.ModuleType("__main__")
+    main.__dict__["__builtins__"] = builtins
+    sys.modules["__main__"] = main
+    return main
+
+
+# ---- shipped objects ------------------------------------------------------------------------
+
+
+def _restore(rd: RunDir, meta: dict[str, Any], namespace: dict[str, Any]) -> None:
+    for name, module in meta["modules"].items():
+        try:
+            namespace[name] = importlib.import_module(module)
+        except ImportError as e:
+            raise ImportError(
+                f"the notebook's module {module!r} (name {name!r}) cannot be imported in the "
+                f"rank: {e}"
+            ) from e
+    if meta["objects"]:
+        with open(rd.payload, "rb") as f:
+            namespace.update(pickle.load(f))
+
+
+def _pulled(names: tuple[str, ...], namespace: dict[str, Any], rank: int) -> dict[str, Any]:
+    missing = [n for n in names if n not in namespace]
+    if missing:
+        raise NameError(
+            f"--pull {', '.join(missing)}: the cell did not define "
+            f"{'it' if len(missing) == 1 else 'them'} on rank {rank}"
+        )
+    return {n: namespace[n] for n in names}
+
+
+# ---- running the cell -----------------------------------------------------------------------
+
+
+def _run_cell(rd: RunDir, meta: dict[str, Any], namespace: dict[str, Any]) -> Any:
+    """Exec the cell; evaluate a trailing expression separately so rank 0 can return it."""
+    filename = str(rd.cell)
+    tree = ast.parse(rd.cell.read_text(), filename=filename)
+    last = None
+    if meta["display"] and tree.body and isinstance(tree.body[-1], ast.Expr):
+        last = ast.Expression(tree.body.pop().value)
+    exec(compile(tree, filename, "exec"), namespace)
+    if last is None:
+        return None
+    return eval(compile(last, filename, "eval"), namespace)
+
+
+# ---- outcomes -------------------------------------------------------------------------------
+
+
+def _record_failure(
+    rd: RunDir, attempt: int, rank: int, exc: BaseException, phase: str, meta: dict[str, Any]
+) -> None:
+    """Stamp the failure with our clock (torch's error file has whole seconds) and say where."""
+    now = time.time()
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next  # our own frames are noise to the user
+    frames = traceback.extract_tb(tb)
+    cell_frames = [f for f in frames if f.filename == str(rd.cell)]
+    where = cell_frames[-1] if cell_frames else None
+    hint = _name_hint(exc, meta)
+    text = "".join(traceback.format_exception(type(exc), exc, tb))
+    if hint:
+        text += f"hint: {hint}\n"
+    record = {
+        "rank": rank,
+        "attempt": attempt,
+        "pid": os.getpid(),
+        "time": now,
+        "phase": phase,
+        "type": _type_name(type(exc)),
+        "message": str(exc),
+        "hint": hint,
+        "cell_line": where.lineno if where else None,
+        "line_text": (where.line or "").strip() if where else None,
+        "traceback": text,
+    }
+    try:
+        write_json(rd.failure(attempt, rank), record)
+    finally:
+        # The rank's stderr log keeps the traceback too, as a script's would.
+        sys.stderr.write(text)
+        sys.stderr.flush()
+
+
+def _name_hint(exc: BaseException, meta: dict[str, Any]) -> str | None:
+    name = getattr(exc, "name", None)
+    if isinstance(exc, NameError) and name in meta.get("notebook_names", ()):
+        return (
+            f"{name!r} exists in the notebook, but only modules, functions and classes travel "
+            f"to the ranks by themselves: add --push {name} to send its value"
+        )
+    return None
+
+
+def _type_name(t: type) -> str:
+    return t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+
+
+def _identity(x: Any) -> Any:
+    return x
+
+
+def _pickler(buf: io.BytesIO) -> pickle.Pickler:
+    """cloudpickle (cell-defined classes travel by value) with device tensors brought to the CPU:
+    the kernel must never touch CUDA when it loads a result."""
+    import cloudpickle
+
+    class CpuPickler(cloudpickle.Pickler):
+        def reducer_override(self, obj: Any) -> Any:
+            torch = sys.modules.get("torch")
+            if torch is not None and isinstance(obj, torch.Tensor) and obj.device.type != "cpu":
+                if isinstance(obj, torch.nn.Parameter):
+                    return torch.nn.Parameter, (obj.detach().cpu(), obj.requires_grad)
+                return _identity, (obj.detach().cpu(),)
+            return super().reducer_override(obj)
+
+    return CpuPickler(buf, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _dump(path: os.PathLike[str], obj: Any) -> None:
+    buf = io.BytesIO()
+    _pickler(buf).dump(obj)
+    write_atomic(path, buf.getvalue())  # type: ignore[arg-type]
+
+
+def _dump_result(path: os.PathLike[str], value: Any) -> None:
+    """The displayed value travels pickled; one that cannot be pickled travels as its repr."""
+    try:
+        _dump(path, ("value", value))
+    except Exception:
+        _dump(path, ("repr", repr(value)))

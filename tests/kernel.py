@@ -1,0 +1,172 @@
+"""A real ipykernel, driven through jupyter_client, for end-to-end tests."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from jupyter_client.manager import KernelManager
+
+from elastic_nb import procs
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_JOB = re.compile(r"\[elastic_nb\] job ([0-9a-f]{8})")
+
+
+@dataclass
+class Execution:
+    stdout: str = ""
+    stderr: str = ""
+    result: str | None = None  # text/plain of the execute_result
+    error: dict[str, Any] | None = None  # ename, evalue, traceback (ANSI stripped)
+    seconds: float = 0.0
+    pager: str = ""  # what IPython's pager showed (%%elastic? and friends)
+    messages: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def ename(self) -> str | None:
+        return self.error["ename"] if self.error else None
+
+    @property
+    def traceback(self) -> str:
+        return "\n".join(self.error["traceback"]) if self.error else ""
+
+    @property
+    def job_ids(self) -> list[str]:
+        return list(dict.fromkeys(_JOB.findall(self.stdout)))
+
+    @property
+    def job_id(self) -> str:
+        ids = self.job_ids
+        assert len(ids) == 1, f"expected one job in the output, found {ids}:\n{self.stdout}"
+        return ids[0]
+
+
+class Kernel:
+    def __init__(self, cwd: str, env: dict[str, str] | None = None) -> None:
+        self.km = KernelManager(kernel_name="python3")
+        self.km.start_kernel(cwd=cwd, env={**os.environ, **(env or {})})
+        self.kc = self.km.client()
+        self.kc.start_channels()
+        self.kc.wait_for_ready(timeout=60)
+
+    @property
+    def pid(self) -> int:
+        return self.km.provisioner.process.pid  # type: ignore[union-attr]
+
+    def start(self, code: str) -> tuple[str, Execution]:
+        return self.kc.execute(code), Execution()
+
+    def collect(
+        self,
+        msg_id: str,
+        ex: Execution,
+        timeout: float = 120,
+        until: Any = None,
+        t0: float | None = None,
+    ) -> Execution:
+        """Read IOPub for `msg_id` until the kernel is idle (or `until(ex)` holds)."""
+        t0 = time.monotonic() if t0 is None else t0
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(
+                    f"no end of execution in {timeout} s; so far:\n{ex.stdout}\n{ex.stderr}"
+                )
+            try:
+                msg = self.kc.get_iopub_msg(timeout=min(remaining, 1.0))
+            except Exception:  # queue.Empty
+                continue
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            ex.messages.append(msg)
+            kind, content = msg["msg_type"], msg["content"]
+            if kind == "stream":
+                if content["name"] == "stdout":
+                    ex.stdout += content["text"]
+                else:
+                    ex.stderr += content["text"]
+            elif kind == "execute_result":
+                ex.result = content["data"].get("text/plain")
+            elif kind == "error":
+                ex.error = {
+                    "ename": content["ename"],
+                    "evalue": content["evalue"],
+                    "traceback": [_ANSI.sub("", t) for t in content["traceback"]],
+                }
+            elif kind == "status" and content["execution_state"] == "idle":
+                ex.seconds = time.monotonic() - t0
+                self._reply(msg_id, ex)
+                return ex
+            if until is not None and until(ex):
+                return ex
+
+    def _reply(self, msg_id: str, ex: Execution) -> None:
+        """IPython shows a UsageError on stderr without an IOPub error; the reply has it."""
+        while True:
+            reply = self.kc.get_shell_msg(timeout=30)
+            if reply["parent_header"].get("msg_id") == msg_id:
+                break
+        content = reply["content"]
+        for payload in content.get("payload", ()):
+            if payload.get("source") == "page":
+                ex.pager += _ANSI.sub("", payload["data"].get("text/plain", ""))
+        if content["status"] == "error" and ex.error is None:
+            ex.error = {
+                "ename": content["ename"],
+                "evalue": content["evalue"],
+                "traceback": [ex.stderr],
+            }
+
+    def run(self, code: str, timeout: float = 120) -> Execution:
+        t0 = time.monotonic()
+        msg_id, ex = self.start(code)
+        return self.collect(msg_id, ex, timeout, t0=t0)
+
+    def ok(self, code: str, timeout: float = 120) -> Execution:
+        ex = self.run(code, timeout)
+        assert ex.error is None, (
+            f"{ex.ename}: {ex.error and ex.error['evalue']}\n{ex.traceback}\n{ex.stderr}"
+        )
+        return ex
+
+    def interrupt(self) -> None:
+        self.km.interrupt_kernel()
+
+    def kill(self) -> None:
+        os.kill(self.pid, signal.SIGKILL)
+
+    def shutdown(self) -> None:
+        self.kc.stop_channels()
+        self.km.shutdown_kernel(now=True)
+
+
+def wait_for(predicate: Any, timeout: float, interval: float = 0.05) -> bool:
+    """Poll a liveness bound: True as soon as `predicate()` holds, False after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return bool(predicate())
+
+
+def job_processes(job_id: str) -> list[str]:
+    out = []
+    for p in procs.job_processes([job_id]):
+        try:
+            out.append(f"{p.pid} {' '.join(p.cmdline())[:120]}")
+        except Exception:
+            out.append(str(p.pid))
+    return out
+
+
+def assert_job_gone(job_id: str) -> None:
+    """Nothing carrying the job's marker is alive, right now (no waiting)."""
+    left = job_processes(job_id)
+    assert not left, f"processes of job {job_id} survived: {left}"

@@ -1,0 +1,233 @@
+"""Every way a job can fail, each with its user-visible outcome and no process left behind."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+
+import psutil
+
+from elastic_nb import procs
+from elastic_nb.rundir import RunDir
+from tests.kernel import Kernel, assert_job_gone, wait_for
+
+RAISE_WHILE_PEER_WAITS = """%%elastic --nproc 2
+import time, torch, torch.distributed as dist
+dist.init_process_group()
+x = torch.ones(1)
+if dist.get_rank() == 1:
+    time.sleep(0.5)  # rank 0 is inside all_reduce by now
+    raise ValueError("rank one is broken")
+dist.all_reduce(x)
+"""
+
+
+def _summary(ex_job: str, cache: Path) -> dict:
+    return json.loads((cache / "elastic_nb" / "runs" / ex_job / "summary.json").read_text())
+
+
+def test_rank_raises_while_peer_blocks(kernel: Kernel, cache_home: Path) -> None:
+    ex = kernel.run(RAISE_WHILE_PEER_WAITS)
+    assert ex.ename == "JobFailed"
+    assert ex.error["evalue"] == "rank 1 failed first: ValueError: rank one is broken (cell line 7)"
+    assert 'raise ValueError("rank one is broken")' in ex.traceback
+    assert "rank 0: stopped by elastic_nb (SIGTERM) after rank 1 failed" in ex.traceback
+    assert ex.seconds < 10
+    assert_job_gone(ex.job_id)
+    s = _summary(ex.job_id, cache_home)
+    assert s["failure"]["rank"] == 1 and s["failure"]["cause"] == "exception"
+    # The kernel is fine: the next cell runs at once.
+    assert kernel.ok("%%elastic --nproc 1\n'again'\n").result == "'again'"
+
+
+def test_rank_exits_with_code(kernel: Kernel) -> None:
+    ex = kernel.run(
+        "%%elastic --nproc 2\nimport os, time\nif os.environ['RANK'] == '1':\n    os._exit(3)\ntime.sleep(60)\n"
+    )
+    assert ex.ename == "JobFailed"
+    assert ex.error["evalue"] == "rank 1 failed first: exited with code 3"
+    assert ex.seconds < 20
+    assert_job_gone(ex.job_id)
+
+
+def test_rank_sigkills_itself(kernel: Kernel) -> None:
+    ex = kernel.run(
+        "%%elastic --nproc 2\n"
+        "import os, signal, torch, torch.distributed as dist\n"
+        "dist.init_process_group()\n"
+        "if dist.get_rank() == 1:\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+        "dist.all_reduce(torch.ones(1))\n"
+    )
+    assert ex.ename == "JobFailed"
+    assert ex.error["evalue"] == "rank 1 failed first: killed by SIGKILL"
+    assert "rank 0:" in ex.traceback
+    assert_job_gone(ex.job_id)
+
+
+def test_exit_zero_without_finishing_is_a_failure(kernel: Kernel) -> None:
+    # torchelastic alone would wait forever for rank 1's return value.
+    ex = kernel.run(
+        "%%elastic --nproc 2\nimport os, time\nif os.environ['RANK'] == '1':\n    os._exit(0)\ntime.sleep(60)\n"
+    )
+    assert ex.ename == "JobFailed"
+    assert "rank 1 failed first: exited with code 0 before finishing the cell" in ex.error["evalue"]
+    assert ex.seconds < 20
+    assert_job_gone(ex.job_id)
+
+
+def test_sys_exit_zero_ends_the_cell_normally(kernel: Kernel) -> None:
+    ex = kernel.ok(
+        "%%elastic --nproc 2\nimport sys\nprint('before')\nsys.exit(0)\nprint('after')\n"
+    )
+    assert ex.stdout.count("before") == 2 and "after" not in ex.stdout
+    assert_job_gone(ex.job_id)
+
+
+def test_restart_after_a_failure_in_attempt_zero(kernel: Kernel, cache_home: Path) -> None:
+    ex = kernel.ok(
+        "%%elastic --nproc 2 --max-restarts 1\n"
+        "import os, torch, torch.distributed as dist\n"
+        "dist.init_process_group()\n"
+        "attempt = int(os.environ['TORCHELASTIC_RESTART_COUNT'])\n"
+        "if attempt == 0 and dist.get_rank() == 1:\n"
+        "    raise RuntimeError('flaky')\n"
+        "x = torch.ones(1)\n"
+        "dist.all_reduce(x)\n"
+        "print('attempt', attempt, 'sum', x.item())\n"
+        "attempt\n",
+        timeout=180,
+    )
+    assert (
+        "attempt 0 failed: rank 1 RuntimeError: flaky (cell line 6); restarting as attempt 1 (restart 1/1)"
+        in ex.stdout
+    )
+    assert "[rank 0] attempt 1 sum 2.0" in ex.stdout and "[rank 1] attempt 1 sum 2.0" in ex.stdout
+    assert "restarts 1/1" in ex.stdout and "succeeded" in ex.stdout
+    assert ex.result == "1"
+    rd = RunDir(_summary(ex.job_id, cache_home)["run_dir"])
+    assert rd.attempts() == [0, 1]  # the failed attempt's logs are kept
+    assert "RuntimeError: flaky" in rd.log(0, 1, "err").read_text()
+    assert_job_gone(ex.job_id)
+
+
+def test_restarts_exhausted(kernel: Kernel) -> None:
+    ex = kernel.run(
+        "%%elastic --nproc 2 --max-restarts 1\nimport os\nif os.environ['RANK'] == '0':\n    raise KeyError('always')\n",
+        timeout=180,
+    )
+    assert ex.ename == "JobFailed"
+    assert ex.error["evalue"].startswith("rank 0 failed first: KeyError: 'always'")
+    assert "attempt 0 failed" in ex.stdout and "restarts 1/1" in ex.stdout
+    assert_job_gone(ex.job_id)
+
+
+def test_timeout_stops_a_sleeping_job(kernel: Kernel) -> None:
+    ex = kernel.run("%%elastic --nproc 2 --timeout 3\nimport time\ntime.sleep(120)\n")
+    assert ex.ename == "JobTimeout"
+    assert "--timeout of 3 s passed" in ex.error["evalue"]
+    assert ex.seconds < 15
+    assert "stopped by elastic_nb" in ex.traceback
+    assert_job_gone(ex.job_id)
+
+
+def test_interrupt_stops_every_rank(fresh_kernel: Kernel) -> None:
+    k = fresh_kernel
+    msg_id, ex = k.start(
+        "%%elastic --nproc 2\nimport time\nprint('sleeping', flush=True)\ntime.sleep(300)\n"
+    )
+    k.collect(msg_id, ex, timeout=60, until=lambda e: e.stdout.count("sleeping") == 2)
+    t0 = time.monotonic()
+    k.interrupt()
+    k.collect(msg_id, ex, timeout=30)
+    assert time.monotonic() - t0 < 5
+    assert ex.ename == "KeyboardInterrupt"
+    assert "interrupted" in ex.stdout
+    assert_job_gone(ex.job_id)
+    assert k.ok("%%elastic --nproc 1\n'next'\n").result == "'next'"
+
+
+def test_interrupt_while_ranks_block_in_a_collective(fresh_kernel: Kernel) -> None:
+    k = fresh_kernel
+    msg_id, ex = k.start(
+        "%%elastic --nproc 2\n"
+        "import time, torch, torch.distributed as dist\n"
+        "dist.init_process_group()\n"
+        "print('in', flush=True)\n"
+        "if dist.get_rank() == 0:\n"
+        "    dist.all_reduce(torch.ones(1))  # rank 1 never joins\n"
+        "time.sleep(300)\n"
+    )
+    k.collect(msg_id, ex, timeout=60, until=lambda e: e.stdout.count("] in") == 2)
+    t0 = time.monotonic()
+    k.interrupt()
+    k.collect(msg_id, ex, timeout=30)
+    assert time.monotonic() - t0 < 5
+    assert ex.ename == "KeyboardInterrupt"
+    assert_job_gone(ex.job_id)
+
+
+def test_kernel_killed_mid_job(fresh_kernel: Kernel) -> None:
+    k = fresh_kernel
+    msg_id, ex = k.start(
+        "%%elastic --nproc 2\nimport time\nprint('up', flush=True)\ntime.sleep(300)\n"
+    )
+    k.collect(msg_id, ex, timeout=60, until=lambda e: e.stdout.count("up") == 2)
+    job = ex.job_id
+    assert procs.job_processes([job])
+    k.kill()
+    assert wait_for(lambda: not procs.job_processes([job]), timeout=10), procs.job_processes([job])
+
+
+def test_supervisor_killed_mid_job(fresh_kernel: Kernel) -> None:
+    k = fresh_kernel
+    msg_id, ex = k.start(
+        "%%elastic --nproc 2\nimport time\nprint('up', flush=True)\ntime.sleep(300)\n"
+    )
+    k.collect(msg_id, ex, timeout=60, until=lambda e: e.stdout.count("up") == 2)
+    supervisor = [
+        p
+        for p in psutil.Process(k.pid).children()
+        if "elastic_nb.supervisor" in " ".join(p.cmdline())
+    ]
+    assert len(supervisor) == 1
+    supervisor[0].send_signal(signal.SIGKILL)
+    k.collect(msg_id, ex, timeout=30)
+    assert ex.ename == "SupervisorDied"
+    assert "the job's processes were killed" in ex.error["evalue"]
+    assert_job_gone(ex.job_id)
+    # A new supervisor serves the next cell.
+    assert k.ok("%%elastic --nproc 1\n'fine'\n").result == "'fine'"
+
+
+def test_all_ranks_abort_at_once(kernel: Kernel) -> None:
+    ex = kernel.run(
+        "%%elastic --nproc 2\n"
+        "import os, signal, torch, torch.distributed as dist\n"
+        "dist.init_process_group()\n"
+        "dist.barrier()\n"
+        "os.kill(os.getpid(), signal.SIGABRT)  # what NCCL's watchdog does on a timeout\n"
+    )
+    assert ex.ename == "JobFailed"
+    assert "killed by SIGABRT" in ex.error["evalue"]
+    assert_job_gone(ex.job_id)
+
+
+def test_launcher_killed_mid_job(kernel: Kernel) -> None:
+    msg_id, ex = kernel.start(
+        "%%elastic --nproc 2\nimport time\nprint('up', flush=True)\ntime.sleep(300)\n"
+    )
+    kernel.collect(msg_id, ex, timeout=60, until=lambda e: e.stdout.count("up") == 2)
+    launcher = [
+        p
+        for p in procs.job_processes([ex.job_id])
+        if "elastic_nb.launcher" in " ".join(p.cmdline())
+    ]
+    assert len(launcher) == 1
+    launcher[0].send_signal(signal.SIGKILL)
+    kernel.collect(msg_id, ex, timeout=30)
+    assert ex.ename == "JobFailed"
+    assert "the launcher killed by SIGKILL" in ex.error["evalue"]
+    assert_job_gone(ex.job_id)

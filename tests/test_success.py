@@ -1,0 +1,106 @@
+"""Cells that work: real kernel, real supervisor, real gloo ranks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from elastic_nb.rundir import RunDir
+from tests.kernel import Kernel, assert_job_gone
+
+ALL_REDUCE = """%%elastic --nproc 4
+import torch, torch.distributed as dist
+dist.init_process_group()
+x = torch.ones(1) * (dist.get_rank() + 1)
+dist.all_reduce(x)
+print(dist.get_rank(), x.item())
+x.item()
+"""
+
+
+def test_four_ranks_all_reduce(kernel: Kernel) -> None:
+    ex = kernel.ok(ALL_REDUCE)
+    for rank in range(4):
+        assert f"[rank {rank}] {rank} 10.0\n" in ex.stdout
+    assert ex.result == "10.0"
+    summary = [line for line in ex.stdout.splitlines() if "succeeded" in line]
+    assert len(summary) == 1 and "4 ranks" in summary[0] and "restarts 0/0" in summary[0]
+    assert_job_gone(ex.job_id)
+    assert kernel.ok("_ + 1").result == "11.0"  # the result is the cell's value, like any cell's
+
+
+def test_run_directory_keeps_everything(kernel: Kernel) -> None:
+    ex = kernel.ok(
+        '%%elastic --nproc 2\nimport os, sys\nprint("hello from", os.environ["RANK"])\nprint("to stderr", file=sys.stderr)\n'
+    )
+    run_dir = next(line.split("logs: ")[1] for line in ex.stdout.splitlines() if "logs: " in line)
+    rd = RunDir(run_dir)
+    assert rd.spec.exists() and rd.cell.read_text().startswith("# %%elastic --nproc 2\n")
+    assert rd.log(0, 1, "out").read_text() == "hello from 1\n"
+    assert rd.log(0, 0, "err").read_text() == "to stderr\n"
+    assert rd.done(0, 0).exists() and rd.done(0, 1).exists()
+    assert '"outcome": "succeeded"' in rd.summary.read_text()
+    assert "[rank 0] to stderr" in ex.stderr
+
+
+def test_push_and_pull_round_trip(kernel: Kernel) -> None:
+    kernel.ok("weights = {'scale': 3.0, 'name': 'pushed'}")
+    ex = kernel.ok(
+        "%%elastic --nproc 2 --push weights --pull out,rank_seen --pull-rank 1\n"
+        "import os\n"
+        "rank_seen = int(os.environ['RANK'])\n"
+        "out = {'value': weights['scale'] * 2, 'name': weights['name']}\n"
+    )
+    check = kernel.ok("(out, rank_seen)")
+    assert check.result == "({'value': 6.0, 'name': 'pushed'}, 1)"
+    assert_job_gone(ex.job_id)
+
+
+def test_notebook_function_and_class_ship_by_value(kernel: Kernel) -> None:
+    kernel.ok(
+        "import math as m\n"
+        "def double(v):\n"
+        "    return 2 * v\n"
+        "class Box:\n"
+        "    def __init__(self, v):\n"
+        "        self.v = v\n"
+    )
+    ex = kernel.ok(
+        "%%elastic --nproc 2\nimport os\nb = Box(double(int(os.environ['RANK']) + 1))\nprint('box', b.v, m.sqrt(16))\nb.v\n"
+    )
+    assert "[rank 0] box 2 4.0" in ex.stdout
+    assert "[rank 1] box 4 4.0" in ex.stdout
+    assert ex.result == "2"
+
+
+def test_notebook_data_needs_push_and_says_so(kernel: Kernel) -> None:
+    kernel.ok("lr = 0.1")
+    ex = kernel.run("%%elastic --nproc 2\nprint(lr)\n")
+    assert ex.ename == "JobFailed"
+    assert "NameError" in ex.error["evalue"]
+    assert "--push lr" in ex.traceback
+
+
+def test_trailing_semicolon_hides_the_result(kernel: Kernel) -> None:
+    ex = kernel.ok("%%elastic --nproc 1\n40 + 2;\n")
+    assert ex.result is None
+    assert kernel.ok("%%elastic --nproc 1\n40 + 2\n").result == "42"
+
+
+def test_log_flood_every_line_on_disk(kernel: Kernel, tmp_path: Path) -> None:
+    ex = kernel.ok(
+        f"%%elastic --nproc 4 --log-dir {tmp_path}\n"
+        "import os\n"
+        "r = os.environ['RANK']\n"
+        "for i in range(50_000):\n"
+        "    print(f'rank {r} line {i}')\n",
+        timeout=180,
+    )
+    rd = RunDir(tmp_path / ex.job_id)
+    for rank in range(4):
+        lines = rd.log(0, rank, "out").read_text().splitlines()
+        assert lines == [f"rank {rank} line {i}" for i in range(50_000)]
+    # The notebook got a bounded view with the way to the rest, not 200,000 lines.
+    assert ex.stdout.count("\n") < 50_000
+    assert "lines not shown (full log: " in ex.stdout
+    assert "[rank 3] rank 3 line 49999" in ex.stdout
+    assert_job_gone(ex.job_id)

@@ -96,23 +96,16 @@ class Verdict:
 
 def analyze(ranks: list[RankState], teardown_at: float | None) -> Verdict:
     kinds = {r.rank: r.kind(teardown_at) for r in ranks}
-    failed = sorted(
-        (r for r in ranks if kinds[r.rank] in ("exception", "peer", "exit", "exit0", "signal")),
-        key=lambda r: r.failed_at or 0.0,
-    )
-    # A rank killed by SIGTERM/SIGINT/SIGKILL after another rank failed was stopped by the agent.
-    if failed:
-        first = failed[0].failed_at or 0.0
-        for r in failed[1:]:
-            if (
-                kinds[r.rank] == "signal"
-                and -(r.exit_code or 0) in _STOP_SIGNALS
-                and (r.failed_at or 0) >= first
-            ):
-                kinds[r.rank] = "agent"
-        failed = [r for r in failed if kinds[r.rank] != "agent"]
-    roots = [r for r in failed if kinds[r.rank] != "peer"] or failed
-    root = roots[0] if roots else None
+    by_time = sorted(ranks, key=lambda r: r.failed_at or 0.0)
+    peers = [r for r in by_time if kinds[r.rank] == "peer"]
+    real = [r for r in by_time if kinds[r.rank] in ("exception", "exit", "exit0", "signal")]
+    # A rank killed by SIGTERM/SIGINT/SIGKILL after another rank really failed was stopped by
+    # the agent: a consequence, however early its own signal.
+    for r in real[1:]:
+        if kinds[r.rank] == "signal" and -(r.exit_code or 0) in _STOP_SIGNALS:
+            kinds[r.rank] = "agent"
+    real = [r for r in real if kinds[r.rank] != "agent"]
+    root = real[0] if real else (peers[0] if peers else None)
 
     others = []
     for r in sorted(ranks, key=lambda r: r.rank):

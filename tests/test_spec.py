@@ -1,0 +1,99 @@
+"""JobSpec: parsing and validation, below the kernel."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+
+from elastic_nb.spec import JobSpec, SpecError, preflight
+
+
+def spec(**options: object) -> JobSpec:
+    return JobSpec.from_options(options, cwd="/tmp", sys_path=["/x"])
+
+
+def test_defaults() -> None:
+    s = spec()
+    assert (s.nproc, s.max_restarts, s.start_method, s.rdzv_backend, s.rdzv_endpoint) == (1, 0, "spawn", "c10d", "localhost:0")
+    assert s.timeout is None and s.collective_timeout is None and s.widgets
+    assert s.log_dir.endswith("elastic_nb/runs") and s.sys_path == ("/x",)
+
+
+def test_values_are_parsed() -> None:
+    s = spec(
+        nproc="4", max_restarts="2", monitor_interval="0.5", env=["A=1", "B=x=y"], rdzv_conf=["join_timeout=5,last_call_timeout=1"],
+        push=["a,b", "c"], pull=["z"], pull_rank="3", timeout="7.5", collective_timeout="30", log_dir="runs",
+    )
+    assert (s.nproc, s.max_restarts, s.monitor_interval, s.pull_rank) == (4, 2, 0.5, 3)
+    assert s.env == {"A": "1", "B": "x=y"}
+    assert s.rdzv_conf == {"join_timeout": "5", "last_call_timeout": "1"}
+    assert s.push == ("a", "b", "c") and s.pull == ("z",)
+    assert (s.timeout, s.collective_timeout) == (7.5, 30.0)
+    assert s.log_dir == "/tmp/runs"  # relative to the notebook's directory
+
+
+def test_json_round_trip() -> None:
+    s = spec(nproc="2", env=["K=V"], push=["a"])
+    assert JobSpec.from_json(s.to_json()) == s
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"nproc": "0"}, "--nproc 0: must be at least 1"),
+        ({"nproc": "x"}, "--nproc 'x': expected a whole number"),
+        ({"nnodes": "3:2"}, "MIN (3) is larger than MAX (2)"),
+        ({"nnodes": "2"}, "--rdzv-endpoint HOST:PORT"),
+        ({"nnodes": "a:b"}, "whole numbers"),
+        ({"max_restarts": "-1"}, "--max-restarts -1: must be at least 0"),
+        ({"monitor_interval": "0"}, "must be a positive number"),
+        ({"monitor_interval": "60"}, "above 10 s"),
+        ({"timeout": "-3"}, "--timeout -3: must be a positive"),
+        ({"collective_timeout": "soon"}, "expected a number of seconds"),
+        ({"start_method": "fork"}, "use spawn or forkserver"),
+        ({"start_method": "thread"}, "choose one of spawn, forkserver"),
+        ({"rdzv_backend": "etcd"}, "c10d or static"),
+        ({"rdzv_endpoint": "nohost"}, "expected HOST:PORT"),
+        ({"rdzv_endpoint": "localhost:99999"}, "out of range"),
+        ({"rdzv_endpoint": "example.com:29500"}, "is not this machine"),
+        ({"rdzv_backend": "static"}, "needs a fixed port"),
+        ({"env": ["NOVALUE"]}, "expected KEY=VALUE"),
+        ({"env": ["1BAD=x"]}, "not a valid environment variable name"),
+        ({"env": ["WORLD_SIZE=3"]}, "cannot be overridden"),
+        ({"env": ["ELASTIC_NB_JOB=x"]}, "cannot be overridden"),
+        ({"push": ["a-b"]}, "not a Python name"),
+        ({"nproc": "2", "pull_rank": "2"}, "--pull-rank 2: the job has ranks 0..1"),
+        ({"rdzv_id": "a b"}, "--rdzv-id"),
+    ],
+)
+def test_bad_values_name_the_flag(options: dict[str, object], message: str) -> None:
+    with pytest.raises(SpecError, match=None) as info:
+        spec(**options)
+    assert message in str(info.value)
+
+
+def test_gpu_count_comes_from_cuda_visible_devices(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,3")
+    assert spec(nproc="gpu").nproc == 3
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    with pytest.raises(SpecError, match="no NVIDIA GPU"):
+        spec(nproc="gpu")
+    assert spec(nproc="auto").nproc >= 1  # falls back to the CPU count
+
+
+def test_preflight_refuses_a_busy_port(tmp_path: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(SpecError, match=f"port {port} is already in use"):
+            preflight(spec(rdzv_endpoint=f"localhost:{port}", log_dir=str(tmp_path)))
+    preflight(spec(rdzv_endpoint=f"localhost:{port}", log_dir=str(tmp_path)))  # free again
+
+
+def test_preflight_refuses_an_unwritable_log_dir(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SpecError, match="cannot write there"):
+        preflight(spec(log_dir=str(tmp_path / "file" / "runs")))

@@ -23,7 +23,14 @@ def torchrun(body: str, nproc: int, workdir: str) -> float:
     script.write_text(body)
     t0 = time.monotonic()
     subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(script)],
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            str(script),
+        ],
         check=True,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -38,7 +45,9 @@ def elastic_kernel(workdir: str) -> Kernel:
     return k
 
 
-def alternate(runs: int, a: Callable[[], float], b: Callable[[], float]) -> tuple[list[float], list[float]]:
+def alternate(
+    runs: int, a: Callable[[], float], b: Callable[[], float]
+) -> tuple[list[float], list[float]]:
     """A/B/A/B... so that drift of the machine hits both sides alike."""
     xs, ys = [], []
     for _ in range(runs):

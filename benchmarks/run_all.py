@@ -16,7 +16,9 @@ def main() -> int:
 
     import torch
 
-    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__}")
+    print(
+        f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__}"
+    )
     for name in BENCHMARKS:
         print(f"\n## {name}")
         subprocess.run([sys.executable, str(HERE / name), *sys.argv[1:]], check=True, cwd=HERE)

@@ -16,6 +16,7 @@ import ast
 import builtins
 import inspect
 import pickle
+import re
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -25,8 +26,10 @@ from elastic_nb.errors import CellError
 
 __all__ = ["PreparedCell", "prepare_cell"]
 
-# IPython's own names in the user namespace, beyond user_ns_hidden.
+# IPython's own names in the user namespace, beyond user_ns_hidden: its output and input history
+# (_, __, ___, _7, _i, _ii, _i7, _ih, _oh, _dh) and helpers.
 _IPYTHON_NAMES = frozenset({"In", "Out", "get_ipython", "exit", "quit"})
+_IPYTHON_HISTORY = re.compile(r"_+|_\d+|_i+|_i\d+|_[iod]h")
 
 
 @dataclass(frozen=True)
@@ -61,8 +64,8 @@ def prepare_cell(
     for name in sorted(_free_names(tree)):
         if name in push or name not in user_ns or name in hidden or name in _IPYTHON_NAMES:
             continue
-        if name.startswith("_"):
-            continue  # IPython's _, __, _i3, _oh...: output history, not program state
+        if _IPYTHON_HISTORY.fullmatch(name):
+            continue
         value = user_ns[name]
         if isinstance(value, types.ModuleType):
             modules[name] = value.__name__

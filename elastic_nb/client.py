@@ -188,16 +188,17 @@ class SupervisorClient:
             if job is not None:
                 job._deliver(msg)
 
-    def send(self, kind: str, blob: bytes | None = None, **fields: Any) -> int:
-        req = next(self._req)
-        data = protocol.encode(kind, blob, req=req, **fields)
+    def _write(self, data: bytes) -> None:
         with self._send_lock:
             try:
                 self._sock.sendall(data)
             except OSError as e:
                 self._alive = False
                 raise SupervisorDied(f"the elastic_nb supervisor is gone ({e})") from None
-        return req
+
+    def send(self, kind: str, blob: bytes | None = None, **fields: Any) -> None:
+        """Fire and forget (a stop while the cell is being interrupted)."""
+        self._write(protocol.encode(kind, blob, req=next(self._req), **fields))
 
     def request(
         self,
@@ -206,24 +207,18 @@ class SupervisorClient:
         timeout: float = REQUEST_TIMEOUT_S,
         **fields: Any,
     ) -> dict[str, Any]:
-        q: queue.Queue[Any] = queue.Queue(1)
         req = next(self._req)
+        q: queue.Queue[Any] = queue.Queue(1)
         self._pending[req] = q
-        data = protocol.encode(kind, blob, req=req, **fields)
-        with self._send_lock:
-            try:
-                self._sock.sendall(data)
-            except OSError as e:
-                self._pending.pop(req, None)
-                self._alive = False
-                raise SupervisorDied(f"the elastic_nb supervisor is gone ({e})") from None
         try:
+            self._write(protocol.encode(kind, blob, req=req, **fields))
             reply = q.get(timeout=timeout)
         except queue.Empty:
-            self._pending.pop(req, None)
             raise SupervisorDied(
                 f"the elastic_nb supervisor did not answer {kind!r} in {timeout:g} s"
             ) from None
+        finally:
+            self._pending.pop(req, None)
         if reply is _GONE:
             raise SupervisorDied(
                 f"the elastic_nb supervisor exited; its log says:\n{self._log_tail()}"

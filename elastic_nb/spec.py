@@ -10,11 +10,13 @@ supervisor, the launcher and every rank.
 from __future__ import annotations
 
 import errno
+import importlib.util
 import ipaddress
 import json
 import os
 import re
 import socket
+import sys
 import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
@@ -107,6 +109,9 @@ class JobSpec:
     log_dir: str = field(default_factory=default_log_dir)
     cwd: str = field(default_factory=os.getcwd)
     sys_path: tuple[str, ...] = ()
+    # SIGTERM -> SIGKILL grace when a job is stopped: the supervisor's for the process group,
+    # torchelastic's (shutdown_timeout, 30 s by default) for the ranks. A notebook waits on it.
+    stop_grace: float = 2.0
 
     @property
     def world_size(self) -> int:
@@ -223,6 +228,11 @@ class JobSpec:
 
 def preflight(spec: JobSpec) -> None:
     """Check what only this machine can answer, so a bad setting fails before any launch."""
+    if importlib.util.find_spec("torch") is None:
+        raise SpecError(
+            f"torch is not installed for this kernel's Python ({sys.executable}); the ranks "
+            "need it: pip install torch"
+        )
     _check_writable_dir(spec.log_dir)
     host, port = spec.rdzv_endpoint.rsplit(":", 1)
     if int(port):

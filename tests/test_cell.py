@@ -17,7 +17,13 @@ def helper(v: int) -> int:
 
 
 def test_modules_functions_and_data_are_sorted_out() -> None:
-    ns = {"np": types.ModuleType("numpy"), "helper": helper, "lr": 0.1, "local": 1, "_": "output history"}
+    ns = {
+        "np": types.ModuleType("numpy"),
+        "helper": helper,
+        "lr": 0.1,
+        "local": 1,
+        "_": "output history",
+    }
     cell = "import os\nlocal = 2\nprint(np, helper(local), lr, os, _)\n"
     p = prepare_cell("--nproc 2", cell, ns)
     assert p.source == "# %%elastic --nproc 2\n" + cell

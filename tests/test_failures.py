@@ -177,8 +177,17 @@ def test_kernel_killed_mid_job(fresh_kernel: Kernel) -> None:
     k.collect(msg_id, ex, timeout=60, until=lambda e: e.stdout.count("up") == 2)
     job = ex.job_id
     assert procs.job_processes([job])
+    (supervisor,) = [
+        p
+        for p in psutil.Process(k.pid).children()
+        if "elastic_nb.supervisor" in " ".join(p.cmdline())
+    ]
     k.kill()
     assert wait_for(lambda: not procs.job_processes([job]), timeout=10), procs.job_processes([job])
+    assert wait_for(
+        lambda: not supervisor.is_running() or supervisor.status() == psutil.STATUS_ZOMBIE,
+        timeout=10,
+    )
 
 
 def test_supervisor_killed_mid_job(fresh_kernel: Kernel) -> None:

@@ -26,6 +26,9 @@ def test_quickstart(tmp_path: Path) -> None:
         assert f"[rank {rank}] {rank} 10.0" in out
     assert "Out: 10.0" in out
     assert "pulled 30 losses from rank 0" in out
-    assert "JobFailed: rank 1 failed first: ValueError: rank 1 ran out of patience (cell line 5)" in out
+    assert (
+        "JobFailed: rank 1 failed first: ValueError: rank 1 ran out of patience (cell line 5)"
+        in out
+    )
     assert "Out: 4" in out
     assert len(re.findall(r"job [0-9a-f]{8} succeeded · 4 ranks", out)) == 3

@@ -16,15 +16,30 @@ def spec(**options: object) -> JobSpec:
 
 def test_defaults() -> None:
     s = spec()
-    assert (s.nproc, s.max_restarts, s.start_method, s.rdzv_backend, s.rdzv_endpoint) == (1, 0, "spawn", "c10d", "localhost:0")
+    assert (s.nproc, s.max_restarts, s.start_method, s.rdzv_backend, s.rdzv_endpoint) == (
+        1,
+        0,
+        "spawn",
+        "c10d",
+        "localhost:0",
+    )
     assert s.timeout is None and s.collective_timeout is None and s.widgets
     assert s.log_dir.endswith("elastic_nb/runs") and s.sys_path == ("/x",)
 
 
 def test_values_are_parsed() -> None:
     s = spec(
-        nproc="4", max_restarts="2", monitor_interval="0.5", env=["A=1", "B=x=y"], rdzv_conf=["join_timeout=5,last_call_timeout=1"],
-        push=["a,b", "c"], pull=["z"], pull_rank="3", timeout="7.5", collective_timeout="30", log_dir="runs",
+        nproc="4",
+        max_restarts="2",
+        monitor_interval="0.5",
+        env=["A=1", "B=x=y"],
+        rdzv_conf=["join_timeout=5,last_call_timeout=1"],
+        push=["a,b", "c"],
+        pull=["z"],
+        pull_rank="3",
+        timeout="7.5",
+        collective_timeout="30",
+        log_dir="runs",
     )
     assert (s.nproc, s.max_restarts, s.monitor_interval, s.pull_rank) == (4, 2, 0.5, 3)
     assert s.env == {"A": "1", "B": "x=y"}

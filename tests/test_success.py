@@ -42,6 +42,57 @@ def test_run_directory_keeps_everything(kernel: Kernel) -> None:
     assert "[rank 0] to stderr" in ex.stderr
 
 
+def test_output_is_captured_at_the_fd_level_and_progress_bars_collapse(kernel: Kernel) -> None:
+    ex = kernel.ok(
+        "%%elastic --nproc 1\n"
+        "import os, sys\n"
+        "os.write(1, b'written to fd 1 directly\\n')\n"
+        "sys.stdout.write('  0%|\\r 50%|#####\\r100%|##########\\n')\n"
+    )
+    assert "[rank 0] written to fd 1 directly\n" in ex.stdout
+    assert "[rank 0] 100%|##########\n" in ex.stdout and "50%" not in ex.stdout
+
+
+def test_collective_timeout_is_the_default_of_every_process_group(kernel: Kernel) -> None:
+    ex = kernel.ok(
+        "%%elastic --nproc 2 --collective-timeout 7\n"
+        "import torch, torch.distributed as dist\n"
+        "from torch.distributed import distributed_c10d as c10d\n"
+        "dist.init_process_group('gloo')\n"
+        "backend = c10d._get_default_group()._get_backend(torch.device('cpu'))\n"
+        "print('timeout', backend.options._timeout.total_seconds())\n"
+    )
+    assert "[rank 0] timeout 7.0" in ex.stdout and "[rank 1] timeout 7.0" in ex.stdout
+
+
+def test_a_collective_timeout_fails_the_waiting_rank(kernel: Kernel) -> None:
+    ex = kernel.run(
+        "%%elastic --nproc 2 --collective-timeout 3\n"
+        "import time, torch, torch.distributed as dist\n"
+        "dist.init_process_group('gloo')\n"
+        "if dist.get_rank() == 1:\n"
+        "    time.sleep(60)  # never joins the all_reduce\n"
+        "dist.all_reduce(torch.ones(1))\n",
+        timeout=60,
+    )
+    assert ex.ename == "JobFailed"
+    assert ex.error["evalue"].startswith("rank 0 failed first: ")
+    assert "Timed out" in ex.error["evalue"] and "(cell line 6)" in ex.error["evalue"]
+    assert "rank 1: stopped by elastic_nb (SIGTERM) after rank 0 failed" in ex.traceback
+    assert_job_gone(ex.job_id)
+
+
+def test_processes_the_cell_leaves_behind_are_stopped(kernel: Kernel) -> None:
+    ex = kernel.ok(
+        "%%elastic --nproc 1\n"
+        "import subprocess\n"
+        "subprocess.Popen(['sleep', '300'], start_new_session=True)  # escapes the process group\n"
+        "print('started a daemon')\n"
+    )
+    assert "stopped 1 process(es) the cell left running" in ex.stdout and "(sleep 300)" in ex.stdout
+    assert_job_gone(ex.job_id)
+
+
 def test_push_and_pull_round_trip(kernel: Kernel) -> None:
     kernel.ok("weights = {'scale': 3.0, 'name': 'pushed'}")
     ex = kernel.ok(

@@ -7,13 +7,19 @@ import signal
 from elastic_nb.supervisor.verdict import RankState, analyze
 
 
-def failure(t: float, type_: str = "ValueError", message: str = "boom", line: int | None = 5) -> dict:
+def failure(
+    t: float, type_: str = "ValueError", message: str = "boom", line: int | None = 5
+) -> dict:
     return {"time": t, "type": type_, "message": message, "cell_line": line}
 
 
 def test_torch_would_blame_the_victim_we_do_not() -> None:
     # Within the same second; rank 0 (the victim) has the lower rank.
-    victim = RankState(0, 0, failure=failure(100.9, "RuntimeError", "[gloo] Connection closed by peer [127.0.0.1]:1"))
+    victim = RankState(
+        0,
+        0,
+        failure=failure(100.9, "RuntimeError", "[gloo] Connection closed by peer [127.0.0.1]:1"),
+    )
     culprit = RankState(0, 1, failure=failure(100.7))
     v = analyze([victim, culprit], teardown_at=None)
     assert v.root is culprit and v.cause == "exception"
@@ -50,7 +56,10 @@ def test_all_ranks_aborting_at_once_blames_the_first() -> None:
     ranks = [RankState(0, r, died_at=7.0 + r / 100, exit_code=-signal.SIGABRT) for r in (2, 0, 1)]
     v = analyze(ranks, teardown_at=None)
     assert v.root.rank == 0 and v.root.failure_summary() == "killed by SIGABRT"
-    assert all(o["kind"] == "signal" and o["text"].startswith("also failed: killed by SIGABRT") for o in v.others)
+    assert all(
+        o["kind"] == "signal" and o["text"].startswith("also failed: killed by SIGABRT")
+        for o in v.others
+    )
 
 
 def test_exit_zero_without_done_is_a_failure() -> None:
@@ -64,4 +73,6 @@ def test_exit_zero_without_done_is_a_failure() -> None:
 def test_a_stopped_job_has_no_root() -> None:
     ranks = [RankState(0, r, died_at=2.0, exit_code=-signal.SIGTERM) for r in range(2)]
     v = analyze(ranks, teardown_at=1.9)
-    assert v.root is None and [o["text"] for o in v.others] == ["stopped by elastic_nb (SIGTERM)"] * 2
+    assert (
+        v.root is None and [o["text"] for o in v.others] == ["stopped by elastic_nb (SIGTERM)"] * 2
+    )

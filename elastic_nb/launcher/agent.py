@@ -21,9 +21,6 @@ from elastic_nb import protocol
 from elastic_nb.rundir import RunDir
 from elastic_nb.spec import JobSpec
 
-# torchelastic's SIGTERM -> SIGKILL grace for ranks (LaunchConfig.shutdown_timeout, default 30 s).
-# A notebook user waits on this after an interrupt: keep it short.
-SHUTDOWN_TIMEOUT_S = 2
 _PR_SET_PDEATHSIG = 1
 
 
@@ -144,8 +141,8 @@ def _launch_config(spec: JobSpec, rd: RunDir, job_id: str) -> Any:
         "start_method": spec.start_method,
         "logs_specs": RunDirLogsSpecs(rd),
     }
-    if "shutdown_timeout" in LaunchConfig.__dataclass_fields__:  # torch >= 2.10
-        kwargs["shutdown_timeout"] = SHUTDOWN_TIMEOUT_S
+    if "shutdown_timeout" in LaunchConfig.__dataclass_fields__:  # torch >= 2.10; default 30 s
+        kwargs["shutdown_timeout"] = max(1, round(spec.stop_grace))
     # LaunchConfig asks torch.cuda about devices (for NUMA binding). Ask NVML rather than the
     # CUDA runtime, so this process never initialises CUDA or holds GPU memory.
     previous = os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")

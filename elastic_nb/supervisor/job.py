@@ -3,18 +3,18 @@
 A job runs until one thing *decides* its outcome, then it tears its process tree down and
 reports. What decides, first come first served:
 
-* every rank of the current attempt finished the cell and exited        -> succeeded
+* every rank of an attempt finished the cell and exited                  -> succeeded
 * a rank failed in the last attempt the restart budget allows           -> failed
 * the launcher exited (torchelastic gave up, or the launcher broke)     -> from its result
-* `stop` from the kernel (interrupt, %elastic stop)                      -> interrupted / stopped
+* `stop` from a client (interrupt, %elastic stop)                        -> interrupted / stopped
 * the --timeout deadline                                                 -> timeout
 * the supervisor shutting down (the kernel died)                         -> stopped
 
 Deciding on our own observations rather than waiting for `elastic_launch` to return is what
-makes failures fast: torchelastic notices a dead rank at its next monitor tick, then stops the
-others with a 30 s default grace. Here the whole process group gets SIGTERM at once, SIGKILL
-after a short grace, and every process carrying the job's marker is accounted for before the
-kernel hears the end.
+makes failures fast: torchelastic notices a dead rank at its next monitor tick and formats its
+report before stopping the others. Here the whole process group gets SIGTERM at once, SIGKILL
+after the grace, and every process carrying the job's marker is accounted for before the kernel
+hears the end.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
+import psutil
 
 from elastic_nb import procs, protocol
 from elastic_nb.rundir import RunDir, read_json, write_atomic, write_json
@@ -39,14 +40,18 @@ from elastic_nb.supervisor.verdict import RankState, Verdict, analyze
 
 __all__ = ["Job"]
 
-STOP_GRACE_S = 2.0  # SIGTERM -> SIGKILL
 POLL_S = 0.05  # log tail and record polling
 FLUSH_S = 0.1  # one update per job per flush: at most 10 messages a second
 KILL_WAIT_S = 5.0  # after SIGKILL, how long processes may take to vanish (D state)
 
 Send = Callable[..., Awaitable[None]]
 
-_STOP_OUTCOMES = {"interrupt": "interrupted", "user": "stopped", "shutdown": "stopped"}
+_STOPS = {
+    "interrupt": ("interrupted", "interrupted from the kernel"),
+    "user": ("stopped", "stopped with %elastic stop"),
+    "shutdown": ("stopped", "the supervisor shut down (its kernel exited)"),
+}
+_FAILURES = ("exception", "peer", "exit", "exit0", "signal")
 
 
 class Job:
@@ -67,25 +72,26 @@ class Job:
         self.state = "starting"
         self.attempt = 0
         self.created = time.time()
+        self.last_tick: float | None = None  # the agent's monitor loop, as last heard
         self.summary: dict[str, Any] | None = None
         self._source, self._meta, self._payload, self._env = source, meta, payload, env
         self._send = send
         self._reap = reap
         self._ranks: dict[tuple[int, int], RankState] = {}
-        self._failed_attempts: dict[int, float] = {}
+        self._failed_attempts: set[int] = set()
         self._outcome: tuple[str, str] | None = None
         self._decided = anyio.Event()
         self._teardown_at: float | None = None
         self._launcher: subprocess.Popen[bytes] | None = None
         self._launcher_result: dict[str, Any] | None = None
-        self._launcher_exits: dict[int, dict[str, int]] = {}
-        self._leftovers: list[int] = []
+        self._launcher_exits: dict[int, dict[int, int]] = {}
+        self._leftovers: list[dict[str, Any]] = []
         self._tailer = LogTailer()
         self._tg: anyio.abc.TaskGroup | None = None
         self._pending_ranks: dict[int, dict[str, Any]] = {}
         self._pending_alerts: list[dict[str, Any]] = []
         self._state_dirty = True
-        self._events = None
+        self._events: Any = None
 
     # ---- for the server -----------------------------------------------------------------
 
@@ -98,13 +104,7 @@ class Job:
         return self.summary is None
 
     def request_stop(self, reason: str) -> None:
-        outcome = _STOP_OUTCOMES.get(reason, "stopped")
-        text = {
-            "interrupt": "interrupted from the kernel",
-            "user": "stopped with %elastic stop",
-            "shutdown": "the supervisor shut down (its kernel exited)",
-        }.get(reason, reason)
-        self._decide(outcome, text)
+        self._decide(*_STOPS.get(reason, ("stopped", reason)))
 
     def info(self) -> dict[str, Any]:
         return {
@@ -138,8 +138,8 @@ class Job:
             self._log_event("internal_error", error=repr(e))
         finally:
             with anyio.CancelScope(shield=True):
-                self._decide("stopped", "the supervisor shut down (its kernel exited)")
-                if self._launcher is not None and self._launcher.returncode is None:
+                self._decide(*_STOPS["shutdown"])
+                if self._launcher is not None and self._alive():
                     await self._teardown()
                 await self._finish()
 
@@ -164,6 +164,7 @@ class Job:
         with open(self.rd.launcher_log, "ab") as log:
             # start_new_session: the job is one process group we can signal as a whole, and
             # the kernel's interrupt (sent to the kernel's group) never reaches it directly.
+            # Started from this (the main) thread: the launcher's PDEATHSIG follows this thread.
             self._launcher = subprocess.Popen(
                 [sys.executable, "-m", "elastic_nb.launcher"],
                 stdin=subprocess.PIPE,
@@ -175,9 +176,8 @@ class Job:
             )
         assert self._launcher.stdin is not None and self._launcher.stdout is not None
         os.set_blocking(self._launcher.stdout.fileno(), False)
-        self._launcher.stdin.write(
-            json.dumps({"job": self.id, "run_dir": str(self.rd)}).encode() + b"\n"
-        )
+        assignment = {"job": self.id, "run_dir": str(self.rd)}
+        self._launcher.stdin.write(json.dumps(assignment).encode() + b"\n")
         self._launcher.stdin.close()
         self._log_event("launcher", pid=self._launcher.pid)
 
@@ -205,17 +205,21 @@ class Job:
 
     def _on_launcher(self, msg: dict[str, Any]) -> None:
         kind = msg["kind"]
+        if kind == protocol.TICK:
+            self.last_tick = time.time()
+            return
         self._log_event(f"launcher.{kind}", **{k: v for k, v in msg.items() if k != "kind"})
         if kind == protocol.READY:
             self._set_state("rendezvous")
         elif kind == protocol.START:
             self._on_start(int(msg["attempt"]), int(msg["rank"]), int(msg["pid"]))
         elif kind == protocol.EXITS:
-            codes = {int(r): c for r, c in msg["codes"].items()}
-            self._launcher_exits[int(msg["attempt"])] = codes
+            attempt = int(msg["attempt"])
+            codes = {int(r): c for r, c in msg["codes"].items() if c is not None}
+            self._launcher_exits[attempt] = codes
             for rank, code in codes.items():
-                r = self._ranks.get((int(msg["attempt"]), rank))
-                if r is not None and r.exit_code is None and code is not None:
+                r = self._ranks.get((attempt, rank))
+                if r is not None and r.exit_code is None:
                     r.exit_code = code
         elif kind == protocol.RESULT:
             self._launcher_result = msg
@@ -223,38 +227,34 @@ class Job:
     def _on_start(self, attempt: int, rank: int, pid: int) -> None:
         if attempt > self.attempt:
             self._announce_restart(attempt)
-        self.attempt = max(self.attempt, attempt)
+            self.attempt = attempt
         r = RankState(attempt, rank, pid=pid, started_at=time.time())
         self._ranks[(attempt, rank)] = r
         self._tailer.follow(
             attempt, rank, {s: self.rd.log(attempt, rank, s) for s in ("out", "err")}
         )
-        self._pending_ranks[rank] = {"state": "running", "pid": pid, "attempt": attempt}
+        self._pending_ranks[rank] = self._chip(r)
         self._set_state("running")
         assert self._tg is not None
         self._tg.start_soon(self._watch_rank, r)
 
     def _announce_restart(self, attempt: int) -> None:
-        previous = attempt - 1
-        verdict = analyze(self._attempt_ranks(previous), None)
-        why = (
-            f"rank {verdict.root.rank} {verdict.root.failure_summary()}"
-            if verdict.root
-            else "it failed"
-        )
+        verdict = analyze(self._attempt_ranks(attempt - 1), None)
+        root = verdict.root
+        why = f"rank {root.rank} {root.failure_summary()}" if root else "it failed"
         self._alert(
             "restart",
             "warning",
-            f"attempt {previous} failed: {why}; restarting as attempt {attempt} "
+            f"attempt {attempt - 1} failed: {why}; restarting as attempt {attempt} "
             f"(restart {attempt}/{self.spec.max_restarts})",
-            rank=verdict.root.rank if verdict.root else None,
+            rank=root.rank if root else None,
         )
 
     async def _watch_rank(self, r: RankState) -> None:
         assert r.pid is not None
         fd = procs.pidfd_open(r.pid)
-        if fd is None:
-            while os.path.exists(f"/proc/{r.pid}") and procs.zombie_exit_code(r.pid) is None:
+        if fd is None:  # no pidfd (old kernel) or already gone
+            while procs.zombie_exit_code(r.pid) is None and psutil.pid_exists(r.pid):
                 await anyio.sleep(POLL_S)
         else:
             try:
@@ -262,7 +262,7 @@ class Job:
             finally:
                 os.close(fd)
         r.died_at = time.time()
-        # Read before torchelastic reaps it (it joins ranks at its next monitor tick).
+        # Read it now, before torchelastic reaps it at its next monitor tick.
         if r.exit_code is None:
             r.exit_code = procs.zombie_exit_code(r.pid)
         self._read_records(r)
@@ -275,27 +275,33 @@ class Job:
         if r.failure is None and r.done is None:
             r.failure = read_json(self.rd.failure(r.attempt, r.rank))
 
-    def _evaluate(self, r: RankState) -> None:
+    def _chip(self, r: RankState) -> dict[str, Any]:
+        """What a dashboard shows for one rank."""
         kind = r.kind(self._teardown_at)
-        chip: dict[str, Any] = {"attempt": r.attempt, "pid": r.pid}
-        if kind == "done":
-            chip.update(state="done" if r.died_at else "running")
-        elif kind == "running":
-            chip.update(state="running")
+        if kind == "running" or (kind == "done" and r.died_at is None):
+            state = "running"
         else:
-            chip.update(state="failed", detail=r.failure_summary())
-        self._pending_ranks[r.rank] = chip
-        if kind in ("exception", "peer", "exit", "exit0", "signal"):
+            state = {"done": "done", "terminated": "stopped"}.get(kind, "failed")
+        chip: dict[str, Any] = {"state": state, "attempt": r.attempt, "pid": r.pid}
+        if state in ("failed", "stopped"):
+            chip["detail"] = r.failure_summary()
+        return chip
+
+    def _evaluate(self, r: RankState) -> None:
+        if r.attempt == self.attempt:
+            self._pending_ranks[r.rank] = self._chip(r)
+        kind = r.kind(self._teardown_at)
+        if kind in _FAILURES:
             self._on_rank_failed(r, kind)
-        elif kind == "done" and r.attempt == self.attempt:
-            current = self._attempt_ranks(self.attempt)
-            if len(current) == self.spec.nproc and all(x.done and x.died_at for x in current):
+        elif kind == "done":
+            ranks = self._attempt_ranks(r.attempt)
+            if len(ranks) == self.spec.nproc and all(x.done and x.died_at for x in ranks):
                 self._decide("succeeded", "every rank finished the cell")
 
     def _on_rank_failed(self, r: RankState, kind: str) -> None:
         if r.attempt in self._failed_attempts:
             return
-        self._failed_attempts[r.attempt] = r.failed_at or time.time()
+        self._failed_attempts.add(r.attempt)
         self._log_event("attempt.failed", attempt=r.attempt, rank=r.rank, kind=kind)
         # An exit(0) without finishing leaves torchelastic waiting forever for a return value
         # (multiprocessing/api.py, _poll): no restart would come, so it ends the job.
@@ -313,8 +319,8 @@ class Job:
             self._tailer.poll()
             for r in self._attempt_ranks(self.attempt):
                 if r.died_at is None and r.failure is None:
-                    # A failure record lands before the process exits (torch and Python teardown
-                    # can take a while): act on it at once.
+                    # A failure record lands before the process exits (torch and Python
+                    # teardown can take a while): act on it at once.
                     r.failure = read_json(self.rd.failure(r.attempt, r.rank))
                     if r.failure is not None:
                         self._evaluate(r)
@@ -327,16 +333,14 @@ class Job:
 
     def _decide_from_launcher(self) -> None:
         assert self._launcher is not None
-        code = self._launcher.poll()
         result = self._launcher_result
         if result and result.get("ok"):
             self._decide("succeeded", "elastic_launch returned")
         elif result:
             self._decide("failed", f"torchelastic gave up: {result.get('error')}")
         else:
-            self._decide(
-                "failed", f"the launcher {procs.describe_exit(code)} (see {self.rd.launcher_log})"
-            )
+            how = procs.describe_exit(self._launcher.poll())
+            self._decide("failed", f"the launcher {how} (see {self.rd.launcher_log})")
 
     # ---- ending ---------------------------------------------------------------------------
 
@@ -351,55 +355,61 @@ class Job:
 
     async def _teardown(self) -> None:
         """Leave nothing behind: SIGTERM the group, grace, SIGKILL, then account for every
-        process with the job's marker (a rank may have started its own session)."""
-        assert self._outcome is not None
-        if self._launcher is None:
-            return
+        process with the job's marker (a rank may have started a session of its own)."""
+        assert self._outcome is not None and self._launcher is not None
         if self._outcome[0] == "succeeded":
-            # torch has joined the ranks; the launcher is on its way out.
-            await self._wait_gone(STOP_GRACE_S)
-        for sig, wait in ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, KILL_WAIT_S)):
+            # torch has joined the ranks; the launcher is on its way out. Whatever else still
+            # carries the marker after that was left behind by the cell.
+            await self._wait_gone(self.spec.stop_grace, leftovers_too=False)
+            if self._launcher.poll() is not None:
+                self._leftovers = [_describe(p) for p in procs.job_processes([self.id])]
+        for sig, wait in ((signal.SIGTERM, self.spec.stop_grace), (signal.SIGKILL, KILL_WAIT_S)):
             if not self._alive():
                 break
             if self._teardown_at is None:
                 self._teardown_at = time.time()
             procs.signal_group(self._launcher.pid, sig)
             stray = procs.kill_job([self.id], sig)
-            if self._outcome[0] == "succeeded":
-                self._leftovers = sorted(set(self._leftovers) | set(stray))
             self._log_event("teardown", signal=signal.Signals(sig).name, stray=stray)
             await self._wait_gone(wait)
-        self._launcher.wait()
+        if self._launcher.poll() is None:
+            self._log_event("teardown_failed", pid=self._launcher.pid)
         self._reap()
-        for fd_owner in (self._launcher.stdout,):
-            if fd_owner is not None:
-                fd_owner.close()
 
-    def _alive(self) -> bool:
+    def _alive(self, leftovers_too: bool = True) -> bool:
         assert self._launcher is not None
-        return self._launcher.poll() is None or bool(procs.job_processes([self.id]))
+        if self._launcher.poll() is None:
+            return True
+        return leftovers_too and bool(procs.job_processes([self.id]))
 
-    async def _wait_gone(self, timeout: float) -> None:
+    async def _wait_gone(self, timeout: float, leftovers_too: bool = True) -> None:
         with anyio.move_on_after(timeout):
-            while self._alive():
+            while self._alive(leftovers_too):
                 await anyio.sleep(POLL_S)
 
     async def _finish(self) -> None:
         assert self._outcome is not None
         outcome, reason = self._outcome
+        if self._launcher is not None and self._launcher.stdout is not None:
+            self._launcher.stdout.close()
         self._tailer.poll(final=True)
         for r in self._ranks.values():
             self._read_records(r)
             if r.died_at is None:
-                r.died_at = time.time()  # gone by now: teardown saw to it
+                r.died_at = time.time()  # gone by now: the teardown saw to it
             if r.exit_code is None:
                 r.exit_code = self._launcher_exits.get(r.attempt, {}).get(r.rank)
-            self._evaluate_chip_only(r)
+            if r.attempt == self.attempt:
+                self._pending_ranks[r.rank] = self._chip(r)
+        if self._leftovers:
+            pids = ", ".join(f"{p['pid']} ({p['cmd']})" for p in self._leftovers)
+            self._alert(
+                "leftovers",
+                "warning",
+                f"stopped {len(self._leftovers)} process(es) the cell left running: {pids}",
+            )
         verdict = analyze(self._attempt_ranks(self.attempt), self._teardown_at)
-        if outcome == "failed" and verdict.root is None and self._failed_attempts:
-            outcome = "failed"
-        self.state = outcome
-        self._state_dirty = True
+        self._set_state(outcome)
         await self._flush()
         self.summary = self._summarize(outcome, reason, verdict)
         write_json(self.rd.summary, self.summary)
@@ -408,15 +418,6 @@ class Job:
         if self._events is not None:
             self._events.close()
         await self._send(protocol.END, job=self.id, summary=self.summary)
-
-    def _evaluate_chip_only(self, r: RankState) -> None:
-        kind = r.kind(self._teardown_at)
-        state = {"done": "done", "running": "running", "terminated": "stopped"}.get(kind, "failed")
-        chip: dict[str, Any] = {"state": state, "attempt": r.attempt, "pid": r.pid}
-        if state in ("failed", "stopped"):
-            chip["detail"] = r.failure_summary()
-        if r.attempt == self.attempt:
-            self._pending_ranks[r.rank] = chip
 
     def _summarize(self, outcome: str, reason: str, verdict: Verdict) -> dict[str, Any]:
         root = verdict.root
@@ -446,7 +447,7 @@ class Job:
             "failure": failure,
             "others": verdict.others if outcome != "succeeded" else [],
             "launcher_log_tail": self._launcher_log_tail()
-            if failure is None and outcome == "failed"
+            if outcome == "failed" and failure is None
             else None,
             "leftovers": self._leftovers,
             "result": self.rd.result(self.attempt).exists(),
@@ -469,6 +470,7 @@ class Job:
     def _alert(
         self, kind: str, severity: str, title: str, rank: int | None = None, text: str | None = None
     ) -> None:
+        """A typed event any renderer can show: what, how bad, which rank, optional detail."""
         alert = {
             "kind": kind,
             "severity": severity,
@@ -504,3 +506,10 @@ class Job:
             self._events.write(
                 json.dumps({"t": time.time(), "event": event, **fields}, default=str) + "\n"
             )
+
+
+def _describe(p: psutil.Process) -> dict[str, Any]:
+    try:
+        return {"pid": p.pid, "cmd": " ".join(p.cmdline())[:80]}
+    except psutil.Error:
+        return {"pid": p.pid, "cmd": "?"}

@@ -20,7 +20,7 @@ import anyio
 from anyio.abc import SocketListener, SocketStream, TaskGroup
 
 from elastic_nb import procs, protocol
-from elastic_nb.spec import JobSpec, SpecError
+from elastic_nb.spec import JobSpec
 from elastic_nb.supervisor.job import Job
 
 __all__ = ["Supervisor"]
@@ -96,7 +96,7 @@ class Supervisor:
         self._shutdown()
 
     async def _watch_signals(self) -> None:
-        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGHUP, signal.SIGINT) as signals:
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGHUP) as signals:
             async for _ in signals:
                 self._shutdown()
                 return
@@ -128,7 +128,7 @@ class Supervisor:
         conn = Connection(stream)
         is_kernel = False
         try:
-            async for msg, blob in conn.messages():
+            async for msg, blob in conn.messages():  # a ProtocolError ends this connection only
                 if msg["kind"] == protocol.HELLO:
                     try:
                         protocol.check_hello(msg)
@@ -139,6 +139,8 @@ class Supervisor:
                     await conn.send(protocol.HELLO, version=protocol.VERSION, pid=os.getpid())
                     continue
                 await self._handle(conn, msg, blob)
+        except protocol.ProtocolError:
+            pass
         finally:
             with contextlib.suppress(Exception):
                 await stream.aclose()
@@ -162,8 +164,8 @@ class Supervisor:
                 }
             else:
                 raise protocol.ProtocolError(f"unknown request {kind!r}")
-        except (SpecError, protocol.ProtocolError, KeyError, OSError) as e:
-            await conn.send(protocol.REPLY, req=req, ok=False, error=str(e))
+        except Exception as e:  # a bad request fails alone; the supervisor serves on
+            await conn.send(protocol.REPLY, req=req, ok=False, error=f"{type(e).__name__}: {e}")
             return
         await conn.send(protocol.REPLY, req=req, ok=True, **reply)
 

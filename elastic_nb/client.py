@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from elastic_nb import procs, protocol
-from elastic_nb.errors import SupervisorDied
+from elastic_nb.errors import ElasticError, SupervisorDied
+from elastic_nb.rundir import RunDir
 from elastic_nb.spec import JobSpec
 
 __all__ = ["JobHandle", "Renderer", "SupervisorClient", "get_client"]
@@ -74,10 +75,24 @@ class SupervisorClient:
     # ---- lifecycle --------------------------------------------------------------------------
 
     def _start(self) -> None:
-        rt = runtime_dir()
-        stem = rt / f"sup-{os.getpid()}-{secrets.token_hex(3)}"
+        stem = runtime_dir() / f"sup-{os.getpid()}-{secrets.token_hex(3)}"
         self.socket_path = f"{stem}.sock"
         self.log_path = f"{stem}.log"
+        self._proc: subprocess.Popen[bytes] | None = None
+        try:
+            self._spawn()
+            self._connect()
+        except BaseException:
+            # An interrupt or a failure half-way must not leave a supervisor without its kernel
+            # connection: it would live as long as the kernel.
+            self._alive = False
+            if self._proc is not None and self._proc.poll() is None:
+                self._proc.kill()
+                self._proc.wait()
+            raise
+
+    def _spawn(self) -> None:
+        """The kernel binds the socket and hands the listening fd over: no race to connect."""
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             listener.bind(self.socket_path)
@@ -93,6 +108,8 @@ class SupervisorClient:
                         str(listener.fileno()),
                         "--kernel-pid",
                         str(os.getpid()),
+                        "--log",
+                        self.log_path,
                     ],
                     pass_fds=[listener.fileno()],
                     stdin=subprocess.DEVNULL,
@@ -102,28 +119,24 @@ class SupervisorClient:
                 )
         finally:
             listener.close()
+
+    def _connect(self) -> None:
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.connect(self.socket_path)  # queued in the backlog until the supervisor accepts
-        decoder = protocol.FrameDecoder()
         self._sock.settimeout(HELLO_TIMEOUT_S)
-        self._sock.sendall(
-            protocol.encode(
-                protocol.HELLO, version=protocol.VERSION, role="kernel", kernel_pid=os.getpid()
-            )
+        hello_msg = protocol.encode(
+            protocol.HELLO, version=protocol.VERSION, role="kernel", kernel_pid=os.getpid()
         )
+        self._sock.sendall(hello_msg)
+        decoder = protocol.FrameDecoder()
         hello = None
-        try:
+        with contextlib.suppress(OSError):
             while hello is None:
                 data = self._sock.recv(1 << 16)
                 if not data:
                     break
-                for msg, _ in decoder.feed(data):
-                    hello = msg
-                    break
-        except OSError:
-            pass
+                hello = next((msg for msg, _ in decoder.feed(data)), None)
         if hello is None:
-            self._alive = False
             raise SupervisorDied(
                 f"the elastic_nb supervisor did not start; its log says:\n{self._log_tail()}"
             )
@@ -148,8 +161,9 @@ class SupervisorClient:
             self._sock.shutdown(socket.SHUT_RDWR)
         with contextlib.suppress(OSError):
             self._sock.close()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self._proc.wait(timeout=10)
+        if self._proc is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._proc.wait(timeout=10)
 
     def _log_tail(self, n: int = 20) -> str:
         with contextlib.suppress(OSError):
@@ -170,8 +184,9 @@ class SupervisorClient:
             pass
         finally:
             self._alive = False
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self._proc.wait(timeout=1)  # reap it
+            if self._proc is not None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self._proc.wait(timeout=1)  # reap it
             for q in list(self._pending.values()):
                 q.put(_GONE)
             for job in list(self._jobs.values()):
@@ -224,7 +239,7 @@ class SupervisorClient:
                 f"the elastic_nb supervisor exited; its log says:\n{self._log_tail()}"
             )
         if not reply.get("ok"):
-            raise RuntimeError(reply.get("error", "request failed"))
+            raise ElasticError(f"the supervisor refused {kind!r}: {reply.get('error')}")
         return reply
 
     # ---- requests ---------------------------------------------------------------------------
@@ -232,15 +247,26 @@ class SupervisorClient:
     def submit(
         self, spec: JobSpec, source: str, meta: dict[str, Any], payload: bytes | None
     ) -> JobHandle:
-        reply = self.request(
-            protocol.SUBMIT,
-            payload,
-            spec=spec.to_dict(),
-            cell={"source": source, "meta": meta},
-            env=dict(os.environ),
-        )
-        job = JobHandle(self, reply["job"], reply["run_dir"], spec)
+        # The id is ours: the handle is registered before the first event can arrive, and an
+        # interrupt that lands before the reply can still stop the job.
+        job = JobHandle(self, secrets.token_hex(4), spec)
         self._jobs[job.id] = job
+        try:
+            self.request(
+                protocol.SUBMIT,
+                payload,
+                job=job.id,
+                spec=spec.to_dict(),
+                cell={"source": source, "meta": meta},
+                env=dict(os.environ),
+            )
+        except KeyboardInterrupt:
+            with contextlib.suppress(SupervisorDied):
+                self.send(protocol.STOP, job=job.id, reason="interrupt")
+            raise
+        except BaseException:
+            del self._jobs[job.id]
+            raise
         return job
 
     def stop(self, job_id: str | None = None, reason: str = "user") -> list[str]:
@@ -256,9 +282,9 @@ class SupervisorClient:
 class JobHandle:
     """A job as the kernel sees it: its events, and its summary once it has ended."""
 
-    def __init__(self, client: SupervisorClient, job_id: str, run_dir: str, spec: JobSpec) -> None:
+    def __init__(self, client: SupervisorClient, job_id: str, spec: JobSpec) -> None:
         self.id = job_id
-        self.run_dir = run_dir
+        self.run_dir = str(RunDir.of(spec.log_dir, job_id))
         self.spec = spec
         self.summary: dict[str, Any] | None = None
         self._client = client

@@ -36,6 +36,11 @@ class RunDir:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
 
+    @classmethod
+    def of(cls, log_dir: str, job_id: str) -> RunDir:
+        """The run directory of a job: <log-dir>/<job-id>."""
+        return cls(Path(log_dir) / job_id)
+
     def __repr__(self) -> str:
         return f"RunDir({str(self.path)!r})"
 

@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import signal
 
 import anyio
@@ -16,11 +18,15 @@ def main() -> None:
     parser.add_argument(
         "--kernel-pid", type=int, required=True, help="exit when this process exits"
     )
+    parser.add_argument("--log", help="our own log file: removed after a clean exit")
     args = parser.parse_args()
-    # The kernel's interrupt must never reach us: we run in our own session, and ignore SIGINT
-    # until the signal receiver takes it over (a job is stopped by request, not by Ctrl-C).
+    # The kernel's interrupt never reaches us (we run in a session of our own), and a job is
+    # stopped by request, not by Ctrl-C: ignore SIGINT.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     anyio.run(Supervisor(args.listen_fd, args.kernel_pid).run)
+    if args.log:
+        with contextlib.suppress(OSError):
+            os.unlink(args.log)
 
 
 if __name__ == "__main__":

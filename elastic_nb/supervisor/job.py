@@ -68,7 +68,7 @@ class Job:
     ) -> None:
         self.id = job_id
         self.spec = spec
-        self.rd = RunDir(os.path.join(spec.log_dir, job_id))
+        self.rd = RunDir.of(spec.log_dir, job_id)
         self.state = "starting"
         self.attempt = 0
         self.created = time.time()
@@ -120,7 +120,6 @@ class Job:
 
     async def run(self) -> None:
         try:
-            self._prepare()
             if self._outcome is not None:
                 return  # stopped before it started
             self._start_launcher()
@@ -145,7 +144,8 @@ class Job:
 
     # ---- start ----------------------------------------------------------------------------
 
-    def _prepare(self) -> None:
+    def prepare(self) -> None:
+        """Create the run directory; a failure here is the submitter's error, not a job's."""
         self.rd.path.mkdir(parents=True, exist_ok=False)
         self._events = open(self.rd.events, "a", buffering=1)  # noqa: SIM115
         self.rd.spec.write_text(self.spec.to_json())

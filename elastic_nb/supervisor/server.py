@@ -69,7 +69,9 @@ class Supervisor:
 
     async def run(self) -> None:
         procs.set_child_subreaper()
-        listener = await SocketListener.from_socket(socket.socket(fileno=self._listen_fd))
+        sock = socket.socket(fileno=self._listen_fd)
+        path = sock.getsockname()
+        listener = await SocketListener.from_socket(sock)
         try:
             async with anyio.create_task_group() as tg:
                 self._tg = tg
@@ -80,6 +82,8 @@ class Supervisor:
         finally:
             with anyio.CancelScope(shield=True):
                 await listener.aclose()
+            with contextlib.suppress(OSError):
+                os.unlink(path)
 
     # ---- lifeline ---------------------------------------------------------------------------
 
@@ -171,9 +175,9 @@ class Supervisor:
 
     def _submit(self, conn: Connection, msg: dict[str, Any], blob: bytes | None) -> dict[str, Any]:
         spec = JobSpec.from_dict(msg["spec"])
-        job_id = secrets.token_hex(4)
-        while job_id in self._jobs:
-            job_id = secrets.token_hex(4)
+        job_id = str(msg.get("job") or secrets.token_hex(4))
+        if job_id in self._jobs or not job_id.isalnum():
+            raise ValueError(f"job id {job_id!r} is taken or malformed")
         job = Job(
             job_id,
             spec,
@@ -184,10 +188,11 @@ class Supervisor:
             send=conn.send,
             reap=self.reap,
         )
+        job.prepare()
         self._jobs[job_id] = job
         assert self._tg is not None
         self._tg.start_soon(job.run)
-        return {"job": job_id, "run_dir": str(job.rd)}
+        return {"job": job_id}
 
     def _stop(self, job_id: str | None, reason: str) -> dict[str, Any]:
         if job_id is not None and job_id not in self._jobs:

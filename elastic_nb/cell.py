@@ -24,7 +24,10 @@ from typing import Any
 
 from elastic_nb.errors import CellError
 
-__all__ = ["PreparedCell", "prepare_cell"]
+__all__ = ["PreparedCell", "explicit_timeouts", "prepare_cell"]
+
+# The calls whose timeout= argument overrides --collective-timeout.
+_GROUP_CALLS = frozenset({"init_process_group", "new_group", "new_subgroups", "init_device_mesh"})
 
 # IPython's own names in the user namespace, beyond user_ns_hidden: its output and input history
 # (_, __, ___, _7, _i, _ii, _i7, _ih, _oh, _dh) and helpers.
@@ -148,3 +151,17 @@ def _pickle(objects: dict[str, Any], pushed: set[str]) -> bytes:
                 "the ranks can import."
             ) from None
     raise CellError("the cell's objects could not be pickled together (a shared unpicklable part)")
+
+
+def explicit_timeouts(source: str) -> list[int]:
+    """Lines (of `source`) that create a process group with an explicit ``timeout=``, which
+    wins over --collective-timeout."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+        if name in _GROUP_CALLS and any(k.arg == "timeout" for k in node.keywords):
+            lines.append(node.lineno)
+    return sorted(lines)

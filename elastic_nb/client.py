@@ -156,9 +156,7 @@ class SupervisorClient:
 
     def close(self) -> None:
         """Closing the lifeline makes the supervisor stop every job and exit."""
-        self._alive = False
-        with contextlib.suppress(OSError):
-            self._sock.shutdown(socket.SHUT_RDWR)
+        self._break()
         with contextlib.suppress(OSError):
             self._sock.close()
         if self._proc is not None:
@@ -208,8 +206,20 @@ class SupervisorClient:
             try:
                 self._sock.sendall(data)
             except OSError as e:
-                self._alive = False
+                self._break()
                 raise SupervisorDied(f"the elastic_nb supervisor is gone ({e})") from None
+            except BaseException:
+                # Interrupted half-way through a frame: the stream is corrupt from here on.
+                # Dropping the connection makes the supervisor stop this kernel's jobs and
+                # exit; the next %%elastic cell starts a new one.
+                self._break()
+                raise
+
+    def _break(self) -> None:
+        """Give up on this supervisor without waiting for it (see close)."""
+        self._alive = False
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
 
     def send(self, kind: str, blob: bytes | None = None, **fields: Any) -> None:
         """Fire and forget (a stop while the cell is being interrupted)."""
@@ -229,8 +239,11 @@ class SupervisorClient:
             self._write(protocol.encode(kind, blob, req=req, **fields))
             reply = q.get(timeout=timeout)
         except queue.Empty:
+            # A supervisor that does not answer cannot be trusted with the next job either.
+            self._break()
             raise SupervisorDied(
-                f"the elastic_nb supervisor did not answer {kind!r} in {timeout:g} s"
+                f"the elastic_nb supervisor did not answer {kind!r} in {timeout:g} s; it was "
+                "told to stop its jobs and a new one starts with the next %%elastic cell"
             ) from None
         finally:
             self._pending.pop(req, None)
@@ -301,44 +314,77 @@ class JobHandle:
         """Feed the job's events to `renderer` until it ends; return its summary.
 
         A KeyboardInterrupt (the kernel's interrupt) stops the job, waits for it to be gone
-        (at most STOP_TIMEOUT_S, then kills its processes from here) and is re-raised.
+        (at most `stop_timeout`, then kills its processes from here) and is re-raised. Any other
+        error on the way (a renderer's) also stops the job before it propagates: a cell that
+        raised never leaves its ranks running.
         """
+        try:
+            return self._follow(renderer)
+        except (KeyboardInterrupt, SupervisorDied):
+            raise
+        except BaseException:
+            if self.summary is None:
+                self._stop_and_wait("stopped", "the cell raised while following the job")
+            raise
+
+    @property
+    def stop_timeout(self) -> float:
+        # The supervisor's teardown: SIGTERM, the job's grace, SIGKILL; usually well under 1 s.
+        return max(STOP_TIMEOUT_S, self.spec.stop_grace + 2.0)
+
+    def _follow(self, renderer: Renderer) -> dict[str, Any]:
         interrupted = False
         deadline: float | None = None
         while self.summary is None:
             try:
+                if deadline is not None and time.monotonic() > deadline:
+                    self._kill_here("interrupted", "the supervisor did not stop the job in time")
+                    break
                 try:
                     msg = self._queue.get(timeout=0.25)
                 except queue.Empty:
-                    if deadline is not None and time.monotonic() > deadline:
-                        self._kill_here(
-                            "interrupted", "the supervisor did not stop the job in time"
-                        )
-                        break
                     continue
-                if msg is _GONE:
-                    self._kill_here("failed", "the supervisor exited")
-                    raise SupervisorDied(
-                        f"the elastic_nb supervisor (pid {self._client.pid}) exited while job {self.id} "
-                        "ran; the job's processes were killed. The next %%elastic cell starts a new one."
-                    )
-                if msg["kind"] == protocol.UPDATE:
-                    renderer.update(msg)
-                elif msg["kind"] == protocol.END:
-                    self.summary = msg["summary"]
-                    renderer.end(self.summary)
+                self._handle(msg, renderer)
             except KeyboardInterrupt:
                 if interrupted:
                     self._kill_here("interrupted", "interrupted twice")  # the user insists
                     break
                 interrupted = True
-                deadline = time.monotonic() + STOP_TIMEOUT_S
+                deadline = time.monotonic() + self.stop_timeout
                 with contextlib.suppress(SupervisorDied):
                     self._client.send(protocol.STOP, job=self.id, reason="interrupt")
         if interrupted:
             raise KeyboardInterrupt
         assert self.summary is not None
         return self.summary
+
+    def _handle(self, msg: Any, renderer: Renderer | None) -> None:
+        if msg is _GONE:
+            self._kill_here("failed", "the supervisor exited")
+            raise SupervisorDied(
+                f"the elastic_nb supervisor (pid {self._client.pid}) exited while job {self.id} "
+                "ran; the job's processes were killed. The next %%elastic cell starts a new one."
+            )
+        if msg["kind"] == protocol.END:
+            self.summary = msg["summary"]
+        if renderer is None:
+            return
+        if msg["kind"] == protocol.UPDATE:
+            renderer.update(msg)
+        elif msg["kind"] == protocol.END:
+            renderer.end(msg["summary"])
+
+    def _stop_and_wait(self, outcome: str, reason: str) -> None:
+        """Stop the job without a renderer; bounded, and the processes are gone afterwards."""
+        with contextlib.suppress(SupervisorDied):
+            self._client.send(protocol.STOP, job=self.id, reason="user")
+        deadline = time.monotonic() + self.stop_timeout
+        with contextlib.suppress(SupervisorDied):
+            while self.summary is None and time.monotonic() < deadline:
+                with contextlib.suppress(queue.Empty):
+                    self._handle(self._queue.get(timeout=0.25), None)
+        if self.summary is None:
+            self._kill_here(outcome, reason)
 
     def _kill_here(self, outcome: str, reason: str) -> None:
         """Last resort from the kernel itself: kill every process carrying this job's marker."""

@@ -62,6 +62,11 @@ class JobFailed(ElasticError):
         return f["rank"] if f else None
 
     @property
+    def cause(self) -> str | None:
+        """The cause class: exception, cuda_oom, desync, ... (report.CAUSE_HINTS)."""
+        return self.summary.get("cause")
+
+    @property
     def run_dir(self) -> str:
         return self.summary["run_dir"]
 

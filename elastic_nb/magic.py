@@ -17,6 +17,7 @@ Manage jobs and session defaults with the line magic::
     %elastic jobs                                  # this session's jobs
     %elastic logs [JOB] [--rank R] [--attempt K] [--tail N]
     %elastic stop [JOB]                            # stop running jobs
+    %elastic stacks [JOB]                          # every rank's Python stack, now
     %elastic status                                # the supervisor process
 
 The cell blocks until every rank has finished. Interrupt the kernel to stop the job: every rank
@@ -36,7 +37,8 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, argument_group, magic_arguments, parse_argstring
 from IPython.utils.text import SList
 
-from elastic_nb.cell import prepare_cell
+from elastic_nb import protocol
+from elastic_nb.cell import explicit_timeouts, prepare_cell
 from elastic_nb.client import JobHandle, get_client
 from elastic_nb.errors import ElasticError, JobFailed, JobStopped, JobTimeout
 from elastic_nb.render_text import TextRenderer
@@ -154,7 +156,32 @@ def launch_arguments(func: Any) -> Any:
             metavar="S",
             default=_S,
             help="default timeout of every process group the cell creates (gloo and NCCL), in "
-            "seconds (default: torch's, 30 min gloo / 10 min NCCL)",
+            f"seconds; 'off' keeps torch's 30 min / 10 min (default: {_default('collective_timeout')})",
+        ),
+        argument(
+            "--heartbeat-timeout",
+            dest="heartbeat_timeout",
+            metavar="S",
+            default=_S,
+            help="NCCL's heartbeat monitor: a rank whose watchdog is stuck this long is aborted "
+            f"(TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC; default: {_default('heartbeat_timeout')})",
+        ),
+        argument(
+            "--async-error-handling",
+            dest="async_error_handling",
+            metavar="0-3",
+            default=_S,
+            help="TORCH_NCCL_ASYNC_ERROR_HANDLING: 1 aborts and tears the rank down after the "
+            "flight recorder has dumped, 2 only aborts communicators, 3 skips the abort, 0 does "
+            f"nothing (default: {_default('async_error_handling')})",
+        ),
+        argument(
+            "--hang-after",
+            dest="hang_after",
+            metavar="S",
+            default=_S,
+            help="no output and no exit from any rank for this long: alert with every rank's "
+            f"stack, the job keeps running; 'off' disables (default: {_default('hang_after')})",
         ),
         argument_group("data"),
         argument(
@@ -241,10 +268,17 @@ class ElasticMagics(Magics):
             preflight(spec)
         except SpecError as e:
             raise UsageError(str(e)) from None
+        if spec.collective_timeout is not None:
+            for lineno in explicit_timeouts(prepared.source):
+                print(
+                    f"[elastic_nb] warning: cell line {lineno} passes timeout= to a process group; "
+                    f"it overrides --collective-timeout {spec.collective_timeout:g} for that group",
+                    file=sys.stderr,
+                )
         job = get_client().submit(spec, prepared.source, prepared.meta, prepared.payload)
         self.jobs[job.id] = job
         renderer = TextRenderer(job.id, job.run_dir)
-        renderer.start(spec.nproc)
+        renderer.start(spec.nproc, spec.worst_case_s)
         summary = job.wait(renderer)
         if summary["outcome"] == "timeout":
             raise JobTimeout(summary)
@@ -272,6 +306,7 @@ class ElasticMagics(Magics):
             "jobs": self._jobs,
             "logs": self._logs,
             "stop": self._stop,
+            "stacks": self._stacks,
             "config": self._config,
         }
         if command not in handlers:
@@ -383,6 +418,21 @@ class ElasticMagics(Magics):
             return
         stopping = client._client.stop(job_id, reason="user")
         print(f"stopping: {', '.join(stopping)}" if stopping else "no running jobs")
+
+    def _stacks(self, rest: str) -> None:
+        """Every rank's Python stack, now, for a running job (the latest one by default)."""
+        from elastic_nb import client
+
+        job_id = rest or None
+        if job_id is not None:
+            self._job(job_id)
+        if client._client is None or not client._client.alive:
+            raise UsageError("no running job: %elastic stacks needs one (e.g. started with --bg)")
+        try:
+            text = client._client.request(protocol.STACKS, job=job_id)["text"]
+        except ElasticError as e:
+            raise UsageError(str(e).replace("the supervisor refused 'stacks': ", "")) from None
+        print(text)
 
     def _config(self, rest: str) -> None:
         if rest == "reset":

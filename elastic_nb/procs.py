@@ -115,6 +115,46 @@ def zombie_exit_code(pid: int) -> int | None:
     return os.waitstatus_to_exitcode(int(fields[49]))
 
 
+_STATES = {
+    "R": "running",
+    "S": "sleeping",
+    "D": "in uninterruptible sleep (D: a driver or filesystem call; signals wait until it returns)",
+    "T": "stopped (SIGSTOP)",
+    "t": "stopped by a debugger",
+    "Z": "a zombie (dead, not reaped by its parent)",
+}
+
+
+def proc_state(pid: int) -> tuple[str, str] | None:
+    """(state letter, what it means and where the kernel has it waiting), or None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    letter = stat[stat.rfind(b")") + 2 :].split()[0].decode()
+    text = _STATES.get(letter, f"in state {letter}")
+    with contextlib.suppress(OSError):
+        with open(f"/proc/{pid}/wchan") as f:
+            wchan = f.read().strip()
+        if wchan and wchan != "0" and letter in "DS":
+            text += f", waiting in {wchan}"
+    return letter, text
+
+
+def oom_kills() -> int:
+    """How many processes the kernel's OOM killer has ended: in this process's cgroup (v2
+    memory.events) where readable, else machine-wide (/proc/vmstat). Compare two readings."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        with open("/proc/self/cgroup") as f:
+            path = next(line.split(":", 2)[2].strip() for line in f if line.startswith("0::"))
+        with open(f"/sys/fs/cgroup{path}/memory.events") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("oom_kill "))
+    with contextlib.suppress(OSError, ValueError, StopIteration), open("/proc/vmstat") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("oom_kill "))
+    return 0
+
+
 def signal_name(signum: int) -> str:
     try:
         return signal.Signals(signum).name

@@ -15,19 +15,21 @@ Kernel -> supervisor                      Supervisor -> kernel
   stop {req, job, reason}                   update {job, ...}      (<= 10 per second per job)
   jobs {req}                                end {job, summary}     (once per job, last)
   status {req}
+  stacks {req, job}                         (reply carries every live rank's stack)
 
 Launcher -> supervisor
   ready {pid}                               launcher is up, torch imported
   rendezvous {attempt, seconds}             agent finished a rendezvous
-  start {attempt, ranks: {rank: pid}}       agent started an attempt's ranks
+  start {attempt, rank, pid}                agent started one rank of an attempt
   exits {attempt, codes: {rank: code}}      agent closed an attempt (exit codes, -N = signal N)
-  tick {t}                                  agent monitor loop is alive (at most 1/s)
+  tick {t}                                  agent monitor loop is alive (every TICK_EVERY_S)
   result {ok, error?}                       elastic_launch returned or raised
 """
 
 from __future__ import annotations
 
 import json
+import signal
 from collections.abc import Iterator
 from typing import Any
 
@@ -41,6 +43,7 @@ SUBMIT = "submit"
 STOP = "stop"
 JOBS = "jobs"
 STATUS = "status"
+STACKS = "stacks"
 # supervisor -> kernel
 REPLY = "reply"
 UPDATE = "update"
@@ -53,8 +56,17 @@ EXITS = "exits"
 TICK = "tick"
 RESULT = "result"
 
+# The launcher reports its agent's monitor loop at most this often; the zombie watchdog's bound
+# is built on it.
+TICK_EVERY_S = 0.25
+
+# The supervisor asks a rank for every thread's Python stack with this signal; the worker's
+# faulthandler answers into the rank's .stacks file (no GIL needed: it works mid-collective).
+STACK_SIGNAL = signal.SIGUSR1
+
 # A header line longer than this is a corrupt stream, not a message.
 _MAX_HEADER = 16 * 1024 * 1024
+_MAX_BLOB = 1 << 40
 
 Message = dict[str, Any]
 
@@ -106,6 +118,9 @@ class FrameDecoder:
             if not isinstance(msg, dict) or "kind" not in msg:
                 raise ProtocolError(f"frame without a kind: {line[:80]!r}")
             if "blob" in msg:
+                size = msg["blob"]
+                if type(size) is not int or not 0 <= size <= _MAX_BLOB:
+                    raise ProtocolError(f"bad blob size in {line[:80]!r}")
                 self._pending = msg
                 continue
             yield msg, None

@@ -29,9 +29,15 @@ class TextRenderer:
         self._err = err or sys.stderr
         self._progress_at: dict[tuple[int, str], float] = {}
 
-    def start(self, nproc: int) -> None:
+    def start(self, nproc: int, worst_case_s: float | None = None) -> None:
+        worst = (
+            f" (a stuck collective fails the cell within {worst_case_s:g} s)"
+            if worst_case_s is not None
+            else ""
+        )
         self._out.write(
-            f"[elastic_nb] job {self._job}: starting {nproc} rank{'s' if nproc != 1 else ''}\n"
+            f"[elastic_nb] job {self._job}: starting {nproc} rank{'s' if nproc != 1 else ''}"
+            f"{worst}\n"
         )
         self._out.flush()
 

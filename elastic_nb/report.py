@@ -8,9 +8,31 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["failure_headline", "failure_report", "summary_line"]
+__all__ = ["CAUSE_HINTS", "failure_headline", "failure_report", "summary_line"]
 
 Summary = dict[str, Any]
+
+# Every cause class a job can end with, and what to do about it.
+CAUSE_HINTS = {
+    "exception": "the cell raised on this rank; its traceback is below",
+    "cuda_oom": "CUDA ran out of memory on this rank: smaller batches, activation "
+    "checkpointing or mixed precision, or torch.cuda.empty_cache() between steps",
+    "host_oom": "the kernel's OOM killer ended this rank (host memory): fewer ranks, fewer "
+    "DataLoader workers or smaller batches",
+    "collective_timeout": "a collective waited longer than --collective-timeout with every rank "
+    "in it: a slow rank, the network or the driver; the stacks show where each rank was",
+    "desync": "the ranks ran different collectives (e.g. one caught an error and skipped "
+    "backward()): every rank must run the same collectives in the same order",
+    "peer": "this rank saw its peer disappear; no rank reported a failure of its own",
+    "signal": "killed by a signal: from outside (a user, the OOM killer) or a native crash "
+    "(NCCL's watchdog aborts with SIGABRT after a collective timeout)",
+    "exit": "the rank called exit() (or os._exit) before the cell finished",
+    "zombie": "torchelastic's agent got stuck (a rank died while the agent woke it, or the "
+    "launcher froze); elastic_nb stopped it",
+    "deadline": "the job ran past --timeout",
+    "interrupted": "stopped from the notebook (interrupt or %elastic stop)",
+    "launcher": "the launcher failed before any rank did; see launcher.log",
+}
 
 
 def summary_line(s: Summary) -> str:
@@ -22,6 +44,8 @@ def summary_line(s: Summary) -> str:
         f"{s['wall_s']:.1f} s",
         f"logs: {s['run_dir']}",
     ]
+    if s["outcome"] != "succeeded" and s.get("cause"):
+        parts.insert(1, f"cause: {s['cause']}")
     return "[elastic_nb] " + " · ".join(parts)
 
 
@@ -31,6 +55,8 @@ def failure_headline(s: Summary) -> str:
         return f"job {s['job']} ran past its deadline: {s['reason']}; every rank was stopped"
     if f is None:
         return f"job {s['job']} failed: {s['reason']}"
+    if f["cause"] == "desync":
+        return f"desync: {f['summary']}"
     first = "failed first" if s["world_size"] > 1 else "failed"
     return f"rank {f['rank']} {first}: {f['summary']}"
 
@@ -39,6 +65,8 @@ def failure_report(s: Summary) -> list[str]:
     """The lines under the headline: the root rank's traceback, then every other rank."""
     lines: list[str] = []
     f = s.get("failure")
+    if s.get("cause") in CAUSE_HINTS:
+        lines.append(f"cause: {s['cause']} ({CAUSE_HINTS[s['cause']]})")
     record = f.get("record") if f else None
     if record:
         lines.append("")
@@ -48,6 +76,11 @@ def failure_report(s: Summary) -> list[str]:
         lines.append("")
         lines.append("--- launcher.log (last lines) ---")
         lines.extend(s["launcher_log_tail"].splitlines())
+    diagnosis = s.get("diagnosis") or {}
+    if diagnosis.get("stacks"):
+        lines.append("")
+        lines.append("--- where every rank was (stacks taken before the teardown) ---")
+        lines.extend(diagnosis["stacks"].splitlines())
     others = s.get("others") or []
     if others:
         lines.append("")

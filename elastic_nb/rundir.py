@@ -17,6 +17,9 @@ Its layout is defined here and nowhere else::
             rank-<R>.torch-error.json   torchelastic's own error file
             rank-0.result.pkl     the value of the cell's last expression (rank 0)
             rank-<R>.pull.pkl     the --pull objects (from --pull-rank)
+            rank-<R>.stacks       every thread's Python stack, appended on each dump request
+            rank-<R>.collectives.json   the rank's collectives (flight recorder), at its end
+            fr-rank-<R>           NCCL's flight-recorder dump on a collective timeout
 """
 
 from __future__ import annotations
@@ -106,6 +109,16 @@ class RunDir:
 
     def pulled(self, attempt: int, rank: int) -> Path:
         return self.attempt(attempt) / f"rank-{rank}.pull.pkl"
+
+    def stacks(self, attempt: int, rank: int) -> Path:
+        return self.attempt(attempt) / f"rank-{rank}.stacks"
+
+    def collectives(self, attempt: int, rank: int) -> Path:
+        return self.attempt(attempt) / f"rank-{rank}.collectives.json"
+
+    def flight_recorder_prefix(self, attempt: int) -> Path:
+        """TORCH_FR_DUMP_TEMP_FILE: NCCL appends the rank to this prefix."""
+        return self.attempt(attempt) / "fr-rank-"
 
 
 def write_atomic(path: Path, data: bytes) -> None:

@@ -54,6 +54,13 @@ MANAGED_ENV = frozenset(
     }
 )
 MANAGED_PREFIX = "ELASTIC_NB_"
+# TORCH_NCCL_ASYNC_ERROR_HANDLING modes (torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp).
+ASYNC_ERROR_HANDLING = {
+    0: "no handling",
+    1: "abort communicators and tear the process down",
+    2: "abort communicators only; the error reaches the cell",
+    3: "tear the process down without aborting",
+}
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
@@ -78,7 +85,10 @@ DEFAULTS: dict[str, Any] = {
     "rdzv_conf": (),
     "env": (),
     "timeout": None,
-    "collective_timeout": None,
+    "collective_timeout": 120.0,
+    "heartbeat_timeout": 60.0,
+    "async_error_handling": 1,
+    "hang_after": 120.0,
     "push": (),
     "pull": (),
     "pull_rank": 0,
@@ -101,7 +111,12 @@ class JobSpec:
     rdzv_conf: dict[str, str] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
     timeout: float | None = None
-    collective_timeout: float | None = None
+    # Interactive defaults (torch's are 30 min gloo / 10 min NCCL): a stuck collective fails the
+    # cell in two minutes, with every rank's stack, instead of holding the notebook for half an hour.
+    collective_timeout: float | None = 120.0
+    heartbeat_timeout: float = 60.0  # TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC (torch: 480)
+    async_error_handling: int = 1  # TORCH_NCCL_ASYNC_ERROR_HANDLING: 1 = abort and tear down
+    hang_after: float | None = 120.0  # no output and no exit for this long: dump every stack
     push: tuple[str, ...] = ()
     pull: tuple[str, ...] = ()
     pull_rank: int = 0
@@ -112,6 +127,14 @@ class JobSpec:
     # SIGTERM -> SIGKILL grace when a job is stopped: the supervisor's for the process group,
     # torchelastic's (shutdown_timeout, 30 s by default) for the ranks. A notebook waits on it.
     stop_grace: float = 2.0
+
+    @property
+    def worst_case_s(self) -> float | None:
+        """The longest a stuck collective can hold the cell: every attempt may wait out the
+        collective timeout, then NCCL's heartbeat monitor, before the rank is torn down."""
+        if self.collective_timeout is None:
+            return None
+        return (self.max_restarts + 1) * (self.collective_timeout + self.heartbeat_timeout)
 
     @property
     def world_size(self) -> int:
@@ -192,6 +215,9 @@ class JobSpec:
             collective_timeout=_parse_optional_seconds(
                 "--collective-timeout", o["collective_timeout"]
             ),
+            heartbeat_timeout=_parse_seconds("--heartbeat-timeout", o["heartbeat_timeout"]),
+            async_error_handling=_parse_async_error_handling(o["async_error_handling"]),
+            hang_after=_parse_optional_seconds("--hang-after", o["hang_after"]),
             push=push,
             pull=pull,
             pull_rank=pull_rank,
@@ -221,6 +247,14 @@ class JobSpec:
     @classmethod
     def from_json(cls, text: str) -> JobSpec:
         return cls.from_dict(json.loads(text))
+
+
+def _parse_async_error_handling(value: Any) -> int:
+    mode = _parse_int("--async-error-handling", value, minimum=0)
+    if mode not in ASYNC_ERROR_HANDLING:
+        modes = ", ".join(f"{k} ({v})" for k, v in ASYNC_ERROR_HANDLING.items())
+        raise SpecError(f"--async-error-handling {mode}: choose one of {modes}")
+    return mode
 
 
 # ---- environment checks ---------------------------------------------------------------------

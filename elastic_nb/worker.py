@@ -14,17 +14,20 @@ from __future__ import annotations
 
 import ast
 import builtins
+import faulthandler
 import importlib
 import io
 import json
 import os
 import pickle
+import re
 import sys
 import time
 import traceback
 import types
 from typing import Any
 
+from elastic_nb.protocol import STACK_SIGNAL
 from elastic_nb.rundir import RunDir, write_atomic, write_json
 from elastic_nb.spec import JobSpec
 
@@ -39,6 +42,7 @@ def bootstrap(run_dir: str) -> bool:
     spec = JobSpec.from_json(rd.spec.read_text())
     meta = json.loads(rd.cell_meta.read_text())
     _prepare_process(spec, rd)
+    _arm_forensics(rd, attempt, rank)
 
     namespace = _fresh_main().__dict__
     phase = "restore"
@@ -58,8 +62,10 @@ def bootstrap(run_dir: str) -> bool:
         if rank == 0 and meta["display"] and value is not None:
             _dump_result(rd.result(attempt), value)
     except BaseException as e:
+        _dump_collectives(rd, attempt, rank)
         _record_failure(rd, attempt, rank, e, phase, meta)
         raise
+    _dump_collectives(rd, attempt, rank)
     write_json(
         rd.done(attempt, rank),
         {
@@ -84,6 +90,37 @@ def _prepare_process(spec: JobSpec, rd: RunDir) -> None:
     sys.argv = [str(rd.cell)]
     if spec.collective_timeout is not None:
         _patch_default_timeouts(spec.collective_timeout)
+
+
+def _arm_forensics(rd: RunDir, attempt: int, rank: int) -> None:
+    """What the supervisor reads when something goes wrong: stacks on request, stacks on a
+    fatal signal (NCCL's watchdog aborts with SIGABRT), and NCCL's flight-recorder dumps."""
+    os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", str(rd.flight_recorder_prefix(attempt)))
+    faulthandler.enable(file=sys.stderr, all_threads=True)
+    # The supervisor signals only ranks whose .stacks file exists: create it under another name
+    # and rename it once the handler is armed (the signal's default action would kill the rank).
+    final = rd.stacks(attempt, rank)
+    tmp = final.with_name(f".{final.name}.tmp")
+    stacks = open(tmp, "a", buffering=1)  # noqa: SIM115 - held for the process's life
+    faulthandler.register(STACK_SIGNAL, file=stacks, all_threads=True, chain=False)
+    os.replace(tmp, final)
+
+
+def _dump_collectives(rd: RunDir, attempt: int, rank: int) -> None:
+    """The collectives this rank entered, from torch's flight recorder (gloo and NCCL record
+    them), so the supervisor can tell which rank ran one fewer after it has gone."""
+    if "torch.distributed" not in sys.modules:
+        return
+    try:
+        from torch._C._distributed_c10d import _dump_fr_trace_json
+
+        entries = json.loads(_dump_fr_trace_json(True, False)).get("entries", [])
+        ops = [
+            [e.get("pg_id"), e.get("collective_seq_id"), e.get("profiling_name")] for e in entries
+        ]
+        write_json(rd.collectives(attempt, rank), {"time": time.time(), "ops": ops})
+    except Exception as e:  # forensics must never change the outcome
+        sys.stderr.write(f"elastic_nb: could not record this rank's collectives: {e!r}\n")
 
 
 def _patch_default_timeouts(seconds: float) -> None:
@@ -188,6 +225,7 @@ def _record_failure(
         "cell_line": where.lineno if where else None,
         "line_text": (where.line or "").strip() if where else None,
         "traceback": text,
+        "memory": _memory_report(exc),
     }
     try:
         write_json(rd.failure(attempt, rank), record)
@@ -195,6 +233,28 @@ def _record_failure(
         # The rank's stderr log keeps the traceback too, as a script's would.
         sys.stderr.write(text)
         sys.stderr.flush()
+
+
+_REQUESTED = re.compile(r"Tried to allocate ([\d.]+ [KMGT]?i?B)")
+
+
+def _memory_report(exc: BaseException) -> dict[str, Any] | None:
+    """For a CUDA out-of-memory error: what was asked for and what the allocator held."""
+    if not type(exc).__name__.endswith("OutOfMemoryError"):
+        return None
+    m = _REQUESTED.search(str(exc))
+    report: dict[str, Any] = {"requested": m.group(1) if m else None}
+    torch = sys.modules.get("torch")
+    try:
+        if torch is not None and torch.cuda.is_initialized():
+            device = torch.cuda.current_device()
+            report["device"] = device
+            report["allocated"] = torch.cuda.memory_allocated(device)
+            report["reserved"] = torch.cuda.memory_reserved(device)
+            report["summary"] = torch.cuda.memory_summary(device, abbreviated=True)
+    except Exception as e:
+        report["error"] = repr(e)
+    return report
 
 
 def _name_hint(exc: BaseException, meta: dict[str, Any]) -> str | None:

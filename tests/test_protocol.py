@@ -30,6 +30,9 @@ def test_garbage_is_a_protocol_error() -> None:
         list(protocol.FrameDecoder().feed(b"not json\n"))
     with pytest.raises(protocol.ProtocolError):
         list(protocol.FrameDecoder().feed(b'{"no": "kind"}\n'))
+    for size in (b"-1", b'"8"', b"1.5", b"true"):
+        with pytest.raises(protocol.ProtocolError, match="blob size"):
+            list(protocol.FrameDecoder().feed(b'{"kind": "x", "blob": ' + size + b"}\nabc"))
 
 
 def test_hello_checks_the_version() -> None:

@@ -23,7 +23,9 @@ def test_defaults() -> None:
         "c10d",
         "localhost:0",
     )
-    assert s.timeout is None and s.collective_timeout is None and s.widgets
+    assert s.timeout is None and s.collective_timeout == 120 and s.widgets
+    assert (s.heartbeat_timeout, s.async_error_handling, s.hang_after) == (60, 1, 120)
+    assert s.worst_case_s == 180
     assert s.log_dir.endswith("elastic_nb/runs") and s.sys_path == ("/x",)
 
 

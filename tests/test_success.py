@@ -76,9 +76,13 @@ def test_a_collective_timeout_fails_the_waiting_rank(kernel: Kernel) -> None:
         timeout=60,
     )
     assert ex.ename == "JobFailed"
-    assert ex.error["evalue"].startswith("rank 0 failed first: ")
-    assert "Timed out" in ex.error["evalue"] and "(cell line 6)" in ex.error["evalue"]
-    assert "rank 1: stopped by elastic_nb (SIGTERM) after rank 0 failed" in ex.traceback
+    # The rank that timed out is the victim: the verdict names the one that never came.
+    assert ex.error["evalue"] == (
+        "desync: rank 1 never entered all_reduce #1 (cell line 6): it was at cell line 5; "
+        "rank 0 waited in it"
+    )
+    assert "rank 0: timed out waiting: RuntimeError: " in ex.traceback
+    assert "Timed out waiting 3000ms" in ex.traceback
     assert_job_gone(ex.job_id)
 
 

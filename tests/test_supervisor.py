@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
 import sys
 import time
 from collections import defaultdict
@@ -11,8 +14,10 @@ from typing import Any
 
 import pytest
 
+from elastic_nb import protocol
 from elastic_nb.cell import prepare_cell
 from elastic_nb.client import SupervisorClient
+from elastic_nb.errors import SupervisorDied
 from elastic_nb.spec import JobSpec
 from tests.kernel import assert_job_gone
 
@@ -90,6 +95,54 @@ def test_rank_states_flow_to_the_client(client: SupervisorClient, tmp_path: Path
     assert_job_gone(job.id)
 
 
+def test_a_bad_connection_is_dropped_and_the_supervisor_serves_on(
+    client: SupervisorClient, tmp_path: Path
+) -> None:
+    for garbage in (
+        protocol.encode(protocol.JOBS, req=1),  # a request before hello
+        b'{"kind": "hello", "blob": -5}\n',  # a frame that is not one
+        b"\xff\xfe not json at all\n",
+    ):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.connect(client.socket_path)
+            s.settimeout(10)
+            s.sendall(garbage)
+            assert s.recv(1024) == b""  # dropped, no reply
+    assert client.status()["pid"] == client.pid
+    job = submit(client, tmp_path, 1, "print('still here')\n")
+    assert job.wait(Recorder())["outcome"] == "succeeded"
+    assert_job_gone(job.id)
+
+
+def test_a_renderer_that_raises_stops_its_job(client: SupervisorClient, tmp_path: Path) -> None:
+    class Broken(Recorder):
+        def update(self, msg: dict[str, Any]) -> None:
+            if "logs" in msg:
+                raise ValueError("renderer bug")
+
+    job = submit(client, tmp_path, 2, "print('go', flush=True)\nimport time\ntime.sleep(300)\n")
+    with pytest.raises(ValueError, match="renderer bug"):
+        job.wait(Broken())
+    assert job.summary is not None and job.summary["outcome"] == "stopped"
+    assert_job_gone(job.id)
+    assert client.alive
+
+
+def test_a_supervisor_that_does_not_answer_is_abandoned(tmp_path: Path) -> None:
+    c = SupervisorClient()
+    proc = c._proc
+    try:
+        os.kill(c.pid, signal.SIGSTOP)
+        with pytest.raises(SupervisorDied, match="did not answer"):
+            c.request(protocol.STATUS, timeout=1.0)
+        assert not c.alive
+    finally:
+        os.kill(c.pid, signal.SIGCONT)
+    # Its lifeline is closed: it shuts down by itself once it runs again.
+    assert proc.wait(timeout=15) == 0
+    c.close()
+
+
 def test_closing_the_lifeline_ends_jobs_and_the_supervisor(tmp_path: Path) -> None:
     c = SupervisorClient()
     job = submit(c, tmp_path, 2, "import time\ntime.sleep(300)\n")
@@ -102,4 +155,22 @@ def test_closing_the_lifeline_ends_jobs_and_the_supervisor(tmp_path: Path) -> No
         time.sleep(0.05)
     c.close()  # what the OS does when a kernel dies
     assert proc.wait(timeout=15) == 0
+    assert_job_gone(job.id)
+
+
+def test_a_rank_that_crashes_after_finishing_is_reported(
+    client: SupervisorClient, tmp_path: Path
+) -> None:
+    body = (
+        "import atexit, os, signal\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    atexit.register(lambda: os.kill(os.getpid(), signal.SIGABRT))\n"
+    )
+    job = submit(client, tmp_path, 2, body)
+    rec = Recorder()
+    summary = job.wait(rec)
+    assert summary["outcome"] == "succeeded"
+    alerts = [a for _, m in rec.updates for a in m.get("alerts", ())]
+    assert [(a["kind"], a["rank"]) for a in alerts] == [("exit_after_done", 1)]
+    assert "killed by SIGABRT" in alerts[0]["title"]
     assert_job_gone(job.id)

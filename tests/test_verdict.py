@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 
+from elastic_nb.supervisor import forensics
 from elastic_nb.supervisor.verdict import RankState, analyze
 
 
@@ -66,7 +67,7 @@ def test_exit_zero_without_done_is_a_failure() -> None:
     r = RankState(0, 1, died_at=3.0, exit_code=0)
     ok = RankState(0, 0, died_at=3.1, exit_code=0, done={"time": 3.0})
     v = analyze([r, ok], teardown_at=None)
-    assert v.cause == "exit0" and "before finishing the cell" in v.root.failure_summary()
+    assert v.cause == "exit" and "before finishing the cell" in v.root.failure_summary()
     assert v.others[0]["kind"] == "done"
 
 
@@ -76,3 +77,87 @@ def test_a_stopped_job_has_no_root() -> None:
     assert (
         v.root is None and [o["text"] for o in v.others] == ["stopped by elastic_nb (SIGTERM)"] * 2
     )
+
+
+# ---- forensics: stacks and the desync verdict ---------------------------------------------------
+
+CELL = "/runs/j/cell.py"
+DUMP_IN_ALL_REDUCE = f"""Thread 0x00007f0000000001 (most recent call first):
+  File "/usr/lib/python3.11/threading.py", line 324 in wait
+  File "/usr/lib/python3.11/threading.py", line 1002 in _bootstrap
+
+Current thread 0x00007f0000000002 (most recent call first):
+  File "/torch/distributed/distributed_c10d.py", line 3252 in all_reduce
+  File "/torch/distributed/c10d_logger.py", line 83 in wrapper
+  File "{CELL}", line 7 in <module>
+  File "/elastic_nb/worker.py", line 170 in _run_cell
+  File "/elastic_nb/worker.py", line 60 in bootstrap
+"""
+DUMP_SLEEPING = f"""Current thread 0x00007f0000000003 (most recent call first):
+  File "{CELL}", line 4 in helper
+  File "{CELL}", line 9 in <module>
+  File "/elastic_nb/worker.py", line 170 in _run_cell
+"""
+
+
+def test_a_dump_is_read_from_the_thread_that_runs_the_cell() -> None:
+    w = forensics.where_from_dump(0, DUMP_IN_ALL_REDUCE, CELL, "/d/rank-0.stacks")
+    assert w.collective() == "all_reduce" and w.cell_frame(CELL).line == 7
+    text = forensics.format_stacks({0: w}, CELL, [f"line {i}" for i in range(1, 11)])
+    assert text.splitlines() == [
+        "rank 0 · waiting in all_reduce · cell line 7: line 7",
+        "    distributed_c10d.py:3252 in all_reduce",
+        "    c10d_logger.py:83 in wrapper",
+        "    cell line 7 in <module>: line 7",
+        "    full dump: /d/rank-0.stacks",
+    ]
+
+
+def test_desync_names_the_rank_outside_the_collective() -> None:
+    where = {
+        0: forensics.where_from_dump(0, DUMP_IN_ALL_REDUCE, CELL, "p0"),
+        1: forensics.where_from_dump(1, DUMP_SLEEPING, CELL, "p1"),
+        2: forensics.where_from_dump(2, DUMP_IN_ALL_REDUCE, CELL, "p2"),
+    }
+    d = forensics.desync_verdict(where, CELL, {0: [[0, 1, "gloo:all_reduce"], [0, 2, "x"]]})
+    assert d is not None and d.behind == [1] and d.waiting == [0, 2]
+    assert d.text == (
+        "rank 1 never entered all_reduce #2 (cell line 7): it was at cell line 4 in helper; "
+        "ranks 0, 2 waited in it"
+    )
+
+
+def test_every_rank_in_the_same_collective_is_not_a_desync() -> None:
+    where = {r: forensics.where_from_dump(r, DUMP_IN_ALL_REDUCE, CELL, "p") for r in (0, 1)}
+    d = forensics.desync_verdict(where, CELL)
+    assert d is not None and d.behind == [] and "none was missing" in d.text
+    assert forensics.desync_verdict({0: forensics.RankWhere(0, "finished")}, CELL) is None
+
+
+def test_a_traceback_gives_the_same_frames_as_a_dump() -> None:
+    tb = (
+        "Traceback (most recent call last):\n"
+        f'  File "{CELL}", line 7, in <module>\n'
+        "    dist.all_reduce(x)\n"
+        '  File "/torch/distributed/distributed_c10d.py", line 3252, in all_reduce\n'
+        "RuntimeError: Timed out waiting 5000ms\n"
+    )
+    w = forensics.where_from_record(0, {"traceback": tb})
+    assert w.collective() == "all_reduce" and w.cell_frame(CELL).line == 7
+
+
+def test_timeouts_and_ooms_are_their_own_kinds() -> None:
+    timed_out = RankState(
+        0, 0, failure={"type": "RuntimeError", "message": "Timed out waiting 5000ms", "time": 1.0}
+    )
+    oom = RankState(
+        0,
+        1,
+        failure={"type": "torch.OutOfMemoryError", "message": "CUDA out of memory", "time": 2.0},
+    )
+    assert timed_out.kind(None) == "collective_timeout" and oom.kind(None) == "oom"
+    v = analyze([timed_out, oom], None)
+    assert v.root is oom and v.cause == "cuda_oom"  # the OOM is the root, the timeout its echo
+    killed = RankState(0, 0, died_at=1.0, exit_code=-9, oom_killed=True)
+    assert analyze([killed], None).cause == "host_oom"
+    assert "OOM killer" in killed.failure_summary()

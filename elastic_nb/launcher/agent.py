@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -43,7 +44,7 @@ class Channel:
 
     def tick(self) -> None:
         now = time.monotonic()
-        if now - self._last_tick >= 1.0:
+        if now - self._last_tick >= protocol.TICK_EVERY_S:
             self._last_tick = now
             self.send(protocol.TICK, t=time.time())
 
@@ -108,6 +109,18 @@ def _apply_environment(spec: JobSpec, job_id: str, rd: RunDir) -> None:
     """Ranks inherit this process's environment (torchelastic only adds its rank variables)."""
     env = os.environ
     env.update(spec.env)
+    # Failure forensics for NCCL (inert on gloo). --env and the kernel's environment win.
+    for name, value in {
+        # torchelastic forces 1 unless set; set it ourselves so the flag decides. 1 aborts the
+        # communicators and tears the rank down *after* the watchdog has dumped the flight
+        # recorder (DUMP_ON_TIMEOUT waits for the dump), so the dump survives the abort.
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": str(spec.async_error_handling),
+        "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": str(max(1, math.ceil(spec.heartbeat_timeout))),
+        "TORCH_NCCL_ENABLE_MONITORING": "1",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_FR_BUFFER_SIZE": "2000",
+    }.items():
+        env.setdefault(name, value)
     env["ELASTIC_NB_JOB"] = job_id
     env["ELASTIC_NB_RUN_DIR"] = str(rd.path)
     env.setdefault("PYTHONUNBUFFERED", "1")  # rank logs are files: no block buffering
@@ -233,3 +246,17 @@ def _observe_agent(channel: Channel) -> None:
         channel.send(protocol.EXITS, attempt=attempt, codes=codes)
 
     MultiprocessContext._close = _close  # type: ignore[method-assign]
+
+    hold = os.environ.get("ELASTIC_NB_TEST_HOLD_BEFORE_SET")
+    if hold:
+        # Tests only: widen the window of torch's agent deadlock, between reading every rank's
+        # return value and Event.set() in MultiprocessContext._poll (TORCH_FACTS.md).
+        original_is_done = MultiprocessContext._is_done
+
+        def _is_done(self: Any) -> bool:
+            done = original_is_done(self)
+            if done:
+                time.sleep(float(hold))
+            return done
+
+        MultiprocessContext._is_done = _is_done  # type: ignore[method-assign]

@@ -35,6 +35,13 @@ import psutil
 from elastic_nb import procs, protocol
 from elastic_nb.rundir import RunDir, read_json, write_atomic, write_json
 from elastic_nb.spec import JobSpec
+from elastic_nb.supervisor.forensics import (
+    RankWhere,
+    desync_verdict,
+    format_stacks,
+    where_from_dump,
+    where_from_record,
+)
 from elastic_nb.supervisor.tailer import LogTailer
 from elastic_nb.supervisor.verdict import RankState, Verdict, analyze
 
@@ -43,6 +50,7 @@ __all__ = ["Job"]
 POLL_S = 0.05  # log tail and record polling
 FLUSH_S = 0.1  # one update per job per flush: at most 10 messages a second
 KILL_WAIT_S = 5.0  # after SIGKILL, how long processes may take to vanish (D state)
+LEFTOVER_GRACE_S = 0.5  # after a successful launcher exits, its helpers' time to follow it
 
 Send = Callable[..., Awaitable[None]]
 
@@ -51,7 +59,17 @@ _STOPS = {
     "user": ("stopped", "stopped with %elastic stop"),
     "shutdown": ("stopped", "the supervisor shut down (its kernel exited)"),
 }
-_FAILURES = ("exception", "peer", "exit", "exit0", "signal")
+_FAILURES = (
+    "exception",
+    "oom",
+    "host_oom",
+    "collective_timeout",
+    "peer",
+    "exit",
+    "exit0",
+    "signal",
+)
+STACKS_WAIT_S = 1.0  # how long live ranks get to answer a stack dump request
 
 
 class Job:
@@ -92,6 +110,16 @@ class Job:
         self._pending_alerts: list[dict[str, Any]] = []
         self._state_dirty = True
         self._events: Any = None
+        # forensics
+        self._diagnosing: set[int] = set()  # attempts whose timeout is being diagnosed
+        self._diagnosis: dict[str, Any] | None = None  # what the summary says about a desync
+        self._behind: list[int] = []
+        self._last_activity = time.time()  # output, a start or an exit, by any rank
+        self._lines_seen = 0
+        self._hang_reported = False
+        self._oom_base = procs.oom_kills()
+        self._watchdog_fired = False
+        self._zombies_seen: set[int] = set()
 
     # ---- for the server -----------------------------------------------------------------
 
@@ -146,7 +174,7 @@ class Job:
 
     def prepare(self) -> None:
         """Create the run directory; a failure here is the submitter's error, not a job's."""
-        self.rd.path.mkdir(parents=True, exist_ok=False)
+        self.rd.path.mkdir(parents=True, exist_ok=False, mode=0o700)  # logs, env: owner only
         self._events = open(self.rd.events, "a", buffering=1)  # noqa: SIM115
         self.rd.spec.write_text(self.spec.to_json())
         self.rd.cell.write_text(self._source)
@@ -221,6 +249,8 @@ class Job:
                 r = self._ranks.get((attempt, rank))
                 if r is not None and r.exit_code is None:
                     r.exit_code = code
+                    if r.died_at is not None:
+                        self._evaluate(r)  # its exit was unknown when its pidfd fired
         elif kind == protocol.RESULT:
             self._launcher_result = msg
 
@@ -229,6 +259,7 @@ class Job:
             self._announce_restart(attempt)
             self.attempt = attempt
         r = RankState(attempt, rank, pid=pid, started_at=time.time())
+        self._last_activity = self.last_tick = r.started_at  # a start is a sign of life
         self._ranks[(attempt, rank)] = r
         self._tailer.follow(
             attempt, rank, {s: self.rd.log(attempt, rank, s) for s in ("out", "err")}
@@ -261,10 +292,11 @@ class Job:
                 await anyio.wait_readable(fd)
             finally:
                 os.close(fd)
-        r.died_at = time.time()
+        r.died_at = self._last_activity = time.time()
         # Read it now, before torchelastic reaps it at its next monitor tick.
         if r.exit_code is None:
             r.exit_code = procs.zombie_exit_code(r.pid)
+        r.oom_killed = procs.oom_kills() > self._oom_base
         self._read_records(r)
         self._log_event("rank.exit", attempt=r.attempt, rank=r.rank, code=r.exit_code)
         self._evaluate(r)
@@ -299,8 +331,20 @@ class Job:
                 self._decide("succeeded", "every rank finished the cell")
 
     def _on_rank_failed(self, r: RankState, kind: str) -> None:
-        if r.attempt in self._failed_attempts:
+        if kind == "oom" and r.failure is not None:
+            self._alert_oom(r)
+        if r.attempt in self._failed_attempts or r.attempt in self._diagnosing:
             return
+        if kind == "collective_timeout" and r.attempt == self.attempt:
+            # Hold the decision until every live rank's stack is on disk: the teardown would
+            # destroy the evidence of where the others were.
+            self._diagnosing.add(r.attempt)
+            assert self._tg is not None
+            self._tg.start_soon(self._diagnose_timeout, r, kind)
+            return
+        self._fail_attempt(r, kind)
+
+    def _fail_attempt(self, r: RankState, kind: str) -> None:
         self._failed_attempts.add(r.attempt)
         self._log_event("attempt.failed", attempt=r.attempt, rank=r.rank, kind=kind)
         # An exit(0) without finishing leaves torchelastic waiting forever for a return value
@@ -326,6 +370,8 @@ class Job:
                         self._evaluate(r)
             if self.spec.timeout is not None and time.time() - self.created > self.spec.timeout:
                 self._decide("timeout", f"the --timeout of {self.spec.timeout:g} s passed")
+            self._watch_agent()
+            self._watch_silence()
             if time.monotonic() >= next_flush:
                 await self._flush()
                 next_flush = time.monotonic() + FLUSH_S
@@ -341,6 +387,193 @@ class Job:
         else:
             how = procs.describe_exit(self._launcher.poll())
             self._decide("failed", f"the launcher {how} (see {self.rd.launcher_log})")
+
+    # ---- forensics ------------------------------------------------------------------------
+
+    @property
+    def zombie_bound_s(self) -> float:
+        """How long a dead rank may stay unreaped, or the agent's loop silent, before the
+        watchdog calls the agent stuck: a few monitor passes and one tick period past 1 s."""
+        return 1.0 + 3 * self.spec.monitor_interval + protocol.TICK_EVERY_S
+
+    async def stacks(self) -> str:
+        """Every rank's stack now (``%elastic stacks``); also shown as an alert."""
+        where = await self._where()
+        desync = desync_verdict(where, str(self.rd.cell), self._collectives())
+        text = self._format(where)
+        title = f"stacks of every rank, attempt {self.attempt}"
+        if desync is not None and desync.behind:
+            title += f": {desync.text}"
+        self._alert("stacks", "info", title, text=text)
+        return f"{title}\n{text}"
+
+    async def _diagnose_timeout(self, r: RankState, kind: str) -> None:
+        try:
+            where = await self._where()
+            desync = desync_verdict(where, str(self.rd.cell), self._collectives())
+            stacks = self._format(where)
+            op = where[r.rank].collective() if r.rank in where else None
+            timeout = self.spec.collective_timeout
+            title = f"rank {r.rank} timed out in {op or 'a collective'}" + (
+                f" after {timeout:g} s" if timeout else ""
+            )
+            if desync is not None:
+                title += f": {desync.text}"
+                self._behind = desync.behind
+            self._diagnosis = {"text": desync.text if desync else None, "stacks": stacks}
+            culprit = desync.behind[0] if desync is not None and desync.behind else r.rank
+            self._alert("collective_timeout", "error", title, rank=culprit, text=stacks)
+        finally:
+            self._diagnosing.discard(r.attempt)
+            self._fail_attempt(r, kind)
+
+    async def _diagnose_hang(self, silent_for: float) -> None:
+        where = await self._where()
+        desync = desync_verdict(where, str(self.rd.cell), self._collectives())
+        title = f"no output and no exit from any rank for {silent_for:.0f} s (--hang-after)"
+        if desync is not None:
+            title += f": {desync.text}"
+        culprit = desync.behind[0] if desync is not None and desync.behind else None
+        self._alert("hang", "warning", title, rank=culprit, text=self._format(where))
+
+    async def _where(self) -> dict[int, RankWhere]:
+        """Where every rank of the current attempt is: live ranks dump their stacks on request
+        (all at once, answers awaited together), the others tell from their records."""
+        cell = str(self.rd.cell)
+        where: dict[int, RankWhere] = {}
+        asked: dict[int, tuple[RankState, Any, int, tuple[str, str]]] = {}
+        for r in self._attempt_ranks(self.attempt):
+            self._read_records(r)
+            if r.done is not None:
+                where[r.rank] = RankWhere(r.rank, "finished")
+            elif r.failure is not None:
+                where[r.rank] = where_from_record(r.rank, r.failure)
+            elif r.died_at is not None or r.pid is None:
+                where[r.rank] = RankWhere(r.rank, "exited", note=r.failure_summary())
+            else:
+                path = self.rd.stacks(r.attempt, r.rank)
+                state = procs.proc_state(r.pid)
+                if state is None or not path.exists():
+                    note = "not yet running the cell" if state else "gone"
+                    where[r.rank] = RankWhere(r.rank, "unknown", note=note)
+                    continue
+                size = path.stat().st_size
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(r.pid, protocol.STACK_SIGNAL)
+                asked[r.rank] = (r, path, size, state)
+        last: dict[int, int] = {}
+        answered: set[int] = set()
+        with anyio.move_on_after(STACKS_WAIT_S):
+            while len(answered) < len(asked):
+                await anyio.sleep(0.02)
+                for rank, (_, path, size, _) in asked.items():
+                    now = path.stat().st_size
+                    if now > size and last.get(rank) == now:
+                        answered.add(rank)  # grew, then held still for a poll: complete
+                    last[rank] = now
+        for rank, (_r, path, size, state) in asked.items():
+            with open(path, "rb") as f:
+                f.seek(size)
+                dump = f.read().decode(errors="replace")
+            w = where_from_dump(rank, dump, cell, str(path))
+            if not dump:
+                w.note = f"no answer to the stack request: the process is {state[1]}"
+            elif state[0] in "DTt":
+                w.note = state[1]
+            where[rank] = w
+        return where
+
+    def _collectives(self) -> dict[int, list[list[Any]]]:
+        out = {}
+        for r in self._attempt_ranks(self.attempt):
+            record = read_json(self.rd.collectives(r.attempt, r.rank))
+            if record is not None:
+                out[r.rank] = record["ops"]
+        return out
+
+    def _format(self, where: dict[int, RankWhere]) -> str:
+        return format_stacks(where, str(self.rd.cell), self._source.splitlines())
+
+    def _alert_oom(self, r: RankState) -> None:
+        assert r.failure is not None
+        mem = r.failure.get("memory") or {}
+        facts = [f"requested {mem['requested']}"] if mem.get("requested") else []
+        for key in ("allocated", "reserved"):
+            if mem.get(key) is not None:
+                facts.append(f"{key} {mem[key] / 2**30:.2f} GiB")
+        line = r.failure.get("cell_line")
+        title = f"rank {r.rank} ran out of CUDA memory" + (f" at cell line {line}" if line else "")
+        if facts:
+            title += f" ({', '.join(facts)})"
+        hint = (
+            "if this rank's error is caught and it skips a collective (e.g. backward()), the "
+            "other ranks wait in that collective until --collective-timeout: a desync"
+        )
+        text = "\n".join(x for x in (mem.get("summary"), mem.get("error"), hint) if x)
+        self._alert("oom", "error", title, rank=r.rank, text=text)
+
+    def _watch_silence(self) -> None:
+        """--hang-after: no new line and no start or exit from any rank for that long."""
+        now = time.time()
+        lines = self._tailer.lines_total()
+        if lines != self._lines_seen:
+            self._lines_seen, self._last_activity, self._hang_reported = lines, now, False
+        if (
+            self.spec.hang_after is None
+            or self._hang_reported
+            or self._outcome is not None
+            or self.state != "running"
+            or self._diagnosing
+            or now - self._last_activity < self.spec.hang_after
+        ):
+            return
+        self._hang_reported = True  # once per silence; output re-arms it
+        assert self._tg is not None
+        self._tg.start_soon(self._diagnose_hang, now - self._last_activity)
+
+    def _watch_agent(self) -> None:
+        """The zombie watchdog: dead ranks the agent does not reap, or an agent whose monitor
+        loop stopped while ranks still run, mean torchelastic is stuck (the Event.set deadlock,
+        a frozen launcher). Say so, and stop the launcher: SIGTERM breaks that wait."""
+        launcher = self._launcher
+        if self._watchdog_fired or launcher is None or launcher.poll() is not None:
+            return
+        now, bound = time.time(), self.zombie_bound_s
+        why = None
+        for r in self._ranks.values():
+            if r.died_at is None or now - r.died_at < bound or r.pid is None:
+                continue
+            if self._teardown_at is not None and r.died_at >= self._teardown_at:
+                continue  # dying because we stop the job: the agent is busy with that
+            if procs.zombie_exit_code(r.pid) is not None:
+                why = f"rank {r.rank} died {now - r.died_at:.1f} s ago and is still unreaped"
+                break
+        state = procs.proc_state(launcher.pid)
+        if why is None and self._outcome is None and self.state == "running" and self.last_tick:
+            # Once every rank has finished the cell the agent legitimately sits in join()
+            # while they exit (no ticks then); a loop silent while ranks still run is stuck.
+            for r in self._attempt_ranks(self.attempt):
+                self._read_records(r)
+            busy = any(r.done is None for r in self._attempt_ranks(self.attempt))
+            stopped = state is not None and state[0] in "Tt"
+            if now - self.last_tick > bound and (busy or stopped):
+                why = f"its monitor loop has not run for {now - self.last_tick:.1f} s"
+        if why is None:
+            return
+        self._watchdog_fired = True
+        ranks = self._attempt_ranks(self.attempt)
+        finished = [r.rank for r in ranks if r.done is not None]
+        title = f"torchelastic's agent is stuck (zombie): {why}"
+        if state is not None:
+            title += f"; the launcher (pid {launcher.pid}) is {state[1]}"
+        if finished:
+            title += f"; rank{'s' if len(finished) > 1 else ''} "
+            title += ", ".join(map(str, finished)) + " had finished the cell"
+        self._alert("zombie", "error", title + "; stopping it")
+        if len(finished) == self.spec.nproc:
+            self._decide("succeeded", "every rank finished the cell; the agent then got stuck")
+        else:
+            self._decide("failed", f"torchelastic's agent got stuck: {why}")
 
     # ---- ending ---------------------------------------------------------------------------
 
@@ -360,8 +593,13 @@ class Job:
         if self._outcome[0] == "succeeded":
             # torch has joined the ranks; the launcher is on its way out. Whatever else still
             # carries the marker after that was left behind by the cell.
-            await self._wait_gone(self.spec.stop_grace, leftovers_too=False)
+            with anyio.move_on_after(self.spec.stop_grace):
+                while self._alive(leftovers_too=False) and not self._watchdog_fired:
+                    await anyio.sleep(POLL_S)
             if self._launcher.poll() is not None:
+                # Helpers of the launcher (multiprocessing's resource tracker, a fork server)
+                # exit on their own once it has gone: give them a moment before blaming the cell.
+                await self._wait_gone(LEFTOVER_GRACE_S)
                 self._leftovers = [_describe(p) for p in procs.job_processes([self.id])]
         for sig, wait in ((signal.SIGTERM, self.spec.stop_grace), (signal.SIGKILL, KILL_WAIT_S)):
             if not self._alive():
@@ -369,11 +607,23 @@ class Job:
             if self._teardown_at is None:
                 self._teardown_at = time.time()
             procs.signal_group(self._launcher.pid, sig)
+            if sig == signal.SIGTERM:
+                procs.signal_group(self._launcher.pid, signal.SIGCONT)  # a stopped one too
             stray = procs.kill_job([self.id], sig)
             self._log_event("teardown", signal=signal.Signals(sig).name, stray=stray)
             await self._wait_gone(wait)
+        survivors = [p.pid for p in procs.job_processes([self.id])]
         if self._launcher.poll() is None:
-            self._log_event("teardown_failed", pid=self._launcher.pid)
+            survivors.insert(0, self._launcher.pid)
+        if survivors:
+            self._log_event("teardown_failed", pids=survivors)
+            states = [(pid, procs.proc_state(pid)) for pid in survivors]
+            self._alert(
+                "unkillable",
+                "error",
+                f"{len(survivors)} process(es) of the job survived SIGKILL",
+                text="\n".join(f"pid {pid}: {st[1] if st else 'gone'}" for pid, st in states),
+            )
         self._reap()
 
     def _alive(self, leftovers_too: bool = True) -> bool:
@@ -390,6 +640,21 @@ class Job:
     async def _finish(self) -> None:
         assert self._outcome is not None
         outcome, reason = self._outcome
+        try:
+            self.summary = await self._final_summary(outcome, reason)
+        except Exception as e:  # the kernel must hear the end whatever broke here
+            self._log_event("internal_error", error=repr(e))
+            self.summary = self._summarize(outcome, reason, Verdict(None, None, []))
+            self.summary["reason"] += f" (elastic_nb could not analyse it: {e!r})"
+        with contextlib.suppress(OSError):
+            write_json(self.rd.summary, self.summary)
+        self._log_event("end", outcome=outcome)
+        self._tailer.close()
+        if self._events is not None:
+            self._events.close()
+        await self._send(protocol.END, job=self.id, summary=self.summary)
+
+    async def _final_summary(self, outcome: str, reason: str) -> dict[str, Any]:
         if self._launcher is not None and self._launcher.stdout is not None:
             self._launcher.stdout.close()
         self._tailer.poll(final=True)
@@ -408,26 +673,36 @@ class Job:
                 "warning",
                 f"stopped {len(self._leftovers)} process(es) the cell left running: {pids}",
             )
-        verdict = analyze(self._attempt_ranks(self.attempt), self._teardown_at)
+        if outcome == "succeeded":
+            # SIGTERM/SIGKILL after finishing is the agent closing the group, nothing more.
+            stops = (0, None, -signal.SIGTERM, -signal.SIGKILL)
+            for r in self._attempt_ranks(self.attempt):
+                if r.exit_code not in stops:
+                    self._alert(
+                        "exit_after_done",
+                        "warning",
+                        f"rank {r.rank} finished the cell, then {procs.describe_exit(r.exit_code)} "
+                        "while exiting",
+                        rank=r.rank,
+                    )
+        verdict = analyze(self._attempt_ranks(self.attempt), self._teardown_at, self._behind)
         self._set_state(outcome)
         await self._flush()
-        self.summary = self._summarize(outcome, reason, verdict)
-        write_json(self.rd.summary, self.summary)
-        self._log_event("end", outcome=outcome)
-        self._tailer.close()
-        if self._events is not None:
-            self._events.close()
-        await self._send(protocol.END, job=self.id, summary=self.summary)
+        return self._summarize(outcome, reason, verdict)
 
     def _summarize(self, outcome: str, reason: str, verdict: Verdict) -> dict[str, Any]:
         root = verdict.root
         failure = None
         if outcome == "failed" and root is not None:
+            cause = "zombie" if self._watchdog_fired else verdict.cause
+            summary = root.failure_summary()
+            if cause == "desync" and self._diagnosis and self._diagnosis["text"]:
+                summary = self._diagnosis["text"]
             failure = {
                 "rank": root.rank,
                 "attempt": root.attempt,
-                "cause": verdict.cause,
-                "summary": root.failure_summary(),
+                "cause": cause,
+                "summary": summary,
                 "record": root.failure,
                 "exit_code": root.exit_code,
             }
@@ -436,15 +711,18 @@ class Job:
             "job": self.id,
             "outcome": outcome,
             "reason": reason,
+            "cause": _cause(outcome, failure, self._watchdog_fired),
             "world_size": self.spec.world_size,
             "attempt": self.attempt,
             "restarts": self.attempt,
             "max_restarts": self.spec.max_restarts,
+            "worst_case_s": self.spec.worst_case_s,
             "started": self.created,
             "ended": ended,
             "wall_s": ended - self.created,
             "run_dir": str(self.rd),
             "failure": failure,
+            "diagnosis": self._diagnosis if outcome == "failed" else None,
             "others": verdict.others if outcome != "succeeded" else [],
             "launcher_log_tail": self._launcher_log_tail()
             if outcome == "failed" and failure is None
@@ -499,13 +777,28 @@ class Job:
         if logs:
             update["logs"] = logs
         if update:
-            await self._send(protocol.UPDATE, job=self.id, **update)
+            # Taken from the pending lists above: a cancellation mid-send would lose it.
+            with anyio.CancelScope(shield=True):
+                await self._send(protocol.UPDATE, job=self.id, **update)
 
     def _log_event(self, event: str, **fields: Any) -> None:
         if self._events is not None:
             self._events.write(
                 json.dumps({"t": time.time(), "event": event, **fields}, default=str) + "\n"
             )
+
+
+def _cause(outcome: str, failure: dict[str, Any] | None, zombie: bool) -> str | None:
+    """The job's cause class (report.CAUSE_HINTS explains each)."""
+    if failure is not None:
+        return failure["cause"]
+    if outcome == "timeout":
+        return "deadline"
+    if outcome in ("interrupted", "stopped"):
+        return "interrupted"
+    if outcome == "failed":
+        return "zombie" if zombie else "launcher"
+    return None
 
 
 def _describe(p: psutil.Process) -> dict[str, Any]:

@@ -13,7 +13,9 @@ import os
 import secrets
 import signal
 import socket
+import sys
 import time
+import traceback
 from typing import Any
 
 import anyio
@@ -130,21 +132,25 @@ class Supervisor:
 
     async def _serve_connection(self, stream: SocketStream) -> None:
         conn = Connection(stream)
-        is_kernel = False
+        is_kernel = greeted = False
         try:
             async for msg, blob in conn.messages():  # a ProtocolError ends this connection only
+                if not greeted and msg["kind"] != protocol.HELLO:
+                    raise protocol.ProtocolError(f"{msg['kind']!r} before hello")
                 if msg["kind"] == protocol.HELLO:
                     try:
                         protocol.check_hello(msg)
                     except protocol.ProtocolError as e:
                         await conn.send(protocol.HELLO, version=protocol.VERSION, error=str(e))
                         return
-                    is_kernel = msg.get("role") == "kernel"
+                    is_kernel, greeted = msg.get("role") == "kernel", True
                     await conn.send(protocol.HELLO, version=protocol.VERSION, pid=os.getpid())
                     continue
                 await self._handle(conn, msg, blob)
-        except protocol.ProtocolError:
-            pass
+        except protocol.ProtocolError as e:
+            print(f"elastic_nb supervisor: dropped a connection: {e}", file=sys.stderr)
+        except Exception:  # a bug of ours ends this connection, never the supervisor
+            traceback.print_exc()
         finally:
             with contextlib.suppress(Exception):
                 await stream.aclose()
@@ -155,9 +161,11 @@ class Supervisor:
         kind, req = msg["kind"], msg.get("req")
         try:
             if kind == protocol.SUBMIT:
-                reply = self._submit(conn, msg, blob)
+                reply = await self._submit(conn, msg, blob)
             elif kind == protocol.STOP:
                 reply = self._stop(msg.get("job"), msg.get("reason", "user"))
+            elif kind == protocol.STACKS:
+                reply = {"text": await self._stacks(msg.get("job"))}
             elif kind == protocol.JOBS:
                 reply = {"jobs": [j.info() for j in self._jobs.values()]}
             elif kind == protocol.STATUS:
@@ -173,7 +181,9 @@ class Supervisor:
             return
         await conn.send(protocol.REPLY, req=req, ok=True, **reply)
 
-    def _submit(self, conn: Connection, msg: dict[str, Any], blob: bytes | None) -> dict[str, Any]:
+    async def _submit(
+        self, conn: Connection, msg: dict[str, Any], blob: bytes | None
+    ) -> dict[str, Any]:
         spec = JobSpec.from_dict(msg["spec"])
         job_id = str(msg.get("job") or secrets.token_hex(4))
         if job_id in self._jobs or not job_id.isalnum():
@@ -188,11 +198,23 @@ class Supervisor:
             send=conn.send,
             reap=self.reap,
         )
-        job.prepare()
-        self._jobs[job_id] = job
+        self._jobs[job_id] = job  # the id is taken from here on, even while prepare runs
+        try:
+            await anyio.to_thread.run_sync(job.prepare)  # payloads can be large: off the loop
+        except BaseException:
+            del self._jobs[job_id]
+            raise
         assert self._tg is not None
         self._tg.start_soon(job.run)
         return {"job": job_id}
+
+    async def _stacks(self, job_id: str | None) -> str:
+        running = [j for j in self._jobs.values() if j.running]
+        if job_id is not None:
+            running = [j for j in running if j.id == job_id]
+        if not running:
+            raise KeyError(f"no running job {job_id}" if job_id else "no running job")
+        return await running[-1].stacks()
 
     def _stop(self, job_id: str | None, reason: str) -> dict[str, Any]:
         if job_id is not None and job_id not in self._jobs:

@@ -22,10 +22,30 @@ __all__ = ["RankState", "Verdict", "analyze"]
 # What a rank raises when another rank of its group died under it (gloo and NCCL wordings).
 _PEER_DIED = re.compile(
     r"connection closed by peer|connection reset by peer|broken pipe|remote process exited"
-    r"|communicator was aborted|NCCL.*(?:aborted|remote)",
+    r"|communicator was aborted|NCCL.*(?:aborted|remote)"
+    r"|failed to recv|got 0 bytes|DistNetworkError|connection refused",
+    re.IGNORECASE,
+)
+# A collective that waited past its timeout (gloo, NCCL's watchdog, c10d's own wording).
+_TIMED_OUT = re.compile(
+    r"timed out waiting|watchdog caught collective operation timeout|DistTimeoutError"
+    r"|operation timed out|collective operation timeout",
     re.IGNORECASE,
 )
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGKILL)
+# A rank's own failure, as opposed to a consequence of another rank's.
+_REAL = ("exception", "oom", "host_oom", "exit", "exit0", "signal")
+# The cause class of a job's failure, by the root rank's kind.
+CAUSES = {
+    "exception": "exception",
+    "oom": "cuda_oom",
+    "host_oom": "host_oom",
+    "exit": "exit",
+    "exit0": "exit",
+    "signal": "signal",
+    "collective_timeout": "collective_timeout",
+    "peer": "peer",
+}
 
 
 @dataclass
@@ -40,18 +60,24 @@ class RankState:
     failure: dict[str, Any] | None = None  # the worker's failure record
     died_at: float | None = None  # our clock, when its pidfd fired
     exit_code: int | None = None  # N, or -SIG
+    oom_killed: bool = False  # the kernel's OOM killer fired while it died
 
     @property
     def failed_at(self) -> float | None:
         return self.failure["time"] if self.failure else self.died_at
 
     def kind(self, teardown_at: float | None) -> str:
-        """done | running | exception | peer | terminated | exit | exit0 | signal"""
+        """done | running | exception | oom | collective_timeout | peer | terminated | exit |
+        exit0 | signal | host_oom"""
         if self.done is not None:
             return "done"
         if self.failure is not None:
             if self.failure["type"] == "KeyboardInterrupt":
                 return "terminated"  # torch gives ranks PDEATHSIG=SIGINT
+            if self.failure["type"].endswith("OutOfMemoryError"):
+                return "oom"
+            if _TIMED_OUT.search(self.failure["message"]):
+                return "collective_timeout"
             if _PEER_DIED.search(self.failure["message"]):
                 return "peer"
             return "exception"
@@ -63,6 +89,8 @@ class RankState:
             return "exit0"
         if self.exit_code is None or self.exit_code > 0:
             return "exit"
+        if self.oom_killed and self.exit_code == -signal.SIGKILL:
+            return "host_oom"
         return "signal"
 
     def failure_summary(self) -> str:
@@ -73,6 +101,8 @@ class RankState:
             return text
         if self.exit_code == 0 and self.died_at is not None and self.done is None:
             return "exited with code 0 before finishing the cell (os._exit?)"
+        if self.oom_killed and self.exit_code == -signal.SIGKILL:
+            return "killed by SIGKILL from the kernel's OOM killer (host memory)"
         return describe_exit(self.exit_code)
 
     def to_dict(self) -> dict[str, Any]:
@@ -90,22 +120,34 @@ class RankState:
 @dataclass
 class Verdict:
     root: RankState | None
-    cause: str | None  # the root's kind: exception | exit | exit0 | signal | peer
+    cause: str | None  # a cause class (CAUSES' values, or "desync")
     others: list[dict[str, Any]]  # one per other rank: rank, kind, text, delay
 
 
-def analyze(ranks: list[RankState], teardown_at: float | None) -> Verdict:
+def analyze(
+    ranks: list[RankState], teardown_at: float | None, behind: list[int] | None = None
+) -> Verdict:
+    """`behind`: ranks a desync verdict found missing from the collective the others timed out
+    in; one of them is the root when no rank failed on its own."""
     kinds = {r.rank: r.kind(teardown_at) for r in ranks}
     by_time = sorted(ranks, key=lambda r: r.failed_at or 0.0)
     peers = [r for r in by_time if kinds[r.rank] == "peer"]
-    real = [r for r in by_time if kinds[r.rank] in ("exception", "exit", "exit0", "signal")]
+    timeouts = [r for r in by_time if kinds[r.rank] == "collective_timeout"]
+    real = [r for r in by_time if kinds[r.rank] in _REAL]
     # A rank killed by SIGTERM/SIGINT/SIGKILL after another rank really failed was stopped by
     # the agent: a consequence, however early its own signal.
     for r in real[1:]:
         if kinds[r.rank] == "signal" and -(r.exit_code or 0) in _STOP_SIGNALS:
             kinds[r.rank] = "agent"
     real = [r for r in real if kinds[r.rank] != "agent"]
-    root = real[0] if real else (peers[0] if peers else None)
+    lagging = [r for r in ranks if r.rank in (behind or ())]
+    cause = None
+    if real:
+        root = real[0]
+    elif lagging:
+        root, cause = lagging[0], "desync"
+    else:
+        root = (timeouts or peers or [None])[0]
 
     others = []
     for r in sorted(ranks, key=lambda r: r.rank):
@@ -118,7 +160,9 @@ def analyze(ranks: list[RankState], teardown_at: float | None) -> Verdict:
         others.append(
             {"rank": r.rank, "kind": kind, "text": _describe(r, kind, root), "delay": delay}
         )
-    return Verdict(root, kinds[root.rank] if root else None, others)
+    if root is not None and cause is None:
+        cause = CAUSES.get(kinds[root.rank], kinds[root.rank])
+    return Verdict(root, cause, others)
 
 
 def _describe(r: RankState, kind: str, root: RankState | None) -> str:
@@ -129,6 +173,8 @@ def _describe(r: RankState, kind: str, root: RankState | None) -> str:
         return "was still running"
     if kind == "peer":
         return f"{r.failure_summary()}: its peer had died"
+    if kind == "collective_timeout":
+        return f"timed out waiting: {r.failure_summary()}"
     if kind == "terminated":
         how = "SIGINT" if r.failure else signal_name(-(r.exit_code or 0))
         return f"stopped by elastic_nb ({how}){after}"

@@ -141,16 +141,25 @@ def test_cuda_oom_is_its_own_cause(kernel: Kernel, cache_home: Path) -> None:
 def test_agent_deadlock_after_results_is_caught_by_the_watchdog(
     tmp_path: Path, cache_home: Path
 ) -> None:
-    # Each rank returns, then aborts while it waits for the agent's Event.set(); the hook
-    # holds the agent between reading the results and set(), which then blocks forever on the
-    # dead waiters (torch 2.13, multiprocessing/api.py _poll).
-    k = Kernel(str(tmp_path), env={"ELASTIC_NB_TEST_HOLD_BEFORE_SET": "0.5"})
+    # Each rank returns, then aborts while it waits for the agent's Event.set(): the hook holds
+    # the agent between reading every result and set() and marks that moment with a file; the
+    # ranks abort as soon as it appears, so set() then blocks forever on the dead waiters
+    # (torch 2.13, multiprocessing/api.py _poll). The hold only has to outlast the abort.
+    k = Kernel(
+        str(tmp_path),
+        env={"ELASTIC_NB_TEST_HOLD_BEFORE_SET": "1.0", "XDG_CACHE_HOME": str(cache_home)},
+    )
     try:
         k.ok("%load_ext elastic_nb")
         ex = k.run(
             "%%elastic --nproc 2\n"
-            "import os, threading\n"
-            "threading.Timer(0.1, os.abort).start()\n"
+            "import os, threading, time\n"
+            "read = os.path.join(os.environ['ELASTIC_NB_RUN_DIR'], 'test-agent-read-results')\n"
+            "def abort_in_the_window():\n"
+            "    while not os.path.exists(read):\n"
+            "        time.sleep(0.005)\n"
+            "    os.abort()\n"
+            "threading.Thread(target=abort_in_the_window).start()\n"
             "'returned'\n"
         )
         assert ex.error is None, ex.traceback

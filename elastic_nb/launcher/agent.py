@@ -250,12 +250,15 @@ def _observe_agent(channel: Channel) -> None:
     hold = os.environ.get("ELASTIC_NB_TEST_HOLD_BEFORE_SET")
     if hold:
         # Tests only: widen the window of torch's agent deadlock, between reading every rank's
-        # return value and Event.set() in MultiprocessContext._poll (TORCH_FACTS.md).
+        # return value and Event.set() in MultiprocessContext._poll (TORCH_FACTS.md), and say
+        # when it opens (a file in the run directory) so that a test's ranks can die inside it.
         original_is_done = MultiprocessContext._is_done
 
         def _is_done(self: Any) -> bool:
             done = original_is_done(self)
             if done:
+                run_dir = os.environ["ELASTIC_NB_RUN_DIR"]
+                open(os.path.join(run_dir, "test-agent-read-results"), "w").close()
                 time.sleep(float(hold))
             return done
 

@@ -76,6 +76,7 @@ def test_a_silent_rank_raises_a_hang_alert_and_the_job_keeps_running(
         "%%elastic --nproc 2 --hang-after 3 --collective-timeout off\n"
         "import time, torch, torch.distributed as dist\n"
         "dist.init_process_group()\n"
+        "print('initialised', flush=True)   # imports on a loaded machine are not the silence\n"
         "if dist.get_rank() == 1:\n"
         "    time.sleep(600)\n"
         "dist.all_reduce(torch.ones(1))\n"
@@ -83,16 +84,25 @@ def test_a_silent_rank_raises_a_hang_alert_and_the_job_keeps_running(
     k.collect(msg_id, ex, timeout=60, until=lambda e: "full dump" in e.stdout)
     assert (
         "no output and no exit from any rank for 3 s (--hang-after): rank 1 never entered "
-        "all_reduce (cell line 6): it was at cell line 5; rank 0 waited in it" in ex.stdout
+        "all_reduce (cell line 7): it was at cell line 6; rank 0 waited in it" in ex.stdout
     )
-    assert "rank 0 · waiting in all_reduce · cell line 6" in ex.stdout
-    assert "rank 1 · cell line 5: time.sleep(600)" in ex.stdout
+    assert "rank 0 · waiting in all_reduce · cell line 7" in ex.stdout
+    assert "rank 1 · cell line 6: time.sleep(600)" in ex.stdout
     job = ex.job_id
     assert ex.error is None  # still running: an alert, not an end
     k.interrupt()
     k.collect(msg_id, ex, timeout=30)
     assert ex.ename == "KeyboardInterrupt"
     assert_job_gone(job)
+
+
+def test_starting_ranks_are_not_a_hang(kernel: Kernel) -> None:
+    # Spawning a rank and importing torch takes longer than this --hang-after: that is start-up,
+    # with no stack of the cell to show yet, not silence.
+    ex = kernel.ok("%%elastic --nproc 2 --hang-after 0.5\nprint('hello')\n")
+    assert "[rank 1] hello" in ex.stdout
+    assert "--hang-after" not in ex.stdout + ex.stderr
+    assert_job_gone(ex.job_id)
 
 
 def test_stacks_on_request(tmp_path: Path) -> None:

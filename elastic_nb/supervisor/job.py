@@ -513,10 +513,12 @@ class Job:
         self._alert("oom", "error", title, rank=r.rank, text=text)
 
     def _watch_silence(self) -> None:
-        """--hang-after: no new line and no start or exit from any rank for that long."""
+        """--hang-after: no new line and no start or exit from any rank for that long, once
+        every rank runs the cell (a rank starting its interpreter is busy, not silent, and has
+        no stack to show yet)."""
         now = time.time()
         lines = self._tailer.lines_total()
-        if lines != self._lines_seen:
+        if lines != self._lines_seen or self._starting():
             self._lines_seen, self._last_activity, self._hang_reported = lines, now, False
         if (
             self.spec.hang_after is None
@@ -530,6 +532,16 @@ class Job:
         self._hang_reported = True  # once per silence; output re-arms it
         assert self._tg is not None
         self._tg.start_soon(self._diagnose_hang, now - self._last_activity)
+
+    def _starting(self) -> bool:
+        """Whether a live rank of this attempt has yet to arm its stack dump (the worker does
+        that first thing, before the cell)."""
+        for r in self._attempt_ranks(self.attempt):
+            if not r.armed and r.died_at is None:
+                r.armed = self.rd.stacks(r.attempt, r.rank).exists()
+                if not r.armed:
+                    return True
+        return False
 
     def _watch_agent(self) -> None:
         """The zombie watchdog: dead ranks the agent does not reap, or an agent whose monitor

@@ -61,6 +61,7 @@ class RankState:
     died_at: float | None = None  # our clock, when its pidfd fired
     exit_code: int | None = None  # N, or -SIG
     oom_killed: bool = False  # the kernel's OOM killer fired while it died
+    armed: bool = False  # its stack dump handler is registered: it runs our bootstrap
 
     @property
     def failed_at(self) -> float | None:

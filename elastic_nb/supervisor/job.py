@@ -513,12 +513,13 @@ class Job:
         self._alert("oom", "error", title, rank=r.rank, text=text)
 
     def _watch_silence(self) -> None:
-        """--hang-after: no new line and no start or exit from any rank for that long, once
-        every rank runs the cell (a rank starting its interpreter is busy, not silent, and has
-        no stack to show yet)."""
+        """--hang-after: no new line and no start or exit from any rank for that long, while
+        the ranks run the cell. A rank still starting its interpreter is busy, not silent (and
+        has no stack to show yet); ranks that all finished the cell are the agent's to reap
+        (the zombie watchdog's business)."""
         now = time.time()
         lines = self._tailer.lines_total()
-        if lines != self._lines_seen or self._starting():
+        if lines != self._lines_seen or not self._in_the_cell():
             self._lines_seen, self._last_activity, self._hang_reported = lines, now, False
         if (
             self.spec.hang_after is None
@@ -533,15 +534,17 @@ class Job:
         assert self._tg is not None
         self._tg.start_soon(self._diagnose_hang, now - self._last_activity)
 
-    def _starting(self) -> bool:
-        """Whether a live rank of this attempt has yet to arm its stack dump (the worker does
-        that first thing, before the cell)."""
-        for r in self._attempt_ranks(self.attempt):
-            if not r.armed and r.died_at is None:
+    def _in_the_cell(self) -> bool:
+        """Every live rank of this attempt runs our bootstrap (it arms its stack dump first
+        thing) and one of them has yet to finish the cell."""
+        live = [r for r in self._attempt_ranks(self.attempt) if r.died_at is None]
+        for r in live:
+            if not r.armed:
                 r.armed = self.rd.stacks(r.attempt, r.rank).exists()
                 if not r.armed:
-                    return True
-        return False
+                    return False
+            self._read_records(r)
+        return any(r.done is None and r.failure is None for r in live)
 
     def _watch_agent(self) -> None:
         """The zombie watchdog: dead ranks the agent does not reap, or an agent whose monitor

@@ -4,12 +4,14 @@
 # Both create .venv on first use. TORCH is what pip installs when the venv has no torch: the pinned
 # CPU build by default (never let pip resolve an unpinned torch: that is a multi-GB CUDA download).
 
-PYTHON ?= python3
-VENV   ?= .venv
-TORCH  ?= torch==2.13.0
-BIN    := $(VENV)/bin
+PYTHON   ?= python3
+VENV     ?= .venv
+TORCH    ?= torch==2.13.0
+CHROMIUM ?= /usr/bin/chromium
+BIN      := $(VENV)/bin
+SUDO     := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: demo test bench lint
+.PHONY: demo test bench
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,9 +23,14 @@ $(VENV)/.installed: pyproject.toml
 demo: $(VENV)/.installed
 	$(BIN)/python scripts/run_notebook.py notebooks/quickstart.ipynb
 
-test: $(VENV)/.installed
+test: $(VENV)/.installed $(CHROMIUM)
 	$(BIN)/ruff check elastic_nb tests scripts benchmarks
-	$(BIN)/python -m pytest
+	ELASTIC_NB_CHROMIUM=$(CHROMIUM) $(BIN)/python -m pytest
+
+# The browser tests drive Debian's Chromium (Playwright's own download does not work here).
+$(CHROMIUM):
+	$(SUDO) apt-get update -qq
+	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium
 
 bench: $(VENV)/.installed
 	$(BIN)/python benchmarks/run_all.py

@@ -1,4 +1,4 @@
-"""The kernel's side of the supervisor: start it, talk to it, follow a job to its end.
+"""The kernel's side of the supervisor: start it, talk to it, hand each job's messages on.
 
 The supervisor is started on first use, in its own session (so the kernel's interrupt never
 reaches it), with a listening socket the kernel created in an owner-only directory. The kernel
@@ -14,36 +14,24 @@ import itertools
 import os
 import queue
 import secrets
-import signal
 import socket
 import stat
 import subprocess
 import sys
 import tempfile
 import threading
-import time
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-from elastic_nb import procs, protocol
+from elastic_nb import protocol
 from elastic_nb.errors import ElasticError, SupervisorDied
-from elastic_nb.rundir import RunDir
+from elastic_nb.handle import GONE, JobHandle
 from elastic_nb.spec import JobSpec
 
-__all__ = ["JobHandle", "Renderer", "SupervisorClient", "get_client"]
+__all__ = ["SupervisorClient", "get_client", "shutdown_client"]
 
 HELLO_TIMEOUT_S = 30.0
 REQUEST_TIMEOUT_S = 30.0
-# After an interrupt the supervisor normally ends the job in well under a second (SIGTERM to the
-# whole group, 2 s grace at most); past this the kernel kills the job's processes itself.
-STOP_TIMEOUT_S = 4.0
-
-_GONE = object()
-
-
-class Renderer(Protocol):
-    def update(self, msg: dict[str, Any]) -> None: ...
-    def end(self, summary: dict[str, Any]) -> None: ...
 
 
 def runtime_dir() -> Path:
@@ -186,9 +174,9 @@ class SupervisorClient:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     self._proc.wait(timeout=1)  # reap it
             for q in list(self._pending.values()):
-                q.put(_GONE)
+                q.put(GONE)
             for job in list(self._jobs.values()):
-                job._deliver(_GONE)
+                job._deliver(GONE)
 
     def _dispatch(self, msg: dict[str, Any]) -> None:
         kind = msg["kind"]
@@ -247,7 +235,7 @@ class SupervisorClient:
             ) from None
         finally:
             self._pending.pop(req, None)
-        if reply is _GONE:
+        if reply is GONE:
             raise SupervisorDied(
                 f"the elastic_nb supervisor exited; its log says:\n{self._log_tail()}"
             )
@@ -290,119 +278,6 @@ class SupervisorClient:
 
     def status(self) -> dict[str, Any]:
         return self.request(protocol.STATUS)
-
-
-class JobHandle:
-    """A job as the kernel sees it: its events, and its summary once it has ended."""
-
-    def __init__(self, client: SupervisorClient, job_id: str, spec: JobSpec) -> None:
-        self.id = job_id
-        self.run_dir = str(RunDir.of(spec.log_dir, job_id))
-        self.spec = spec
-        self.summary: dict[str, Any] | None = None
-        self._client = client
-        self._queue: queue.Queue[Any] = queue.Queue()
-
-    def __repr__(self) -> str:
-        state = self.summary["outcome"] if self.summary else "running"
-        return f"<elastic_nb job {self.id} {state} run_dir={self.run_dir}>"
-
-    def _deliver(self, msg: Any) -> None:
-        self._queue.put(msg)
-
-    def wait(self, renderer: Renderer) -> dict[str, Any]:
-        """Feed the job's events to `renderer` until it ends; return its summary.
-
-        A KeyboardInterrupt (the kernel's interrupt) stops the job, waits for it to be gone
-        (at most `stop_timeout`, then kills its processes from here) and is re-raised. Any other
-        error on the way (a renderer's) also stops the job before it propagates: a cell that
-        raised never leaves its ranks running.
-        """
-        try:
-            return self._follow(renderer)
-        except (KeyboardInterrupt, SupervisorDied):
-            raise
-        except BaseException:
-            if self.summary is None:
-                self._stop_and_wait("stopped", "the cell raised while following the job")
-            raise
-
-    @property
-    def stop_timeout(self) -> float:
-        # The supervisor's teardown: SIGTERM, the job's grace, SIGKILL; usually well under 1 s.
-        return max(STOP_TIMEOUT_S, self.spec.stop_grace + 2.0)
-
-    def _follow(self, renderer: Renderer) -> dict[str, Any]:
-        interrupted = False
-        deadline: float | None = None
-        while self.summary is None:
-            try:
-                if deadline is not None and time.monotonic() > deadline:
-                    self._kill_here("interrupted", "the supervisor did not stop the job in time")
-                    break
-                try:
-                    msg = self._queue.get(timeout=0.25)
-                except queue.Empty:
-                    continue
-                self._handle(msg, renderer)
-            except KeyboardInterrupt:
-                if interrupted:
-                    self._kill_here("interrupted", "interrupted twice")  # the user insists
-                    break
-                interrupted = True
-                deadline = time.monotonic() + self.stop_timeout
-                with contextlib.suppress(SupervisorDied):
-                    self._client.send(protocol.STOP, job=self.id, reason="interrupt")
-        if interrupted:
-            raise KeyboardInterrupt
-        assert self.summary is not None
-        return self.summary
-
-    def _handle(self, msg: Any, renderer: Renderer | None) -> None:
-        if msg is _GONE:
-            self._kill_here("failed", "the supervisor exited")
-            raise SupervisorDied(
-                f"the elastic_nb supervisor (pid {self._client.pid}) exited while job {self.id} "
-                "ran; the job's processes were killed. The next %%elastic cell starts a new one."
-            )
-        if msg["kind"] == protocol.END:
-            self.summary = msg["summary"]
-        if renderer is None:
-            return
-        if msg["kind"] == protocol.UPDATE:
-            renderer.update(msg)
-        elif msg["kind"] == protocol.END:
-            renderer.end(msg["summary"])
-
-    def _stop_and_wait(self, outcome: str, reason: str) -> None:
-        """Stop the job without a renderer; bounded, and the processes are gone afterwards."""
-        with contextlib.suppress(SupervisorDied):
-            self._client.send(protocol.STOP, job=self.id, reason="user")
-        deadline = time.monotonic() + self.stop_timeout
-        with contextlib.suppress(SupervisorDied):
-            while self.summary is None and time.monotonic() < deadline:
-                with contextlib.suppress(queue.Empty):
-                    self._handle(self._queue.get(timeout=0.25), None)
-        if self.summary is None:
-            self._kill_here(outcome, reason)
-
-    def _kill_here(self, outcome: str, reason: str) -> None:
-        """Last resort from the kernel itself: kill every process carrying this job's marker."""
-        procs.kill_job([self.id], signal.SIGKILL)
-        self.summary = {
-            "job": self.id,
-            "outcome": outcome,
-            "reason": reason,
-            "world_size": self.spec.world_size,
-            "attempt": 0,
-            "restarts": 0,
-            "max_restarts": self.spec.max_restarts,
-            "wall_s": 0.0,
-            "run_dir": self.run_dir,
-            "failure": None,
-            "others": [],
-            "result": False,
-        }
 
 
 _client: SupervisorClient | None = None

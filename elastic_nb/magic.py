@@ -20,27 +20,35 @@ Manage jobs and session defaults with the line magic::
     %elastic stacks [JOB]                          # every rank's Python stack, now
     %elastic status                                # the supervisor process
 
-The cell blocks until every rank has finished. Interrupt the kernel to stop the job: every rank
-is ended within seconds and the kernel is yours again.
+The cell blocks until every rank has finished, under a live dashboard where the frontend draws
+widgets (text elsewhere). Interrupt the kernel to stop the job: every rank is ended within seconds
+and the kernel is yours again. ``--bg`` returns a handle at once instead::
+
+    %%elastic --bg --nproc 4
+    train()
+
+    job = _; job.wait()   # or: await job, job.result, job.stop(), job.logs(rank=1), job.stacks()
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
-import pickle
 import sys
 from typing import Any
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, argument_group, magic_arguments, parse_argstring
+from IPython.display import display
 from IPython.utils.text import SList
 
 from elastic_nb import protocol
 from elastic_nb.cell import explicit_timeouts, prepare_cell
-from elastic_nb.client import JobHandle, get_client
-from elastic_nb.errors import ElasticError, JobFailed, JobStopped, JobTimeout
+from elastic_nb.client import get_client
+from elastic_nb.errors import ElasticError
+from elastic_nb.handle import JobHandle, Renderer
 from elastic_nb.render_text import TextRenderer
 from elastic_nb.rundir import RunDir
 from elastic_nb.spec import DEFAULTS, JobSpec, SpecError, default_log_dir, preflight
@@ -212,7 +220,16 @@ def launch_arguments(func: Any) -> Any:
             dest="widgets",
             action="store_false",
             default=_S,
-            help="print rank output as text (the only renderer in this version)",
+            help="print rank output as text instead of the live dashboard (text is what "
+            "nbconvert, terminal IPython and other frontends without widgets get anyway)",
+        ),
+        argument(
+            "--bg",
+            dest="background",
+            action="store_true",
+            default=_S,
+            help="return a job handle at once (job.wait(), await job, job.result, job.stop(), "
+            "job.logs()); the dashboard's Stop button works for it",
         ),
         argument(
             "--log-dir",
@@ -276,26 +293,42 @@ class ElasticMagics(Magics):
                     file=sys.stderr,
                 )
         job = get_client().submit(spec, prepared.source, prepared.meta, prepared.payload)
+        job.namespace = self.shell.user_ns
         self.jobs[job.id] = job
-        renderer = TextRenderer(job.id, job.run_dir)
-        renderer.start(spec.nproc, spec.worst_case_s)
-        summary = job.wait(renderer)
-        if summary["outcome"] == "timeout":
-            raise JobTimeout(summary)
-        if summary["outcome"] in ("stopped", "interrupted"):
-            raise JobStopped(summary)
-        if summary["outcome"] != "succeeded":
-            raise JobFailed(summary)
-        rd = RunDir(job.run_dir)
-        if spec.pull:
-            pulled = _load(
-                rd.pulled(summary["attempt"], spec.pull_rank), f"--pull from rank {spec.pull_rank}"
+        renderer = self._renderer(job, spec)
+        if spec.background:
+            job.follow_in_background(renderer)
+            return job  # displayed as its dashboard (or its repr)
+        job.follow(renderer)
+        return job.conclude()
+
+    def _renderer(self, job: JobHandle, spec: JobSpec) -> Renderer:
+        """The dashboard where the frontend renders widgets, text everywhere else. Beside a
+        dashboard the text is the start line, the alerts' titles and the summary line, so that
+        a saved notebook and nbconvert keep the outcome."""
+        if spec.widgets and widgets_frontend(self.shell):
+            from elastic_nb.dashboard import Dashboard
+
+            dash = Dashboard(
+                job.id,
+                job.run_dir,
+                spec.nproc,
+                spec.max_restarts,
+                worst_case_s=spec.worst_case_s,
+                on_stop=functools.partial(job.stop, reason="button") if spec.background else None,
+                on_stacks=job.stacks if spec.background else None,
             )
-            self.shell.user_ns.update(pulled)
-        if summary["result"]:
-            how, value = _load(rd.result(summary["attempt"]), "the cell's result")
-            return value if how == "value" else _Repr(value)
-        return None
+            job.widget = dash.widget
+            if not spec.background:
+                display(dash.widget)  # a background job is shown as the cell's result
+            text = TextRenderer(job.id, job.run_dir, logs=False, alerts="end")
+            text.start(spec.nproc, spec.worst_case_s)
+            return _Both(dash, text)
+        # A background job's lines would interleave with whatever the notebook does next: they
+        # stay in the run directory (job.logs(), %elastic logs); its alerts and end are shown.
+        text = TextRenderer(job.id, job.run_dir, logs=not spec.background)
+        text.start(spec.nproc, spec.worst_case_s)
+        return text
 
     # ---- %elastic -----------------------------------------------------------------------------
 
@@ -458,16 +491,36 @@ class ElasticMagics(Magics):
         return self.jobs[job_id]
 
 
-class _Repr(str):
-    """A result that could not be pickled in the rank: shown by its repr there."""
+def widgets_frontend(shell: Any) -> bool:
+    """Whether the frontend draws ipywidgets. A kernel cannot ask its frontend, so the rule is:
+    a kernel (not terminal IPython) started by jupyter_server (JupyterLab, Notebook 7: it sets
+    JPY_SESSION_NAME) or by VS Code (VSCODE_PID, or VSCODE_CWD where VS Code runs in WSL or a
+    container, as Panel found); nbclient, nbconvert and papermill set neither and get text.
+    ELASTIC_NB_WIDGETS=1 or 0 overrides it; --no-widgets (or %elastic config --no-widgets) opts
+    a cell out."""
+    forced = os.environ.get("ELASTIC_NB_WIDGETS")
+    if forced in ("0", "1"):
+        return forced == "1"
+    if getattr(shell, "kernel", None) is None:
+        return False
+    return any(os.environ.get(v) for v in ("JPY_SESSION_NAME", "VSCODE_PID", "VSCODE_CWD"))
 
-    def __repr__(self) -> str:
-        return str(self)
 
+class _Both:
+    """The dashboard, and the text that stays in the cell's output."""
 
-def _load(path: os.PathLike[str], what: str) -> Any:
-    try:
-        with open(path, "rb") as f:
-            return pickle.load(f)
-    except Exception as e:
-        raise ElasticError(f"could not load {what} from {path}: {type(e).__name__}: {e}") from None
+    def __init__(self, dash: Renderer, text: TextRenderer) -> None:
+        self._dash, self._text = dash, text
+
+    def update(self, msg: dict[str, Any]) -> None:
+        self._dash.update(msg)
+        self._text.update(msg)
+
+    def flush(self) -> None:
+        self._dash.flush()
+
+    def end(self, summary: dict[str, Any]) -> None:
+        try:
+            self._dash.end(summary)
+        finally:
+            self._text.end(summary)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Any, TextIO
+from typing import Any, Literal, TextIO
 
 from elastic_nb import report
 
@@ -21,8 +21,20 @@ PROGRESS_EVERY_S = 5.0
 
 class TextRenderer:
     def __init__(
-        self, job_id: str, run_dir: str, out: TextIO | None = None, err: TextIO | None = None
+        self,
+        job_id: str,
+        run_dir: str,
+        out: TextIO | None = None,
+        err: TextIO | None = None,
+        *,
+        logs: bool = True,
+        alerts: Literal["live", "end"] = "live",
     ) -> None:
+        """`logs` off: no rank lines (beside a dashboard; a background job's stay in the run
+        directory, for job.logs()). `alerts` "end": their titles just before the summary line,
+        so that the cell's text output keeps them under a dashboard that shows them live."""
+        self._logs, self._alerts = logs, alerts
+        self._alert_titles: list[str] = []
         self._job = job_id
         self._run_dir = run_dir
         self._out = out or sys.stdout
@@ -43,11 +55,18 @@ class TextRenderer:
 
     def update(self, msg: dict[str, Any]) -> None:
         for alert in msg.get("alerts", ()):
+            if alert["kind"] == "failure":
+                continue  # the error the cell raises says it, traceback and all
+            if self._alerts == "end":
+                self._alert_titles.append(f"[elastic_nb] {alert['title']}\n")
+                continue
             stream = self._err if alert["severity"] == "error" else self._out
             stream.write(f"[elastic_nb] {alert['title']}\n")
             if alert.get("text"):
                 stream.write(alert["text"].rstrip("\n") + "\n")
-        for attempt, rank, name, lines, skipped, progress in msg.get("logs", ()):
+        for attempt, rank, name, lines, skipped, progress in (
+            msg.get("logs", ()) if self._logs else ()
+        ):
             stream = self._out if name == "out" else self._err
             prefix = f"[rank {rank}] "
             if skipped:
@@ -63,6 +82,9 @@ class TextRenderer:
         self._out.flush()
         self._err.flush()
 
+    def flush(self) -> None:
+        """Lines are written as they come (IOPub batches them)."""
+
     def end(self, summary: dict[str, Any]) -> None:
-        self._out.write(report.summary_line(summary) + "\n")
+        self._out.write("".join(self._alert_titles) + report.summary_line(summary) + "\n")
         self._out.flush()

@@ -93,6 +93,7 @@ DEFAULTS: dict[str, Any] = {
     "pull": (),
     "pull_rank": 0,
     "widgets": True,
+    "background": False,
     "log_dir": None,
 }
 
@@ -121,6 +122,7 @@ class JobSpec:
     pull: tuple[str, ...] = ()
     pull_rank: int = 0
     widgets: bool = True
+    background: bool = False  # --bg: the cell returns a handle at once
     log_dir: str = field(default_factory=default_log_dir)
     cwd: str = field(default_factory=os.getcwd)
     sys_path: tuple[str, ...] = ()
@@ -222,6 +224,7 @@ class JobSpec:
             pull=pull,
             pull_rank=pull_rank,
             widgets=bool(o["widgets"]),
+            background=bool(o["background"]),
             log_dir=log_dir,
             cwd=cwd,
             sys_path=tuple(sys_path),

@@ -53,6 +53,9 @@ class Kernel:
         self.kc = self.km.client()
         self.kc.start_channels()
         self.kc.wait_for_ready(timeout=60)
+        # IOPub messages of earlier cells that arrived while another cell was collected (what a
+        # background job's thread prints goes under the cell that started it).
+        self.late: dict[str, list[dict[str, Any]]] = {}
 
     @property
     def pid(self) -> int:
@@ -82,7 +85,9 @@ class Kernel:
                 msg = self.kc.get_iopub_msg(timeout=min(remaining, 1.0))
             except Exception:  # queue.Empty
                 continue
-            if msg["parent_header"].get("msg_id") != msg_id:
+            parent = msg["parent_header"].get("msg_id")
+            if parent != msg_id:
+                self.late.setdefault(parent, []).append(msg)
                 continue
             ex.messages.append(msg)
             kind, content = msg["msg_type"], msg["content"]
@@ -122,6 +127,13 @@ class Kernel:
                 "evalue": content["evalue"],
                 "traceback": [ex.stderr],
             }
+
+    def late_stdout(self, msg_id: str) -> str:
+        return "".join(
+            m["content"]["text"]
+            for m in self.late.get(msg_id, ())
+            if m["msg_type"] == "stream" and m["content"]["name"] == "stdout"
+        )
 
     def run(self, code: str, timeout: float = 120) -> Execution:
         t0 = time.monotonic()

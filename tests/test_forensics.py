@@ -124,7 +124,7 @@ def test_stacks_on_request(tmp_path: Path) -> None:
         assert "rank 0 · cell line 5: time.sleep(0.1)" in text
         assert "rank 1 · cell line 5: time.sleep(0.1)" in text
         c.stop(job.id)
-        assert job.wait(Recorder())["outcome"] == "stopped"
+        assert job.follow(Recorder())["outcome"] == "stopped"
         assert_job_gone(job.id)
     finally:
         c.close()

@@ -69,7 +69,10 @@ def test_status_jobs_and_logs(kernel: Kernel) -> None:
 
 def test_unknown_subcommand_and_job(kernel: Kernel) -> None:
     ex = kernel.run("%elastic restart")
-    assert ex.ename == "UsageError" and "status, jobs, logs, stop, stacks, config" in ex.error["evalue"]
+    assert (
+        ex.ename == "UsageError"
+        and "status, jobs, logs, stop, stacks, config" in ex.error["evalue"]
+    )
     ex = kernel.run("%elastic logs deadbeef")
     assert ex.ename == "UsageError" and "no job 'deadbeef'" in ex.error["evalue"]
 

@@ -26,9 +26,13 @@ class Recorder:
     def __init__(self) -> None:
         self.updates: list[tuple[float, dict[str, Any]]] = []
         self.summary: dict[str, Any] | None = None
+        self.flushes = 0
 
     def update(self, msg: dict[str, Any]) -> None:
         self.updates.append((time.monotonic(), msg))
+
+    def flush(self) -> None:
+        self.flushes += 1
 
     def end(self, summary: dict[str, Any]) -> None:
         self.summary = summary
@@ -59,7 +63,7 @@ def test_updates_are_batched_and_account_for_every_line(
         "import os\nr = os.environ['RANK']\nfor i in range(100_000):\n    print(r, i)\n",
     )
     rec = Recorder()
-    summary = job.wait(rec)
+    summary = job.follow(rec)
     assert summary["outcome"] == "succeeded" and summary["lines"] == 400_000
     # At most one update per flush interval (0.1 s), whatever the volume...
     span = rec.updates[-1][0] - rec.updates[0][0]
@@ -80,7 +84,7 @@ def test_rank_states_flow_to_the_client(client: SupervisorClient, tmp_path: Path
         client, tmp_path, 2, "import os\nif os.environ['RANK'] == '1':\n    raise OSError('disk')\n"
     )
     rec = Recorder()
-    summary = job.wait(rec)
+    summary = job.follow(rec)
     states = [m["state"] for _, m in rec.updates if "state" in m]
     assert (
         states[0] in ("starting", "rendezvous") and "running" in states and states[-1] == "failed"
@@ -110,7 +114,7 @@ def test_a_bad_connection_is_dropped_and_the_supervisor_serves_on(
             assert s.recv(1024) == b""  # dropped, no reply
     assert client.status()["pid"] == client.pid
     job = submit(client, tmp_path, 1, "print('still here')\n")
-    assert job.wait(Recorder())["outcome"] == "succeeded"
+    assert job.follow(Recorder())["outcome"] == "succeeded"
     assert_job_gone(job.id)
 
 
@@ -122,7 +126,7 @@ def test_a_renderer_that_raises_stops_its_job(client: SupervisorClient, tmp_path
 
     job = submit(client, tmp_path, 2, "print('go', flush=True)\nimport time\ntime.sleep(300)\n")
     with pytest.raises(ValueError, match="renderer bug"):
-        job.wait(Broken())
+        job.follow(Broken())
     assert job.summary is not None and job.summary["outcome"] == "stopped"
     assert_job_gone(job.id)
     assert client.alive
@@ -168,7 +172,7 @@ def test_a_rank_that_crashes_after_finishing_is_reported(
     )
     job = submit(client, tmp_path, 2, body)
     rec = Recorder()
-    summary = job.wait(rec)
+    summary = job.follow(rec)
     assert summary["outcome"] == "succeeded"
     alerts = [a for _, m in rec.updates for a in m.get("alerts", ())]
     assert [(a["kind"], a["rank"]) for a in alerts] == [("exit_after_done", 1)]

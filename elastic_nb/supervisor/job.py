@@ -32,7 +32,7 @@ from typing import Any
 import anyio
 import psutil
 
-from elastic_nb import procs, protocol
+from elastic_nb import procs, protocol, report
 from elastic_nb.rundir import RunDir, read_json, write_atomic, write_json
 from elastic_nb.spec import JobSpec
 from elastic_nb.supervisor.forensics import (
@@ -57,6 +57,8 @@ Send = Callable[..., Awaitable[None]]
 _STOPS = {
     "interrupt": ("interrupted", "interrupted from the kernel"),
     "user": ("stopped", "stopped with %elastic stop"),
+    "handle": ("stopped", "stopped with job.stop()"),
+    "button": ("stopped", "stopped with the dashboard's Stop button"),
     "shutdown": ("stopped", "the supervisor shut down (its kernel exited)"),
 }
 _FAILURES = (
@@ -119,7 +121,7 @@ class Job:
         self._hang_reported = False
         self._oom_base = procs.oom_kills()
         self._watchdog_fired = False
-        self._zombies_seen: set[int] = set()
+        self._zombies: set[tuple[int, int]] = set()  # (attempt, rank) dead and left unreaped
 
     # ---- for the server -----------------------------------------------------------------
 
@@ -308,14 +310,18 @@ class Job:
             r.failure = read_json(self.rd.failure(r.attempt, r.rank))
 
     def _chip(self, r: RankState) -> dict[str, Any]:
-        """What a dashboard shows for one rank."""
+        """What a dashboard shows for one rank: a state to colour it by, a few words, and the
+        whole story for a failed or stopped one."""
         kind = r.kind(self._teardown_at)
         if kind == "running" or (kind == "done" and r.died_at is None):
             state = "running"
         else:
             state = {"done": "done", "terminated": "stopped"}.get(kind, "failed")
-        chip: dict[str, Any] = {"state": state, "attempt": r.attempt, "pid": r.pid}
-        if state in ("failed", "stopped"):
+        label = r.label(self._teardown_at)
+        if (r.attempt, r.rank) in self._zombies:
+            state, label = "zombie", f"zombie · {label}"
+        chip: dict[str, Any] = {"state": state, "label": label, "attempt": r.attempt, "pid": r.pid}
+        if state in ("failed", "stopped", "zombie"):
             chip["detail"] = r.failure_summary()
         return chip
 
@@ -562,6 +568,8 @@ class Job:
                 continue  # dying because we stop the job: the agent is busy with that
             if procs.zombie_exit_code(r.pid) is not None:
                 why = f"rank {r.rank} died {now - r.died_at:.1f} s ago and is still unreaped"
+                self._zombies.add((r.attempt, r.rank))
+                self._pending_ranks[r.rank] = self._chip(r)
                 break
         state = procs.proc_state(launcher.pid)
         if why is None and self._outcome is None and self.state == "running" and self.last_tick:
@@ -701,9 +709,20 @@ class Job:
                         rank=r.rank,
                     )
         verdict = analyze(self._attempt_ranks(self.attempt), self._teardown_at, self._behind)
+        summary = self._summarize(outcome, reason, verdict)
+        if outcome in ("failed", "timeout"):
+            # The same words as the error the cell raises, for renderers that show alerts.
+            f = summary["failure"]
+            self._alert(
+                "failure",
+                "error",
+                report.failure_headline(summary),
+                rank=f["rank"] if f else None,
+                text="\n".join(report.failure_report(summary)).strip("\n"),
+            )
         self._set_state(outcome)
         await self._flush()
-        return self._summarize(outcome, reason, verdict)
+        return summary
 
     def _summarize(self, outcome: str, reason: str, verdict: Verdict) -> dict[str, Any]:
         root = verdict.root

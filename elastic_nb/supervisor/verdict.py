@@ -106,6 +106,19 @@ class RankState:
             return "killed by SIGKILL from the kernel's OOM killer (host memory)"
         return describe_exit(self.exit_code)
 
+    def label(self, teardown_at: float | None) -> str:
+        """A few words for a rank's chip: running, exited 0, ValueError, killed by SIGKILL."""
+        kind = self.kind(teardown_at)
+        if kind in ("done", "running"):
+            return "exited 0" if kind == "done" and self.died_at is not None else "running"
+        if self.failure is not None:
+            return self.failure["type"].rsplit(".", 1)[-1]
+        if kind == "exit0":
+            return "exited 0 early"
+        if self.exit_code is not None and self.exit_code < 0:
+            return f"killed by {signal_name(-self.exit_code)}"
+        return f"exit code {self.exit_code}" if self.exit_code is not None else "exited"
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "rank": self.rank,

@@ -1,0 +1,409 @@
+// The elastic_nb dashboard (anywidget ESM). See elastic_nb/dashboard/model.py for the state.
+//
+// One store per widget model holds the state: the snapshot trait to begin with, then every
+// delta the kernel sends (custom messages, numbered by `seq`), with the same bounds as the
+// kernel's. Views only draw the store: any number of them, none costs the kernel anything.
+
+const STORES = new WeakMap();
+
+function clone(x) {
+  return JSON.parse(JSON.stringify(x ?? {}));
+}
+
+function fromSnapshot(snap) {
+  const d = clone(snap);
+  d.seq ??= 0;
+  d.header ??= {};
+  d.ranks ??= {};
+  d.alerts ??= [];
+  d.attempts ??= [];
+  d.tails ??= {};
+  d.all ??= [];
+  d.progress ??= {};
+  d.limits ??= { tail: 1000, all: 2000, alerts: 100 };
+  d.alertsSeen = d.alerts.length; // ever received: the list itself drops the oldest
+  // The kernel's clock, for the elapsed time: local time minus this offset.
+  d.offset = Date.now() / 1000 - (snap?.now ?? Date.now() / 1000);
+  return d;
+}
+
+function trim(list, limit) {
+  if (list.length > limit) list.splice(0, list.length - limit);
+}
+
+// Fold one delta into the state, exactly as DashboardState does in the kernel.
+function apply(d, delta) {
+  if (delta.seq <= d.seq) return false; // already in the snapshot this store started from
+  d.seq = delta.seq;
+  d.offset = Date.now() / 1000 - delta.now;
+  if (delta.header) Object.assign(d.header, delta.header);
+  if (delta.ranks) Object.assign(d.ranks, delta.ranks);
+  if (delta.alerts) {
+    d.alerts.push(...delta.alerts);
+    d.alertsSeen += delta.alerts.length;
+    trim(d.alerts, d.limits.alerts);
+  }
+  if (delta.attempts) d.attempts = delta.attempts;
+  for (const [rank, stream, texts] of delta.lines ?? []) {
+    if (rank !== null) {
+      const tail = (d.tails[rank] ??= []);
+      for (const t of texts) tail.push([stream, t]);
+      trim(tail, d.limits.tail);
+    }
+    for (const t of texts) d.all.push([rank, stream, t]);
+    trim(d.all, d.limits.all);
+  }
+  for (const [rank, bar] of Object.entries(delta.progress ?? {})) {
+    if (bar === null) delete d.progress[rank];
+    else d.progress[rank] = bar;
+  }
+  if (delta.summary) d.summary = delta.summary;
+  return true;
+}
+
+function storeOf(model) {
+  let store = STORES.get(model);
+  if (store) return store;
+  store = { data: fromSnapshot(model.get("snapshot")), views: new Set() };
+  STORES.set(model, store);
+  model.on("msg:custom", (delta) => {
+    if (delta && typeof delta.seq === "number" && apply(store.data, delta)) {
+      for (const redraw of store.views) redraw(delta);
+    }
+  });
+  model.on("change:snapshot", () => {
+    const snap = model.get("snapshot");
+    if ((snap?.seq ?? 0) > store.data.seq) {
+      store.data = fromSnapshot(snap);
+      for (const redraw of store.views) redraw(null);
+    }
+  });
+  return store;
+}
+
+// ---- text ----------------------------------------------------------------------------------
+
+const ESCAPES = { "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;" };
+function esc(s) {
+  return String(s).replace(/[&<>"]/g, (c) => ESCAPES[c]);
+}
+
+const SGR = /\x1b\[([0-9;]*)m/g;
+const OTHER_ESCAPES = /\x1b(?:\[[0-9;?]*[A-Za-z]|\][^\x07]*\x07|[()][A-Za-z0-9])/g;
+
+// ANSI SGR colours (what tqdm, loggers and torch print) to spans; other escapes dropped.
+function ansi(text) {
+  if (!text.includes("\x1b")) return esc(text);
+  let out = "";
+  let open = false;
+  let last = 0;
+  const classes = new Set();
+  const flush = (chunk) => {
+    out += esc(chunk.replace(OTHER_ESCAPES, ""));
+  };
+  for (const m of text.matchAll(SGR)) {
+    flush(text.slice(last, m.index));
+    last = m.index + m[0].length;
+    const codes = m[1] === "" ? [0] : m[1].split(";").map(Number);
+    for (let i = 0; i < codes.length; i++) {
+      const c = codes[i];
+      if (c === 0) classes.clear();
+      else if (c === 1) classes.add("enb-b");
+      else if (c === 3) classes.add("enb-i");
+      else if (c === 4) classes.add("enb-u");
+      else if (c === 22) classes.delete("enb-b");
+      else if (c === 39) for (const k of [...classes]) k.startsWith("enb-fg") && classes.delete(k);
+      else if ((c >= 30 && c <= 37) || (c >= 90 && c <= 97)) {
+        for (const k of [...classes]) k.startsWith("enb-fg") && classes.delete(k);
+        classes.add(`enb-fg${c >= 90 ? c - 90 + 8 : c - 30}`);
+      } else if (c === 38 || c === 48) i += codes[i + 1] === 5 ? 2 : 4; // 256/true colour: skip
+    }
+    if (open) out += "</span>";
+    open = classes.size > 0;
+    if (open) out += `<span class="${[...classes].join(" ")}">`;
+  }
+  flush(text.slice(last));
+  if (open) out += "</span>";
+  return out;
+}
+
+function duration(s) {
+  if (s === null || s === undefined || !Number.isFinite(s)) return "";
+  s = Math.max(0, s);
+  if (s < 60) return `${s.toFixed(1)} s`;
+  const m = Math.floor(s / 60);
+  const h = Math.floor(m / 60);
+  const ss = String(Math.floor(s % 60)).padStart(2, "0");
+  return h ? `${h}:${String(m % 60).padStart(2, "0")}:${ss}` : `${m}:${ss}`;
+}
+
+const RUNNING = new Set(["starting", "rendezvous", "running", "restarting"]);
+
+// ---- the view ------------------------------------------------------------------------------
+
+class View {
+  constructor(el, store, model) {
+    this.store = store;
+    this.model = model;
+    this.tab = "all";
+    this.drawnAlerts = 0;
+    el.classList.add("enb");
+    el.innerHTML = `
+      <div class="enb-header">
+        <span class="enb-title">elastic_nb</span>
+        <span class="enb-job"></span>
+        <span class="enb-state"></span>
+        <span class="enb-elapsed"></span>
+        <span class="enb-world"></span>
+        <span class="enb-restarts"></span>
+        <span class="enb-worst"></span>
+        <span class="enb-actions">
+          <button class="enb-stacks" title="every rank's Python stack, now">Stacks</button>
+          <button class="enb-stop" title="SIGTERM every rank, SIGKILL after the grace">Stop</button>
+        </span>
+      </div>
+      <div class="enb-rundir"></div>
+      <div class="enb-hint">■ Interrupt the kernel to stop every rank (they are gone within seconds).</div>
+      <div class="enb-chips"></div>
+      <div class="enb-alerts"></div>
+      <div class="enb-attempts"></div>
+      <div class="enb-tabs"></div>
+      <pre class="enb-log"></pre>
+      <div class="enb-logpath"></div>
+      <div class="enb-summary"></div>`;
+    this.q = (sel) => el.querySelector(sel);
+    this.q(".enb-stop").addEventListener("click", () => this.action("stop"));
+    this.q(".enb-stacks").addEventListener("click", () => this.action("stacks"));
+    this.q(".enb-chips").addEventListener("click", (e) => {
+      const chip = e.target.closest(".enb-chip");
+      if (chip) this.select(chip.dataset.rank);
+    });
+    this.q(".enb-tabs").addEventListener("click", (e) => {
+      const tab = e.target.closest(".enb-tab");
+      if (tab) this.select(tab.dataset.tab);
+    });
+    this.timer = setInterval(() => this.drawHeader(), 1000);
+    this.redraw = (delta) => this.draw(delta);
+    this.draw(null);
+  }
+
+  get data() {
+    return this.store.data;
+  }
+
+  action(kind) {
+    this.model.send({ kind });
+    const button = this.q(kind === "stop" ? ".enb-stop" : ".enb-stacks");
+    button.disabled = true;
+    button.textContent = kind === "stop" ? "Stopping…" : "Asking…";
+    if (kind === "stacks") {
+      setTimeout(() => {
+        button.disabled = false;
+        button.textContent = "Stacks";
+      }, 2000);
+    }
+  }
+
+  select(tab) {
+    this.tab = tab;
+    this.drawTabs();
+    this.drawLog(true);
+  }
+
+  // A delta (or null: everything) arrived: redraw what it touched.
+  draw(delta) {
+    const all = delta === null;
+    this.drawHeader();
+    if (all || delta.ranks || delta.lines || delta.progress || delta.header) this.drawChips();
+    if (all || delta.alerts) this.drawAlerts(all);
+    if (all || delta.attempts) this.drawAttempts();
+    if (all || delta.ranks) this.drawTabs();
+    if (all || delta.progress || this.touches(delta.lines)) this.drawLog(false);
+    if (all || delta.summary) this.drawSummary();
+  }
+
+  touches(lines) {
+    if (!lines) return false;
+    return this.tab === "all" || lines.some(([rank]) => String(rank) === this.tab);
+  }
+
+  drawHeader() {
+    const h = this.data.header;
+    const running = RUNNING.has(h.state);
+    const elapsed = running
+      ? Date.now() / 1000 - this.data.offset - h.started
+      : h.wall_s ?? Date.now() / 1000 - this.data.offset - h.started;
+    this.q(".enb-job").textContent = `job ${h.job ?? ""}`;
+    const state = this.q(".enb-state");
+    state.textContent = h.state ?? "";
+    state.className = `enb-state enb-s-${h.state}`;
+    this.q(".enb-elapsed").textContent = duration(elapsed);
+    this.q(".enb-world").textContent = `${h.world_size} rank${h.world_size === 1 ? "" : "s"}`;
+    this.q(".enb-restarts").textContent = `restarts ${h.attempt}/${h.max_restarts}`;
+    this.q(".enb-worst").textContent =
+      h.worst_case_s != null ? `stuck collective fails within ${h.worst_case_s} s` : "";
+    this.q(".enb-rundir").textContent = `run dir: ${h.run_dir}`;
+    this.q(".enb-actions").hidden = !(h.background && running);
+    this.q(".enb-hint").hidden = !!h.background || !running;
+    if (!running) clearInterval(this.timer);
+  }
+
+  lastLine(rank) {
+    const bar = this.data.progress[rank];
+    if (bar) return bar[1];
+    const tail = this.data.tails[rank] ?? [];
+    for (let i = tail.length - 1; i >= 0; i--) if (tail[i][0] !== "note") return tail[i][1];
+    return "";
+  }
+
+  drawChips() {
+    const ranks = Object.keys(this.data.ranks).sort((a, b) => a - b);
+    this.q(".enb-chips").innerHTML = ranks
+      .map((r) => {
+        const c = this.data.ranks[r];
+        const last = this.lastLine(r).replace(OTHER_ESCAPES, "").replace(SGR, "");
+        const title = [c.detail, c.pid ? `pid ${c.pid}` : "", c.log ? `log: ${c.log}` : ""]
+          .filter(Boolean)
+          .join("\n");
+        return `<div class="enb-chip enb-s-${esc(c.state)}" data-rank="${esc(r)}" title="${esc(title)}">
+          <span class="enb-chip-rank">rank ${esc(r)}</span>
+          <span class="enb-chip-label">${esc(c.label ?? c.state)}</span>
+          <span class="enb-chip-last">${esc(last)}</span></div>`;
+      })
+      .join("");
+  }
+
+  drawAlerts(all) {
+    const box = this.q(".enb-alerts");
+    if (all) {
+      box.innerHTML = "";
+      this.drawnAlerts = this.data.alertsSeen - this.data.alerts.length;
+    }
+    // Alerts only grow (the oldest fall off past the limit): draw the new ones, keeping the
+    // open/closed state of those drawn already.
+    const alerts = this.data.alerts;
+    const fresh = Math.min(alerts.length, this.data.alertsSeen - this.drawnAlerts);
+    for (const a of alerts.slice(alerts.length - fresh)) box.appendChild(this.alertElement(a));
+    while (box.children.length > this.data.limits.alerts) box.firstChild.remove();
+    this.drawnAlerts = this.data.alertsSeen;
+  }
+
+  alertElement(a) {
+    const div = document.createElement("div");
+    div.className = `enb-alert enb-${a.severity}`;
+    div.dataset.kind = a.kind;
+    const rank = a.rank === null || a.rank === undefined ? "" : `<span class="enb-alert-rank">rank ${esc(a.rank)}</span>`;
+    div.innerHTML = `<div class="enb-alert-title">${rank}<span class="enb-alert-kind">${esc(a.kind)}</span> ${esc(a.title)}</div>`;
+    if (a.text) {
+      const details = document.createElement("details");
+      details.open = a.severity === "error";
+      details.innerHTML = `<summary>details</summary>${this.alertText(a.text)}`;
+      div.appendChild(details);
+    }
+    return div;
+  }
+
+  // Stacks of several ranks ("rank N · ..." blocks) side by side; any other text as it is.
+  alertText(text) {
+    const blocks = [];
+    for (const line of text.split("\n")) {
+      if (/^rank \d+\b/.test(line)) blocks.push([line]);
+      else if (blocks.length) blocks[blocks.length - 1].push(line);
+      else blocks.push([line]);
+    }
+    const perRank = blocks.filter((b) => /^rank \d+\b/.test(b[0]));
+    if (perRank.length < 2 || perRank.length !== blocks.length) {
+      return `<pre class="enb-alert-text">${ansi(text)}</pre>`;
+    }
+    return `<div class="enb-stacks-grid">${blocks
+      .map((b) => `<pre class="enb-alert-text">${ansi(b.join("\n"))}</pre>`)
+      .join("")}</div>`;
+  }
+
+  drawAttempts() {
+    const attempts = this.data.attempts;
+    const box = this.q(".enb-attempts");
+    box.hidden = attempts.length < 2 && !attempts[0]?.why;
+    box.innerHTML = attempts
+      .map((a) => {
+        const ranks = Object.keys(a.ranks)
+          .sort((x, y) => x - y)
+          .map((r) => `<span class="enb-dot enb-s-${esc(a.ranks[r].state)}" title="rank ${esc(r)}: ${esc(a.ranks[r].label)}">${esc(r)}</span>`)
+          .join("");
+        const why = a.why ? `<span class="enb-attempt-why">${esc(a.why)}</span>` : "";
+        return `<div class="enb-attempt"><span class="enb-attempt-n">attempt ${a.attempt}</span>
+          <span class="enb-attempt-t">+${duration(a.started)}</span>${ranks}${why}</div>`;
+      })
+      .join("");
+  }
+
+  drawTabs() {
+    const ranks = Object.keys(this.data.ranks).sort((a, b) => a - b);
+    const tabs = [["all", "all ranks"], ...ranks.map((r) => [r, `rank ${r}`])];
+    this.q(".enb-tabs").innerHTML = tabs
+      .map(([id, name]) => {
+        const state = id === "all" ? "" : ` enb-s-${esc(this.data.ranks[id]?.state ?? "")}`;
+        const sel = id === this.tab ? " enb-selected" : "";
+        return `<button class="enb-tab${state}${sel}" data-tab="${esc(id)}">${esc(name)}</button>`;
+      })
+      .join("");
+  }
+
+  drawLog(force) {
+    const pre = this.q(".enb-log");
+    const atBottom = force || pre.scrollTop + pre.clientHeight >= pre.scrollHeight - 24;
+    let html;
+    if (this.tab === "all") {
+      html = this.data.all
+        .map(([rank, stream, text]) => {
+          const who = rank === null ? "" : `<span class="enb-prefix enb-r${rank % 8}">[rank ${rank}]</span> `;
+          return `<span class="enb-line enb-${stream}">${who}${ansi(text)}</span>`;
+        })
+        .join("\n");
+      const bars = Object.entries(this.data.progress)
+        .map(([rank, [, text]]) => `\n<span class="enb-line enb-progress"><span class="enb-prefix enb-r${rank % 8}">[rank ${rank}]</span> ${ansi(text)}</span>`)
+        .join("");
+      html += bars;
+    } else {
+      const tail = this.data.tails[this.tab] ?? [];
+      html = tail.map(([stream, text]) => `<span class="enb-line enb-${stream}">${ansi(text)}</span>`).join("\n");
+      const bar = this.data.progress[this.tab];
+      if (bar) html += `\n<span class="enb-line enb-progress">${ansi(bar[1])}</span>`;
+    }
+    pre.innerHTML = html || '<span class="enb-line enb-note">no output yet</span>';
+    if (atBottom) pre.scrollTop = pre.scrollHeight;
+    const chip = this.data.ranks[this.tab];
+    this.q(".enb-logpath").textContent =
+      this.tab === "all"
+        ? `showing the last ${this.data.limits.all} lines of all ranks · full logs: ${this.data.header.run_dir}/attempt-${this.data.header.attempt}/`
+        : `showing the last ${this.data.limits.tail} lines · full log: ${chip?.log ?? ""} (stderr: .err)`;
+  }
+
+  drawSummary() {
+    const s = this.data.summary;
+    const box = this.q(".enb-summary");
+    box.hidden = !s;
+    if (!s) return;
+    box.className = `enb-summary enb-s-${s.outcome}`;
+    box.innerHTML = `${s.headline ? `<div class="enb-headline">${esc(s.headline)}</div>` : ""}<div>${esc(s.line)}</div>`;
+  }
+
+  dispose() {
+    clearInterval(this.timer);
+  }
+}
+
+export default {
+  initialize({ model }) {
+    storeOf(model); // before any delta is handled: anywidget holds comm messages until now
+  },
+  render({ model, el }) {
+    const store = storeOf(model);
+    const view = new View(el, store, model);
+    store.views.add(view.redraw);
+    return () => {
+      store.views.delete(view.redraw);
+      view.dispose();
+    };
+  },
+};

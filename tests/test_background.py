@@ -1,0 +1,101 @@
+"""%%elastic --bg: the cell returns a handle at once; the job runs on."""
+
+from __future__ import annotations
+
+from tests.kernel import Kernel, assert_job_gone, wait_for
+
+SUM = """%%elastic --bg --nproc 2 --pull total
+import torch, torch.distributed as dist
+dist.init_process_group()
+x = torch.ones(1) * (dist.get_rank() + 1)
+dist.all_reduce(x)
+total = x.item()
+print("total", total)
+total
+"""
+
+
+def test_a_background_job_returns_at_once_and_delivers_later(kernel: Kernel) -> None:
+    ex = kernel.ok(SUM)
+    assert ex.result is not None and ex.result.startswith("<elastic_nb job ")
+    assert "running" in ex.result and ex.seconds < 10
+    job = ex.result.split()[2]
+    kernel.ok("job = _")
+    # The notebook is free while the ranks run.
+    assert kernel.ok("6 * 7").result == "42"
+    assert kernel.ok("job.wait(timeout=120)").result == "3.0"
+    assert kernel.ok("total").result == "3.0"  # --pull landed with wait()
+    assert kernel.ok("job.state, job.result").result == "('succeeded', 3.0)"
+    assert "total 3.0" in kernel.ok("print(job.logs(rank=1))").stdout
+    assert kernel.ok("await job").result == "3.0"
+    assert_job_gone(job)
+
+
+def test_stacks_and_stop_for_a_background_job(kernel: Kernel) -> None:
+    ex = kernel.ok(
+        "%%elastic --bg --nproc 2\nimport time\nprint('up', flush=True)\nwhile True:\n    time.sleep(0.2)\n"
+    )
+    job = ex.result.split()[2]
+    kernel.ok("job = _")
+    assert wait_for(
+        lambda: kernel.ok("print(job.logs(rank=0) + job.logs(rank=1))").stdout.count("up") == 2,
+        timeout=60,
+    )
+    stacks = kernel.ok("%elastic stacks").stdout
+    assert "rank 0 · cell line 5: time.sleep(0.2)" in stacks
+    assert "rank 1 · cell line 5: time.sleep(0.2)" in stacks
+    kernel.ok(f"%elastic stop {job}")
+    ex = kernel.run("job.wait(timeout=30)")
+    assert ex.ename == "JobStopped"
+    assert kernel.ok("job.state").result == "'stopped'"
+    assert_job_gone(job)
+
+
+def test_job_stop_from_the_handle(kernel: Kernel) -> None:
+    ex = kernel.ok("%%elastic --bg --nproc 2\nimport time\ntime.sleep(300)\n")
+    job = ex.result.split()[2]
+    kernel.ok("job = _")
+    kernel.ok("job.stop()")
+    assert kernel.run("job.wait(timeout=30)").ename == "JobStopped"
+    assert_job_gone(job)
+
+
+def test_a_background_failure_is_raised_by_wait_and_told_under_its_cell(kernel: Kernel) -> None:
+    msg_id, ex = kernel.start(
+        "%%elastic --bg --nproc 2\n"
+        "import torch, torch.distributed as dist\n"
+        "dist.init_process_group()\n"
+        "if dist.get_rank() == 1:\n"
+        "    raise KeyError('no such shard')\n"
+        "dist.all_reduce(torch.ones(1))\n"
+    )
+    kernel.collect(msg_id, ex)
+    assert ex.error is None and ex.result.startswith("<elastic_nb job ")
+    job = ex.result.split()[2]
+    kernel.ok("job = _")
+    err = kernel.run("job.wait(timeout=120)")
+    assert err.ename == "JobFailed"
+    assert err.error["evalue"] == "rank 1 failed first: KeyError: 'no such shard' (cell line 5)"
+    assert kernel.ok("job.state").result == "'failed'"
+    assert kernel.run("job.result").ename == "JobFailed"  # asked again, the same answer
+    # The end is printed under the cell that started the job, not under the one running then.
+    assert wait_for(lambda: f"job {job} failed" in kernel.late_stdout(msg_id), timeout=10)
+    assert f"job {job} failed" not in err.stdout
+    assert_job_gone(job)
+
+
+def test_an_interrupted_wait_leaves_the_job_running(fresh_kernel: Kernel) -> None:
+    k = fresh_kernel
+    ex = k.ok("%%elastic --bg --nproc 1\nimport time\ntime.sleep(600)\n")
+    job = ex.result.split()[2]
+    k.ok("job = _")
+    msg_id, waiting = k.start("print('waiting', flush=True)\njob.wait()")
+    k.collect(msg_id, waiting, until=lambda e: "waiting" in e.stdout)  # in the cell's code
+    k.interrupt()
+    k.collect(msg_id, waiting, timeout=30)
+    assert waiting.ename == "KeyboardInterrupt"
+    assert k.ok("job.state").result == "'running'"  # waiting stopped, not the job
+    k.ok("job.stop()")
+    assert k.run("job.wait(timeout=30)").ename == "JobStopped"
+    assert "stopped with job.stop()" in k.ok("print(job.summary['reason'])").stdout
+    assert_job_gone(job)

@@ -1,0 +1,256 @@
+"""The dashboard's widget traffic, with a recording comm in place of a kernel's (ipywidgets'
+own tests do the same): what goes to the browser, how many messages and how many bytes."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import comm
+import pytest
+
+from elastic_nb.dashboard import Dashboard
+from elastic_nb.dashboard.model import ALL_LINES, TAIL_LINES
+from elastic_nb.supervisor.tailer import LogTailer
+
+
+class RecordingComm:
+    """Stands in for the kernel's comm: keeps every message the widget sends."""
+
+    kernel = "recording"
+
+    def __init__(self, **kwargs: Any) -> None:
+        self.comm_id = kwargs.get("comm_id") or "recording"
+        self.sent: list[dict[str, Any]] = [kwargs.get("data", {})]  # the comm_open
+        self.handlers: list[Any] = []
+
+    def send(self, data: Any = None, buffers: Any = None, **_: Any) -> None:
+        assert not buffers
+        self.sent.append(data)
+
+    def on_msg(self, callback: Any) -> None:
+        self.handlers.append(callback)
+
+    def close(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def open(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    # what the browser would do
+    def click(self, kind: str) -> None:
+        for h in self.handlers:
+            h({"content": {"data": {"method": "custom", "content": {"kind": kind}}}, "buffers": []})
+
+    @property
+    def customs(self) -> list[dict[str, Any]]:
+        return [m["content"] for m in self.sent if m.get("method") == "custom"]
+
+    @property
+    def snapshots(self) -> list[dict[str, Any]]:
+        return [
+            m["state"]["snapshot"]
+            for m in self.sent
+            if m.get("method") == "update" and "snapshot" in m.get("state", {})
+        ]
+
+    @property
+    def bytes(self) -> int:
+        return sum(len(json.dumps(m, separators=(",", ":"))) for m in self.sent)
+
+
+@pytest.fixture
+def comms(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[RecordingComm]]:
+    made: list[RecordingComm] = []
+
+    def create_comm(**kwargs: Any) -> RecordingComm:
+        made.append(RecordingComm(**kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(comm, "create_comm", create_comm)
+    yield made
+
+
+def _summary(outcome: str, run_dir: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "job": "cafe0001",
+        "outcome": outcome,
+        "reason": "every rank finished the cell",
+        "cause": None,
+        "world_size": 4,
+        "attempt": 0,
+        "restarts": 0,
+        "max_restarts": 0,
+        "wall_s": 9.5,
+        "run_dir": run_dir,
+        "failure": None,
+        "others": [],
+        **extra,
+    }
+
+
+def test_a_flood_costs_one_bounded_message_per_tick(
+    comms: list[RecordingComm], tmp_path: Path
+) -> None:
+    """4 ranks x 100,000 lines, fed through the supervisor's own tailer in 20 ticks."""
+    ranks, lines_per_rank, ticks = 4, 100_000, 20
+    dash = Dashboard("cafe0001", str(tmp_path), ranks, 0)
+    c = _dashboard_comm(comms)
+    tailer = LogTailer()
+    files = {}
+    for r in range(ranks):
+        path = tmp_path / "attempt-0" / f"rank-{r}.out"
+        path.parent.mkdir(exist_ok=True)
+        files[r] = path.open("w")
+        tailer.follow(0, r, {"out": path})
+    dash.update({"state": "running", "attempt": 0})
+    per_tick = lines_per_rank // ticks
+    for tick in range(ticks):
+        for r, f in files.items():
+            f.write("".join(f"{r} {i}\n" for i in range(tick * per_tick, (tick + 1) * per_tick)))
+            f.flush()
+        tailer.poll()
+        logs = [
+            [b.attempt, b.rank, b.stream, b.lines, b.skipped, b.progress] for b in tailer.take()
+        ]
+        dash.update({"logs": logs})
+        dash.flush()
+    dash.end(_summary("succeeded", str(tmp_path)))
+
+    # One message per tick and one for the end; the open and a few snapshots besides.
+    assert len(c.customs) == ticks + 1
+    assert [m["seq"] for m in c.customs] == list(range(1, ticks + 2))
+    assert len(c.sent) <= 1 + len(c.customs) + 3
+    # Bytes: the tailer's bound per stream and tick, the tails, whatever the volume.
+    assert c.bytes < 600_000, c.bytes
+    assert max(len(json.dumps(m)) for m in c.customs) < 32_000
+    # Every line is accounted for: shown, or counted in a "not shown" note with the log's path.
+    for r in range(ranks):
+        shown = skipped = 0
+        for m in c.customs:
+            for rank, stream, texts in m.get("lines", ()):
+                if rank != str(r):
+                    continue
+                if stream == "out":
+                    shown += len(texts)
+                for t in texts if stream == "note" else ():
+                    n = re.match(r"\.\.\. ([\d,]+) lines not shown \(full log: (.*)\)", t)
+                    assert n and n.group(2) == str(tmp_path / "attempt-0" / f"rank-{r}.out")
+                    skipped += int(n.group(1).replace(",", ""))
+        assert shown + skipped == lines_per_rank
+    # The kernel keeps bounded tails; the final snapshot ends on each rank's last line.
+    final = c.snapshots[-1]
+    assert final["header"]["state"] == "succeeded" and final["seq"] == ticks + 1
+    for r in range(ranks):
+        tail = final["tails"][str(r)]
+        assert len(tail) <= TAIL_LINES and tail[-1] == ["out", f"{r} {lines_per_rank - 1}"]
+    assert len(final["all"]) == ALL_LINES
+    assert final["summary"]["line"].startswith("[elastic_nb] job cafe0001 succeeded")
+
+
+def test_states_chips_alerts_and_the_attempts_timeline(
+    comms: list[RecordingComm], tmp_path: Path
+) -> None:
+    dash = Dashboard("cafe0001", str(tmp_path), 2, 1, worst_case_s=360.0)
+    c = _dashboard_comm(comms)
+    first = c.sent[0]["state"]["snapshot"]
+    assert first["header"]["worst_case_s"] == 360.0 and first["header"]["background"] is False
+    assert {r: chip["state"] for r, chip in first["ranks"].items()} == {
+        "0": "starting",
+        "1": "starting",
+    }
+
+    running = {"state": "running", "label": "running", "attempt": 0, "pid": 11}
+    dash.update({"state": "running", "attempt": 0, "ranks": {"0": running, "1": running}})
+    dash.update({"logs": [[0, 1, "err", ["Traceback ...", "ValueError: boom"], 0, None]]})
+    failed = {"state": "failed", "label": "ValueError", "attempt": 0, "detail": "ValueError: boom"}
+    restart = {
+        "kind": "restart",
+        "severity": "warning",
+        "title": "attempt 0 failed: rank 1 ValueError: boom; restarting as attempt 1",
+        "rank": 1,
+        "text": None,
+    }
+    dash.update({"ranks": {"1": failed}, "alerts": [restart]})
+    dash.flush()  # everything above in one message
+    assert len(c.customs) == 1
+    delta = c.customs[0]
+    assert delta["header"] == {"state": "running"}
+    assert delta["ranks"]["1"]["label"] == "ValueError"
+    assert delta["ranks"]["1"]["log"] == str(tmp_path / "attempt-0" / "rank-1.out")
+    assert delta["alerts"] == [restart]
+    assert delta["lines"] == [["1", "err", ["Traceback ...", "ValueError: boom"]]]
+
+    dash.update({"state": "restarting", "attempt": 1})  # the new attempt's first word
+    dash.update({"ranks": {"0": {**running, "attempt": 1}}})
+    dash.flush()
+    delta = c.customs[1]
+    assert delta["header"] == {"attempt": 1, "state": "restarting"}
+    attempts = delta["attempts"]
+    assert [a["attempt"] for a in attempts] == [0, 1]
+    assert attempts[0]["ranks"]["1"] == {"state": "failed", "label": "ValueError"}
+    assert attempts[0]["why"] == restart["title"]
+    assert delta["ranks"]["1"]["state"] == "starting"  # attempt 1's rank 1 is not up yet
+    assert ["1", "note", ["── attempt 1 ──"]] in delta["lines"]
+
+    # A late line from the replaced attempt does not land in the new attempt's tab.
+    dash.update({"logs": [[0, 0, "out", ["late"], 0, None]]})
+    dash.flush()
+    assert len(c.customs) == 2
+
+    dash.end(_summary("succeeded", str(tmp_path), attempt=1, restarts=1, max_restarts=1))
+    final = c.snapshots[-1]
+    assert final["attempts"][1]["outcome"] == "succeeded"
+    assert final["header"]["state"] == "succeeded" and final["header"]["wall_s"] == 9.5
+
+
+def test_progress_bars_show_their_latest_state(comms: list[RecordingComm], tmp_path: Path) -> None:
+    dash = Dashboard("cafe0001", str(tmp_path), 1, 0)
+    c = _dashboard_comm(comms)
+    dash.update({"logs": [[0, 0, "err", [], 0, "epoch 1:  40%|####"]]})
+    dash.flush()
+    assert c.customs[-1]["progress"] == {"0": ["err", "epoch 1:  40%|####"]}
+    dash.update({"logs": [[0, 0, "out", ["a print from the loop"], 0, None]]})
+    dash.flush()
+    assert "progress" not in c.customs[-1]  # a line on another stream leaves the bar alone
+    dash.update({"logs": [[0, 0, "err", ["epoch 1: 100%|##########"], 0, None]]})
+    dash.flush()
+    assert c.customs[-1]["progress"] == {"0": None}  # the bar's line is finished
+
+
+def test_buttons_act_only_for_a_running_background_job(
+    comms: list[RecordingComm], tmp_path: Path
+) -> None:
+    clicked: list[str] = []
+    dash = Dashboard(
+        "cafe0001",
+        str(tmp_path),
+        1,
+        0,
+        on_stop=lambda: clicked.append("stop"),
+        on_stacks=lambda: clicked.append("stacks"),
+    )
+    c = _dashboard_comm(comms)
+    assert c.sent[0]["state"]["snapshot"]["header"]["background"] is True
+    c.click("stacks")
+    c.click("stop")
+    c.click("format-disk")
+    _wait(lambda: sorted(clicked) == ["stacks", "stop"])
+    dash.end(_summary("stopped", str(tmp_path)))
+    c.click("stop")  # too late: the job has ended
+    assert sorted(clicked) == ["stacks", "stop"]
+
+
+def _dashboard_comm(comms: list[RecordingComm]) -> RecordingComm:
+    """The dashboard's comm (its layout is a widget of its own, with a comm of its own)."""
+    (c,) = [x for x in comms if "snapshot" in x.sent[0].get("state", {})]
+    return c
+
+
+def _wait(predicate: Any) -> None:
+    from tests.kernel import wait_for
+
+    assert wait_for(predicate, timeout=5)

@@ -53,6 +53,16 @@ def test_agent_sigterms_after_a_failure_are_consequences() -> None:
     assert v.others[0]["kind"] == "agent" and "torchelastic agent (SIGTERM)" in v.others[0]["text"]
 
 
+def test_the_agent_stopping_a_silent_rank_after_a_timeout_is_a_consequence() -> None:
+    timed_out = RankState(
+        0, 0, failure=failure(8.0, "RuntimeError", "[Gloo] Timed out waiting 3000ms for recv")
+    )
+    silent = RankState(0, 1, died_at=8.4, exit_code=-signal.SIGTERM)  # by the agent
+    v = analyze([timed_out, silent], teardown_at=None, behind=[1])
+    assert v.root is silent and v.cause == "desync"
+    assert v.others[0]["kind"] == "collective_timeout"
+
+
 def test_all_ranks_aborting_at_once_blames_the_first() -> None:
     ranks = [RankState(0, r, died_at=7.0 + r / 100, exit_code=-signal.SIGABRT) for r in (2, 0, 1)]
     v = analyze(ranks, teardown_at=None)

@@ -92,6 +92,10 @@ class RankState:
             return "exit"
         if self.oom_killed and self.exit_code == -signal.SIGKILL:
             return "host_oom"
+        if self.exit_code == -signal.SIGINT:
+            # Nobody sends a rank SIGINT but torch, as its parent-death signal: the rank went
+            # because its launcher (or fork server) did.
+            return "terminated"
         return "signal"
 
     def failure_summary(self) -> str:
@@ -148,10 +152,16 @@ def analyze(
     peers = [r for r in by_time if kinds[r.rank] == "peer"]
     timeouts = [r for r in by_time if kinds[r.rank] == "collective_timeout"]
     real = [r for r in by_time if kinds[r.rank] in _REAL]
-    # A rank killed by SIGTERM/SIGINT/SIGKILL after another rank really failed was stopped by
-    # the agent: a consequence, however early its own signal.
-    for r in real[1:]:
-        if kinds[r.rank] == "signal" and -(r.exit_code or 0) in _STOP_SIGNALS:
+    # A rank killed by SIGTERM/SIGINT/SIGKILL after another rank failed (on its own, or timing
+    # out in a collective) was stopped by the agent: a consequence. Not after a peer error: a
+    # peer sees a death before our clock does, so that death may well be its cause.
+    stopped = [
+        r for r in real if kinds[r.rank] == "signal" and -(r.exit_code or 0) in _STOP_SIGNALS
+    ]
+    failures = [r for r in by_time if kinds[r.rank] in (*_REAL, "collective_timeout")]
+    first = next((r for r in failures if r not in stopped), None)
+    for r in stopped:
+        if first is not None and (first.failed_at or 0.0) <= (r.failed_at or 0.0):
             kinds[r.rank] = "agent"
     real = [r for r in real if kinds[r.rank] != "agent"]
     lagging = [r for r in ranks if r.rank in (behind or ())]
@@ -191,6 +201,8 @@ def _describe(r: RankState, kind: str, root: RankState | None) -> str:
         return f"timed out waiting: {r.failure_summary()}"
     if kind == "terminated":
         how = "SIGINT" if r.failure else signal_name(-(r.exit_code or 0))
+        if how == "SIGINT":
+            return f"ended with its parent (torch's parent-death signal, SIGINT){after}"
         return f"stopped by elastic_nb ({how}){after}"
     if kind == "agent":
         return f"stopped by the torchelastic agent ({signal_name(-(r.exit_code or 0))}){after}"

@@ -108,7 +108,31 @@ def launch_arguments(func: Any) -> Any:
             dest="start_method",
             metavar="spawn|forkserver",
             default=_S,
-            help=f"how ranks are started (default: {_default('start_method')})",
+            help="how ranks are started: forked from a server that imported torch once, or "
+            f"each a fresh interpreter (default: {_default('start_method')})",
+        ),
+        argument(
+            "--no-warm",
+            dest="warm",
+            action="store_false",
+            default=_S,
+            help="start this cell's launcher from scratch and keep none ready for the next "
+            "(warm: a launcher and its fork server wait with torch imported; default: warm)",
+        ),
+        argument(
+            "--warm",
+            dest="warm",
+            action="store_true",
+            default=_S,
+            help="keep a launcher ready again after %%elastic config --no-warm",
+        ),
+        argument(
+            "--preload",
+            metavar="MODULES",
+            action="append",
+            default=_S,
+            help="modules the fork server imports once for every rank, warm for the next cell "
+            "(comma-separated, repeatable; e.g. transformers) (default: torch only)",
         ),
         argument_group("rendezvous"),
         argument(
@@ -361,6 +385,17 @@ class ElasticMagics(Magics):
         print(f"  socket: {c.socket_path}")
         print(f"  log:    {c.log_path}")
         print(f"  running jobs: {', '.join(st['running']) or 'none'}")
+        w = st.get("warm")
+        if w is None:
+            print(
+                "  warm launcher: none (the next cell starts one; %elastic config --no-warm keeps none)"
+            )
+        else:
+            print(
+                f"  warm launcher: pid {w['pid']}, {'ready' if w['ready'] else 'warming up'}, "
+                f"{w['pss_mb']:.0f} MB (PSS; RSS {w['rss_mb']:.0f} MB) with its fork server"
+                + (f", preloaded: {', '.join(w['preload'])}" if w["preload"] else "")
+            )
 
     def _jobs(self, rest: str) -> SList:
         running = {}
@@ -474,6 +509,11 @@ class ElasticMagics(Magics):
             options = self._options(rest)
             self._spec(options)  # reject a bad default now, not at the next cell
             self.session_defaults.update(options)
+            if options.get("warm") is False:
+                from elastic_nb import client
+
+                if client._client is not None and client._client.alive:
+                    client._client.request(protocol.WARM, on=False)  # free its memory now
         if self.session_defaults:
             print("session defaults for %%elastic (flags on a cell override them):")
             for key, value in sorted(self.session_defaults.items()):

@@ -1,8 +1,10 @@
 """Owning a job's process tree: find it, signal it, reap it, name how a process ended.
 
 Every process of a job carries ``ELASTIC_NB_JOB=<job id>`` in the environment it was started
-with: the launcher gets it from the supervisor, and spawn, forkserver and any subprocess of a
-rank inherit it. `job_processes` finds them by that marker, never by name.
+with (what ``/proc/PID/environ`` shows), and `job_processes` finds them by that marker, never by
+name. Processes started before their job existed (a warm launcher, the ranks its fork server
+forks) are started with a blank slot in that environment instead, and `mark_process` writes the
+job's marker into the slot once the job is known; every process a rank starts inherits it.
 """
 
 from __future__ import annotations
@@ -17,9 +19,11 @@ import psutil
 
 __all__ = [
     "MARKER",
+    "SLOT",
     "describe_exit",
     "job_processes",
     "kill_job",
+    "mark_process",
     "pidfd_open",
     "reap_orphans",
     "set_child_subreaper",
@@ -29,6 +33,10 @@ __all__ = [
 ]
 
 MARKER = "ELASTIC_NB_JOB"
+# The blank a process started ahead of its job carries; mark_process overwrites it in place.
+SLOT = "ELASTIC_NB_SLOT"
+SLOT_BLANK = "_" * 64
+_PAD = b"ELASTIC_NB_PAD="
 _PR_SET_CHILD_SUBREAPER = 36
 
 
@@ -69,6 +77,37 @@ def _marker_of(pid: int) -> str | None:
         if item.startswith(key):
             return item[len(key) :].decode(errors="replace")
     return None
+
+
+def mark_process(job_id: str) -> None:
+    """Make this process's start environment say ``ELASTIC_NB_JOB=<job_id>``.
+
+    /proc/PID/environ shows the block of memory the environment was started in (between
+    env_start and env_end of /proc/PID/stat), not os.environ: a process started ahead of its job
+    rewrites that block itself, over the slot reserved for it. os.environ is the caller's to set
+    (children take theirs from it). Raises if there is no slot, or the write did not show.
+    """
+    if _marker_of(os.getpid()) == job_id:
+        return
+    with open("/proc/self/environ", "rb") as f:
+        block = f.read()
+    entry = f"{SLOT}={SLOT_BLANK}".encode()
+    at = 0 if block.startswith(entry + b"\0") else block.find(b"\0" + entry + b"\0") + 1
+    if at <= 0 and not block.startswith(entry):
+        raise RuntimeError(f"no {SLOT} in this process's environment to write the job marker in")
+    marker = f"{MARKER}={job_id}".encode() + b"\0"
+    fill = len(entry) - len(marker) - len(_PAD)
+    if fill < 0 or not job_id.isalnum():
+        raise ValueError(f"job id {job_id!r} does not fit the marker slot")
+    with open("/proc/self/stat", "rb") as f:
+        stat = f.read()
+    env_start = int(stat[stat.rfind(b")") + 2 :].split()[47])  # field 50: env_start
+    address = env_start + at
+    if ctypes.string_at(address, len(entry)) != entry:  # the block is where /proc says it is
+        raise RuntimeError("this process's environment block is not where /proc says")
+    ctypes.memmove(address, marker + _PAD + b"_" * fill, len(entry))
+    if _marker_of(os.getpid()) != job_id:
+        raise RuntimeError("the job marker did not show in /proc/self/environ")
 
 
 def kill_job(job_ids: Iterable[str], sig: int = signal.SIGKILL) -> list[int]:

@@ -16,11 +16,14 @@ Kernel -> supervisor                      Supervisor -> kernel
   jobs {req}                                end {job, summary}     (once per job, last)
   status {req}
   stacks {req, job}                         (reply carries every live rank's stack)
+  warm {req, on}                            (off: end the idle warm launcher now)
 
 Launcher -> supervisor
   ready {pid}                               launcher is up, torch imported
   rendezvous {attempt, seconds}             agent finished a rendezvous
   start {attempt, rank, pid}                agent started one rank of an attempt
+  exit {attempt, rank, pid, code}           a forked rank ended (its fork server reaps it at
+                                            once: only the launcher learns how)
   exits {attempt, codes: {rank: code}}      agent closed an attempt (exit codes, -N = signal N)
   tick {t}                                  agent monitor loop is alive (every TICK_EVERY_S)
   result {ok, error?}                       elastic_launch returned or raised
@@ -44,6 +47,7 @@ STOP = "stop"
 JOBS = "jobs"
 STATUS = "status"
 STACKS = "stacks"
+WARM = "warm"
 # supervisor -> kernel
 REPLY = "reply"
 UPDATE = "update"
@@ -52,6 +56,7 @@ END = "end"
 READY = "ready"
 RENDEZVOUS = "rendezvous"
 START = "start"
+EXIT = "exit"
 EXITS = "exits"
 TICK = "tick"
 RESULT = "result"

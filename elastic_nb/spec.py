@@ -78,7 +78,7 @@ DEFAULTS: dict[str, Any] = {
     "nnodes": "1",
     "max_restarts": 0,
     "monitor_interval": 0.1,
-    "start_method": "spawn",
+    "start_method": "forkserver",
     "rdzv_backend": "c10d",
     "rdzv_endpoint": "localhost:0",
     "rdzv_id": None,
@@ -95,6 +95,8 @@ DEFAULTS: dict[str, Any] = {
     "widgets": True,
     "background": False,
     "log_dir": None,
+    "warm": True,
+    "preload": (),
 }
 
 
@@ -105,7 +107,8 @@ class JobSpec:
     nproc: int
     max_restarts: int = 0
     monitor_interval: float = 0.1
-    start_method: str = "spawn"
+    # Ranks fork from a server that imported torch once (warm: before the cell was even run).
+    start_method: str = "forkserver"
     rdzv_backend: str = "c10d"
     rdzv_endpoint: str = "localhost:0"
     rdzv_id: str | None = None
@@ -124,6 +127,8 @@ class JobSpec:
     widgets: bool = True
     background: bool = False  # --bg: the cell returns a handle at once
     log_dir: str = field(default_factory=default_log_dir)
+    warm: bool = True  # keep a launcher (and its fork server) ready for the next cell
+    preload: tuple[str, ...] = ()  # modules the fork server imports for every rank
     cwd: str = field(default_factory=os.getcwd)
     sys_path: tuple[str, ...] = ()
     # SIGTERM -> SIGKILL grace when a job is stopped: the supervisor's for the process group,
@@ -200,6 +205,7 @@ class JobSpec:
         if pull_rank >= nproc:
             raise SpecError(f"--pull-rank {pull_rank}: the job has ranks 0..{nproc - 1}")
         push = _parse_names("--push", o["push"])
+        preload = _parse_names("--preload", o["preload"], dotted=True)
         pull = _parse_names("--pull", o["pull"])
         log_dir = o["log_dir"] or default_log_dir()
         log_dir = os.path.abspath(os.path.join(cwd, os.path.expanduser(str(log_dir))))
@@ -226,6 +232,8 @@ class JobSpec:
             widgets=bool(o["widgets"]),
             background=bool(o["background"]),
             log_dir=log_dir,
+            warm=bool(o["warm"]),
+            preload=preload,
             cwd=cwd,
             sys_path=tuple(sys_path),
         )
@@ -234,13 +242,14 @@ class JobSpec:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        d["push"], d["pull"], d["sys_path"] = list(self.push), list(self.pull), list(self.sys_path)
+        for key in _TUPLES:
+            d[key] = list(d[key])
         return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> JobSpec:
         d = dict(d)
-        for key in ("push", "pull", "sys_path"):
+        for key in _TUPLES:
             d[key] = tuple(d.get(key, ()))
         return cls(**d)
 
@@ -250,6 +259,9 @@ class JobSpec:
     @classmethod
     def from_json(cls, text: str) -> JobSpec:
         return cls.from_dict(json.loads(text))
+
+
+_TUPLES = ("push", "pull", "preload", "sys_path")
 
 
 def _parse_async_error_handling(value: Any) -> int:
@@ -270,6 +282,9 @@ def preflight(spec: JobSpec) -> None:
             f"torch is not installed for this kernel's Python ({sys.executable}); the ranks "
             "need it: pip install torch"
         )
+    for module in spec.preload:
+        if importlib.util.find_spec(module.split(".")[0]) is None:  # no import: it may be heavy
+            raise SpecError(f"--preload {module}: no such module for {sys.executable}")
     _check_writable_dir(spec.log_dir)
     host, port = spec.rdzv_endpoint.rsplit(":", 1)
     if int(port):
@@ -417,12 +432,12 @@ def _flatten(value: Any) -> list[str]:
     return out
 
 
-def _parse_names(flag: str, value: Any) -> tuple[str, ...]:
+def _parse_names(flag: str, value: Any, dotted: bool = False) -> tuple[str, ...]:
     names: list[str] = []
     for item in _flatten(value):
         for name in item.replace(",", " ").split():
-            if not _NAME.match(name):
-                raise SpecError(f"{flag} {name!r}: not a Python name")
+            if not all(_NAME.match(part) for part in (name.split(".") if dotted else [name])):
+                raise SpecError(f"{flag} {name!r}: not a Python {'module ' if dotted else ''}name")
             if name not in names:
                 names.append(name)
     return tuple(names)

@@ -27,15 +27,25 @@ import traceback
 import types
 from typing import Any
 
+from elastic_nb import procs
 from elastic_nb.protocol import STACK_SIGNAL
 from elastic_nb.rundir import RunDir, write_atomic, write_json
-from elastic_nb.spec import JobSpec
+from elastic_nb.spec import MANAGED_ENV, JobSpec
 
 __all__ = ["bootstrap"]
 
 
-def bootstrap(run_dir: str) -> bool:
-    """Run the job's cell in this rank. Returns True; raises what the cell raised."""
+def bootstrap(
+    run_dir: str, env: dict[str, str] | None = None, start_env: dict[str, str] | None = None
+) -> bool:
+    """Run the job's cell in this rank. Returns True; raises what the cell raised.
+
+    `env` is the job's environment and `start_env` the one this process started with (the
+    launcher's fork server's, for a forked rank): what torchelastic added on top of the latter
+    is this rank's own (RANK, MASTER_PORT, ...).
+    """
+    if env is not None:
+        _adopt_environment(env, start_env if start_env is not None else env)
     rd = RunDir(run_dir)
     rank = int(os.environ["RANK"])
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -82,6 +92,26 @@ def bootstrap(run_dir: str) -> bool:
 # ---- process preparation --------------------------------------------------------------------
 
 
+def _adopt_environment(env: dict[str, str], start_env: dict[str, str]) -> None:
+    """Become a process of this job: its environment (not the one a warm fork server started
+    with, before the job existed), torchelastic's rank variables on top, and the job's marker
+    in the environment block that /proc shows (what finds every process of a job)."""
+    ours = {k: v for k, v in os.environ.items() if k in MANAGED_ENV or start_env.get(k) != v}
+    os.environ.clear()
+    os.environ.update(env)
+    os.environ.update(ours)
+    procs.mark_process(os.environ[procs.MARKER])
+    warmup = sys.modules.get("elastic_nb.warmup")
+    if warmup is not None and os.getpid() != warmup.PID:
+        _run_atexit_when_forked()
+    if warmup is not None and warmup.FAILED and os.environ.get("RANK") == "0":
+        for module, error in warmup.FAILED.items():
+            sys.stderr.write(
+                f"elastic_nb: --preload {module} failed in the fork server ({error}); "
+                "each rank imports it itself\n"
+            )
+
+
 def _prepare_process(spec: JobSpec, rd: RunDir) -> None:
     os.chdir(spec.cwd)
     # The notebook's sys.path first (so `sys.path.append("../src")` in the notebook works), then
@@ -90,6 +120,16 @@ def _prepare_process(spec: JobSpec, rd: RunDir) -> None:
     sys.argv = [str(rd.cell)]
     if spec.collective_timeout is not None:
         _patch_default_timeouts(spec.collective_timeout)
+
+
+def _run_atexit_when_forked() -> None:
+    """A forked rank ends with os._exit (multiprocessing/popen_fork.py, _launch), which skips
+    the atexit handlers a cell registers (a logger's flush, wandb.finish); a spawned one runs
+    them at interpreter exit. Run them where multiprocessing runs its own finalizers."""
+    import atexit
+    from multiprocessing import util
+
+    util.Finalize(None, atexit._run_exitfuncs, exitpriority=-100)
 
 
 def _arm_forensics(rd: RunDir, attempt: int, rank: int) -> None:

@@ -24,6 +24,10 @@ class Execution:
     result: str | None = None  # text/plain of the execute_result
     error: dict[str, Any] | None = None  # ename, evalue, traceback (ANSI stripped)
     seconds: float = 0.0
+    # Wall-clock (time.time()) arrival of the error and of the final idle, for benchmarks that
+    # compare them with timestamps taken in the ranks.
+    error_at: float | None = None
+    idle_at: float | None = None
     pager: str = ""  # what IPython's pager showed (%%elastic? and friends)
     messages: list[dict[str, Any]] = field(default_factory=list)
 
@@ -99,12 +103,14 @@ class Kernel:
             elif kind == "execute_result":
                 ex.result = content["data"].get("text/plain")
             elif kind == "error":
+                ex.error_at = time.time()
                 ex.error = {
                     "ename": content["ename"],
                     "evalue": content["evalue"],
                     "traceback": [_ANSI.sub("", t) for t in content["traceback"]],
                 }
             elif kind == "status" and content["execution_state"] == "idle":
+                ex.idle_at = time.time()
                 ex.seconds = time.monotonic() - t0
                 self._reply(msg_id, ex)
                 return ex

@@ -148,8 +148,9 @@ def test_cuda_oom_is_its_own_cause(kernel: Kernel, cache_home: Path) -> None:
     assert_job_gone(ex.job_id)
 
 
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
 def test_agent_deadlock_after_results_is_caught_by_the_watchdog(
-    tmp_path: Path, cache_home: Path
+    tmp_path: Path, cache_home: Path, start_method: str
 ) -> None:
     # Each rank returns, then aborts while it waits for the agent's Event.set(): the hook holds
     # the agent between reading every result and set() and marks that moment with a file; the
@@ -162,7 +163,7 @@ def test_agent_deadlock_after_results_is_caught_by_the_watchdog(
     try:
         k.ok("%load_ext elastic_nb")
         ex = k.run(
-            "%%elastic --nproc 2\n"
+            f"%%elastic --nproc 2 --start-method {start_method}\n"
             "import os, threading, time\n"
             "read = os.path.join(os.environ['ELASTIC_NB_RUN_DIR'], 'test-agent-read-results')\n"
             "def abort_in_the_window():\n"
@@ -174,8 +175,14 @@ def test_agent_deadlock_after_results_is_caught_by_the_watchdog(
         )
         assert ex.error is None, ex.traceback
         assert ex.result == "'returned'"  # what the ranks returned before the deadlock
-        assert "torchelastic's agent is stuck (zombie): rank" in ex.stderr
-        assert "is still unreaped" in ex.stderr and "had finished the cell" in ex.stderr
+        assert "torchelastic's agent is stuck (zombie): " in ex.stderr
+        assert "had finished the cell" in ex.stderr
+        # Spawned ranks are the agent's children: they stay zombies. Forked ones are reaped
+        # by their fork server: the agent simply never returns.
+        if start_method == "spawn":
+            assert "is still unreaped" in ex.stderr
+        else:
+            assert "every rank finished the cell and exited" in ex.stderr
         assert_job_gone(ex.job_id)
     finally:
         k.shutdown()
@@ -187,7 +194,11 @@ def test_a_frozen_agent_is_caught_by_the_watchdog(kernel: Kernel, cache_home: Pa
         "import os, signal, time\n"
         "time.sleep(1)\n"
         "if os.environ['RANK'] == '0':\n"
-        "    os.kill(os.getppid(), signal.SIGSTOP)   # the launcher\n"
+        "    import psutil\n"
+        "    launcher = psutil.Process().parent()   # the fork server, whose parent...\n"
+        "    while 'elastic_nb.launcher' not in launcher.cmdline():\n"
+        "        launcher = launcher.parent()       # ...is the launcher\n"
+        "    launcher.send_signal(signal.SIGSTOP)\n"
         "time.sleep(60)\n"
     )
     assert ex.ename == "JobFailed"

@@ -29,10 +29,13 @@ def test_help_lists_every_flag_with_its_default(kernel: Kernel) -> None:
         "--pull",
         "--pull-rank",
         "--no-widgets",
+        "--bg",
         "--log-dir",
+        "--no-warm",
+        "--preload",
     ):
         assert flag in text, flag
-    assert "(default: 1)" in text and "(default: 0)" in text and "(default: spawn)" in text
+    assert "(default: 1)" in text and "(default: 0)" in text and "(default: forkserver)" in text
     assert "(default: localhost:0)" in text and "(default: c10d)" in text
 
 

@@ -19,7 +19,7 @@ def test_defaults() -> None:
     assert (s.nproc, s.max_restarts, s.start_method, s.rdzv_backend, s.rdzv_endpoint) == (
         1,
         0,
-        "spawn",
+        "forkserver",
         "c10d",
         "localhost:0",
     )
@@ -27,6 +27,7 @@ def test_defaults() -> None:
     assert (s.heartbeat_timeout, s.async_error_handling, s.hang_after) == (60, 1, 120)
     assert s.worst_case_s == 180
     assert s.log_dir.endswith("elastic_nb/runs") and s.sys_path == ("/x",)
+    assert s.warm and s.preload == ()
 
 
 def test_values_are_parsed() -> None:

@@ -7,6 +7,7 @@ supervisor points at the run directory's ``launcher.log``.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import logging
@@ -18,7 +19,7 @@ import threading
 import time
 from typing import Any
 
-from elastic_nb import protocol
+from elastic_nb import procs, protocol
 from elastic_nb.rundir import RunDir
 from elastic_nb.spec import JobSpec
 
@@ -61,19 +62,30 @@ def main() -> None:
 
     from elastic_nb.worker import bootstrap
 
+    # Warm: everything up to here, and the fork server with torch imported, happens before
+    # there is a job; the supervisor hands us one when a cell asks.
+    warm_env = dict(os.environ)  # the fork server's, and so every forked rank's, to start with
+    _start_fork_server()
+    _observe_agent(channel)
     channel.send(protocol.READY, pid=os.getpid())
     line = sys.stdin.readline()
     if not line:
         return  # the supervisor let us go without a job
     assignment = json.loads(line)
     job_id, rd = assignment["job"], RunDir(assignment["run_dir"])
+    procs.mark_process(job_id)
+    _log_to(rd.launcher_log)
     spec = JobSpec.from_json(rd.spec.read_text())
+    os.environ.clear()
+    os.environ.update(assignment["env"])
     _apply_environment(spec, job_id, rd)
-    _observe_agent(channel)
     config = _launch_config(spec, rd, job_id)
+    job_env = dict(os.environ)
+    # Spawned ranks start from this process's environment; forked ones from the fork server's.
+    start_env = warm_env if spec.start_method == "forkserver" else job_env
     code = 0
     try:
-        elastic_launch(config, bootstrap)(str(rd.path))
+        elastic_launch(config, bootstrap)(str(rd.path), job_env, start_env)
         channel.send(protocol.RESULT, ok=True)
     except ChildFailedError as e:
         failures = {
@@ -94,6 +106,32 @@ def main() -> None:
     logging.shutdown()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _start_fork_server() -> None:
+    """Start multiprocessing's fork server now, with torch (and --preload) imported in it by
+    elastic_nb.warmup, so that forking a rank costs milliseconds when the job comes. torch's
+    start_processes(start_method="forkserver") uses this same server (multiprocessing.forkserver's
+    module-level instance), for every attempt of the job."""
+    import multiprocessing.forkserver
+
+    multiprocessing.set_forkserver_preload(["elastic_nb.warmup"])
+    multiprocessing.forkserver.ensure_running()
+
+
+def _log_to(path: Any) -> None:
+    """From the warm log the supervisor gave us to the job's launcher.log (fds 1 and 2)."""
+    warm_log = os.environ.get("ELASTIC_NB_LAUNCHER_LOG")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    if warm_log:
+        with contextlib.suppress(OSError), open(warm_log, "rb") as f:
+            os.write(fd, f.read())
+        with contextlib.suppress(OSError):
+            os.unlink(warm_log)
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
 
 
 def _die_with_parent() -> None:
@@ -246,6 +284,7 @@ def _observe_agent(channel: Channel) -> None:
         channel.send(protocol.EXITS, attempt=attempt, codes=codes)
 
     MultiprocessContext._close = _close  # type: ignore[method-assign]
+    _report_forked_exits(channel, MultiprocessContext)
 
     hold = os.environ.get("ELASTIC_NB_TEST_HOLD_BEFORE_SET")
     if hold:
@@ -263,3 +302,54 @@ def _observe_agent(channel: Channel) -> None:
             return done
 
         MultiprocessContext._is_done = _is_done  # type: ignore[method-assign]
+
+
+def _report_forked_exits(channel: Channel, context: Any) -> None:
+    """Say how each forked rank ended, as soon as it has.
+
+    A rank forked by the fork server is that server's child: the server reaps it at once and
+    writes its status to a socket this process reads (multiprocessing/popen_forkserver.py,
+    Popen.poll), once. The supervisor, which reads a dead child's status from /proc while it is
+    a zombie, never sees it. A thread per attempt waits on the ranks' sentinels and reads each
+    status the moment it is there; torch's own polls take it from the Popen afterwards. One lock
+    per Popen keeps the two from reading the socket at the same time.
+    """
+    import multiprocessing.popen_forkserver as popen_forkserver
+    from multiprocessing.connection import wait
+
+    original_poll = popen_forkserver.Popen.poll
+    making = threading.Lock()
+
+    def poll(self: Any, flag: int = os.WNOHANG) -> Any:
+        lock = self.__dict__.get("_elastic_nb_lock")
+        if lock is None:
+            with making:
+                lock = self.__dict__.setdefault("_elastic_nb_lock", threading.Lock())
+        with lock:
+            return original_poll(self, flag)
+
+    popen_forkserver.Popen.poll = poll  # type: ignore[method-assign]
+
+    def watch(attempt: int, ranks: dict[int, Any]) -> None:
+        pending = {p.sentinel: (rank, p) for rank, p in ranks.items()}
+        while pending:
+            try:
+                ready = wait(list(pending), timeout=5)
+            except (OSError, ValueError):
+                return  # the attempt was closed, and its sentinels with it
+            for sentinel in ready:
+                rank, p = pending.pop(sentinel)
+                channel.send(protocol.EXIT, attempt=attempt, rank=rank, pid=p.pid, code=p.exitcode)
+
+    original_start = context._start
+
+    def _start(self: Any) -> None:
+        original_start(self)
+        if self.start_method != "forkserver":
+            return  # spawned ranks are this process's children: the supervisor sees them die
+        attempt = int(self.envs[0]["TORCHELASTIC_RESTART_COUNT"])
+        ranks = {int(self.envs[i]["RANK"]): p for i, p in enumerate(self._pc.processes)}
+        threading.Thread(target=watch, args=(attempt, ranks), daemon=True).start()
+
+    context._start = _start
+

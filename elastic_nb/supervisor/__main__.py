@@ -23,7 +23,7 @@ def main() -> None:
     # The kernel's interrupt never reaches us (we run in a session of our own), and a job is
     # stopped by request, not by Ctrl-C: ignore SIGINT.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    anyio.run(Supervisor(args.listen_fd, args.kernel_pid).run)
+    anyio.run(Supervisor(args.listen_fd, args.kernel_pid, args.log).run)
     if args.log:
         with contextlib.suppress(OSError):
             os.unlink(args.log)

@@ -12,9 +12,9 @@ reports. What decides, first come first served:
 
 Deciding on our own observations rather than waiting for `elastic_launch` to return is what
 makes failures fast: torchelastic notices a dead rank at its next monitor tick and formats its
-report before stopping the others. Here the whole process group gets SIGTERM at once, SIGKILL
-after the grace, and every process carrying the job's marker is accounted for before the kernel
-hears the end.
+report before stopping the others. Here the launcher and every process carrying the job's
+marker get SIGTERM at once, the whole process group SIGKILL after the grace, and every process
+of the job is accounted for before the kernel hears the end.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -42,6 +41,7 @@ from elastic_nb.supervisor.forensics import (
     where_from_dump,
     where_from_record,
 )
+from elastic_nb.supervisor.launchers import Launcher, LauncherPool
 from elastic_nb.supervisor.tailer import LogTailer
 from elastic_nb.supervisor.verdict import RankState, Verdict, analyze
 
@@ -72,6 +72,7 @@ _FAILURES = (
     "signal",
 )
 STACKS_WAIT_S = 1.0  # how long live ranks get to answer a stack dump request
+EXIT_WAIT_S = 0.5  # how long a forked rank's exit status may take to come from its launcher
 
 
 class Job:
@@ -85,6 +86,7 @@ class Job:
         env: dict[str, str],
         send: Send,
         reap: Callable[[], None],
+        launchers: LauncherPool,
     ) -> None:
         self.id = job_id
         self.spec = spec
@@ -97,6 +99,8 @@ class Job:
         self._source, self._meta, self._payload, self._env = source, meta, payload, env
         self._send = send
         self._reap = reap
+        self._launchers = launchers
+        self._started_launcher: Launcher | None = None
         self._ranks: dict[tuple[int, int], RankState] = {}
         self._failed_attempts: set[int] = set()
         self._outcome: tuple[str, str] | None = None
@@ -152,7 +156,7 @@ class Job:
         try:
             if self._outcome is not None:
                 return  # stopped before it started
-            self._start_launcher()
+            await self._start_launcher()
             async with anyio.create_task_group() as tg:
                 self._tg = tg
                 tg.start_soon(self._read_launcher)
@@ -185,38 +189,29 @@ class Job:
             write_atomic(self.rd.payload, self._payload)
         self._log_event("created", nproc=self.spec.nproc)
 
-    def _start_launcher(self) -> None:
+    async def _start_launcher(self) -> None:
+        """Take a launcher (the warm one, or a new one) and give it this job."""
         env = dict(self._env)
         env[procs.MARKER] = self.id
         env["ELASTIC_NB_SUPERVISOR_PID"] = str(os.getpid())
         if "matplotlib_inline" in env.get("MPLBACKEND", ""):
             env["MPLBACKEND"] = "Agg"  # the kernel's inline backend means nothing in a rank
-        with open(self.rd.launcher_log, "ab") as log:
-            # start_new_session: the job is one process group we can signal as a whole, and
-            # the kernel's interrupt (sent to the kernel's group) never reaches it directly.
-            # Started from this (the main) thread: the launcher's PDEATHSIG follows this thread.
-            self._launcher = subprocess.Popen(
-                [sys.executable, "-m", "elastic_nb.launcher"],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=log,
-                cwd=self.spec.cwd,
-                env=env,
-                start_new_session=True,
-            )
-        assert self._launcher.stdin is not None and self._launcher.stdout is not None
-        os.set_blocking(self._launcher.stdout.fileno(), False)
-        assignment = {"job": self.id, "run_dir": str(self.rd)}
-        self._launcher.stdin.write(json.dumps(assignment).encode() + b"\n")
-        self._launcher.stdin.close()
-        self._log_event("launcher", pid=self._launcher.pid)
+        launcher = self._launchers.take(self.spec, self._env)
+        line = launcher.assign(self.id, str(self.rd), env)  # before any await: it is ours now
+        self._started_launcher, self._launcher = launcher, launcher.proc
+        self._log_event("launcher", pid=launcher.pid, warm=launcher.ready)
+        if launcher.ready:
+            self._set_state("rendezvous")
+        await anyio.to_thread.run_sync(launcher.write_assignment, line)
 
     # ---- observing ------------------------------------------------------------------------
 
     async def _read_launcher(self) -> None:
-        assert self._launcher is not None and self._launcher.stdout is not None
+        assert self._started_launcher is not None and self._launcher is not None
+        assert self._launcher.stdout is not None
         fd = self._launcher.stdout.fileno()
-        decoder = protocol.FrameDecoder()
+        decoder = self._started_launcher.decoder  # a warm one's READY was read with it
+        await self._started_launcher.pipe_released()
         while True:
             await anyio.wait_readable(fd)
             try:
@@ -240,9 +235,15 @@ class Job:
             return
         self._log_event(f"launcher.{kind}", **{k: v for k, v in msg.items() if k != "kind"})
         if kind == protocol.READY:
+            assert self._started_launcher is not None
+            self._started_launcher.ready = True
             self._set_state("rendezvous")
         elif kind == protocol.START:
             self._on_start(int(msg["attempt"]), int(msg["rank"]), int(msg["pid"]))
+        elif kind == protocol.EXIT:
+            r = self._ranks.get((int(msg["attempt"]), int(msg["rank"])))
+            if r is not None and r.exit_code is None and msg.get("code") is not None:
+                r.exit_code = int(msg["code"])  # _watch_rank waits for it
         elif kind == protocol.EXITS:
             attempt = int(msg["attempt"])
             codes = {int(r): c for r, c in msg["codes"].items() if c is not None}
@@ -270,6 +271,8 @@ class Job:
         self._set_state("running")
         assert self._tg is not None
         self._tg.start_soon(self._watch_rank, r)
+        if attempt == 0 and len(self._attempt_ranks(0)) == self.spec.nproc:
+            self._launchers.job_running(self.spec)
 
     def _announce_restart(self, attempt: int) -> None:
         verdict = analyze(self._attempt_ranks(attempt - 1), None)
@@ -295,9 +298,15 @@ class Job:
             finally:
                 os.close(fd)
         r.died_at = self._last_activity = time.time()
-        # Read it now, before torchelastic reaps it at its next monitor tick.
+        # A spawned rank is the agent's child: read its status now, before torchelastic reaps
+        # it at its next monitor tick. A forked one is its fork server's, reaped at once: the
+        # launcher says how it ended (protocol.EXIT), within milliseconds.
         if r.exit_code is None:
             r.exit_code = procs.zombie_exit_code(r.pid)
+        if self.spec.start_method == "forkserver":
+            with anyio.move_on_after(EXIT_WAIT_S):
+                while r.exit_code is None:
+                    await anyio.sleep(0.005)
         r.oom_killed = procs.oom_kills() > self._oom_base
         self._read_records(r)
         self._log_event("rank.exit", attempt=r.attempt, rank=r.rank, code=r.exit_code)
@@ -571,6 +580,13 @@ class Job:
                 self._zombies.add((r.attempt, r.rank))
                 self._pending_ranks[r.rank] = self._chip(r)
                 break
+        ranks = self._attempt_ranks(self.attempt)
+        if why is None and len(ranks) == self.spec.nproc and all(r.done and r.died_at for r in ranks):
+            # Forked ranks are reaped by their fork server, so torch's Event.set() deadlock
+            # leaves no zombie behind: only an agent that does not return after every rank has.
+            gone = now - max(r.died_at or now for r in ranks)
+            if gone > bound:
+                why = f"every rank finished the cell and exited {gone:.1f} s ago; it has not returned"
         state = procs.proc_state(launcher.pid)
         if why is None and self._outcome is None and self.state == "running" and self.last_tick:
             # Once every rank has finished the cell the agent legitimately sits in join()
@@ -629,9 +645,15 @@ class Job:
                 break
             if self._teardown_at is None:
                 self._teardown_at = time.time()
-            procs.signal_group(self._launcher.pid, sig)
             if sig == signal.SIGTERM:
+                # The launcher and every process marked with the job, not the whole group: the
+                # fork server lives on to tell the launcher how each forked rank ended, and exits
+                # when the launcher does. SIGKILL, if it comes to that, takes the whole group.
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self._launcher.pid, sig)
                 procs.signal_group(self._launcher.pid, signal.SIGCONT)  # a stopped one too
+            else:
+                procs.signal_group(self._launcher.pid, sig)
             stray = procs.kill_job([self.id], sig)
             self._log_event("teardown", signal=signal.Signals(sig).name, stray=stray)
             await self._wait_gone(wait)
@@ -672,6 +694,10 @@ class Job:
         with contextlib.suppress(OSError):
             write_json(self.rd.summary, self.summary)
         self._log_event("end", outcome=outcome)
+        launcher = self._started_launcher
+        if launcher is not None:
+            self._keep_launcher_log(launcher)
+            self._launchers.job_ended(self.spec, started=launcher.ready)
         self._tailer.close()
         if self._events is not None:
             self._events.close()
@@ -709,6 +735,13 @@ class Job:
                         rank=r.rank,
                     )
         verdict = analyze(self._attempt_ranks(self.attempt), self._teardown_at, self._behind)
+        started = {r.rank for r in self._attempt_ranks(self.attempt)}
+        verdict.others.extend(
+            {"rank": rank, "kind": "pending", "text": "had not started", "delay": None}
+            for rank in range(self.spec.nproc)
+            if rank not in started
+        )
+        verdict.others.sort(key=lambda o: o["rank"])
         summary = self._summarize(outcome, reason, verdict)
         if outcome in ("failed", "timeout"):
             # The same words as the error the cell raises, for renderers that show alerts.
@@ -765,6 +798,14 @@ class Job:
             "result": self.rd.result(self.attempt).exists(),
             "lines": self._tailer.lines_total(),
         }
+
+    def _keep_launcher_log(self, launcher: Launcher) -> None:
+        """A launcher that died before it took the job left its log where it was started."""
+        with contextlib.suppress(OSError):
+            text = launcher.log_path.read_bytes()
+            with open(self.rd.launcher_log, "ab") as f:
+                f.write(text)
+            launcher.log_path.unlink()
 
     def _launcher_log_tail(self, n: int = 15) -> str:
         with contextlib.suppress(OSError):

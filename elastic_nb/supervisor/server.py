@@ -24,6 +24,7 @@ from anyio.abc import SocketListener, SocketStream, TaskGroup
 from elastic_nb import procs, protocol
 from elastic_nb.spec import JobSpec
 from elastic_nb.supervisor.job import Job
+from elastic_nb.supervisor.launchers import LauncherPool
 
 __all__ = ["Supervisor"]
 
@@ -62,9 +63,11 @@ class Connection:
 
 
 class Supervisor:
-    def __init__(self, listen_fd: int, kernel_pid: int) -> None:
+    def __init__(self, listen_fd: int, kernel_pid: int, log_path: str | None = None) -> None:
         self._listen_fd = listen_fd
         self._kernel_pid = kernel_pid
+        stem = log_path[: -len(".log")] if log_path and log_path.endswith(".log") else None
+        self._launchers = LauncherPool(stem or f"/tmp/elastic_nb-sup-{os.getpid()}")
         self._jobs: dict[str, Job] = {}
         self._started = time.time()
         self._tg: TaskGroup | None = None
@@ -77,11 +80,13 @@ class Supervisor:
         try:
             async with anyio.create_task_group() as tg:
                 self._tg = tg
+                self._launchers.attach(tg)
                 tg.start_soon(self._watch_kernel)
                 tg.start_soon(self._watch_signals)
                 tg.start_soon(self._reap_periodically)
                 await listener.serve(self._serve_connection, task_group=tg)
         finally:
+            self._launchers.close()
             with anyio.CancelScope(shield=True):
                 await listener.aclose()
             with contextlib.suppress(OSError):
@@ -113,10 +118,14 @@ class Supervisor:
             self.reap()
 
     def reap(self) -> None:
-        procs.reap_orphans(keep={j.launcher_pid for j in self._jobs.values() if j.launcher_pid})
+        keep = {j.launcher_pid for j in self._jobs.values() if j.launcher_pid}
+        if self._launchers.idle is not None:
+            keep.add(self._launchers.idle.pid)
+        procs.reap_orphans(keep=keep)
 
     def _shutdown(self) -> None:
         """Stop every job; the task group ends when the last one has torn down."""
+        self._launchers.close()
         for job in self._jobs.values():
             job.request_stop("shutdown")
         assert self._tg is not None
@@ -166,6 +175,10 @@ class Supervisor:
                 reply = self._stop(msg.get("job"), msg.get("reason", "user"))
             elif kind == protocol.STACKS:
                 reply = {"text": await self._stacks(msg.get("job"))}
+            elif kind == protocol.WARM:
+                if not msg.get("on", True):
+                    self._launchers.drop_idle()
+                reply = {}
             elif kind == protocol.JOBS:
                 reply = {"jobs": [j.info() for j in self._jobs.values()]}
             elif kind == protocol.STATUS:
@@ -173,6 +186,7 @@ class Supervisor:
                     "pid": os.getpid(),
                     "uptime_s": time.time() - self._started,
                     "running": [j.id for j in self._jobs.values() if j.running],
+                    "warm": self._launchers.describe(),
                 }
             else:
                 raise protocol.ProtocolError(f"unknown request {kind!r}")
@@ -197,6 +211,7 @@ class Supervisor:
             env=msg.get("env") or dict(os.environ),
             send=conn.send,
             reap=self.reap,
+            launchers=self._launchers,
         )
         self._jobs[job_id] = job  # the id is taken from here on, even while prepare runs
         try:

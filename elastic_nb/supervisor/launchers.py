@@ -1,0 +1,287 @@
+"""Launcher processes, started before their jobs, and the pool that keeps one warm.
+
+A launcher (``python -m elastic_nb.launcher``) imports torch, starts its fork server (which
+imports torch and the ``--preload`` modules once, for every rank it will fork), says ``ready``
+and waits on stdin for a job. Nothing of a job is in it until then, so it can be started
+ahead: the pool keeps one ready for the next cell, hands it to the next job that comes, and
+warms another once that job has ended (not while it runs: the warm-up would take CPU from
+the ranks). Each launcher serves one job and exits with it, so nothing of one job (its
+environment, working directory, imported modules, sys.argv) can reach the next.
+
+A launcher is started with the environment of the last job (the kernel's), a blank slot for
+the job marker (procs.mark_process), and this supervisor's pid; a job whose environment
+differs where a process cannot change it later (the dynamic loader's variables) gets a fresh
+one. A warm launcher that dies while it waits is replaced; one that fails to start three times
+running turns warming off until a job succeeds in starting one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import psutil
+from anyio.abc import TaskGroup
+
+from elastic_nb import procs, protocol
+from elastic_nb.spec import JobSpec
+
+__all__ = ["Launcher", "LauncherPool"]
+
+# Read by the dynamic loader or the interpreter at process start: a launcher started with other
+# values cannot serve the job.
+_AT_START = ("LD_LIBRARY_PATH", "LD_PRELOAD", "PYTHONHOME", "PYTHONPATH", "PYTHONSAFEPATH")
+MAX_FAILED_WARMUPS = 3
+WARMUP_CORES = 2  # a warm-up imports torch in two processes (the launcher, its fork server)
+
+
+class Launcher:
+    """One launcher process, from its start to the job it is given."""
+
+    def __init__(self, env: dict[str, str], preload: tuple[str, ...], log_path: Path) -> None:
+        self.preload = preload
+        self.start_key = _start_key(env)
+        self.log_path = log_path
+        self.decoder = protocol.FrameDecoder()
+        self.ready = False
+        self.started = time.time()
+        self.job: str | None = None  # who it was handed to
+        # The pool reads the pipe until READY; a job that takes the launcher before that
+        # cancels the pool's read and waits for it to let go (one reader per pipe).
+        self._pool_reading = anyio.CancelScope()
+        self._pool_done = anyio.Event()
+        self._pool_watching = False
+        with open(log_path, "ab") as log:
+            # start_new_session: the launcher, its fork server and every rank are one process
+            # group the job's teardown signals as a whole. Started from the supervisor's main
+            # thread: the launcher's PDEATHSIG follows the thread that started it.
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "elastic_nb.launcher"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                env={**env, "ELASTIC_NB_LAUNCHER_LOG": str(log_path)},
+                start_new_session=True,
+            )
+        assert self.proc.stdout is not None
+        os.set_blocking(self.proc.stdout.fileno(), False)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    async def wait_ready(self) -> bool:
+        """Read its pipe until it says ready (True) or exits (False). A job that takes it
+        meanwhile stops this read (True): from then on the job reads the pipe, with this
+        decoder."""
+        assert self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        self._pool_watching = True
+        try:
+            with self._pool_reading:
+                while not self.ready:
+                    await anyio.wait_readable(fd)
+                    try:
+                        data = os.read(fd, 1 << 16)
+                    except BlockingIOError:
+                        continue
+                    if not data:
+                        return False
+                    for msg, _ in self.decoder.feed(data):
+                        if msg["kind"] == protocol.READY:
+                            self.ready = True
+            return True
+        finally:
+            self._pool_done.set()
+
+    async def pipe_released(self) -> None:
+        """Wait until the pool no longer reads this launcher's pipe (see `assign`)."""
+        if self._pool_watching:
+            await self._pool_done.wait()
+
+    def assign(self, job_id: str, run_dir: str, env: dict[str, str]) -> bytes:
+        """Make it the job's; returns the assignment for the caller to write (off the loop:
+        an environment can be larger than a pipe's buffer)."""
+        self.job = job_id
+        self._pool_reading.cancel()
+        return json.dumps({"job": job_id, "run_dir": run_dir, "env": env}).encode() + b"\n"
+
+    def write_assignment(self, line: bytes) -> None:
+        assert self.proc.stdin is not None
+        with contextlib.suppress(BrokenPipeError):  # it died: its reader sees EOF and says so
+            self.proc.stdin.write(line)
+            self.proc.stdin.close()
+
+    def discard(self) -> None:
+        """End an idle launcher and its fork server (one process group), and reap it."""
+        procs.signal_group(self.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=5)
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            with contextlib.suppress(OSError):
+                if pipe is not None:
+                    pipe.close()
+        with contextlib.suppress(OSError):
+            self.log_path.unlink()
+
+
+class LauncherPool:
+    def __init__(self, log_stem: str) -> None:
+        self._log_stem = log_stem
+        self._count = 0
+        self._idle: Launcher | None = None
+        self._tg: TaskGroup | None = None
+        self._last: tuple[dict[str, str], JobSpec] | None = None  # what the next one is made for
+        self._failed_warmups = 0
+        self._closed = False
+
+    def attach(self, tg: TaskGroup) -> None:
+        self._tg = tg
+
+    @property
+    def idle(self) -> Launcher | None:
+        return self._idle
+
+    def take(self, spec: JobSpec, env: dict[str, str]) -> Launcher:
+        """A launcher for this job: the warm one if it can serve it, else a new one."""
+        self._last = (env, spec)
+        warm, self._idle = self._idle, None
+        if warm is not None and warm.alive and warm.start_key == _start_key(env):
+            return warm
+        if warm is not None:
+            warm.discard()
+        return self._start(env, spec)
+
+    def job_running(self, spec: JobSpec) -> None:
+        """Every rank of a job is up: warm the next launcher now if this machine has cores to
+        spare for it (a back-to-back cell is then warm too); else wait for the job's end."""
+        if spec.warm and _cores() - spec.nproc >= WARMUP_CORES:
+            self._warm()
+
+    def job_ended(self, spec: JobSpec, started: bool) -> None:
+        """After a job: keep one warm for the next cell, unless the job said --no-warm."""
+        if started:
+            self._failed_warmups = 0
+        if not spec.warm:
+            self.drop_idle()
+            return
+        self._warm()
+
+    def describe(self) -> dict[str, Any] | None:
+        """The idle launcher, for %elastic status: its pid, whether it is ready, its memory."""
+        w = self._idle
+        if w is None:
+            return None
+        rss = pss = 0
+        with contextlib.suppress(psutil.Error):
+            tree = psutil.Process(w.pid)
+            for p in [tree, *tree.children(recursive=True)]:
+                mem = p.memory_full_info()
+                rss, pss = rss + mem.rss, pss + mem.pss
+        return {
+            "pid": w.pid,
+            "ready": w.ready,
+            "age_s": time.time() - w.started,
+            "preload": list(w.preload),
+            "rss_mb": rss / 2**20,
+            "pss_mb": pss / 2**20,
+        }
+
+    def drop_idle(self) -> None:
+        idle, self._idle = self._idle, None
+        if idle is not None:
+            idle.discard()
+
+    def close(self) -> None:
+        self._closed = True
+        self.drop_idle()
+
+    def _warm(self) -> None:
+        if (
+            self._closed
+            or self._idle is not None
+            or self._last is None
+            or self._failed_warmups >= MAX_FAILED_WARMUPS
+        ):
+            return
+        env, spec = self._last
+        self._idle = self._start(env, spec)
+        assert self._tg is not None
+        self._tg.start_soon(self._keep, self._idle)
+
+    def _start(self, env: dict[str, str], spec: JobSpec) -> Launcher:
+        self._count += 1
+        start_env = {
+            **{k: v for k, v in env.items() if k != procs.MARKER},
+            procs.SLOT: procs.SLOT_BLANK,
+            "ELASTIC_NB_SUPERVISOR_PID": str(os.getpid()),
+            "ELASTIC_NB_PRELOAD": json.dumps(list(spec.preload)),
+            "ELASTIC_NB_SYS_PATH": json.dumps(list(spec.sys_path)),
+        }
+        return Launcher(
+            start_env, spec.preload, Path(f"{self._log_stem}-launcher-{self._count}.log")
+        )
+
+    async def _keep(self, launcher: Launcher) -> None:
+        """Watch a warm launcher while it waits; replace it if it dies before a job takes it.
+        A bug here must not take the supervisor down: it only costs the warm start."""
+        try:
+            await self._watch(launcher)
+        except Exception as e:
+            print(f"elastic_nb supervisor: watching a warm launcher: {e!r}", file=sys.stderr)
+
+    async def _watch(self, launcher: Launcher) -> None:
+        ok = await launcher.wait_ready()
+        if launcher.job is not None:
+            return
+        if ok:
+            fd = procs.pidfd_open(launcher.pid)
+            if fd is not None:
+                try:
+                    await anyio.wait_readable(fd)
+                finally:
+                    os.close(fd)
+            else:
+                while launcher.alive and launcher.job is None:
+                    await anyio.sleep(0.5)
+            if launcher.job is not None:
+                return
+        # It died waiting (or never got ready): say why, and warm another.
+        tail = _tail(launcher.log_path)
+        print(
+            f"elastic_nb supervisor: warm launcher {launcher.pid} exited "
+            f"({procs.describe_exit(launcher.proc.wait())}) before any job took it: {tail}",
+            file=sys.stderr,
+        )
+        if self._idle is launcher:
+            self._idle = None
+            launcher.discard()
+            if not ok:
+                self._failed_warmups += 1
+            self._warm()
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0))
+
+
+def _start_key(env: dict[str, Any]) -> tuple[str | None, ...]:
+    return tuple(env.get(k) for k in _AT_START)
+
+
+def _tail(path: Path, n: int = 5) -> str:
+    with contextlib.suppress(OSError):
+        return " | ".join(path.read_text(errors="replace").splitlines()[-n:]) or "no output"
+    return "no log"

@@ -1,0 +1,40 @@
+"""What a launcher's fork server imports once, before any job, for every rank it will fork.
+
+The fork server (multiprocessing's, started by the launcher while it waits for a job) imports
+this module; each rank is a fork of that server, so torch, torch.distributed, the worker
+bootstrap and the ``--preload`` modules are already in it. Importing torch does not touch
+CUDA, so forking afterwards is safe; a ``--preload`` module that initialises CUDA at import
+would not be, and must not be preloaded.
+
+`PID` tells a rank whether it inherited this module (a fork) or imported it itself.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+
+__all__ = ["FAILED", "IMPORTED", "PID"]
+
+PID = os.getpid()
+IMPORTED: list[str] = []
+FAILED: dict[str, str] = {}  # module -> the error its import raised (reported by the ranks)
+
+_ALWAYS = ("torch", "torch.distributed", "elastic_nb.worker")
+
+
+def _preload() -> None:
+    # The kernel's sys.path, so that the notebook's own modules can be preloaded too.
+    extra = json.loads(os.environ.get("ELASTIC_NB_SYS_PATH") or "[]")
+    sys.path[:0] = [p for p in extra if p not in sys.path]
+    for name in (*_ALWAYS, *json.loads(os.environ.get("ELASTIC_NB_PRELOAD") or "[]")):
+        try:
+            importlib.import_module(name)
+            IMPORTED.append(name)
+        except BaseException as e:  # multiprocessing would swallow it: keep it for the ranks
+            FAILED[name] = f"{type(e).__name__}: {e}"
+
+
+_preload()

@@ -1,0 +1,195 @@
+"""Warm start: ranks fork from a server that imported torch before the cell was run.
+
+Each test reads back from the ranks (or from the supervisor) what it asserts, and ends with no
+process of its jobs alive.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from tests.kernel import Kernel, assert_job_gone, wait_for
+
+READBACK = """%%elastic --nproc 2
+import os, sys, json, psutil
+import elastic_nb.warmup as w
+from elastic_nb import procs
+server = psutil.Process(w.PID).create_time() if w.PID != os.getpid() else None
+print('readback', json.dumps({
+    'forked': w.PID != os.getpid(), 'server_started': server, 'imported': w.IMPORTED,
+    'marker': procs._marker_of(os.getpid()), 'slot': os.environ.get('ELASTIC_NB_SLOT'),
+}))
+"""
+
+
+def readback(ex: Any) -> list[dict[str, Any]]:
+    return [json.loads(x) for x in re.findall(r"\] readback (\{.*\})", ex.stdout)]
+
+
+def events(cache_home: Path, job: str) -> list[dict[str, Any]]:
+    path = cache_home / "elastic_nb" / "runs" / job / "events.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def launcher_of(cache_home: Path, job: str) -> dict[str, Any]:
+    (event,) = [e for e in events(cache_home, job) if e["event"] == "launcher"]
+    return event
+
+
+def warm_status(k: Kernel) -> dict[str, str] | None:
+    """The warm launcher as %elastic status reports it: pid and state, or None."""
+    out = k.ok("%elastic status").stdout
+    m = re.search(r"warm launcher: pid (\d+), (ready|warming up)", out)
+    return {"pid": m.group(1), "state": m.group(2)} if m else None
+
+
+def wait_warm(k: Kernel, timeout: float = 60) -> str:
+    assert wait_for(lambda: (warm_status(k) or {}).get("state") == "ready", timeout, 0.5)
+    status = warm_status(k)
+    assert status is not None
+    return status["pid"]
+
+
+def test_a_later_cell_forks_its_ranks_from_a_server_started_before_it(
+    fresh_kernel: Kernel, cache_home: Path
+) -> None:
+    k = fresh_kernel
+    first = k.ok(READBACK)
+    assert not launcher_of(cache_home, first.job_id)["warm"]  # the first cell starts cold
+    warm_pid = wait_warm(k)
+    before = time.time()
+    ex = k.ok(READBACK)
+    launcher = launcher_of(cache_home, ex.job_id)
+    assert launcher["warm"] and str(launcher["pid"]) == warm_pid
+    ranks = readback(ex)
+    assert len(ranks) == 2
+    for r in ranks:
+        # Forked from a server that had imported torch before this cell was submitted: the
+        # rank imported neither torch nor the bootstrap itself.
+        assert r["forked"] and r["server_started"] < before
+        assert {"torch", "torch.distributed", "elastic_nb.worker"} <= set(r["imported"])
+        # And it is a process of this job, for every sweep that looks for one.
+        assert r["marker"] == ex.job_id and r["slot"] is None
+    assert_job_gone(ex.job_id)
+
+
+def test_nothing_of_one_job_reaches_the_next(fresh_kernel: Kernel, tmp_path: Path) -> None:
+    k = fresh_kernel
+    k.ok(
+        "%%elastic --nproc 1\n"
+        "import os, sys, wave\n"
+        "os.environ['LEFT_BY_JOB_1'] = '1'\n"
+        "os.chdir('/')\n"
+        "sys.argv.append('--left-by-job-1')\n"
+    )
+    wait_warm(k)
+    k.ok("import os; os.environ['SET_IN_THE_KERNEL'] = 'between the cells'")
+    ex = k.ok(
+        "%%elastic --nproc 1\n"
+        "import os, sys\n"
+        "print('env', os.environ.get('LEFT_BY_JOB_1'), os.environ.get('SET_IN_THE_KERNEL'))\n"
+        "print('cwd', os.getcwd())\n"
+        "print('argv', sys.argv[1:])\n"
+        "print('wave', 'wave' in sys.modules)\n"
+    )
+    assert "[rank 0] env None between the cells" in ex.stdout
+    assert f"[rank 0] cwd {tmp_path}" in ex.stdout
+    assert "[rank 0] argv []" in ex.stdout
+    assert "[rank 0] wave False" in ex.stdout
+    assert_job_gone(ex.job_id)
+
+
+def test_a_warm_launcher_that_dies_while_idle_is_replaced(
+    fresh_kernel: Kernel, cache_home: Path
+) -> None:
+    k = fresh_kernel
+    k.ok("%%elastic --nproc 1\nprint('one')\n")
+    dead = int(wait_warm(k))
+    os.kill(dead, signal.SIGKILL)
+    assert wait_for(lambda: (warm_status(k) or {}).get("pid") not in (None, str(dead)), 30, 0.5)
+    replacement = wait_warm(k)
+    ex = k.ok("%%elastic --nproc 1\nprint('two')\n")
+    assert "[rank 0] two" in ex.stdout
+    launcher = launcher_of(cache_home, ex.job_id)
+    assert launcher["warm"] and str(launcher["pid"]) == replacement
+    assert_job_gone(ex.job_id)
+
+
+def test_the_warm_processes_die_with_the_kernel(fresh_kernel: Kernel) -> None:
+    k = fresh_kernel
+    k.ok("%%elastic --nproc 1\nprint('one')\n")
+    warm = psutil.Process(int(wait_warm(k)))
+    tree = [warm, *warm.children(recursive=True)]  # the launcher and its fork server
+    assert len(tree) >= 2
+    k.kill()
+    assert wait_for(lambda: not any(p.is_running() and _alive(p) for p in tree), timeout=10)
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_no_warm_keeps_none(fresh_kernel: Kernel, cache_home: Path) -> None:
+    k = fresh_kernel
+    k.ok("%%elastic --nproc 1\nprint('one')\n")
+    wait_warm(k)
+    k.ok("%elastic config --no-warm")
+    assert warm_status(k) is None  # ended at once, its memory freed
+    ex = k.ok("%%elastic --nproc 1\nprint('two')\n")
+    assert not launcher_of(cache_home, ex.job_id)["warm"]
+    assert warm_status(k) is None
+    assert_job_gone(ex.job_id)
+
+
+def test_preload_joins_the_warm_set(fresh_kernel: Kernel) -> None:
+    k = fresh_kernel
+    bad = k.run("%%elastic --nproc 1 --preload no_such_module_here\nprint('never')\n")
+    assert bad.ename == "UsageError" and "--preload no_such_module_here" in bad.error["evalue"]
+    k.ok("%elastic config --preload wave")
+    k.ok("%%elastic --nproc 1\nprint('cold')\n")
+    wait_warm(k)
+    assert "preloaded: wave" in k.ok("%elastic status").stdout
+    ex = k.ok(READBACK)
+    for r in readback(ex):
+        assert r["forked"] and "wave" in r["imported"]
+    assert_job_gone(ex.job_id)
+
+
+def test_a_restart_forks_from_the_same_server(kernel: Kernel) -> None:
+    ex = kernel.ok(
+        "%%elastic --nproc 2 --max-restarts 1\n"
+        "import os\n"
+        "import elastic_nb.warmup as w\n"
+        "attempt = int(os.environ['TORCHELASTIC_RESTART_COUNT'])\n"
+        "print('server', attempt, w.PID)\n"
+        "if attempt == 0 and os.environ['RANK'] == '1':\n"
+        "    raise RuntimeError('only the first time')\n"
+    )
+    servers = {a: set() for a in ("0", "1")}
+    for attempt, pid in re.findall(r"\] server (\d) (\d+)", ex.stdout):
+        servers[attempt].add(pid)
+    assert len(servers["1"]) == 1 and servers["0"] <= servers["1"], servers
+    assert_job_gone(ex.job_id)
+
+
+def test_atexit_handlers_of_the_cell_run_in_forked_ranks(kernel: Kernel, tmp_path: Path) -> None:
+    # A forked rank leaves through os._exit; a spawned one through interpreter exit: the cell's
+    # atexit handlers (a logger's flush, wandb.finish) run in both.
+    ex = kernel.ok(
+        "%%elastic --nproc 2\n"
+        "import atexit, os\n"
+        f"atexit.register(lambda: open(os.path.join({str(tmp_path)!r}, 'bye-' + os.environ['RANK']), 'w').close())\n"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bye-0", "bye-1"]
+    assert_job_gone(ex.job_id)

@@ -56,17 +56,20 @@ def main() -> None:
     _die_with_parent()
     sys.stdout = sys.stderr
 
+    # Warm: everything up to READY happens before there is a job; the supervisor hands us one
+    # when a cell asks. The fork server imports torch while this process does (two cores).
+    warm_env = dict(os.environ)  # the fork server's, and so every forked rank's, to start with
+    _start_fork_server()
+
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
     from elastic_nb.worker import bootstrap
 
-    # Warm: everything up to here, and the fork server with torch imported, happens before
-    # there is a job; the supervisor hands us one when a cell asks.
-    warm_env = dict(os.environ)  # the fork server's, and so every forked rank's, to start with
-    _start_fork_server()
     _observe_agent(channel)
+    _quicken_rendezvous()
+    _wait_fork_server()
     channel.send(protocol.READY, pid=os.getpid())
     line = sys.stdin.readline()
     if not line:
@@ -117,6 +120,44 @@ def _start_fork_server() -> None:
 
     multiprocessing.set_forkserver_preload(["elastic_nb.warmup"])
     multiprocessing.forkserver.ensure_running()
+
+
+def _wait_fork_server() -> None:
+    """ensure_running() returns once the server process exists, not once it has imported what
+    it preloads: fork one child through it, so that READY means a rank forks in milliseconds
+    (the first job's forks otherwise waited about 0.4 s each on the server's imports)."""
+    import multiprocessing
+
+    child = multiprocessing.get_context("forkserver").Process(target=os.getpid)
+    child.start()
+    child.join()
+
+
+def _quicken_rendezvous() -> None:
+    """Two costs of torch's dynamic rendezvous that buy a single-node job nothing
+    (elastic/rendezvous/dynamic_rendezvous.py, torch 2.13):
+
+    - next_rendezvous() sleeps a random 0-0.3 s in round 0 "to skew the rendezvous attempts
+      across the nodes"; there is one node (the spec refuses more);
+    - every recorded event names its method with inspect.stack(), twice, which builds the
+      source context of every frame (about 40 ms per launch); the frame's code has the name.
+    """
+    import torch.distributed.elastic.rendezvous.dynamic_rendezvous as dynamic
+
+    original_delay = dynamic._delay
+
+    def _delay(seconds: Any) -> None:
+        if not isinstance(seconds, tuple):  # a fixed wait (the SYNC poll) is kept
+            original_delay(seconds)
+
+    def get_method_name(depth: int = 2) -> str:
+        try:
+            return sys._getframe(depth).f_code.co_name
+        except ValueError:
+            return "no_method_name"
+
+    dynamic._delay = _delay
+    dynamic.get_method_name = get_method_name
 
 
 def _log_to(path: Any) -> None:

@@ -144,7 +144,12 @@ def test_no_warm_keeps_none(fresh_kernel: Kernel, cache_home: Path) -> None:
     k = fresh_kernel
     k.ok("%%elastic --nproc 1\nprint('one')\n")
     wait_warm(k)
-    k.ok("%elastic config --no-warm")
+    cold = k.ok("%%elastic --nproc 1 --no-warm\nprint('from scratch')\n")  # one cell
+    assert not launcher_of(cache_home, cold.job_id)["warm"]
+    assert warm_status(k) is None
+    k.ok("%%elastic --nproc 1\nprint('warm again after this one')\n")
+    wait_warm(k)
+    k.ok("%elastic config --no-warm")  # the session
     assert warm_status(k) is None  # ended at once, its memory freed
     ex = k.ok("%%elastic --nproc 1\nprint('two')\n")
     assert not launcher_of(cache_home, ex.job_id)["warm"]

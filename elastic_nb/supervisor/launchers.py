@@ -155,10 +155,11 @@ class LauncherPool:
         return self._idle
 
     def take(self, spec: JobSpec, env: dict[str, str]) -> Launcher:
-        """A launcher for this job: the warm one if it can serve it, else a new one."""
+        """A launcher for this job: the warm one if it can serve it (and the job did not say
+        --no-warm), else a new one."""
         self._last = (env, spec)
         warm, self._idle = self._idle, None
-        if warm is not None and warm.alive and warm.start_key == _start_key(env):
+        if spec.warm and warm is not None and warm.alive and warm.start_key == _start_key(env):
             return warm
         if warm is not None:
             warm.discard()

@@ -11,6 +11,7 @@ would not be, and must not be preloaded.
 
 from __future__ import annotations
 
+import gc
 import importlib
 import json
 import os
@@ -38,3 +39,6 @@ def _preload() -> None:
 
 
 _preload()
+# Everything imported so far lives as long as the ranks: out of the collector's way, so that its
+# passes neither walk those objects nor write to (and so copy) the pages ranks share with us.
+gc.freeze()

@@ -198,3 +198,24 @@ def test_atexit_handlers_of_the_cell_run_in_forked_ranks(kernel: Kernel, tmp_pat
     )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bye-0", "bye-1"]
     assert_job_gone(ex.job_id)
+
+
+def test_forked_ranks_start_like_spawned_ones(kernel: Kernel) -> None:
+    # Read at interpreter start or torch import, in the fork server, before the job existed:
+    # PYTHONUNBUFFERED (a print without flush reaches the log at once) and OMP_NUM_THREADS.
+    ex = kernel.ok(
+        "%%elastic --bg --nproc 2 --env OMP_NUM_THREADS=1\n"
+        "import time, torch\n"
+        "print('threads', torch.get_num_threads())\n"
+        "time.sleep(600)\n"
+    )
+    job = ex.result.split()[2]
+    kernel.ok("job = _")
+    for rank in (0, 1):
+        assert wait_for(
+            lambda rank=rank: "threads 1" in kernel.ok(f"print(job.logs(rank={rank}))").stdout,
+            timeout=60,
+        )
+    kernel.ok("job.stop()")
+    assert kernel.run("job.wait(timeout=30)").ename == "JobStopped"
+    assert_job_gone(job)

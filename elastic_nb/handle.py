@@ -33,12 +33,14 @@ __all__ = ["GONE", "JobHandle", "Renderer"]
 STOP_TIMEOUT_S = 4.0
 
 GONE = object()  # put on every queue when the supervisor's connection breaks
+FLUSH_WAIT_S = 0.1  # a quiet queue still gets the renderer's held-back changes out this soon
 
 
 class Renderer(Protocol):
     """What draws a job: `update` folds one supervisor update in, `flush` shows what the updates
-    so far changed (called once the queue of updates is drained: one batch per tick, however far
-    behind the kernel is), `end` shows the end."""
+    so far changed (called once the queue of updates is drained, and every FLUSH_WAIT_S while
+    it stays empty: a renderer may hold changes back to keep its own pace), `end` shows the
+    end."""
 
     def update(self, msg: dict[str, Any]) -> None: ...
     def flush(self) -> None: ...
@@ -215,8 +217,9 @@ class JobHandle:
                     self._kill_here("interrupted", "the supervisor did not stop the job in time")
                     break
                 try:
-                    msg = self._queue.get(timeout=0.25)
+                    msg = self._queue.get(timeout=FLUSH_WAIT_S)
                 except queue.Empty:
+                    renderer.flush()  # what a renderer held back to keep its own pace
                     continue
                 self._handle(msg, renderer)
                 if self.summary is None and self._queue.empty():

@@ -328,8 +328,8 @@ class ElasticMagics(Magics):
 
     def _renderer(self, job: JobHandle, spec: JobSpec) -> Renderer:
         """The dashboard where the frontend renders widgets, text everywhere else. Beside a
-        dashboard the text is the start line, the alerts' titles and the summary line, so that
-        a saved notebook and nbconvert keep the outcome."""
+        dashboard the text is a record written at the end (start line, alerts' titles, summary
+        line), so that a saved notebook and nbconvert keep the outcome."""
         if spec.widgets and widgets_frontend(self.shell):
             from elastic_nb.dashboard import Dashboard
 
@@ -345,12 +345,10 @@ class ElasticMagics(Magics):
             job.widget = dash.widget
             if not spec.background:
                 display(dash.widget)  # a background job is shown as the cell's result
-            text = TextRenderer(job.id, job.run_dir, logs=False, alerts="end")
+            text = TextRenderer(job.id, job.run_dir, mode="record")
             text.start(spec.nproc, spec.worst_case_s)
             return _Both(dash, text)
-        # A background job's lines would interleave with whatever the notebook does next: they
-        # stay in the run directory (job.logs(), %elastic logs); its alerts and end are shown.
-        text = TextRenderer(job.id, job.run_dir, logs=not spec.background)
+        text = TextRenderer(job.id, job.run_dir, mode="quiet" if spec.background else "live")
         text.start(spec.nproc, spec.worst_case_s)
         return text
 

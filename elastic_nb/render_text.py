@@ -20,6 +20,12 @@ PROGRESS_EVERY_S = 5.0
 
 
 class TextRenderer:
+    """``mode``: "live" writes everything as it comes (the renderer of frontends without
+    widgets); "quiet" leaves the rank lines out (a background job's stay in the run directory,
+    for job.logs(), instead of landing among whatever the notebook does next); "record" writes
+    once, at the end, the start line, the alerts' titles and the summary line (the text a saved
+    notebook keeps under a dashboard that showed it all live)."""
+
     def __init__(
         self,
         job_id: str,
@@ -27,14 +33,10 @@ class TextRenderer:
         out: TextIO | None = None,
         err: TextIO | None = None,
         *,
-        logs: bool = True,
-        alerts: Literal["live", "end"] = "live",
+        mode: Literal["live", "quiet", "record"] = "live",
     ) -> None:
-        """`logs` off: no rank lines (beside a dashboard; a background job's stay in the run
-        directory, for job.logs()). `alerts` "end": their titles just before the summary line,
-        so that the cell's text output keeps them under a dashboard that shows them live."""
-        self._logs, self._alerts = logs, alerts
-        self._alert_titles: list[str] = []
+        self._mode = mode
+        self._record: list[str] = []
         self._job = job_id
         self._run_dir = run_dir
         self._out = out or sys.stdout
@@ -47,25 +49,29 @@ class TextRenderer:
             if worst_case_s is not None
             else ""
         )
-        self._out.write(
+        line = (
             f"[elastic_nb] job {self._job}: starting {nproc} rank{'s' if nproc != 1 else ''}"
             f"{worst}\n"
         )
+        if self._mode == "record":
+            self._record.append(line)
+            return
+        self._out.write(line)
         self._out.flush()
 
     def update(self, msg: dict[str, Any]) -> None:
         for alert in msg.get("alerts", ()):
             if alert["kind"] == "failure":
                 continue  # the error the cell raises says it, traceback and all
-            if self._alerts == "end":
-                self._alert_titles.append(f"[elastic_nb] {alert['title']}\n")
+            if self._mode == "record":
+                self._record.append(f"[elastic_nb] {alert['title']}\n")
                 continue
             stream = self._err if alert["severity"] == "error" else self._out
             stream.write(f"[elastic_nb] {alert['title']}\n")
             if alert.get("text"):
                 stream.write(alert["text"].rstrip("\n") + "\n")
         for attempt, rank, name, lines, skipped, progress in (
-            msg.get("logs", ()) if self._logs else ()
+            msg.get("logs", ()) if self._mode == "live" else ()
         ):
             stream = self._out if name == "out" else self._err
             prefix = f"[rank {rank}] "
@@ -86,5 +92,5 @@ class TextRenderer:
         """Lines are written as they come (IOPub batches them)."""
 
     def end(self, summary: dict[str, Any]) -> None:
-        self._out.write("".join(self._alert_titles) + report.summary_line(summary) + "\n")
+        self._out.write("".join(self._record) + report.summary_line(summary) + "\n")
         self._out.flush()

@@ -12,7 +12,7 @@ from typing import Any
 import comm
 import pytest
 
-from elastic_nb.dashboard import Dashboard
+from elastic_nb.dashboard import Dashboard, widget
 from elastic_nb.dashboard.model import ALL_LINES, TAIL_LINES
 from elastic_nb.supervisor.tailer import LogTailer
 
@@ -62,6 +62,23 @@ class RecordingComm:
         return sum(len(json.dumps(m, separators=(",", ":"))) for m in self.sent)
 
 
+class Clock:
+    """The dashboard's time.monotonic, moved by the test as the supervisor's ticks would."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
+    c = Clock()
+    monkeypatch.setattr(widget, "time", c)
+    return c
+
+
 @pytest.fixture
 def comms(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[RecordingComm]]:
     made: list[RecordingComm] = []
@@ -93,9 +110,10 @@ def _summary(outcome: str, run_dir: str, **extra: Any) -> dict[str, Any]:
 
 
 def test_a_flood_costs_one_bounded_message_per_tick(
-    comms: list[RecordingComm], tmp_path: Path
+    comms: list[RecordingComm], clock: Clock, tmp_path: Path
 ) -> None:
-    """4 ranks x 100,000 lines, fed through the supervisor's own tailer in 20 ticks."""
+    """4 ranks x 100,000 lines, fed through the supervisor's own tailer in 20 of its ticks
+    (0.1 s apart): the dashboard sends one message per SEND_EVERY_S, whatever the volume."""
     ranks, lines_per_rank, ticks = 4, 100_000, 20
     dash = Dashboard("cafe0001", str(tmp_path), ranks, 0)
     c = _dashboard_comm(comms)
@@ -117,13 +135,16 @@ def test_a_flood_costs_one_bounded_message_per_tick(
             [b.attempt, b.rank, b.stream, b.lines, b.skipped, b.progress] for b in tailer.take()
         ]
         dash.update({"logs": logs})
+        clock.now += 0.1
         dash.flush()
     dash.end(_summary("succeeded", str(tmp_path)))
 
-    # One message per tick and one for the end; the open and a few snapshots besides.
-    assert len(c.customs) == ticks + 1
-    assert [m["seq"] for m in c.customs] == list(range(1, ticks + 2))
-    assert len(c.sent) <= 1 + len(c.customs) + 3
+    # One message per 0.2 s of the 2 s the flood lasted, one for the end; the open and a
+    # snapshot every 2 s (and at the end) besides.
+    sends = round(ticks * 0.1 / widget.SEND_EVERY_S)
+    assert len(c.customs) == sends + 1
+    assert [m["seq"] for m in c.customs] == list(range(1, sends + 2))
+    assert len(c.sent) == 1 + len(c.customs) + len(c.snapshots) and len(c.snapshots) <= 2
     # Bytes: the tailer's bound per stream and tick, the tails, whatever the volume.
     assert c.bytes < 600_000, c.bytes
     assert max(len(json.dumps(m)) for m in c.customs) < 32_000
@@ -143,7 +164,7 @@ def test_a_flood_costs_one_bounded_message_per_tick(
         assert shown + skipped == lines_per_rank
     # The kernel keeps bounded tails; the final snapshot ends on each rank's last line.
     final = c.snapshots[-1]
-    assert final["header"]["state"] == "succeeded" and final["seq"] == ticks + 1
+    assert final["header"]["state"] == "succeeded" and final["seq"] == sends + 1
     for r in range(ranks):
         tail = final["tails"][str(r)]
         assert len(tail) <= TAIL_LINES and tail[-1] == ["out", f"{r} {lines_per_rank - 1}"]
@@ -152,7 +173,7 @@ def test_a_flood_costs_one_bounded_message_per_tick(
 
 
 def test_states_chips_alerts_and_the_attempts_timeline(
-    comms: list[RecordingComm], tmp_path: Path
+    comms: list[RecordingComm], clock: Clock, tmp_path: Path
 ) -> None:
     dash = Dashboard("cafe0001", str(tmp_path), 2, 1, worst_case_s=360.0)
     c = _dashboard_comm(comms)
@@ -175,6 +196,7 @@ def test_states_chips_alerts_and_the_attempts_timeline(
         "text": None,
     }
     dash.update({"ranks": {"1": failed}, "alerts": [restart]})
+    clock.now += 0.2
     dash.flush()  # everything above in one message
     assert len(c.customs) == 1
     delta = c.customs[0]
@@ -186,6 +208,7 @@ def test_states_chips_alerts_and_the_attempts_timeline(
 
     dash.update({"state": "restarting", "attempt": 1})  # the new attempt's first word
     dash.update({"ranks": {"0": {**running, "attempt": 1}}})
+    clock.now += 0.2
     dash.flush()
     delta = c.customs[1]
     assert delta["header"] == {"attempt": 1, "state": "restarting"}
@@ -198,6 +221,7 @@ def test_states_chips_alerts_and_the_attempts_timeline(
 
     # A late line from the replaced attempt does not land in the new attempt's tab.
     dash.update({"logs": [[0, 0, "out", ["late"], 0, None]]})
+    clock.now += 0.2
     dash.flush()
     assert len(c.customs) == 2
 
@@ -207,16 +231,21 @@ def test_states_chips_alerts_and_the_attempts_timeline(
     assert final["header"]["state"] == "succeeded" and final["header"]["wall_s"] == 9.5
 
 
-def test_progress_bars_show_their_latest_state(comms: list[RecordingComm], tmp_path: Path) -> None:
+def test_progress_bars_show_their_latest_state(
+    comms: list[RecordingComm], clock: Clock, tmp_path: Path
+) -> None:
     dash = Dashboard("cafe0001", str(tmp_path), 1, 0)
     c = _dashboard_comm(comms)
     dash.update({"logs": [[0, 0, "err", [], 0, "epoch 1:  40%|####"]]})
+    clock.now += 0.2
     dash.flush()
     assert c.customs[-1]["progress"] == {"0": ["err", "epoch 1:  40%|####"]}
     dash.update({"logs": [[0, 0, "out", ["a print from the loop"], 0, None]]})
+    clock.now += 0.2
     dash.flush()
     assert "progress" not in c.customs[-1]  # a line on another stream leaves the bar alone
     dash.update({"logs": [[0, 0, "err", ["epoch 1: 100%|##########"], 0, None]]})
+    clock.now += 0.2
     dash.flush()
     assert c.customs[-1]["progress"] == {"0": None}  # the bar's line is finished
 

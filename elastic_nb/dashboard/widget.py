@@ -2,7 +2,8 @@
 
 The job's follower (the cell's thread, or a background job's thread) is the only writer: it
 folds each supervisor update into the `DashboardState` and, once the queue of updates is drained,
-sends *one* custom message with everything that changed (``flush``). A snapshot of the whole
+sends *one* custom message with everything that changed (``flush``), at most one per
+`SEND_EVERY_S`. A snapshot of the whole
 state goes out as the widget's synced trait every `SNAPSHOT_EVERY_S` and at the end, for views
 that start late and for the saved notebook. The browser keeps the same bounded state per model
 (``dashboard.js``), so any number of views cost the kernel nothing more.
@@ -28,6 +29,9 @@ from elastic_nb.dashboard.model import DashboardState
 
 __all__ = ["Dashboard", "DashboardWidget"]
 
+# One message a tick: at most five a second, whatever the ranks print (jupyter_server drops
+# IOPub past 1000 msgs/s; browsers stall long before that on big DOM updates).
+SEND_EVERY_S = 0.2
 SNAPSHOT_EVERY_S = 2.0
 
 _STATIC = Path(__file__).with_name("static")
@@ -65,7 +69,7 @@ class Dashboard:
             background=on_stop is not None,
         )
         self.widget = DashboardWidget(snapshot=self.state.snapshot())
-        self._snapshot_at = time.monotonic()
+        self._snapshot_at = self._sent_at = time.monotonic()
         self._actions = {"stop": on_stop, "stacks": on_stacks}
         self.widget.on_msg(self._on_msg)
 
@@ -73,10 +77,13 @@ class Dashboard:
         self.state.apply(msg)
 
     def flush(self) -> None:
+        if time.monotonic() - self._sent_at < SEND_EVERY_S:
+            return  # held: the follower flushes again within FLUSH_WAIT_S
         delta = self.state.take_delta()
         if delta is None:
             return
         self.widget.send(delta)
+        self._sent_at = time.monotonic()
         if time.monotonic() - self._snapshot_at >= SNAPSHOT_EVERY_S:
             self._snapshot()
 

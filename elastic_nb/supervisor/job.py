@@ -208,20 +208,9 @@ class Job:
 
     async def _read_launcher(self) -> None:
         assert self._started_launcher is not None and self._launcher is not None
-        assert self._launcher.stdout is not None
-        fd = self._launcher.stdout.fileno()
-        decoder = self._started_launcher.decoder  # a warm one's READY was read with it
         await self._started_launcher.pipe_released()
-        while True:
-            await anyio.wait_readable(fd)
-            try:
-                data = os.read(fd, 1 << 16)
-            except BlockingIOError:
-                continue
-            if not data:
-                break
-            for msg, _ in decoder.feed(data):
-                self._on_launcher(msg)
+        async for msg in self._started_launcher.messages():
+            self._on_launcher(msg)
         # The pipe's write end lives only in the launcher: EOF means it is exiting.
         with anyio.move_on_after(KILL_WAIT_S):
             while self._launcher.poll() is None:

@@ -24,6 +24,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -86,25 +87,32 @@ class Launcher:
         """Read its pipe until it says ready (True) or exits (False). A job that takes it
         meanwhile stops this read (True): from then on the job reads the pipe, with this
         decoder."""
-        assert self.proc.stdout is not None
-        fd = self.proc.stdout.fileno()
         self._pool_watching = True
         try:
             with self._pool_reading:
-                while not self.ready:
-                    await anyio.wait_readable(fd)
-                    try:
-                        data = os.read(fd, 1 << 16)
-                    except BlockingIOError:
-                        continue
-                    if not data:
-                        return False
-                    for msg, _ in self.decoder.feed(data):
-                        if msg["kind"] == protocol.READY:
-                            self.ready = True
-            return True
+                async for msg in self.messages():
+                    if msg["kind"] == protocol.READY:
+                        self.ready = True
+                        return True
+                return False  # it exited
+            return True  # handed to a job
         finally:
             self._pool_done.set()
+
+    async def messages(self) -> AsyncIterator[dict[str, Any]]:
+        """Frames from its pipe, until it closes (the launcher is exiting)."""
+        assert self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        while True:
+            await anyio.wait_readable(fd)
+            try:
+                data = os.read(fd, 1 << 16)
+            except BlockingIOError:
+                continue
+            if not data:
+                return
+            for msg, _ in self.decoder.feed(data):
+                yield msg
 
     async def pipe_released(self) -> None:
         """Wait until the pool no longer reads this launcher's pipe (see `assign`)."""

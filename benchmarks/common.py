@@ -1,53 +1,187 @@
-"""Shared by the benchmarks: a real kernel with elastic_nb, torchrun on the same code, medians."""
+"""Shared by the benchmarks: a real kernel with elastic_nb, torchrun on the same code, medians.
+
+Both sides run the same body. Ranks mark the moments a benchmark measures by writing
+``time.time()`` into files of a directory given as BENCH_DIR (a file per event and rank), so
+neither side's log path is in the measurement. On the elastic_nb side the start is the moment
+the cell is sent to the kernel and the end the moment its error (or idle) reaches the client.
+"""
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import os
+import re
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.kernel import Kernel  # noqa: E402  (the same real-kernel driver the tests use)
+from tests.kernel import Execution, Kernel, wait_for  # noqa: E402  (the tests' real-kernel driver)
+
+# What a rank calls to mark a moment (or a value): mark('ready') writes time.time() to
+# BENCH_DIR/ready-<rank>.
+MARK = (
+    "def mark(event, value=None):\n"
+    "    import os, time\n"
+    "    path = os.path.join(os.environ['BENCH_DIR'], f\"{event}-{os.environ['RANK']}\")\n"
+    "    with open(path, 'w') as f:\n"
+    "        f.write(repr(time.time() if value is None else value))\n"
+)
 
 
-def torchrun(body: str, nproc: int, workdir: str) -> float:
-    """Wall time of `torchrun --standalone --nproc-per-node N script.py` on the cell's body."""
-    script = Path(workdir) / "cell_script.py"
-    script.write_text(body)
-    t0 = time.monotonic()
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={nproc}",
-            str(script),
-        ],
-        check=True,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+@dataclass
+class Run:
+    started: float  # time.time() when the cell was sent / torchrun was started
+    ended: float  # ... when the cell's error or end arrived / torchrun exited
+    marks: dict[str, list[float]]  # event -> every rank's time.time()
+    returncode: int | None = None  # torchrun's; None when it ran past its bound
+    output: str = ""
+    execution: Execution | None = None
+
+    @property
+    def wall(self) -> float:
+        return self.ended - self.started
+
+    def after_start(self, event: str, n: int) -> float:
+        """Start -> the moment the last of `n` ranks marked `event`."""
+        times = self.marks.get(event, [])
+        assert len(times) == n, (event, self.marks, self.output[-2000:])
+        return max(times) - self.started
+
+
+def bench_dir() -> str:
+    return tempfile.mkdtemp(prefix="elastic_nb-bench-")
+
+
+def read_marks(directory: str) -> dict[str, list[float]]:
+    marks: dict[str, list[float]] = {}
+    for path in Path(directory).iterdir():
+        event, _, _rank = path.name.rpartition("-")
+        if event:
+            marks.setdefault(event, []).append(float(path.read_text()))
+    return marks
+
+
+def clear(directory: str) -> None:
+    for path in Path(directory).iterdir():
+        path.unlink()
+
+
+def torchrun(
+    body: str,
+    nproc: int,
+    directory: str,
+    *args: str,
+    timeout: float | None = None,
+    env: dict[str, str] | None = None,
+) -> Run:
+    """`torchrun --standalone --nproc-per-node N [args] script.py` on the body; ranks' stdout
+    and stderr go to files (as elastic_nb's do) unless args say otherwise."""
+    script = Path(directory).parent / f"{Path(directory).name}-script.py"
+    script.write_text(MARK + body)
+    clear(directory)
+    logs = tempfile.mkdtemp(prefix="elastic_nb-bench-torchrun-logs-")
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "--redirects=3",
+        f"--log-dir={logs}",
+        *args,
+        str(script),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "BENCH_DIR": directory, **(env or {})}
+    t0 = time.time()
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True
     )
-    return time.monotonic() - t0
+    code: int | None
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        code = proc.returncode
+    except subprocess.TimeoutExpired:
+        # torchrun's script ranks run in sessions of their own and outlive a killed agent
+        # (SubprocessContext): find them by the BENCH_DIR they inherited.
+        os.killpg(proc.pid, 9)
+        for p in psutil.process_iter():
+            with contextlib.suppress(psutil.Error):
+                if p.environ().get("BENCH_DIR") == directory:
+                    p.kill()
+        out, _ = proc.communicate()
+        code = None
+    return Run(t0, time.time(), read_marks(directory), code, out.decode(errors="replace"))
 
 
-def elastic_kernel(workdir: str) -> Kernel:
-    k = Kernel(workdir, env={"XDG_CACHE_HOME": str(Path(workdir) / "cache")})
-    k.ok("%load_ext elastic_nb")
-    return k
+def torchrun_root_rank(output: str) -> int | None:
+    """The rank torchrun's error report names as the root cause."""
+    m = re.search(r"Root Cause.*?rank\s*:\s*(\d+)", output, re.S)
+    return int(m.group(1)) if m else None
 
 
-def alternate(
-    runs: int, a: Callable[[], float], b: Callable[[], float]
-) -> tuple[list[float], list[float]]:
+class Elastic:
+    """A kernel with elastic_nb loaded; cells carry BENCH_DIR to their ranks."""
+
+    def __init__(self, directory: str, env: dict[str, str] | None = None) -> None:
+        self.directory = directory
+        self.cache = tempfile.mkdtemp(prefix="elastic_nb-bench-cache-")
+        self.kernel = Kernel(
+            tempfile.mkdtemp(prefix="elastic_nb-bench-cwd-"),
+            env={"XDG_CACHE_HOME": self.cache, **(env or {})},
+        )
+        self.kernel.ok("%load_ext elastic_nb")
+        self.kernel.ok(MARK)  # a notebook function: it travels to the ranks by value
+
+    def run(self, flags: str, body: str, timeout: float = 300) -> Run:
+        clear(self.directory)
+        cell = f"%%elastic {flags} --env BENCH_DIR={self.directory}\n{body}"
+        t0 = time.time()
+        ex = self.kernel.run(cell, timeout=timeout)
+        end = ex.error_at or ex.idle_at
+        assert end is not None
+        return Run(t0, end, read_marks(self.directory), execution=ex, output=ex.stdout + ex.stderr)
+
+    @classmethod
+    def warm(cls, directory: str, env: dict[str, str] | None = None) -> Elastic:
+        """A kernel past its first (cold) cell, its next launcher warmed up."""
+        el = cls(directory, env)
+        el.run("--nproc 1", "print('warming up')\n")
+        el.wait_warm()
+        return el
+
+    def wait_warm(self, timeout: float = 120) -> None:
+        """Like a person between two cells: the next launcher has warmed up."""
+        ok = wait_for(
+            lambda: "ready" in self.kernel.ok("%elastic status").stdout.split("warm launcher:")[-1],
+            timeout,
+            0.2,
+        )
+        assert ok, self.kernel.ok("%elastic status").stdout
+
+    def shutdown(self) -> None:
+        self.kernel.shutdown()
+
+
+def runs() -> int:
+    """--runs N from the command line (run_all passes it on): A/B pairs to take medians of."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--runs", type=int, default=5)
+    return parser.parse_args().runs
+
+
+def alternate(runs: int, a: Callable[[], Any], b: Callable[[], Any]) -> tuple[list[Any], list[Any]]:
     """A/B/A/B... so that drift of the machine hits both sides alike."""
     xs, ys = [], []
     for _ in range(runs):
@@ -56,13 +190,16 @@ def alternate(
     return xs, ys
 
 
-def row(name: str, xs: list[float], ys: list[float], unit: str = "s") -> str:
-    mx, my = statistics.median(xs), statistics.median(ys)
-    return f"| {name} | {mx:.2f} {unit} | {my:.2f} {unit} | {mx / my:.2f}x | {len(xs)} |"
+def median(xs: list[float]) -> float:
+    return statistics.median(xs)
 
 
-HEADER = "| benchmark | elastic_nb (median) | torchrun (median) | elastic_nb/torchrun | runs |\n| --- | --- | --- | --- | --- |"
+HEADER = (
+    "| benchmark | elastic_nb (median) | torchrun (median) | elastic_nb/torchrun | target | runs |\n"
+    "| --- | --- | --- | --- | --- | --- |"
+)
 
 
-def workdir() -> str:
-    return tempfile.mkdtemp(prefix="elastic_nb-bench-")
+def row(name: str, xs: list[float], ys: list[float], target: str, unit: str = "s") -> str:
+    mx, my = median(xs), median(ys)
+    return f"| {name} | {mx:.2f} {unit} | {my:.2f} {unit} | {mx / my:.2f}x | {target} | {len(xs)} |"

@@ -1,14 +1,13 @@
 """The quickstart's all_reduce cell under %%elastic --nproc 4 vs torchrun on the same code.
 
-elastic_nb: from the execute request to the kernel idle again (cell wall time, result shown).
-torchrun:   `torchrun --standalone --nproc-per-node 4 script.py`, process wall time.
+elastic_nb: from sending the cell to the kernel idle again, result shown: cold (the first cell
+of a fresh kernel) and warm (a later cell, its launcher warmed up between the two).
+torchrun: `torchrun --standalone --nproc-per-node 4 script.py`, start -> exit.
 """
 
 from __future__ import annotations
 
-import argparse
-
-from common import HEADER, alternate, elastic_kernel, row, torchrun, workdir
+from common import HEADER, Elastic, alternate, bench_dir, row, runs, torchrun
 
 BODY = """import torch, torch.distributed as dist
 dist.init_process_group()
@@ -17,27 +16,59 @@ dist.all_reduce(x)
 print(dist.get_rank(), x.item())
 dist.destroy_process_group()  # without it torch 2.13's gloo sometimes aborts at interpreter exit
 """
+CELL = BODY + "x.item()\n"
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--runs", type=int, default=5)
-    args = parser.parse_args()
-    wd = workdir()
-    kernel = elastic_kernel(wd)
+    n = runs()
+    d = bench_dir()
+
+    def baseline() -> float:
+        r = torchrun(BODY, 4, d)
+        assert r.returncode == 0, r.output[-3000:]
+        return r.wall
+
+    def cold() -> float:
+        el = Elastic(d)
+        try:
+            r = el.run("--nproc 4", CELL)
+            assert r.execution is not None and r.execution.result == "10.0", r.output
+            return r.wall
+        finally:
+            el.shutdown()
+
+    cold_x, cold_y = alternate(n, cold, baseline)
+    el = Elastic(d)
     try:
-        cell = "%%elastic --nproc 4\n" + BODY + "x.item()\n"
+        el.run("--nproc 4", CELL)
+        el.wait_warm()
 
-        def elastic() -> float:
-            ex = kernel.ok(cell)
-            assert ex.result == "10.0", ex.stdout
-            return ex.seconds
+        def warm() -> float:
+            r = el.run("--nproc 4", CELL)
+            assert r.execution is not None and r.execution.result == "10.0", r.output
+            el.wait_warm()
+            return r.wall
 
-        xs, ys = alternate(args.runs, elastic, lambda: torchrun(BODY, 4, wd))
+        warm_x, warm_y = alternate(n, warm, baseline)
     finally:
-        kernel.shutdown()
+        el.shutdown()
     print(HEADER)
-    print(row("quickstart cell, 4 ranks, init + all_reduce (wall)", xs, ys))
+    print(
+        row(
+            "quickstart cell, 4 ranks, init + all_reduce, wall (cold: first cell)",
+            cold_x,
+            cold_y,
+            "-",
+        )
+    )
+    print(
+        row(
+            "quickstart cell, 4 ranks, init + all_reduce, wall (warm: a later cell)",
+            warm_x,
+            warm_y,
+            "-",
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -171,3 +171,14 @@ def test_timeouts_and_ooms_are_their_own_kinds() -> None:
     killed = RankState(0, 0, died_at=1.0, exit_code=-9, oom_killed=True)
     assert analyze([killed], None).cause == "host_oom"
     assert "OOM killer" in killed.failure_summary()
+
+
+def test_ranks_that_never_started_are_listed() -> None:
+    # A --timeout can pass while ranks are still starting: the report says so for each.
+    up = RankState(0, 1, died_at=3.0, exit_code=-signal.SIGTERM)
+    v = analyze([up], teardown_at=2.0, nproc=3)
+    assert [(o["rank"], o["text"]) for o in v.others] == [
+        (0, "had not started"),
+        (1, "stopped by elastic_nb (SIGTERM)"),
+        (2, "had not started"),
+    ]

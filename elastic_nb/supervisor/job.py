@@ -126,6 +126,7 @@ class Job:
         self._oom_base = procs.oom_kills()
         self._watchdog_fired = False
         self._zombies: set[tuple[int, int]] = set()  # (attempt, rank) dead and left unreaped
+        self._exits: dict[tuple[int, int], anyio.Event] = {}  # forked ranks' reported ends
 
     # ---- for the server -----------------------------------------------------------------
 
@@ -232,7 +233,8 @@ class Job:
         elif kind == protocol.EXIT:
             r = self._ranks.get((int(msg["attempt"]), int(msg["rank"])))
             if r is not None and r.exit_code is None and msg.get("code") is not None:
-                r.exit_code = int(msg["code"])  # _watch_rank waits for it
+                r.exit_code = int(msg["code"])
+                self._exit_reported(r).set()  # _watch_rank waits for it
         elif kind == protocol.EXITS:
             attempt = int(msg["attempt"])
             codes = {int(r): c for r, c in msg["codes"].items() if c is not None}
@@ -241,6 +243,7 @@ class Job:
                 r = self._ranks.get((attempt, rank))
                 if r is not None and r.exit_code is None:
                     r.exit_code = code
+                    self._exit_reported(r).set()
                     if r.died_at is not None:
                         self._evaluate(r)  # its exit was unknown when its pidfd fired
         elif kind == protocol.RESULT:
@@ -286,20 +289,24 @@ class Job:
                 await anyio.wait_readable(fd)
             finally:
                 os.close(fd)
-        r.died_at = self._last_activity = time.time()
+        died = self._last_activity = time.time()
         # A spawned rank is the agent's child: read its status now, before torchelastic reaps
         # it at its next monitor tick. A forked one is its fork server's, reaped at once: the
-        # launcher says how it ended (protocol.EXIT), within milliseconds.
+        # launcher says how it ended (protocol.EXIT), within milliseconds. Until then the rank
+        # counts as alive (died_at unset), so that nothing evaluates it without its status.
         if r.exit_code is None:
             r.exit_code = procs.zombie_exit_code(r.pid)
-        if self.spec.start_method == "forkserver":
+        if r.exit_code is None and self.spec.start_method == "forkserver":
             with anyio.move_on_after(EXIT_WAIT_S):
-                while r.exit_code is None:
-                    await anyio.sleep(0.005)
+                await self._exit_reported(r).wait()
+        r.died_at = died
         r.oom_killed = procs.oom_kills() > self._oom_base
         self._read_records(r)
         self._log_event("rank.exit", attempt=r.attempt, rank=r.rank, code=r.exit_code)
         self._evaluate(r)
+
+    def _exit_reported(self, r: RankState) -> anyio.Event:
+        return self._exits.setdefault((r.attempt, r.rank), anyio.Event())
 
     def _read_records(self, r: RankState) -> None:
         if r.done is None:
@@ -366,10 +373,10 @@ class Job:
         while True:
             self._tailer.poll()
             for r in self._attempt_ranks(self.attempt):
-                if r.died_at is None and r.failure is None:
-                    # A failure record lands before the process exits (torch and Python
-                    # teardown can take a while): act on it at once.
-                    r.failure = read_json(self.rd.failure(r.attempt, r.rank))
+                if r.died_at is None and r.failure is None and r.done is None:
+                    # Records land before the process exits (torch and Python teardown can
+                    # take a while): act on a failure at once. Read once a poll, for everyone.
+                    self._read_records(r)
                     if r.failure is not None:
                         self._evaluate(r)
             if self.spec.timeout is not None and time.time() - self.created > self.spec.timeout:
@@ -547,7 +554,6 @@ class Job:
                 r.armed = self.rd.stacks(r.attempt, r.rank).exists()
                 if not r.armed:
                     return False
-            self._read_records(r)
         return any(r.done is None and r.failure is None for r in live)
 
     def _watch_agent(self) -> None:
@@ -570,18 +576,22 @@ class Job:
                 self._pending_ranks[r.rank] = self._chip(r)
                 break
         ranks = self._attempt_ranks(self.attempt)
-        if why is None and len(ranks) == self.spec.nproc and all(r.done and r.died_at for r in ranks):
+        if (
+            why is None
+            and len(ranks) == self.spec.nproc
+            and all(r.done and r.died_at for r in ranks)
+        ):
             # Forked ranks are reaped by their fork server, so torch's Event.set() deadlock
             # leaves no zombie behind: only an agent that does not return after every rank has.
             gone = now - max(r.died_at or now for r in ranks)
             if gone > bound:
-                why = f"every rank finished the cell and exited {gone:.1f} s ago; it has not returned"
+                why = (
+                    f"every rank finished the cell and exited {gone:.1f} s ago; it has not returned"
+                )
         state = procs.proc_state(launcher.pid)
         if why is None and self._outcome is None and self.state == "running" and self.last_tick:
             # Once every rank has finished the cell the agent legitimately sits in join()
             # while they exit (no ticks then); a loop silent while ranks still run is stuck.
-            for r in self._attempt_ranks(self.attempt):
-                self._read_records(r)
             busy = any(r.done is None for r in self._attempt_ranks(self.attempt))
             stopped = state is not None and state[0] in "Tt"
             if now - self.last_tick > bound and (busy or stopped):
@@ -723,14 +733,9 @@ class Job:
                         "while exiting",
                         rank=r.rank,
                     )
-        verdict = analyze(self._attempt_ranks(self.attempt), self._teardown_at, self._behind)
-        started = {r.rank for r in self._attempt_ranks(self.attempt)}
-        verdict.others.extend(
-            {"rank": rank, "kind": "pending", "text": "had not started", "delay": None}
-            for rank in range(self.spec.nproc)
-            if rank not in started
+        verdict = analyze(
+            self._attempt_ranks(self.attempt), self._teardown_at, self._behind, self.spec.nproc
         )
-        verdict.others.sort(key=lambda o: o["rank"])
         summary = self._summarize(outcome, reason, verdict)
         if outcome in ("failed", "timeout"):
             # The same words as the error the cell raises, for renderers that show alerts.

@@ -143,10 +143,14 @@ class Verdict:
 
 
 def analyze(
-    ranks: list[RankState], teardown_at: float | None, behind: list[int] | None = None
+    ranks: list[RankState],
+    teardown_at: float | None,
+    behind: list[int] | None = None,
+    nproc: int = 0,
 ) -> Verdict:
     """`behind`: ranks a desync verdict found missing from the collective the others timed out
-    in; one of them is the root when no rank failed on its own."""
+    in; one of them is the root when no rank failed on its own. Ranks below `nproc` that are
+    not in `ranks` had not started (a deadline can pass before they do)."""
     kinds = {r.rank: r.kind(teardown_at) for r in ranks}
     by_time = sorted(ranks, key=lambda r: r.failed_at or 0.0)
     peers = [r for r in by_time if kinds[r.rank] == "peer"]
@@ -184,6 +188,13 @@ def analyze(
         others.append(
             {"rank": r.rank, "kind": kind, "text": _describe(r, kind, root), "delay": delay}
         )
+    started = {r.rank for r in ranks}
+    others.extend(
+        {"rank": rank, "kind": "pending", "text": "had not started", "delay": None}
+        for rank in range(nproc)
+        if rank not in started
+    )
+    others.sort(key=lambda o: o["rank"])
     if root is not None and cause is None:
         cause = CAUSES.get(kinds[root.rank], kinds[root.rank])
     return Verdict(root, cause, others)

@@ -18,15 +18,14 @@ def main() -> None:
     parser.add_argument(
         "--kernel-pid", type=int, required=True, help="exit when this process exits"
     )
-    parser.add_argument("--log", help="our own log file: removed after a clean exit")
+    parser.add_argument("--log", required=True, help="our own log file: removed after a clean exit")
     args = parser.parse_args()
     # The kernel's interrupt never reaches us (we run in a session of our own), and a job is
     # stopped by request, not by Ctrl-C: ignore SIGINT.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     anyio.run(Supervisor(args.listen_fd, args.kernel_pid, args.log).run)
-    if args.log:
-        with contextlib.suppress(OSError):
-            os.unlink(args.log)
+    with contextlib.suppress(OSError):
+        os.unlink(args.log)
 
 
 if __name__ == "__main__":

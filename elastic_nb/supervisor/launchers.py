@@ -4,8 +4,8 @@ A launcher (``python -m elastic_nb.launcher``) imports torch, starts its fork se
 imports torch and the ``--preload`` modules once, for every rank it will fork), says ``ready``
 and waits on stdin for a job. Nothing of a job is in it until then, so it can be started
 ahead: the pool keeps one ready for the next cell, hands it to the next job that comes, and
-warms another once that job has ended (not while it runs: the warm-up would take CPU from
-the ranks). Each launcher serves one job and exits with it, so nothing of one job (its
+warms another once that job's ranks run if the machine has cores to spare for it, else once
+the job has ended (the warm-up would take CPU from the ranks). Each launcher serves one job and exits with it, so nothing of one job (its
 environment, working directory, imported modules, sys.argv) can reach the next.
 
 A launcher is started with the environment of the last job (the kernel's), a blank slot for
@@ -55,8 +55,8 @@ class Launcher:
         self.ready = False
         self.started = time.time()
         self.job: str | None = None  # who it was handed to
-        # The pool reads the pipe until READY; a job that takes the launcher before that
-        # cancels the pool's read and waits for it to let go (one reader per pipe).
+        # The pool reads the pipe while the launcher is idle; a job that takes it cancels
+        # that read and waits for it to let go (one reader per pipe).
         self._pool_reading = anyio.CancelScope()
         self._pool_done = anyio.Event()
         self._pool_watching = False
@@ -83,19 +83,18 @@ class Launcher:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    async def wait_ready(self) -> bool:
-        """Read its pipe until it says ready (True) or exits (False). A job that takes it
-        meanwhile stops this read (True): from then on the job reads the pipe, with this
-        decoder."""
+    async def watch_idle(self) -> bool:
+        """Read its pipe while it waits for a job: READY marks it ready; EOF means it exited
+        (True). A job that takes it stops this read (False): from then on the job reads the
+        pipe, with this decoder (a launcher says nothing between READY and its job)."""
         self._pool_watching = True
         try:
             with self._pool_reading:
                 async for msg in self.messages():
                     if msg["kind"] == protocol.READY:
                         self.ready = True
-                        return True
-                return False  # it exited
-            return True  # handed to a job
+                return True
+            return False
         finally:
             self._pool_done.set()
 
@@ -115,7 +114,7 @@ class Launcher:
                 yield msg
 
     async def pipe_released(self) -> None:
-        """Wait until the pool no longer reads this launcher's pipe (see `assign`)."""
+        """Wait until the pool no longer reads this launcher's pipe (see `watch_idle`)."""
         if self._pool_watching:
             await self._pool_done.wait()
 
@@ -134,6 +133,7 @@ class Launcher:
 
     def discard(self) -> None:
         """End an idle launcher and its fork server (one process group), and reap it."""
+        self._pool_reading.cancel()  # the pool's watch ends quietly, not on a closed pipe
         procs.signal_group(self.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=5)
@@ -252,32 +252,19 @@ class LauncherPool:
             print(f"elastic_nb supervisor: watching a warm launcher: {e!r}", file=sys.stderr)
 
     async def _watch(self, launcher: Launcher) -> None:
-        ok = await launcher.wait_ready()
-        if launcher.job is not None:
-            return
-        if ok:
-            fd = procs.pidfd_open(launcher.pid)
-            if fd is not None:
-                try:
-                    await anyio.wait_readable(fd)
-                finally:
-                    os.close(fd)
-            else:
-                while launcher.alive and launcher.job is None:
-                    await anyio.sleep(0.5)
-            if launcher.job is not None:
-                return
-        # It died waiting (or never got ready): say why, and warm another.
+        if not await launcher.watch_idle():
+            return  # a job took it
+        # It died waiting: say why, and warm another (not forever, if it never got ready).
         tail = _tail(launcher.log_path)
+        launcher.discard()
         print(
             f"elastic_nb supervisor: warm launcher {launcher.pid} exited "
-            f"({procs.describe_exit(launcher.proc.wait())}) before any job took it: {tail}",
+            f"({procs.describe_exit(launcher.proc.returncode)}) before any job took it: {tail}",
             file=sys.stderr,
         )
         if self._idle is launcher:
             self._idle = None
-            launcher.discard()
-            if not ok:
+            if not launcher.ready:
                 self._failed_warmups += 1
             self._warm()
 

@@ -63,11 +63,11 @@ class Connection:
 
 
 class Supervisor:
-    def __init__(self, listen_fd: int, kernel_pid: int, log_path: str | None = None) -> None:
+    def __init__(self, listen_fd: int, kernel_pid: int, log_path: str) -> None:
         self._listen_fd = listen_fd
         self._kernel_pid = kernel_pid
-        stem = log_path[: -len(".log")] if log_path and log_path.endswith(".log") else None
-        self._launchers = LauncherPool(stem or f"/tmp/elastic_nb-sup-{os.getpid()}")
+        # Launchers log beside us until they have a job (then into its run directory).
+        self._launchers = LauncherPool(log_path.removesuffix(".log"))
         self._jobs: dict[str, Job] = {}
         self._started = time.time()
         self._tg: TaskGroup | None = None

@@ -92,8 +92,8 @@ def mark_process(job_id: str) -> None:
     with open("/proc/self/environ", "rb") as f:
         block = f.read()
     entry = f"{SLOT}={SLOT_BLANK}".encode()
-    at = 0 if block.startswith(entry + b"\0") else block.find(b"\0" + entry + b"\0") + 1
-    if at <= 0 and not block.startswith(entry):
+    at = (b"\0" + block).find(b"\0" + entry + b"\0")  # the entry's offset in the block
+    if at < 0:
         raise RuntimeError(f"no {SLOT} in this process's environment to write the job marker in")
     marker = f"{MARKER}={job_id}".encode() + b"\0"
     fill = len(entry) - len(marker) - len(_PAD)

@@ -1,6 +1,6 @@
 """The worker bootstrap: what every rank runs.
 
-torchelastic calls `bootstrap(run_dir)` in each rank process (spawn/forkserver pickle it by
+torchelastic calls `bootstrap(run_dir, env, start_env)` in each rank process (spawn/forkserver pickle it by
 reference, so it lives at the top level of an importable module). It prepares the process,
 patches the process-group default timeouts, restores the objects the kernel shipped, runs the
 cell in a fresh ``__main__`` with the cell's own line numbers, and leaves its outcome in the run
@@ -35,17 +35,14 @@ from elastic_nb.spec import MANAGED_ENV, JobSpec
 __all__ = ["bootstrap"]
 
 
-def bootstrap(
-    run_dir: str, env: dict[str, str] | None = None, start_env: dict[str, str] | None = None
-) -> bool:
+def bootstrap(run_dir: str, env: dict[str, str], start_env: dict[str, str]) -> bool:
     """Run the job's cell in this rank. Returns True; raises what the cell raised.
 
     `env` is the job's environment and `start_env` the one this process started with (the
     launcher's fork server's, for a forked rank): what torchelastic added on top of the latter
     is this rank's own (RANK, MASTER_PORT, ...).
     """
-    if env is not None:
-        _adopt_environment(env, start_env if start_env is not None else env)
+    _adopt_environment(env, start_env)
     rd = RunDir(run_dir)
     rank = int(os.environ["RANK"])
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -102,14 +99,8 @@ def _adopt_environment(env: dict[str, str], start_env: dict[str, str]) -> None:
     os.environ.update(ours)
     procs.mark_process(os.environ[procs.MARKER])
     warmup = sys.modules.get("elastic_nb.warmup")
-    if warmup is not None and os.getpid() != warmup.PID:
-        _settle_forked_rank()
-    if warmup is not None and warmup.FAILED and os.environ.get("RANK") == "0":
-        for module, error in warmup.FAILED.items():
-            sys.stderr.write(
-                f"elastic_nb: --preload {module} failed in the fork server ({error}); "
-                "each rank imports it itself\n"
-            )
+    if warmup is not None and os.getpid() != warmup.PID:  # forked from a launcher's server
+        _settle_forked_rank(warmup.FAILED)
 
 
 def _prepare_process(spec: JobSpec, rd: RunDir) -> None:
@@ -122,7 +113,7 @@ def _prepare_process(spec: JobSpec, rd: RunDir) -> None:
         _patch_default_timeouts(spec.collective_timeout)
 
 
-def _settle_forked_rank() -> None:
+def _settle_forked_rank(failed_preloads: dict[str, str]) -> None:
     """What a spawned rank gets from starting in the job's environment, and a rank forked from
     a server that started before the job did not:
 
@@ -133,7 +124,9 @@ def _settle_forked_rank() -> None:
       ranks each running that many threads on N cores ran a DDP step 3x slower (measured);
     - a forked rank ends with os._exit (multiprocessing/popen_fork.py, _launch), which skips
       the atexit handlers a cell registers (a logger's flush, wandb.finish): run them where
-      multiprocessing runs its own finalizers.
+      multiprocessing runs its own finalizers;
+    - a --preload module the server could not import (multiprocessing swallows the error) is
+      imported by each rank itself: rank 0 says why.
     """
     import atexit
     from multiprocessing import util
@@ -154,6 +147,12 @@ def _settle_forked_rank() -> None:
     if threads.isdigit() and int(threads) > 0 and torch is not None:
         torch.set_num_threads(int(threads))
     util.Finalize(None, atexit._run_exitfuncs, exitpriority=-100)
+    if os.environ.get("RANK") == "0":
+        for module, error in failed_preloads.items():
+            sys.stderr.write(
+                f"elastic_nb: --preload {module} failed in the fork server ({error}); "
+                "each rank imports it itself\n"
+            )
 
 
 def _arm_forensics(rd: RunDir, attempt: int, rank: int) -> None:

@@ -216,14 +216,10 @@ class JobHandle:
                 if deadline is not None and time.monotonic() > deadline:
                     self._kill_here("interrupted", "the supervisor did not stop the job in time")
                     break
-                try:
-                    msg = self._queue.get(timeout=FLUSH_WAIT_S)
-                except queue.Empty:
-                    renderer.flush()  # what a renderer held back to keep its own pace
-                    continue
-                self._handle(msg, renderer)
+                with contextlib.suppress(queue.Empty):
+                    self._handle(self._queue.get(timeout=FLUSH_WAIT_S), renderer)
                 if self.summary is None and self._queue.empty():
-                    renderer.flush()
+                    renderer.flush()  # and again while quiet: it may hold changes back
             except KeyboardInterrupt:
                 if interrupted:
                     self._kill_here("interrupted", "interrupted twice")  # the user insists

@@ -336,9 +336,7 @@ class ElasticMagics(Magics):
             dash = Dashboard(
                 job.id,
                 job.run_dir,
-                spec.nproc,
-                spec.max_restarts,
-                worst_case_s=spec.worst_case_s,
+                spec,
                 on_stop=functools.partial(job.stop, reason="button") if spec.background else None,
                 on_stacks=job.stacks if spec.background else None,
             )

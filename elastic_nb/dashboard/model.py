@@ -19,6 +19,7 @@ from typing import Any
 
 from elastic_nb import report
 from elastic_nb.rundir import RunDir
+from elastic_nb.spec import JobSpec
 
 __all__ = ["ALL_LINES", "MAX_ALERTS", "TAIL_LINES", "DashboardState"]
 
@@ -31,24 +32,17 @@ Delta = dict[str, Any]
 
 
 class DashboardState:
-    def __init__(
-        self,
-        job_id: str,
-        run_dir: str,
-        nproc: int,
-        max_restarts: int,
-        worst_case_s: float | None = None,
-        background: bool = False,
-    ) -> None:
+    def __init__(self, job_id: str, run_dir: str, spec: JobSpec) -> None:
+        nproc = spec.nproc
         self._rd = RunDir(run_dir)
         self.seq = 0
         self.header: dict[str, Any] = {
             "job": job_id,
             "run_dir": run_dir,
             "world_size": nproc,
-            "max_restarts": max_restarts,
-            "worst_case_s": worst_case_s,
-            "background": background,
+            "max_restarts": spec.max_restarts,
+            "worst_case_s": spec.worst_case_s,
+            "background": spec.background,
             "state": "starting",
             "attempt": 0,
             "started": time.time(),
@@ -135,7 +129,7 @@ class DashboardState:
             }
         self.alerts.append(alert)
         self._delta.setdefault("alerts", []).append(alert)
-        if alert.get("kind") == "restart" and len(self.attempts) >= 1:
+        if alert.get("kind") == "restart":
             # The restart alert arrives before the new attempt's first start.
             self.attempts[-1]["why"] = alert["title"]
             self._delta["attempts"] = self.attempts

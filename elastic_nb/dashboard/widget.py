@@ -26,6 +26,7 @@ import anywidget
 import traitlets
 
 from elastic_nb.dashboard.model import DashboardState
+from elastic_nb.spec import JobSpec
 
 __all__ = ["Dashboard", "DashboardWidget"]
 
@@ -54,20 +55,12 @@ class Dashboard:
         self,
         job_id: str,
         run_dir: str,
-        nproc: int,
-        max_restarts: int,
-        worst_case_s: float | None = None,
+        spec: JobSpec,
         on_stop: Callable[[], None] | None = None,
         on_stacks: Callable[[], None] | None = None,
     ) -> None:
-        self.state = DashboardState(
-            job_id,
-            run_dir,
-            nproc,
-            max_restarts,
-            worst_case_s,
-            background=on_stop is not None,
-        )
+        """`on_stop`/`on_stacks`: what the buttons do (a background job's dashboard has them)."""
+        self.state = DashboardState(job_id, run_dir, spec)
         self.widget = DashboardWidget(snapshot=self.state.snapshot())
         self._snapshot_at = self._sent_at = time.monotonic()
         self._actions = {"stop": on_stop, "stacks": on_stacks}

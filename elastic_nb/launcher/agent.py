@@ -393,4 +393,3 @@ def _report_forked_exits(channel: Channel, context: Any) -> None:
         threading.Thread(target=watch, args=(attempt, ranks), daemon=True).start()
 
     context._start = _start
-

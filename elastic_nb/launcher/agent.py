@@ -1,8 +1,9 @@
 """Run one job's `elastic_launch` and narrate what the agent does to the supervisor.
 
 The launcher's stdout is the protocol pipe to the supervisor; it is moved to a private fd before
-torch loads so that nothing torch or C++ prints can corrupt it, and fd 1 joins fd 2, which the
-supervisor points at the run directory's ``launcher.log``.
+torch loads so that nothing torch or C++ prints can corrupt it, and fd 1 joins fd 2: a log
+beside the supervisor's while the launcher waits warm for a job, the run directory's
+``launcher.log`` from the moment it has one.
 """
 
 from __future__ import annotations

@@ -27,6 +27,11 @@ Launcher -> supervisor
   exits {attempt, codes: {rank: code}}      agent closed an attempt (exit codes, -N = signal N)
   tick {t}                                  agent monitor loop is alive (every TICK_EVERY_S)
   result {ok, error?}                       elastic_launch returned or raised
+
+Supervisor -> rank (the desync watch; a FIFO per rank, see rundir.RunDir.probe)
+  "<n> status" or "<n> full"                the rank's flight recorder: each group's last
+                                            collective, or every entry too; the rank answers
+                                            into rank-R.probe.json, tagged "req": n
 """
 
 from __future__ import annotations
@@ -68,6 +73,10 @@ TICK_EVERY_S = 0.25
 # The supervisor asks a rank for every thread's Python stack with this signal; the worker's
 # faulthandler answers into the rank's .stacks file (no GIL needed: it works mid-collective).
 STACK_SIGNAL = signal.SIGUSR1
+
+# What a probe asks a rank's flight recorder for (elastic_nb/recorder.py answers).
+PROBE_STATUS = "status"
+PROBE_FULL = "full"
 
 # A header line longer than this is a corrupt stream, not a message.
 _MAX_HEADER = 16 * 1024 * 1024

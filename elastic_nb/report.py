@@ -65,8 +65,9 @@ def failure_report(s: Summary) -> list[str]:
     """The lines under the headline: the root rank's traceback, then every other rank."""
     lines: list[str] = []
     f = s.get("failure")
-    if s.get("cause") in CAUSE_HINTS:
-        lines.append(f"cause: {s['cause']} ({CAUSE_HINTS[s['cause']]})")
+    hint = (f or {}).get("hint") or CAUSE_HINTS.get(s.get("cause") or "")
+    if hint:
+        lines.append(f"cause: {s['cause']} ({hint})")
     record = f.get("record") if f else None
     if record:
         lines.append("")

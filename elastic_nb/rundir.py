@@ -19,6 +19,8 @@ Its layout is defined here and nowhere else::
             rank-<R>.pull.pkl     the --pull objects (from --pull-rank)
             rank-<R>.stacks       every thread's Python stack, appended on each dump request
             rank-<R>.collectives.json   the rank's collectives (flight recorder), at its end
+            rank-<R>.probe        a FIFO: the supervisor asks the live rank for its collectives
+            rank-<R>.probe.json   the rank's answer, the latest one
             fr-rank-<R>           NCCL's flight-recorder dump on a collective timeout
 """
 
@@ -115,6 +117,16 @@ class RunDir:
 
     def collectives(self, attempt: int, rank: int) -> Path:
         return self.attempt(attempt) / f"rank-{rank}.collectives.json"
+
+    def probe(self, attempt: int, rank: int) -> Path:
+        return self.attempt(attempt) / f"rank-{rank}.probe"
+
+    def probe_answer(self, attempt: int, rank: int) -> Path:
+        return self.attempt(attempt) / f"rank-{rank}.probe.json"
+
+    def flight_recorder(self, attempt: int, rank: int) -> Path:
+        """What NCCL dumps there on a collective timeout (pickled, torch's format)."""
+        return self.flight_recorder_prefix(attempt).with_name(f"fr-rank-{rank}")
 
     def flight_recorder_prefix(self, attempt: int) -> Path:
         """TORCH_FR_DUMP_TEMP_FILE: NCCL appends the rank to this prefix."""

@@ -27,7 +27,7 @@ import traceback
 import types
 from typing import Any
 
-from elastic_nb import procs
+from elastic_nb import procs, recorder
 from elastic_nb.protocol import STACK_SIGNAL
 from elastic_nb.rundir import RunDir, write_atomic, write_json
 from elastic_nb.spec import MANAGED_ENV, JobSpec
@@ -69,10 +69,12 @@ def bootstrap(run_dir: str, env: dict[str, str], start_env: dict[str, str]) -> b
         if rank == 0 and meta["display"] and value is not None:
             _dump_result(rd.result(attempt), value)
     except BaseException as e:
-        _dump_collectives(rd, attempt, rank)
+        recorder.write_final(rd.collectives(attempt, rank), str(rd.cell))
         _record_failure(rd, attempt, rank, e, phase, meta)
         raise
-    _dump_collectives(rd, attempt, rank)
+    # Before the done record: a rank seen as done has its history on disk (the desync watch
+    # compares it with the ranks still in a collective).
+    recorder.write_final(rd.collectives(attempt, rank), str(rd.cell))
     write_json(
         rd.done(attempt, rank),
         {
@@ -157,8 +159,10 @@ def _settle_forked_rank(failed_preloads: dict[str, str]) -> None:
 
 def _arm_forensics(rd: RunDir, attempt: int, rank: int) -> None:
     """What the supervisor reads when something goes wrong: stacks on request, stacks on a
-    fatal signal (NCCL's watchdog aborts with SIGABRT), and NCCL's flight-recorder dumps."""
+    fatal signal (NCCL's watchdog aborts with SIGABRT), the flight recorder on request (the
+    desync watch's probes), and NCCL's flight-recorder dumps."""
     os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", str(rd.flight_recorder_prefix(attempt)))
+    recorder.serve_probes(rd.probe(attempt, rank), rd.probe_answer(attempt, rank), str(rd.cell))
     faulthandler.enable(file=sys.stderr, all_threads=True)
     # The supervisor signals only ranks whose .stacks file exists: create it under another name
     # and rename it once the handler is armed (the signal's default action would kill the rank).
@@ -167,23 +171,6 @@ def _arm_forensics(rd: RunDir, attempt: int, rank: int) -> None:
     stacks = open(tmp, "a", buffering=1)  # noqa: SIM115 - held for the process's life
     faulthandler.register(STACK_SIGNAL, file=stacks, all_threads=True, chain=False)
     os.replace(tmp, final)
-
-
-def _dump_collectives(rd: RunDir, attempt: int, rank: int) -> None:
-    """The collectives this rank entered, from torch's flight recorder (gloo and NCCL record
-    them), so the supervisor can tell which rank ran one fewer after it has gone."""
-    if "torch.distributed" not in sys.modules:
-        return
-    try:
-        from torch._C._distributed_c10d import _dump_fr_trace_json
-
-        entries = json.loads(_dump_fr_trace_json(True, False)).get("entries", [])
-        ops = [
-            [e.get("pg_id"), e.get("collective_seq_id"), e.get("profiling_name")] for e in entries
-        ]
-        write_json(rd.collectives(attempt, rank), {"time": time.time(), "ops": ops})
-    except Exception as e:  # forensics must never change the outcome
-        sys.stderr.write(f"elastic_nb: could not record this rank's collectives: {e!r}\n")
 
 
 def _patch_default_timeouts(seconds: float) -> None:

@@ -7,6 +7,7 @@ process of the job survives.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -58,13 +59,144 @@ def test_desync_names_the_rank_that_skipped_with_every_stack(
 
 
 def test_desync_against_a_rank_that_finished(kernel: Kernel, cache_home: Path) -> None:
-    ex = kernel.run(DESYNC.replace("time.sleep(120)\n", ""))
+    # Rank 1 skips the all_reduce and leaves the cell: certain at once, not after the timeout.
+    ex = kernel.run(DESYNC.replace("--collective-timeout 5", "").replace("time.sleep(120)\n", ""))
     assert ex.ename == "JobFailed"
     assert ex.error["evalue"] == (
-        "desync: rank 1 never entered all_reduce #2 (cell line 7): it had finished the cell "
-        "after 1 collective; rank 0 waited in it"
+        "desync: rank 1 left the cell after 1 collective (its last: all_reduce #1); "
+        "rank 0 waits in all_reduce #2 (cell line 7: dist.all_reduce(x)   # rank 1 skips this one)"
     )
+    assert ex.seconds < 30  # the default --collective-timeout is 120 s
     assert _summary(ex.job_id, cache_home)["cause"] == "desync"
+    assert_job_gone(ex.job_id)
+
+
+DDP = """%%elastic --nproc 2
+import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+dist.init_process_group()
+model = DDP(torch.nn.Linear(8, 8))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+batches = 6 - dist.get_rank() if UNEVEN else 6
+for step in range(batches):
+    loss = model(torch.randn(4, 8)).sum()
+    if SKIP and dist.get_rank() == 1 and step == 3:
+        continue            # a caught OOM: this rank skips its backward()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+"""
+_LEFT = re.compile(
+    r"^desync: rank 1 left the cell after (\d+) collectives \(its last: all_reduce #(\d+)"
+    r"(, cell line 12: loss\.backward\(\))?\); rank 0 waits in all_reduce #(\d+) "
+    r"\(cell line 12: loss\.backward\(\): DDP's gradient all-reduce\)$"
+)
+
+
+@pytest.mark.parametrize("case", ["skipped backward", "uneven batches"])
+def test_ddp_rank_that_ran_out_of_batches_is_named_within_seconds(
+    kernel: Kernel, cache_home: Path, case: str
+) -> None:
+    skip = case == "skipped backward"
+    ex = kernel.run(DDP.replace("UNEVEN", str(not skip)).replace("SKIP", str(skip)))
+    assert ex.ename == "JobFailed", ex.traceback
+    m = _LEFT.match(ex.error["evalue"])
+    assert m, ex.error["evalue"]
+    assert m[1] == m[2] and int(m[4]) == int(m[1]) + 1  # its last, and the one rank 0 waits in
+    assert "cause: desync (a rank ran fewer backward() passes than the others" in ex.traceback
+    assert "rank 0: stopped by elastic_nb (SIGTERM) after rank 1 left the cell" in ex.traceback
+    assert ex.seconds < 30  # under the default --collective-timeout of 120 s
+    s = _summary(ex.job_id, cache_home)
+    assert s["cause"] == "desync" and s["failure"]["rank"] == 1
+    # Found while rank 0 still waited: its stack is in the report.
+    assert "rank 0 · cell line 12: loss.backward()" in ex.traceback
+    assert_job_gone(ex.job_id)
+
+
+def test_a_rank_that_skipped_into_a_barrier_is_named_within_seconds(
+    kernel: Kernel, cache_home: Path
+) -> None:
+    ex = kernel.run(
+        DESYNC.replace(" --collective-timeout 5", "").replace(
+            'print("past the collectives", flush=True)\ntime.sleep(120)\n', "dist.barrier()\n"
+        )
+    )
+    assert ex.ename == "JobFailed"
+    assert ex.error["evalue"] == (
+        "desync: rank 1 never entered all_reduce #2: it waits in barrier #2 (cell line 8: "
+        "dist.barrier()); rank 0 waits in all_reduce #2 (cell line 7: dist.all_reduce(x)   "
+        "# rank 1 skips this one)"
+    )
+    assert ex.seconds < 30
+    s = _summary(ex.job_id, cache_home)
+    assert s["cause"] == "desync" and s["failure"]["rank"] == 1
+    assert_job_gone(ex.job_id)
+
+
+def test_a_slow_rank_is_not_a_desync(kernel: Kernel) -> None:
+    # Rank 0 waits 6 s in the second all_reduce while rank 1 computes: slow, not desynced.
+    ex = kernel.ok(
+        "%%elastic --nproc 2\n"
+        "import time, torch, torch.distributed as dist\n"
+        "dist.init_process_group()\n"
+        "x = torch.ones(1)\n"
+        "dist.all_reduce(x)\n"
+        "if dist.get_rank() == 1:\n"
+        "    time.sleep(6)   # computing\n"
+        "dist.all_reduce(x)\n"
+        "x.item()\n",
+    )
+    assert ex.result == "4.0"
+    assert "desync" not in ex.stdout + ex.stderr
+    assert_job_gone(ex.job_id)
+
+
+def test_four_ranks_one_leaves_early_every_waiter_and_its_chip(tmp_path: Path) -> None:
+    c = SupervisorClient()
+    try:
+        job = submit(
+            c,
+            tmp_path,
+            4,
+            "import torch, torch.distributed as dist\n"
+            "dist.init_process_group()\n"
+            "x = torch.ones(1)\n"
+            "for i in range(3 if dist.get_rank() == 2 else 4):\n"
+            "    dist.all_reduce(x)\n",
+        )
+        rec = Recorder()
+        s = job.follow(rec)
+        assert s["outcome"] == "failed" and s["cause"] == "desync"
+        assert s["failure"]["rank"] == 2
+        assert s["failure"]["summary"] == (
+            "rank 2 left the cell after 3 collectives (its last: all_reduce #3); "
+            "ranks 0, 1, 3 wait in all_reduce #4 (cell line 6: dist.all_reduce(x))"
+        )
+        # The dashboard's chip says what rank 2 did, not a green "exited 0".
+        chips = [m["ranks"]["2"] for _, m in rec.updates if "2" in m.get("ranks", {})]
+        assert chips[-1]["state"] == "failed"
+        assert chips[-1]["label"] == "left the cell after 3 collectives"
+        assert_job_gone(job.id)
+    finally:
+        c.close()
+
+
+def test_a_desync_with_restarts_left_restarts_at_once(kernel: Kernel, cache_home: Path) -> None:
+    ex = kernel.run(
+        DESYNC.replace("--collective-timeout 5", "--max-restarts 1").replace(
+            "time.sleep(120)\n", ""
+        )
+    )
+    assert ex.ename == "JobFailed"
+    assert ex.error["evalue"].startswith("desync: rank 1 left the cell after 1 collective")
+    assert (
+        "[elastic_nb] attempt 0 failed: desync: rank 1 left the cell after 1 collective"
+        in ex.stdout
+    )
+    assert "restarting as attempt 1 (restart 1/1)" in ex.stdout
+    s = _summary(ex.job_id, cache_home)
+    assert s["restarts"] == 1 and s["cause"] == "desync"
+    assert ex.seconds < 40
     assert_job_gone(ex.job_id)
 
 
@@ -84,7 +216,7 @@ def test_a_silent_rank_raises_a_hang_alert_and_the_job_keeps_running(
     k.collect(msg_id, ex, timeout=60, until=lambda e: "full dump" in e.stdout)
     assert (
         "no output and no exit from any rank for 3 s (--hang-after): rank 1 never entered "
-        "all_reduce (cell line 7): it was at cell line 6; rank 0 waited in it" in ex.stdout
+        "all_reduce #1 (cell line 7): it was at cell line 6; rank 0 waited in it" in ex.stdout
     )
     assert "rank 0 · waiting in all_reduce · cell line 7" in ex.stdout
     assert "rank 1 · cell line 6: time.sleep(600)" in ex.stdout

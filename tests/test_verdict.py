@@ -5,6 +5,7 @@ from __future__ import annotations
 import signal
 
 from elastic_nb.supervisor import forensics
+from elastic_nb.supervisor.desync import History, Op
 from elastic_nb.supervisor.verdict import RankState, analyze
 
 
@@ -61,6 +62,23 @@ def test_the_agent_stopping_a_silent_rank_after_a_timeout_is_a_consequence() -> 
     v = analyze([timed_out, silent], teardown_at=None, behind=[1])
     assert v.root is silent and v.cause == "desync"
     assert v.others[0]["kind"] == "collective_timeout"
+
+
+def test_ranks_ended_to_restart_after_a_desync_are_its_consequences() -> None:
+    # The desync watch found rank 1 gone early and SIGTERMed rank 0 so the agent restarts: the
+    # restart names rank 1, not the rank we stopped.
+    left = RankState(0, 1, done={"time": 4.0})
+    stopped = RankState(0, 0, died_at=4.2, exit_code=-signal.SIGTERM)
+    v = analyze([stopped, left], teardown_at=None, behind=[1])
+    assert v.root is left and v.cause == "desync"
+    assert v.others == [
+        {
+            "rank": 0,
+            "kind": "terminated",
+            "text": "stopped by elastic_nb (SIGTERM) after rank 1 left the cell",
+            "delay": None,
+        }
+    ]
 
 
 def test_all_ranks_aborting_at_once_blames_the_first() -> None:
@@ -129,7 +147,11 @@ def test_desync_names_the_rank_outside_the_collective() -> None:
         1: forensics.where_from_dump(1, DUMP_SLEEPING, CELL, "p1"),
         2: forensics.where_from_dump(2, DUMP_IN_ALL_REDUCE, CELL, "p2"),
     }
-    d = forensics.desync_verdict(where, CELL, {0: [[0, 1, "gloo:all_reduce"], [0, 2, "x"]]})
+    in_flight = Op("0", 2, "all_reduce", done=False)
+    histories = {
+        r: History(r, last={"0": 2}, ops={("0", 2): in_flight}, known=True) for r in (0, 2)
+    }
+    d = forensics.desync_verdict(where, CELL, [], histories)
     assert d is not None and d.behind == [1] and d.waiting == [0, 2]
     assert d.text == (
         "rank 1 never entered all_reduce #2 (cell line 7): it was at cell line 4 in helper; "
@@ -139,9 +161,27 @@ def test_desync_names_the_rank_outside_the_collective() -> None:
 
 def test_every_rank_in_the_same_collective_is_not_a_desync() -> None:
     where = {r: forensics.where_from_dump(r, DUMP_IN_ALL_REDUCE, CELL, "p") for r in (0, 1)}
-    d = forensics.desync_verdict(where, CELL)
+    d = forensics.desync_verdict(where, CELL, [])
     assert d is not None and d.behind == [] and "none was missing" in d.text
-    assert forensics.desync_verdict({0: forensics.RankWhere(0, "finished")}, CELL) is None
+    assert forensics.desync_verdict({0: forensics.RankWhere(0, "finished")}, CELL, []) is None
+
+
+def test_a_rank_in_ddps_all_reduce_waits_though_its_stack_shows_no_collective() -> None:
+    # DDP's reducer issues its all-reduces from C++: only the flight recorder knows.
+    in_backward = DUMP_IN_ALL_REDUCE.replace(
+        'File "/torch/distributed/distributed_c10d.py", line 3252 in all_reduce',
+        'File "/torch/autograd/graph.py", line 979 in _engine_run_backward',
+    ).replace('File "/torch/distributed/c10d_logger.py", line 83 in wrapper', "")
+    where = {
+        0: forensics.where_from_dump(0, in_backward, CELL, "p0"),
+        1: forensics.where_from_dump(1, DUMP_SLEEPING, CELL, "p1"),
+    }
+    assert where[0].collective() is None
+    op = Op("0", 9, "all_reduce", done=False)
+    h = {0: History(0, last={"0": 9}, ops={("0", 9): op}, known=True)}
+    d = forensics.desync_verdict(where, CELL, [], h)
+    assert d is not None and not d.certain and d.behind == [1]
+    assert d.text.startswith("rank 1 never entered all_reduce #9 (cell line 7)")
 
 
 def test_a_traceback_gives_the_same_frames_as_a_dump() -> None:

@@ -34,7 +34,9 @@ import psutil
 from elastic_nb import procs, protocol, report
 from elastic_nb.rundir import RunDir, read_json, write_atomic, write_json
 from elastic_nb.spec import JobSpec
+from elastic_nb.supervisor.desync import History, find_certain, stalled
 from elastic_nb.supervisor.forensics import (
+    Desync,
     RankWhere,
     desync_verdict,
     format_stacks,
@@ -42,6 +44,7 @@ from elastic_nb.supervisor.forensics import (
     where_from_record,
 )
 from elastic_nb.supervisor.launchers import Launcher, LauncherPool
+from elastic_nb.supervisor.probes import Probes
 from elastic_nb.supervisor.tailer import LogTailer
 from elastic_nb.supervisor.verdict import RankState, Verdict, analyze
 
@@ -72,6 +75,11 @@ _FAILURES = (
     "signal",
 )
 STACKS_WAIT_S = 1.0  # how long live ranks get to answer a stack dump request
+# The desync watch looks at the ranks' flight recorders this often once a rank has left the
+# cell (a desync can become certain any moment then), and every LOOK_IDLE_S otherwise (two
+# ranks stalled in different ops): a status look costs a rank 0.1 ms.
+LOOK_LEFT_S = 0.25
+LOOK_IDLE_S = 1.0
 EXIT_WAIT_S = 0.5  # how long a forked rank's exit status may take to come from its launcher
 
 
@@ -119,7 +127,8 @@ class Job:
         # forensics
         self._diagnosing: set[int] = set()  # attempts whose timeout is being diagnosed
         self._diagnosis: dict[str, Any] | None = None  # what the summary says about a desync
-        self._behind: list[int] = []
+        self._behind: dict[int, list[int]] = {}  # attempt -> ranks a desync verdict blamed
+        self._probes = Probes(self.rd)
         self._last_activity = time.time()  # output, a start or an exit, by any rank
         self._lines_seen = 0
         self._hang_reported = False
@@ -162,6 +171,7 @@ class Job:
                 self._tg = tg
                 tg.start_soon(self._read_launcher)
                 tg.start_soon(self._poll_loop)
+                tg.start_soon(self._watch_desync)
                 await self._decided.wait()
                 # Rank watchers and the launcher reader keep running through the teardown:
                 # they record how and when each process ended.
@@ -267,9 +277,12 @@ class Job:
             self._launchers.job_running(self.spec)
 
     def _announce_restart(self, attempt: int) -> None:
-        verdict = analyze(self._attempt_ranks(attempt - 1), None)
+        verdict = analyze(self._attempt_ranks(attempt - 1), None, self._behind.get(attempt - 1))
         root = verdict.root
-        why = f"rank {root.rank} {root.failure_summary()}" if root else "it failed"
+        if verdict.cause == "desync" and self._diagnosis:
+            why = f"desync: {self._diagnosis['text']}"
+        else:
+            why = f"rank {root.rank} {root.failure_summary()}" if root else "it failed"
         self._alert(
             "restart",
             "warning",
@@ -323,6 +336,8 @@ class Job:
         else:
             state = {"done": "done", "terminated": "stopped"}.get(kind, "failed")
         label = r.label(self._teardown_at)
+        if r.blame is not None:
+            state, label = "failed", r.blame
         if (r.attempt, r.rank) in self._zombies:
             state, label = "zombie", f"zombie · {label}"
         chip: dict[str, Any] = {"state": state, "label": label, "attempt": r.attempt, "pid": r.pid}
@@ -355,15 +370,22 @@ class Job:
             return
         self._fail_attempt(r, kind)
 
-    def _fail_attempt(self, r: RankState, kind: str) -> None:
+    def _fail_attempt(self, r: RankState, kind: str, reason: str | None = None) -> None:
         self._failed_attempts.add(r.attempt)
         self._log_event("attempt.failed", attempt=r.attempt, rank=r.rank, kind=kind)
         # An exit(0) without finishing leaves torchelastic waiting forever for a return value
         # (multiprocessing/api.py, _poll): no restart would come, so it ends the job.
         if r.attempt >= self.spec.max_restarts or kind == "exit0":
-            self._decide("failed", f"rank {r.rank} {r.failure_summary()}")
-        else:
-            self._set_state("restarting")
+            self._decide("failed", reason or f"rank {r.rank} {r.failure_summary()}")
+            return
+        self._set_state("restarting")
+        if kind == "desync":
+            # In torch's eyes nothing has failed: the waiting ranks would sit in their
+            # collective until its timeout. Ending them makes the agent restart the group now.
+            for x in self._attempt_ranks(r.attempt):
+                if x.pid is not None and x.died_at is None and x.done is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(x.pid, signal.SIGTERM)
 
     def _attempt_ranks(self, attempt: int) -> list[RankState]:
         return [r for (a, _), r in sorted(self._ranks.items()) if a == attempt]
@@ -409,8 +431,8 @@ class Job:
 
     async def stacks(self) -> str:
         """Every rank's stack now (``%elastic stacks``); also shown as an alert."""
-        where = await self._where()
-        desync = desync_verdict(where, str(self.rd.cell), self._collectives())
+        where, histories = await self._evidence()
+        desync = self._verdict(where, histories)
         text = self._format(where)
         title = f"stacks of every rank, attempt {self.attempt}"
         if desync is not None and desync.behind:
@@ -420,8 +442,8 @@ class Job:
 
     async def _diagnose_timeout(self, r: RankState, kind: str) -> None:
         try:
-            where = await self._where()
-            desync = desync_verdict(where, str(self.rd.cell), self._collectives())
+            where, histories = await self._evidence()
+            desync = self._verdict(where, histories)
             stacks = self._format(where)
             op = where[r.rank].collective() if r.rank in where else None
             timeout = self.spec.collective_timeout
@@ -430,22 +452,108 @@ class Job:
             )
             if desync is not None:
                 title += f": {desync.text}"
-                self._behind = desync.behind
-            self._diagnosis = {"text": desync.text if desync else None, "stacks": stacks}
+                self._blame(desync)
+            self._diagnosis = {
+                "text": desync.text if desync else None,
+                "hint": desync.hint if desync else None,
+                "stacks": stacks,
+            }
             culprit = desync.behind[0] if desync is not None and desync.behind else r.rank
             self._alert("collective_timeout", "error", title, rank=culprit, text=stacks)
         finally:
             self._diagnosing.discard(r.attempt)
             self._fail_attempt(r, kind)
 
+    async def _watch_desync(self) -> None:
+        """Find a desync the moment it can no longer resolve (`desync.find_certain`: a rank
+        left the cell while another waits in a later collective of its group, or two ranks
+        wait in different ops at the same number), not when the collective timeout ends it:
+        a status look at every live rank's flight recorder, a full one only when it matters."""
+        if self.spec.nproc < 2:
+            return  # one rank cannot fall out of step with itself
+        before: dict[int, History] = {}
+        looked = 0.0
+        while True:
+            await anyio.sleep(LOOK_LEFT_S)
+            ranks = self._attempt_ranks(self.attempt)
+            left = any(r.done is not None for r in ranks)
+            live = [r for r in ranks if r.died_at is None and r.done is None and r.failure is None]
+            if (
+                self._outcome is not None
+                or self._diagnosing
+                or self.state != "running"
+                or len(ranks) < self.spec.nproc
+                or self.attempt in self._failed_attempts
+                or not live
+            ):
+                before = {}
+                continue
+            if not left and time.monotonic() - looked < LOOK_IDLE_S:
+                continue
+            looked = time.monotonic()
+            now = await self._probes.look(ranks, full=False)
+            certain = find_certain(now)
+            suspects = stalled(before, now)
+            if certain is None and suspects:
+                now.update(await self._probes.look([r for r in live if r.rank in suspects], True))
+                certain = find_certain(now)
+            before = now
+            if certain is not None and self._outcome is None and not self._diagnosing:
+                await self._diagnose_desync(self.attempt)
+
+    async def _diagnose_desync(self, attempt: int) -> None:
+        self._diagnosing.add(attempt)
+        try:
+            where, histories = await self._evidence()
+            desync = self._verdict(where, histories)
+            if desync is None or not desync.certain or attempt != self.attempt:
+                return  # the full look did not bear it out: keep watching
+            stacks = self._format(where)
+            self._blame(desync)
+            self._diagnosis = {"text": desync.text, "hint": desync.hint, "stacks": stacks}
+            culprit = self._ranks[(attempt, desync.behind[0])]
+            self._alert("desync", "error", f"desync: {desync.text}", rank=culprit.rank, text=stacks)
+            self._fail_attempt(culprit, "desync", reason=f"desync: {desync.text}")
+        finally:
+            self._diagnosing.discard(attempt)
+
+    def _blame(self, desync: Desync) -> None:
+        """Say on each culprit's chip what it did: a rank that left early exited 0, but it is
+        the one that broke the group."""
+        self._behind[self.attempt] = desync.behind
+        for rank, note in desync.notes.items():
+            r = self._ranks.get((self.attempt, rank))
+            if r is not None:
+                r.blame = note
+                self._pending_ranks[rank] = self._chip(r)
+
     async def _diagnose_hang(self, silent_for: float) -> None:
-        where = await self._where()
-        desync = desync_verdict(where, str(self.rd.cell), self._collectives())
+        where, histories = await self._evidence()
+        desync = self._verdict(where, histories)
         title = f"no output and no exit from any rank for {silent_for:.0f} s (--hang-after)"
         if desync is not None:
             title += f": {desync.text}"
         culprit = desync.behind[0] if desync is not None and desync.behind else None
         self._alert("hang", "warning", title, rank=culprit, text=self._format(where))
+
+    async def _evidence(self) -> tuple[dict[int, RankWhere], dict[int, History]]:
+        """Where every rank is (stacks) and what it ran (flight recorder), asked together."""
+        ranks = self._attempt_ranks(self.attempt)
+        got: dict[str, Any] = {}
+
+        async def where() -> None:
+            got["where"] = await self._where()
+
+        async def histories() -> None:
+            got["histories"] = await self._probes.look(ranks, full=True)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(where)
+            tg.start_soon(histories)
+        return got["where"], got["histories"]
+
+    def _verdict(self, where: dict[int, RankWhere], histories: dict[int, History]) -> Desync | None:
+        return desync_verdict(where, str(self.rd.cell), self._source.splitlines(), histories)
 
     async def _where(self) -> dict[int, RankWhere]:
         """Where every rank of the current attempt is: live ranks dump their stacks on request
@@ -493,14 +601,6 @@ class Job:
                 w.note = state[1]
             where[rank] = w
         return where
-
-    def _collectives(self) -> dict[int, list[list[Any]]]:
-        out = {}
-        for r in self._attempt_ranks(self.attempt):
-            record = read_json(self.rd.collectives(r.attempt, r.rank))
-            if record is not None:
-                out[r.rank] = record["ops"]
-        return out
 
     def _format(self, where: dict[int, RankWhere]) -> str:
         return format_stacks(where, str(self.rd.cell), self._source.splitlines())
@@ -734,7 +834,10 @@ class Job:
                         rank=r.rank,
                     )
         verdict = analyze(
-            self._attempt_ranks(self.attempt), self._teardown_at, self._behind, self.spec.nproc
+            self._attempt_ranks(self.attempt),
+            self._teardown_at,
+            self._behind.get(self.attempt),
+            self.spec.nproc,
         )
         summary = self._summarize(outcome, reason, verdict)
         if outcome in ("failed", "timeout"):
@@ -764,6 +867,9 @@ class Job:
                 "attempt": root.attempt,
                 "cause": cause,
                 "summary": summary,
+                "hint": self._diagnosis.get("hint")
+                if cause == "desync" and self._diagnosis
+                else None,
                 "record": root.failure,
                 "exit_code": root.exit_code,
             }

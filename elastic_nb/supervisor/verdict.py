@@ -62,6 +62,7 @@ class RankState:
     exit_code: int | None = None  # N, or -SIG
     oom_killed: bool = False  # the kernel's OOM killer fired while it died
     armed: bool = False  # its stack dump handler is registered: it runs our bootstrap
+    blame: str | None = None  # what a desync verdict found it did ("left the cell after 7 ...")
 
     @property
     def failed_at(self) -> float | None:
@@ -169,6 +170,12 @@ def analyze(
             kinds[r.rank] = "agent"
     real = [r for r in real if kinds[r.rank] != "agent"]
     lagging = [r for r in ranks if r.rank in (behind or ())]
+    if lagging:
+        # A desync was found first; ranks stopped after it (by us, to end the attempt, or by
+        # the agent) are its consequences.
+        for r in stopped:
+            kinds[r.rank] = "terminated"
+        real = [r for r in real if r not in stopped]
     cause = None
     if real:
         root = real[0]
@@ -201,7 +208,9 @@ def analyze(
 
 
 def _describe(r: RankState, kind: str, root: RankState | None) -> str:
-    after = f" after rank {root.rank} failed" if root is not None else ""
+    after = ""
+    if root is not None:
+        after = f" after rank {root.rank} {'left the cell' if root.done else 'failed'}"
     if kind == "done":
         return "finished the cell"
     if kind == "running":

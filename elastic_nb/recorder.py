@@ -1,0 +1,121 @@
+"""A rank's collectives, read from torch's flight recorder, for the supervisor's desync verdict.
+
+torch records every collective of every process group, gloo and NCCL alike, in a ring buffer
+(``TORCH_FR_BUFFER_SIZE``, 2,000 entries by default). A rank leaves its record in the run
+directory when it ends (`write_final`), and while the cell runs a thread of the rank answers the
+supervisor's probes (`serve_probes`): the main thread may be blocked in a collective, but c10d
+releases the GIL there, so a Python thread can still read the recorder.
+
+A record keeps torch's own dump format (entries trimmed to the fields the verdict reads, their
+frames to those down to the cell's), so that the supervisor reads it and the dumps NCCL writes
+on a timeout with one parser (`supervisor.desync.history`). Two things are added: the members of
+every group, from c10d's own registry (gloo's ``pg_config`` lists none), and the time.
+
+Imported in every rank before torch (by the worker): torch is read only if the cell loaded it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from elastic_nb.protocol import PROBE_FULL
+from elastic_nb.rundir import write_json
+
+__all__ = ["serve_probes", "snapshot", "write_final"]
+
+# Entry fields the verdict reads (supervisor/desync.py); the rest (sizes, dtypes, ...) stays out.
+_FIELDS = ("process_group", "collective_seq_id", "profiling_name", "state", "retired", "is_p2p")
+_MAX_FRAMES = 8  # innermost frames kept per entry, down to the cell's own
+
+
+def snapshot(cell: str, full: bool) -> dict[str, Any]:
+    """What the flight recorder holds now. Without `full`, only each group's last collective
+    (``pg_status``): 0.1 ms, cheap enough to ask every second. With it, every entry too: tens of
+    milliseconds for a full buffer, asked for only when a desync is suspected or certain."""
+    record: dict[str, Any] = {"time": time.time(), "groups": {}, "dump": None}
+    if "torch.distributed" not in sys.modules:
+        return record  # the cell never loaded it: no collective to speak of
+    from torch._C import _distributed_c10d as c10d
+
+    if not hasattr(c10d, "_dump_fr_trace_json"):  # torch before the CPU flight recorder
+        return record
+    record["groups"] = _groups()
+    if not full:
+        record["dump"] = json.loads(c10d._dump_fr_trace_json(False, False))
+        return record
+    if "torch._inductor" in sys.modules:
+        # With stacks, each entry says which cell line issued it (DDP's all-reduces included:
+        # they are issued from backward()). Symbolising imports torch._inductor, 1.5 s the
+        # first time: only where the cell has paid for that already.
+        dump = pickle.loads(c10d._dump_fr_trace(True, True, False))
+    else:
+        dump = json.loads(c10d._dump_fr_trace_json(True, False))
+    dump["entries"] = [_trim(e, cell) for e in dump.get("entries", ())]
+    record["dump"] = dump
+    return record
+
+
+def write_final(path: Path, cell: str) -> None:
+    """The rank's whole history, as it leaves the cell (finished or raised)."""
+    try:
+        write_json(path, {**snapshot(cell, full=True), "final": True})
+    except Exception as e:  # forensics must never change the outcome
+        sys.stderr.write(f"elastic_nb: could not record this rank's collectives: {e!r}\n")
+
+
+def serve_probes(fifo: Path, answer: Path, cell: str) -> None:
+    """Answer the supervisor's probes from a thread: it writes ``"<n> status|full"`` into the
+    FIFO, this thread writes the snapshot, tagged with n, to `answer`. Opening a FIFO blocks
+    until the other side opens it: an idle rank pays nothing."""
+    os.mkfifo(fifo, 0o600)
+    threading.Thread(
+        target=_serve, args=(fifo, answer, cell), name="elastic_nb-probe", daemon=True
+    ).start()
+
+
+def _serve(fifo: Path, answer: Path, cell: str) -> None:
+    while True:
+        try:
+            with open(fifo, "rb") as f:
+                request = f.read().decode(errors="replace").split()
+            if len(request) < 2 or not request[0].isdigit():
+                continue
+            try:
+                record = snapshot(cell, full=request[1] == PROBE_FULL)
+            except Exception as e:
+                record = {"time": time.time(), "error": repr(e)}
+            write_json(answer, {**record, "req": int(request[0])})
+        except OSError:
+            return  # the run directory went away: the job is over
+
+
+def _groups() -> dict[str, list[int]]:
+    """Every process group this rank is a member of, by name, with its members' global ranks."""
+    c10d = sys.modules.get("torch.distributed.distributed_c10d")
+    try:
+        return {
+            name: list(c10d.get_process_group_ranks(pg))  # type: ignore[union-attr]
+            for pg, name in list(c10d._world.pg_names.items())  # type: ignore[union-attr]
+        }
+    except Exception:  # c10d's registry is private: a torch that moved it loses membership only
+        return {}
+
+
+def _trim(entry: dict[str, Any], cell: str) -> dict[str, Any]:
+    out = {k: entry.get(k) for k in _FIELDS}
+    frames = entry.get("frames")
+    if frames:
+        kept = []
+        for frame in frames[:_MAX_FRAMES]:
+            kept.append({k: frame.get(k) for k in ("name", "filename", "line")})
+            if frame.get("filename") == cell:
+                break
+        out["frames"] = kept
+    return out

@@ -1,0 +1,185 @@
+"""The desync verdict from flight-recorder histories: real gloo dumps (recorded by
+tests/data/fr/record.py in torch's pickled format, the one NCCL writes on a timeout) and
+hand-made histories for the shapes a 2-rank recording cannot show."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from elastic_nb.supervisor.desync import (
+    History,
+    Op,
+    find_certain,
+    history,
+    read_nccl_dump,
+    stalled,
+)
+from elastic_nb.supervisor.forensics import desync_verdict
+
+DATA = Path(__file__).parent / "data" / "fr"
+_spec = importlib.util.spec_from_file_location("record", DATA / "record.py")
+assert _spec is not None and _spec.loader is not None
+record = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(record)
+CELL = record.CELL
+
+
+def recorded(scenario: str, left: tuple[int, ...] = ()) -> dict[int, History]:
+    out = {}
+    for rank in (0, 1):
+        dump = read_nccl_dump(DATA / scenario / f"fr-rank-{rank}")
+        assert dump is not None
+        out[rank] = history(rank, dump, CELL, left=rank in left)
+    return out
+
+
+def lines(scenario: str) -> list[str]:
+    return record.SCENARIOS[scenario].splitlines()
+
+
+def test_a_rank_that_skipped_backward_and_left_is_named_with_ddps_all_reduce() -> None:
+    hs = recorded("ddp_skip", left=(1,))
+    # The recording holds what the verdict reads: DDP's all-reduces, issued from backward().
+    assert hs[1].last == {"0": 7} and hs[0].last == {"0": 8}
+    assert hs[0].in_flight("0") == Op("0", 8, "all_reduce", False, line=9, backward=True)
+    d = desync_verdict({}, CELL, lines("ddp_skip"), hs)
+    assert d is not None and d.certain and d.behind == [1] and d.waiting == [0]
+    assert d.text == (
+        "rank 1 left the cell after 7 collectives (its last: all_reduce #7, cell line 9: "
+        "loss.backward()); rank 0 waits in all_reduce #8 (cell line 9: loss.backward(): "
+        "DDP's gradient all-reduce)"
+    )
+    assert d.notes == {1: "left the cell after 7 collectives"}
+    assert d.hint is not None and "join()" in d.hint and "drop_last" in d.hint
+
+
+def test_the_same_ranks_alive_are_not_certain() -> None:
+    # Rank 1 has not left: it could still come (it is merely behind), so nothing is certain.
+    assert find_certain(recorded("ddp_skip")) is None
+
+
+def test_two_ranks_in_different_ops_at_the_same_number() -> None:
+    hs = recorded("mismatch")
+    d = desync_verdict({}, CELL, lines("mismatch"), hs)
+    assert d is not None and d.certain and d.behind == [1]
+    assert d.text == (
+        "rank 1 never entered all_reduce #2: it waits in barrier #2 (cell line 7: "
+        "dist.barrier()); rank 0 waits in all_reduce #2 (cell line 6: dist.all_reduce(x))"
+    )
+
+
+def test_a_slow_rank_is_no_desync() -> None:
+    hs = recorded("slow")
+    assert hs[0].in_flight("0") is not None and hs[1].last == {"0": 1}
+    assert find_certain(hs) is None
+
+
+def test_status_only_looks_are_enough_to_be_certain() -> None:
+    # What the watch sees every second: each group's last number, no entries.
+    leaver = History(1, last={"0": 23}, left=True, known=True)
+    waiter = History(0, last={"0": 24}, known=True)
+    f = find_certain({0: waiter, 1: leaver})
+    assert f is not None and f.kind == "left" and f.culprits == [1]
+    assert [(w.rank, w.seq, w.op) for w in f.waiters] == [(0, 24, None)]
+
+
+def test_four_ranks_rank_2_leaves_and_every_waiter_is_listed() -> None:
+    def waiting(rank: int, seq: int) -> History:
+        op = Op("0", seq, "all_reduce", done=False, line=7)
+        return History(rank, last={"0": seq}, ops={("0", seq): op}, known=True)
+
+    last = Op("0", 5, "all_reduce", done=True, line=7)
+    hs = {
+        0: waiting(0, 6),
+        1: waiting(1, 6),
+        2: History(2, last={"0": 5}, ops={("0", 5): last}, left=True, known=True),
+        3: waiting(3, 6),
+    }
+    cell = ["import torch.distributed as dist"] * 6 + ["dist.all_reduce(x)"]
+    d = desync_verdict({}, CELL, cell, hs)
+    assert d is not None and d.behind == [2] and d.waiting == [0, 1, 3]
+    assert d.text == (
+        "rank 2 left the cell after 5 collectives (its last: all_reduce #5, cell line 7: "
+        "dist.all_reduce(x)); ranks 0, 1, 3 wait in all_reduce #6 (cell line 7: "
+        "dist.all_reduce(x))"
+    )
+    assert d.hint is not None and "finished the cell" in d.hint
+
+
+def test_a_leaver_outside_the_group_is_no_culprit() -> None:
+    # Ranks 0 and 2 run collectives in a group of their own after rank 1 finished.
+    leaver = History(1, last={"0": 3}, members={"0": [0, 1, 2]}, left=True, known=True)
+    a = History(0, last={"0": 3, "1": 4}, members={"0": [0, 1, 2], "1": [0, 2]}, known=True)
+    b = History(2, last={"0": 3, "1": 3}, members={"0": [0, 1, 2], "1": [0, 2]}, known=True)
+    assert find_certain({0: a, 1: leaver, 2: b}) is None
+    # ...but in the default group, once one of them goes past rank 1's last, it is certain.
+    a.last["0"] = 4
+    f = find_certain({0: a, 1: leaver, 2: b})
+    assert f is not None and f.group == "0" and f.culprits == [1]
+    assert [w.rank for w in f.waiters] == [0]
+
+
+def test_a_leaver_whose_record_is_unreadable_blames_nobody() -> None:
+    unknown = History(1, left=True)  # its recorder could not be read: last says nothing
+    waiter = History(0, last={"0": 9}, known=True)
+    assert find_certain({0: waiter, 1: unknown}) is None
+
+
+def test_the_earliest_of_two_leavers_is_named() -> None:
+    hs = {
+        0: History(0, last={"0": 7}, known=True),
+        1: History(1, last={"0": 5}, left=True, known=True),
+        2: History(2, last={"0": 6}, left=True, known=True),
+    }
+    f = find_certain(hs)
+    assert f is not None and f.culprits == [1] and f.culprit_seqs == {1: 5}
+
+
+def test_stalled_pairs_are_the_ones_worth_a_full_look() -> None:
+    def h(rank: int, seq: int) -> History:
+        return History(rank, last={"0": seq}, known=True)
+
+    before = {0: h(0, 4), 1: h(1, 4), 2: h(2, 3)}
+    assert stalled(before, {0: h(0, 4), 1: h(1, 4), 2: h(2, 3)}) == [0, 1]
+    assert stalled(before, {0: h(0, 5), 1: h(1, 4), 2: h(2, 3)}) == []  # rank 0 moved on
+    assert stalled({}, before) == []
+
+
+def test_the_records_elastic_nb_writes_parse_like_torchs_dumps() -> None:
+    # recorder.py's shape: torch's JSON dump (strings in pg_status) plus c10d's group members.
+    rec = {
+        "groups": {"0": [0, 1], "1": [0]},
+        "dump": {
+            "pg_status": {"0": {"last_enqueued_collective": "12"}, "1": {}},
+            "pg_config": {"": {"name": "", "ranks": "[]"}},
+            "entries": [
+                {
+                    "process_group": ["0", "default_pg"],
+                    "collective_seq_id": 12,
+                    "profiling_name": "gloo:all_gather",
+                    "state": "scheduled",
+                    "retired": False,
+                    "is_p2p": False,
+                },
+                {"process_group": ["0", ""], "collective_seq_id": 1, "is_p2p": True},
+            ],
+        },
+    }
+    h = history(0, rec, CELL)
+    assert h.known and h.last == {"0": 12} and h.members == {"0": [0, 1], "1": [0]}
+    assert h.in_flight("0") == Op("0", 12, "all_gather", False)
+
+
+@pytest.mark.parametrize("rec", [None, {}, {"dump": None}, {"error": "x"}, {"dump": "garbage"}])
+def test_nothing_readable_is_nothing_known(rec: dict | None) -> None:
+    assert not history(0, rec, CELL).known
+
+
+def test_a_truncated_dump_reads_as_none(tmp_path: Path) -> None:
+    p = tmp_path / "fr-rank-0"
+    p.write_bytes((DATA / "mismatch" / "fr-rank-0").read_bytes()[:100])
+    assert read_nccl_dump(p) is None
+    assert read_nccl_dump(tmp_path / "absent") is None

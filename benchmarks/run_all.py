@@ -19,6 +19,7 @@ BENCHMARKS = [
     "launch.py",
     "failure.py",
     "hang.py",
+    "desync.py",
     "restart.py",
     "flood.py",
     "throughput.py",

@@ -473,6 +473,7 @@ class Job:
             return  # one rank cannot fall out of step with itself
         before: dict[int, History] = {}
         looked = 0.0
+        unconfirmed: set[str] = set()  # findings a full look did not bear out: not again
         while True:
             await anyio.sleep(LOOK_LEFT_S)
             ranks = self._attempt_ranks(self.attempt)
@@ -498,22 +499,27 @@ class Job:
                 now.update(await self._probes.look([r for r in live if r.rank in suspects], True))
                 certain = find_certain(now)
             before = now
-            if certain is not None and self._outcome is None and not self._diagnosing:
-                await self._diagnose_desync(self.attempt)
+            if certain is None or self._outcome is not None or self._diagnosing:
+                continue
+            key = repr((self.attempt, certain.kind, certain.culprits, certain.culprit_seqs))
+            if key not in unconfirmed and not await self._diagnose_desync(self.attempt):
+                unconfirmed.add(key)
 
-    async def _diagnose_desync(self, attempt: int) -> None:
+    async def _diagnose_desync(self, attempt: int) -> bool:
+        """Take the stacks and a full look; if the desync holds, report it and end the attempt."""
         self._diagnosing.add(attempt)
         try:
             where, histories = await self._evidence()
             desync = self._verdict(where, histories)
             if desync is None or not desync.certain or attempt != self.attempt:
-                return  # the full look did not bear it out: keep watching
+                return False  # the full look did not bear it out: keep watching
             stacks = self._format(where)
             self._blame(desync)
             self._diagnosis = {"text": desync.text, "hint": desync.hint, "stacks": stacks}
             culprit = self._ranks[(attempt, desync.behind[0])]
             self._alert("desync", "error", f"desync: {desync.text}", rank=culprit.rank, text=stacks)
             self._fail_attempt(culprit, "desync", reason=f"desync: {desync.text}")
+            return True
         finally:
             self._diagnosing.discard(attempt)
 

@@ -501,7 +501,7 @@ class Job:
             before = now
             if certain is None or self._outcome is not None or self._diagnosing:
                 continue
-            key = repr((self.attempt, certain.kind, certain.culprits, certain.culprit_seqs))
+            key = repr((self.attempt, certain.kind, [(w.rank, w.seq) for w in certain.waiters]))
             if key not in unconfirmed and not await self._diagnose_desync(self.attempt):
                 unconfirmed.add(key)
 

@@ -15,13 +15,13 @@ from __future__ import annotations
 import ast
 import builtins
 import inspect
-import pickle
 import re
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from elastic_nb import pickling
 from elastic_nb.errors import CellError
 
 __all__ = ["PreparedCell", "explicit_timeouts", "prepare_cell"]
@@ -129,16 +129,14 @@ def _free_names(tree: ast.Module) -> set[str]:
 
 
 def _pickle(objects: dict[str, Any], pushed: set[str]) -> bytes:
-    import cloudpickle
-
     try:
-        return cloudpickle.dumps(objects, protocol=pickle.HIGHEST_PROTOCOL)
+        return pickling.dumps(objects)  # a GPU tensor travels on the CPU (see pickling.py)
     except Exception:
         pass
     # Find the culprit so the message names it.
     for name, value in objects.items():
         try:
-            cloudpickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+            pickling.dumps(value)
         except Exception as e:
             if name in pushed:
                 raise CellError(

@@ -51,7 +51,14 @@ from elastic_nb.errors import ElasticError
 from elastic_nb.handle import JobHandle, Renderer
 from elastic_nb.render_text import TextRenderer
 from elastic_nb.rundir import RunDir
-from elastic_nb.spec import DEFAULTS, JobSpec, SpecError, default_log_dir, preflight
+from elastic_nb.spec import (
+    ASYNC_ERROR_HANDLING,
+    DEFAULTS,
+    JobSpec,
+    SpecError,
+    default_log_dir,
+    preflight,
+)
 
 __all__ = ["ElasticMagics"]
 
@@ -203,9 +210,9 @@ def launch_arguments(func: Any) -> Any:
             dest="async_error_handling",
             metavar="0-3",
             default=_S,
-            help="TORCH_NCCL_ASYNC_ERROR_HANDLING: 1 aborts and tears the rank down after the "
-            "flight recorder has dumped, 2 only aborts communicators, 3 skips the abort, 0 does "
-            f"nothing (default: {_default('async_error_handling')})",
+            help="what NCCL does when a collective times out (TORCH_NCCL_ASYNC_ERROR_HANDLING): "
+            + "; ".join(f"{k}: {v}" for k, v in ASYNC_ERROR_HANDLING.items())
+            + f" (default: {_default('async_error_handling')})",
         ),
         argument(
             "--hang-after",

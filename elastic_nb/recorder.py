@@ -6,7 +6,8 @@ directory when it ends (`write_final`), and while the cell runs a thread of the 
 supervisor's probes (`serve_probes`): the main thread may be blocked in a collective, but c10d
 releases the GIL there, so a Python thread can still read the recorder.
 
-A record keeps torch's own dump format (entries trimmed to the fields the verdict reads, their
+torch keeps two recorders, the CPU one (gloo) and, in builds with NCCL, NCCL's: a record holds
+both. It keeps torch's own dump format (entries trimmed to the fields the verdict reads, their
 frames to those down to the cell's), so that the supervisor reads it and the dumps NCCL writes
 on a timeout with one parser (`supervisor.desync.history`). Two things are added: the members of
 every group, from c10d's own registry (gloo's ``pg_config`` lists none), and the time.
@@ -35,10 +36,12 @@ _FIELDS = ("process_group", "collective_seq_id", "profiling_name", "state", "ret
 _MAX_FRAMES = 8  # innermost frames kept per entry, down to the cell's own
 
 
-def snapshot(cell: str, full: bool) -> dict[str, Any]:
-    """What the flight recorder holds now. Without `full`, only each group's last collective
-    (``pg_status``): 0.1 ms, cheap enough to ask every second. With it, every entry too: tens of
-    milliseconds for a full buffer, asked for only when a desync is suspected or certain."""
+def snapshot(cell: str, full: bool, frames: bool = False) -> dict[str, Any]:
+    """What the flight recorders hold now: the CPU one (gloo) as ``dump``, NCCL's as ``nccl``.
+    Without `full`, only each group's last collective (``pg_status``): 0.1 ms, cheap enough to
+    ask every second. With it, every entry too: tens of milliseconds for a full buffer, asked
+    for only when a desync is suspected or certain. `frames`: each entry's Python stack too,
+    where that is cheap (see `_read`)."""
     record: dict[str, Any] = {"time": time.time(), "groups": {}, "dump": None}
     if "torch.distributed" not in sys.modules:
         return record  # the cell never loaded it: no collective to speak of
@@ -47,25 +50,37 @@ def snapshot(cell: str, full: bool) -> dict[str, Any]:
     if not hasattr(c10d, "_dump_fr_trace_json"):  # torch before the CPU flight recorder
         return record
     record["groups"] = _groups()
+    record["dump"] = _read(c10d._dump_fr_trace_json, c10d._dump_fr_trace, cell, full, frames)
+    torch = sys.modules["torch"]
+    # NCCL records into a flight recorder of its own (built only with NCCL). Asked only once
+    # CUDA is up: nothing here may initialise it.
+    if hasattr(c10d, "_dump_nccl_trace_json") and torch.cuda.is_initialized():
+        record["nccl"] = _read(
+            c10d._dump_nccl_trace_json, c10d._dump_nccl_trace, cell, full, frames
+        )
+    return record
+
+
+def _read(as_json: Any, as_pickle: Any, cell: str, full: bool, frames: bool) -> dict[str, Any]:
     if not full:
-        record["dump"] = json.loads(c10d._dump_fr_trace_json(False, False))
-        return record
-    if "torch._inductor" in sys.modules:
+        return json.loads(as_json(False, False))
+    if frames and "torch._inductor" in sys.modules:
         # With stacks, each entry says which cell line issued it (DDP's all-reduces included:
         # they are issued from backward()). Symbolising imports torch._inductor, 1.5 s the
-        # first time: only where the cell has paid for that already.
-        dump = pickle.loads(c10d._dump_fr_trace(True, True, False))
+        # first time: only where the cell has paid for that already, and only in the record a
+        # rank leaves (a probe's answer must come in milliseconds; live ranks' stacks say
+        # where they are).
+        dump = pickle.loads(as_pickle(True, True, False))
     else:
-        dump = json.loads(c10d._dump_fr_trace_json(True, False))
+        dump = json.loads(as_json(True, False))
     dump["entries"] = [_trim(e, cell) for e in dump.get("entries", ())]
-    record["dump"] = dump
-    return record
+    return dump
 
 
 def write_final(path: Path, cell: str) -> None:
     """The rank's whole history, as it leaves the cell (finished or raised)."""
     try:
-        write_json(path, {**snapshot(cell, full=True), "final": True})
+        write_json(path, {**snapshot(cell, full=True, frames=True), "final": True})
     except Exception as e:  # forensics must never change the outcome
         sys.stderr.write(f"elastic_nb: could not record this rank's collectives: {e!r}\n")
 

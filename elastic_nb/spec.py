@@ -54,13 +54,21 @@ MANAGED_ENV = frozenset(
     }
 )
 MANAGED_PREFIX = "ELASTIC_NB_"
-# TORCH_NCCL_ASYNC_ERROR_HANDLING modes (torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp).
+# TORCH_NCCL_ASYNC_ERROR_HANDLING modes (torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp) as
+# elastic_nb runs them. Whatever the mode, NCCL's heartbeat monitor kills a rank after a timeout
+# once it has dumped (ProcessGroupNCCL.cpp, HeartbeatMonitor): elastic_nb turns the monitor off
+# for 0 and 2, so that they do what they say.
 ASYNC_ERROR_HANDLING = {
-    0: "no handling",
-    1: "abort communicators and tear the process down",
-    2: "abort communicators only; the error reaches the cell",
-    3: "tear the process down without aborting",
+    0: "no handling: the watchdog logs the timeout; the rank lives on (heartbeat monitor off)",
+    1: "abort the communicators and end the rank, after the flight recorder has dumped",
+    2: "abort the communicators; the error reaches the cell (heartbeat monitor off)",
+    3: "end the rank without aborting the communicators",
 }
+# Modes that end a rank once its collective timed out (ProcessGroupNCCL.hpp, SHOULD_TEAR_DOWN).
+TEARS_DOWN = (1, 3)
+# After a timeout, NCCL's watchdog waits 4 x TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC (15 s) for the
+# flight recorder's dump before it ends the rank: the longest a torn-down rank takes to go.
+NCCL_DUMP_WAIT_S = 60.0
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
@@ -86,7 +94,7 @@ DEFAULTS: dict[str, Any] = {
     "env": (),
     "timeout": None,
     "collective_timeout": 120.0,
-    "heartbeat_timeout": 60.0,
+    "heartbeat_timeout": 480.0,
     "async_error_handling": 1,
     "hang_after": 120.0,
     "push": (),
@@ -118,7 +126,11 @@ class JobSpec:
     # Interactive defaults (torch's are 30 min gloo / 10 min NCCL): a stuck collective fails the
     # cell in two minutes, with every rank's stack, instead of holding the notebook for half an hour.
     collective_timeout: float | None = 120.0
-    heartbeat_timeout: float = 60.0  # TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC (torch: 480)
+    # TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC, torch's own default: the monitor acts only when NCCL's
+    # watchdog thread itself is stuck (a CUDA or NCCL call that hangs), never on a slow
+    # collective; lower, it can end a healthy rank whose watchdog waits behind a long cudaFree.
+    # --hang-after shows every stack long before.
+    heartbeat_timeout: float = 480.0
     async_error_handling: int = 1  # TORCH_NCCL_ASYNC_ERROR_HANDLING: 1 = abort and tear down
     hang_after: float | None = 120.0  # no output and no exit for this long: dump every stack
     push: tuple[str, ...] = ()
@@ -138,10 +150,13 @@ class JobSpec:
     @property
     def worst_case_s(self) -> float | None:
         """The longest a stuck collective can hold the cell: every attempt may wait out the
-        collective timeout, then NCCL's heartbeat monitor, before the rank is torn down."""
-        if self.collective_timeout is None:
+        collective timeout, then NCCL's wait for the flight recorder's dump before it ends the
+        rank (elastic_nb acts on the watchdog's first line, but bounds what it cannot see).
+        With --async-error-handling 0 nothing ends the rank: no bound."""
+        if self.collective_timeout is None or self.async_error_handling == 0:
             return None
-        return (self.max_restarts + 1) * (self.collective_timeout + self.heartbeat_timeout)
+        wait = NCCL_DUMP_WAIT_S if self.async_error_handling in TEARS_DOWN else 0.0
+        return (self.max_restarts + 1) * (self.collective_timeout + wait)
 
     @property
     def world_size(self) -> int:

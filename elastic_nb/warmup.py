@@ -6,7 +6,9 @@ bootstrap and the ``--preload`` modules are already in it. Importing torch does 
 CUDA, so forking afterwards is safe; a ``--preload`` module that initialises CUDA at import
 would not be, and must not be preloaded.
 
-`PID` tells a rank whether it inherited this module (a fork) or imported it itself.
+`PID` tells a rank whether it inherited this module (a fork) or imported it itself; `CUDA_BY`
+names the preload after which CUDA was initialised here, if one was (the rank then refuses to
+run: a process forked after CUDA's initialisation cannot use CUDA).
 """
 
 from __future__ import annotations
@@ -17,16 +19,23 @@ import json
 import os
 import sys
 
-__all__ = ["FAILED", "IMPORTED", "PID"]
+__all__ = ["CUDA_BY", "FAILED", "IMPORTED", "PID"]
 
 PID = os.getpid()
 IMPORTED: list[str] = []
 FAILED: dict[str, str] = {}  # module -> the error its import raised (reported by the ranks)
+CUDA_BY: str | None = None
+
+# A preloaded module that asks torch.cuda.is_available() at import must not initialise CUDA
+# here: with this, torch answers from NVML (torch/cuda/__init__.py, _nvml_based_avail). Ranks
+# adopt their job's environment, so it stays the server's.
+os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 
 _ALWAYS = ("torch", "torch.distributed", "elastic_nb.worker")
 
 
 def _preload() -> None:
+    global CUDA_BY
     # The kernel's sys.path, so that the notebook's own modules can be preloaded too.
     extra = json.loads(os.environ.get("ELASTIC_NB_SYS_PATH") or "[]")
     sys.path[:0] = [p for p in extra if p not in sys.path]
@@ -36,6 +45,9 @@ def _preload() -> None:
             IMPORTED.append(name)
         except BaseException as e:  # multiprocessing would swallow it: keep it for the ranks
             FAILED[name] = f"{type(e).__name__}: {e}"
+        cuda = sys.modules.get("torch.cuda")
+        if CUDA_BY is None and getattr(cuda, "_initialized", False):
+            CUDA_BY = name
 
 
 _preload()

@@ -21,13 +21,14 @@ import json
 import os
 import pickle
 import re
+import resource
 import sys
 import time
 import traceback
 import types
 from typing import Any
 
-from elastic_nb import procs, recorder
+from elastic_nb import pickling, procs, recorder
 from elastic_nb.protocol import STACK_SIGNAL
 from elastic_nb.rundir import RunDir, write_atomic, write_json
 from elastic_nb.spec import MANAGED_ENV, JobSpec
@@ -55,10 +56,12 @@ def bootstrap(run_dir: str, env: dict[str, str], start_env: dict[str, str]) -> b
     phase = "restore"
     exit_note = None
     try:
+        _refuse_a_bad_fork()
         _restore(rd, meta, namespace)
         phase = "cell"
         try:
             value = _run_cell(rd, meta, namespace)
+            _synchronize()
         except SystemExit as e:
             if e.code not in (0, None):
                 raise
@@ -106,6 +109,10 @@ def _adopt_environment(env: dict[str, str], start_env: dict[str, str]) -> None:
 
 
 def _prepare_process(spec: JobSpec, rd: RunDir) -> None:
+    # A rank that aborts (NCCL's watchdog does) with gigabytes of GPU-mapped memory would write
+    # a core of that size: the stacks in the .err log are the post-mortem here.
+    _, hard = resource.getrlimit(resource.RLIMIT_CORE)
+    resource.setrlimit(resource.RLIMIT_CORE, (0, hard))
     os.chdir(spec.cwd)
     # The notebook's sys.path first (so `sys.path.append("../src")` in the notebook works), then
     # whatever this interpreter added.
@@ -155,6 +162,34 @@ def _settle_forked_rank(failed_preloads: dict[str, str]) -> None:
                 f"elastic_nb: --preload {module} failed in the fork server ({error}); "
                 "each rank imports it itself\n"
             )
+
+
+def _refuse_a_bad_fork() -> None:
+    """A rank forked from a process that had initialised CUDA cannot use it ("Cannot
+    re-initialize CUDA in forked subprocess", at its first CUDA call, deep in the cell): say
+    why, and what to do, before the cell runs."""
+    warmup = sys.modules.get("elastic_nb.warmup")
+    forked = warmup is not None and os.getpid() != warmup.PID
+    cuda_by = warmup.CUDA_BY if forked else None  # type: ignore[union-attr]
+    torch = sys.modules.get("torch")
+    bad = torch is not None and torch.cuda._is_in_bad_fork()
+    if cuda_by is None and not bad:
+        return
+    by = f" (by --preload {cuda_by})" if cuda_by else ""
+    raise RuntimeError(
+        f"CUDA was initialised in the process this rank was forked from{by}, so this rank "
+        "cannot use CUDA: "
+        + (f"drop {cuda_by} from --preload, or " if cuda_by else "")
+        + "run the cell with --start-method spawn"
+    )
+
+
+def _synchronize() -> None:
+    """CUDA reports a kernel's failure at the next synchronisation: have it before the rank
+    calls the cell done, so that an asynchronous error is the cell's, with its rank."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 def _arm_forensics(rd: RunDir, attempt: int, rank: int) -> None:
@@ -286,6 +321,7 @@ def _record_failure(
 
 
 _REQUESTED = re.compile(r"Tried to allocate ([\d.]+ [KMGT]?i?B)")
+_GPU = re.compile(r"\bGPU (\d+)\b")
 
 
 def _memory_report(exc: BaseException) -> dict[str, Any] | None:
@@ -294,11 +330,16 @@ def _memory_report(exc: BaseException) -> dict[str, Any] | None:
         return None
     m = _REQUESTED.search(str(exc))
     report: dict[str, Any] = {"requested": m.group(1) if m else None}
+    # The device that ran out is in the message ("GPU 3 has a total capacity of ..."): the
+    # rank's current device need not be the one the failed allocation was for.
+    gpu = _GPU.search(str(exc))
+    report["device"] = int(gpu.group(1)) if gpu else None
     torch = sys.modules.get("torch")
     try:
         if torch is not None and torch.cuda.is_initialized():
-            device = torch.cuda.current_device()
-            report["device"] = device
+            device = report["device"]
+            if device is None:
+                device = report["device"] = torch.cuda.current_device()
             report["allocated"] = torch.cuda.memory_allocated(device)
             report["reserved"] = torch.cuda.memory_reserved(device)
             report["summary"] = torch.cuda.memory_summary(device, abbreviated=True)
@@ -321,31 +362,8 @@ def _type_name(t: type) -> str:
     return t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
 
 
-def _identity(x: Any) -> Any:
-    return x
-
-
-def _pickler(buf: io.BytesIO) -> pickle.Pickler:
-    """cloudpickle (cell-defined classes travel by value) with device tensors brought to the CPU:
-    the kernel must never touch CUDA when it loads a result."""
-    import cloudpickle
-
-    class CpuPickler(cloudpickle.Pickler):
-        def reducer_override(self, obj: Any) -> Any:
-            torch = sys.modules.get("torch")
-            if torch is not None and isinstance(obj, torch.Tensor) and obj.device.type != "cpu":
-                if isinstance(obj, torch.nn.Parameter):
-                    return torch.nn.Parameter, (obj.detach().cpu(), obj.requires_grad)
-                return _identity, (obj.detach().cpu(),)
-            return super().reducer_override(obj)
-
-    return CpuPickler(buf, protocol=pickle.HIGHEST_PROTOCOL)
-
-
 def _dump(path: os.PathLike[str], obj: Any) -> None:
-    buf = io.BytesIO()
-    _pickler(buf).dump(obj)
-    write_atomic(path, buf.getvalue())  # type: ignore[arg-type]
+    write_atomic(path, pickling.dumps(obj))  # type: ignore[arg-type]
 
 
 def _dump_result(path: os.PathLike[str], value: Any) -> None:

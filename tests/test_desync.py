@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from elastic_nb.supervisor import forensics
 from elastic_nb.supervisor.desync import (
     History,
     Op,
@@ -183,3 +184,120 @@ def test_a_truncated_dump_reads_as_none(tmp_path: Path) -> None:
     p.write_bytes((DATA / "mismatch" / "fr-rank-0").read_bytes()[:100])
     assert read_nccl_dump(p) is None
     assert read_nccl_dump(tmp_path / "absent") is None
+
+
+# ---- NCCL: entries as torch's flight recorder documents them (scheduled/started/completed) ---
+
+
+def nccl_entry(seq: int, op: str, state: str, group: str = "0") -> dict:
+    return {
+        "record_id": seq,
+        "pg_id": 0,
+        "process_group": (group, "default_pg"),
+        "collective_seq_id": seq,
+        "p2p_seq_id": 0,
+        "op_id": seq,
+        "profiling_name": f"nccl:{op}",
+        "time_created_ns": 1_000 * seq,
+        "input_sizes": [[8]],
+        "input_dtypes": ["Float"],
+        "output_sizes": [[8]],
+        "output_dtypes": ["Float"],
+        "state": state,
+        "time_discovered_started_ns": None,
+        "time_discovered_completed_ns": None,
+        "retired": state == "completed",
+        "timeout_ms": 5000,
+        "is_p2p": False,
+        "frames": [],
+    }
+
+
+def nccl_dump(*entries: dict, ranks: str = "[0, 1]") -> dict:
+    last = max(e["collective_seq_id"] for e in entries)
+    return {
+        "nccl": {
+            "version": "2.10",
+            "pg_config": {"0": {"name": "0", "desc": "default_pg", "ranks": ranks}},
+            "pg_status": {"0": {"last_enqueued_collective": str(last)}},
+            "entries": list(entries),
+        }
+    }
+
+
+def test_an_async_nccl_rank_waits_in_its_oldest_unfinished_collective() -> None:
+    # Rank 0's CPU ran ahead and enqueued #6 while the GPU waits in #5; rank 1 never issued #5.
+    r0 = nccl_dump(
+        nccl_entry(4, "all_reduce", "completed"),
+        nccl_entry(5, "all_reduce", "started"),
+        nccl_entry(6, "all_reduce", "scheduled"),
+    )
+    r1 = nccl_dump(nccl_entry(4, "all_reduce", "completed"))
+    hs = {0: history(0, r0, CELL), 1: history(1, r1, CELL)}
+    assert hs[0].in_flight("0@nccl") == Op("0@nccl", 5, "all_reduce", False)
+    assert hs[0].members == {"0@nccl": [0, 1]}
+    assert find_certain(hs) is None  # rank 1 may still come: a slow rank, not yet certain
+    sleeping = (
+        f'Current thread 0x1 (most recent call first):\n  File "{CELL}", line 9 in <module>\n'
+    )
+    where = {
+        0: forensics.where_from_dump(0, sleeping.replace("line 9", "line 7"), CELL, "p0"),
+        1: forensics.where_from_dump(1, sleeping, CELL, "p1"),
+    }
+    d = desync_verdict(where, CELL, [], hs)
+    assert d is not None and not d.certain and d.behind == [1]
+    assert d.text.startswith("rank 1 never entered all_reduce #5 (cell line 7)")
+    # ...and once rank 1 has left the cell, it is certain.
+    hs[1].left = True
+    f = find_certain(hs)
+    assert f is not None and f.culprits == [1] and [w.seq for w in f.waiters] == [5]
+
+
+def test_two_nccl_ranks_in_different_ops_at_the_same_number() -> None:
+    hs = {
+        0: history(0, nccl_dump(nccl_entry(5, "all_reduce", "started")), CELL),
+        1: history(1, nccl_dump(nccl_entry(5, "broadcast", "scheduled")), CELL),
+    }
+    f = find_certain(hs)
+    assert f is not None and f.kind == "mismatch" and f.culprits == [1]
+    d = desync_verdict({}, CELL, [], hs)
+    assert d is not None and d.text.startswith("rank 1 never entered all_reduce #5: it waits in")
+
+
+def test_gloo_and_nccl_numbers_of_one_group_never_mix() -> None:
+    # One process group with both backends: each numbers its own collectives.
+    def record(gloo_last: int, *nccl: dict) -> dict:
+        gloo = {"pg_status": {"0": {"last_enqueued_collective": str(gloo_last)}}, "entries": []}
+        return {"dump": gloo, **nccl_dump(*nccl)}
+
+    leaver = history(1, record(3, nccl_entry(9, "all_reduce", "completed")), CELL, left=True)
+    waiter = history(0, record(3, nccl_entry(10, "all_reduce", "started")), CELL)
+    assert leaver.last == {"0": 3, "0@nccl": 9}
+    f = find_certain({0: waiter, 1: leaver})
+    assert f is not None and f.group == "0@nccl" and f.culprit_seqs == {1: 9}
+    d = desync_verdict({}, CELL, [], {0: waiter, 1: leaver})
+    assert d is not None and d.text == (
+        "rank 1 left the cell after 9 collectives (its last: all_reduce #9); "
+        "rank 0 waits in all_reduce #10"
+    )
+
+
+def test_a_dump_someone_else_wrote_is_not_unpickled(tmp_path: Path) -> None:
+    p = tmp_path / "fr-rank-0"
+    p.write_bytes((DATA / "mismatch" / "fr-rank-0").read_bytes())
+    assert read_nccl_dump(p) is not None
+    link = tmp_path / "fr-rank-1"
+    link.symlink_to(p)
+    assert read_nccl_dump(link) is None  # never follow a link planted in the run directory
+
+
+def test_a_rank_that_timed_out_waiting_for_the_leaver_still_points_at_it() -> None:
+    # gloo retires the op a rank timed out in: its last word still says it waited in #11.
+    timed_out = Op("0", 11, "all_reduce", done=True)
+    waiter = History(0, last={"0": 11}, ops={("0", 11): timed_out}, final=True, known=True)
+    leaver = History(1, last={"0": 10}, left=True, final=True, known=True)
+    f = find_certain({0: waiter, 1: leaver})
+    assert f is not None and f.culprits == [1] and [w.rank for w in f.waiters] == [0]
+    # A live rank whose #11 is done without rank 1 shows rank 1 was no member of that group.
+    waiter.final = False
+    assert find_certain({0: waiter, 1: leaver}) is None

@@ -273,8 +273,9 @@ def test_cuda_oom_is_its_own_cause(kernel: Kernel, cache_home: Path) -> None:
     assert ex.ename == "JobFailed"
     assert ex.error["evalue"].startswith("rank 2 failed first: torch.OutOfMemoryError: CUDA out")
     assert "cause: cuda_oom" in ex.traceback
-    assert "[elastic_nb] rank 2 ran out of CUDA memory at cell line 4 (requested 2.50 GiB)" in (
-        ex.stderr
+    assert (
+        "[elastic_nb] rank 2 ran out of CUDA memory on GPU 0 at cell line 4 (requested 2.50 GiB)"
+        in (ex.stderr)
     )
     assert _summary(ex.job_id, cache_home)["cause"] == "cuda_oom"
     assert_job_gone(ex.job_id)
@@ -382,8 +383,8 @@ def test_timeouts_and_nccl_settings_reach_the_ranks(kernel: Kernel) -> None:
             "fr True",
         ):
             assert f"[rank {rank}] {line}" in ex.stdout, ex.stdout
-    # The worst case is stated up front: (max_restarts + 1) * (collective + heartbeat).
-    assert "a stuck collective fails the cell within 59 s" in ex.stdout
+    # The worst case is stated up front: (max_restarts + 1) * (collective + NCCL's 60 s dump).
+    assert "a stuck collective fails the cell within 102 s" in ex.stdout
     assert_job_gone(ex.job_id)
 
 
@@ -404,3 +405,74 @@ def test_an_explicit_timeout_in_the_cell_is_warned_about(kernel: Kernel) -> None
 def test_bad_forensics_flags_launch_nothing(kernel: Kernel, flag: str) -> None:
     ex = kernel.run(f"%%elastic --nproc 1 {flag}\nprint('never')\n")
     assert ex.ename == "UsageError" and "never" not in ex.stdout
+
+
+# What NCCL's watchdog prints when a collective times out (ProcessGroupNCCL.cpp, Watchdog::runLoop);
+# under --async-error-handling 1 it then waits a minute for the flight recorder, and aborts.
+WATCHDOG = (
+    "[rank0]:[E1123 10:00:05.123456789 ProcessGroupNCCL.cpp:632] [Rank 0] Watchdog caught "
+    "collective operation timeout: WorkNCCL(SeqNum=2, OpType=ALLREDUCE, NumelIn=1, NumelOut=1, "
+    "Timeout(ms)=1000) ran for 1003 milliseconds before timing out."
+)
+FAKE_NCCL = f"""%%elastic --nproc 2 --collective-timeout off MODE
+import os, sys, threading, time, torch, torch.distributed as dist
+dist.init_process_group()
+dist.all_reduce(torch.ones(1))
+def watchdog():
+    time.sleep(1)
+    print({WATCHDOG!r}, file=sys.stderr, flush=True)
+    time.sleep(60)
+    os.abort()
+if dist.get_rank() == 0:
+    threading.Thread(target=watchdog, daemon=True).start()
+    dist.all_reduce(torch.ones(1))   # rank 1 never comes
+else:
+    time.sleep(600)
+"""
+
+
+def test_nccls_watchdog_line_is_a_timeout_diagnosed_before_its_abort(
+    kernel: Kernel, cache_home: Path
+) -> None:
+    ex = kernel.run(FAKE_NCCL.replace(" MODE", ""))
+    assert ex.ename == "JobFailed"
+    # The waiting rank is not blamed: rank 1, which never came, is.
+    assert ex.error["evalue"] == (
+        "desync: rank 1 never entered all_reduce #2 (cell line 12): it was at cell line 14; "
+        "rank 0 waited in it"
+    )
+    assert "[elastic_nb] rank 0 timed out in ALLREDUCE #2: rank 1 never entered all_reduce #2" in (
+        ex.stderr
+    )
+    # Diagnosed at the watchdog's line, while both ranks lived: no minute's wait for the abort.
+    assert "rank 0 · waiting in all_reduce · cell line 12" in ex.traceback
+    assert "rank 1 · cell line 14: time.sleep(600)" in ex.traceback
+    assert ex.seconds < 30
+    s = _summary(ex.job_id, cache_home)
+    assert s["cause"] == "desync" and s["failure"]["rank"] == 1
+    assert_job_gone(ex.job_id)
+
+
+def test_a_mode_that_keeps_the_rank_gets_an_alert_not_an_end(kernel: Kernel) -> None:
+    cell = FAKE_NCCL.replace(" MODE", " --async-error-handling 2").replace(
+        "    dist.all_reduce(torch.ones(1))   # rank 1 never comes\n", "    time.sleep(4)\n"
+    )
+    cell = cell.replace("    time.sleep(600)\n", "    time.sleep(4)\n")
+    cell += "print('monitoring', os.environ['TORCH_NCCL_ENABLE_MONITORING'])\n"
+    ex = kernel.ok(cell)
+    assert (
+        "[elastic_nb] rank 0: NCCL's watchdog: ALLREDUCE #2 timed out after 1003 ms "
+        "(Timeout(ms)=1000); it lives on (--async-error-handling 2)" in ex.stdout
+    )
+    # Mode 2 keeps the rank: NCCL's heartbeat monitor, which would end it anyway, is off.
+    assert "[rank 0] monitoring 0" in ex.stdout and "[rank 1] monitoring 0" in ex.stdout
+    assert_job_gone(ex.job_id)
+
+
+def test_ranks_write_no_core_dumps(kernel: Kernel) -> None:
+    # A rank that aborts with gigabytes of GPU-mapped memory would write a core that size.
+    ex = kernel.ok(
+        "%%elastic --nproc 2\nimport resource\nprint('core', resource.getrlimit(resource.RLIMIT_CORE)[0])\n"
+    )
+    assert "[rank 0] core 0" in ex.stdout and "[rank 1] core 0" in ex.stdout
+    assert_job_gone(ex.job_id)

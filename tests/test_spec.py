@@ -24,8 +24,19 @@ def test_defaults() -> None:
         "localhost:0",
     )
     assert s.timeout is None and s.collective_timeout == 120 and s.widgets
-    assert (s.heartbeat_timeout, s.async_error_handling, s.hang_after) == (60, 1, 120)
-    assert s.worst_case_s == 180
+    assert (s.heartbeat_timeout, s.async_error_handling, s.hang_after) == (480, 1, 120)
+    assert s.worst_case_s == 180  # the collective timeout, then NCCL's 60 s wait for its dump
+
+
+@pytest.mark.parametrize(
+    ("mode", "worst"),
+    [(0, None), (1, 2 * (30 + 60)), (2, 2 * 30), (3, 2 * (30 + 60))],
+)
+def test_the_worst_case_follows_what_nccl_does_on_a_timeout(mode: int, worst: float) -> None:
+    # 1 and 3 end the rank after the flight recorder's dump (60 s); 2 hands the error to the
+    # cell at once; 0 ends nothing, so nothing bounds the wait.
+    s = spec(collective_timeout="30", max_restarts="1", async_error_handling=str(mode))
+    assert s.worst_case_s == worst
     assert s.log_dir.endswith("elastic_nb/runs") and s.sys_path == ("/x",)
     assert s.warm and s.preload == ()
 

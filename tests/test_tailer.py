@@ -76,3 +76,34 @@ def test_undecodable_bytes_do_not_break_the_stream(tmp_path: Path) -> None:
     t = tailer_for(path)
     t.poll()
     assert t.take()[0].lines == ["ok \ufffd\ufffd"]
+
+
+WATCHDOG = (
+    b"[rank0]:[E1123 10:00:05.123456789 ProcessGroupNCCL.cpp:632] [Rank 0] Watchdog caught "
+    b"collective operation timeout: WorkNCCL(SeqNum=7, OpType=ALLREDUCE, NumelIn=8, "
+    b"NumelOut=8, Timeout(ms)=5000) ran for 5002 milliseconds before timing out.\n"
+)
+
+
+def test_marked_lines_are_caught_even_in_a_flood_and_noise_is_not_activity(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "rank-0.err"
+    flood = b"".join(b"step %d\n" % i for i in range(50_000))
+    path.write_bytes(flood + WATCHDOG + flood)
+    t = LogTailer(
+        max_lines=5,
+        marks=(b"Watchdog caught collective operation timeout",),
+        noise=(b"ProcessGroupNCCL",),
+    )
+    t.follow(0, 0, {"err": path})
+    t.poll()
+    # Left out of the bounded batch, still seen: the watchdog's line is evidence, not a log tail.
+    (marked,) = t.take_marked()
+    assert marked[:3] == (0, 0, "err") and "SeqNum=7, OpType=ALLREDUCE" in marked[3]
+    assert t.take_marked() == []
+    assert t.lines_total() == 100_001 and t.activity_total() == 100_000
+    with path.open("ab") as f:
+        f.write(WATCHDOG.replace(b"Watchdog caught", b"[PG ID 0] failure"))  # noise only
+    t.poll()
+    assert t.take_marked() == [] and t.activity_total() == 100_000

@@ -222,3 +222,37 @@ def test_ranks_that_never_started_are_listed() -> None:
         (1, "stopped by elastic_nb (SIGTERM)"),
         (2, "had not started"),
     ]
+
+
+# ---- NCCL: the watchdog's timeout, then SIGABRT on every rank -----------------------------------
+
+WATCHDOG_LINE = (
+    "[rank1]:[E1123 10:00:05.123456789 ProcessGroupNCCL.cpp:632] [Rank 1] Watchdog caught "
+    "collective operation timeout: WorkNCCL(SeqNum=7, OpType=ALLREDUCE, NumelIn=8, NumelOut=8, "
+    "Timeout(ms)=5000) ran for 5002 milliseconds before timing out."
+)
+
+
+def test_the_watchdogs_line_makes_a_timeout_and_the_aborts_after_it_consequences() -> None:
+    # NCCL's watchdog in rank 1 reported the timeout at t=5; a minute later every rank aborts,
+    # rank 0 (a waiting rank) first. torchelastic would blame rank 0's SIGABRT.
+    timed_out = RankState(
+        0, 1, watchdog={"time": 5.0, "line": WATCHDOG_LINE}, died_at=65.2, exit_code=-6
+    )
+    first_abort = RankState(0, 0, died_at=65.0, exit_code=-signal.SIGABRT)
+    assert timed_out.kind(None) == "collective_timeout" and timed_out.failed_at == 5.0
+    assert timed_out.failure_summary() == (
+        "NCCL's watchdog: ALLREDUCE #7 timed out after 5002 ms (Timeout(ms)=5000)"
+    )
+    v = analyze([first_abort, timed_out], teardown_at=None)
+    assert v.root is timed_out and v.cause == "collective_timeout"
+    (other,) = v.others
+    assert other["kind"] == "nccl_abort"
+    assert other["text"] == "aborted by NCCL (SIGABRT) after the collective timeout"
+
+
+def test_an_abort_before_any_timeout_is_still_the_root() -> None:
+    crashed = RankState(0, 0, died_at=3.0, exit_code=-signal.SIGABRT)
+    late = RankState(0, 1, watchdog={"time": 9.0, "line": WATCHDOG_LINE})
+    v = analyze([crashed, late], teardown_at=None)
+    assert v.root is crashed and v.cause == "signal"

@@ -219,3 +219,23 @@ def test_forked_ranks_start_like_spawned_ones(kernel: Kernel) -> None:
     kernel.ok("job.stop()")
     assert kernel.run("job.wait(timeout=30)").ename == "JobStopped"
     assert_job_gone(job)
+
+
+def test_a_preload_that_initialises_cuda_is_refused_with_the_way_out(
+    fresh_kernel: Kernel, tmp_path: Path
+) -> None:
+    # Forked ranks cannot use CUDA once their fork server has initialised it. This torch has
+    # no CUDA: a module that marks torch's CUDA state initialised at import stands in for one
+    # that initialises it for real (what the fork server checks after each preload).
+    (tmp_path / "cuda_at_import.py").write_text(
+        "import torch.cuda\ntorch.cuda._initialized = True\n"
+    )
+    ex = fresh_kernel.run("%%elastic --nproc 2 --preload cuda_at_import\nprint('never')\n")
+    assert ex.ename == "JobFailed", ex.traceback
+    assert (
+        "CUDA was initialised in the process this rank was forked from (by --preload "
+        "cuda_at_import), so this rank cannot use CUDA: drop cuda_at_import from --preload, "
+        "or run the cell with --start-method spawn" in ex.error["evalue"]
+    )
+    assert "never" not in ex.stdout
+    assert_job_gone(ex.job_id)

@@ -22,7 +22,7 @@ from typing import Any
 
 from elastic_nb import procs, protocol
 from elastic_nb.rundir import RunDir
-from elastic_nb.spec import JobSpec
+from elastic_nb.spec import TEARS_DOWN, JobSpec
 
 _PR_SET_PDEATHSIG = 1
 
@@ -196,7 +196,9 @@ def _apply_environment(spec: JobSpec, job_id: str, rd: RunDir) -> None:
         # recorder (DUMP_ON_TIMEOUT waits for the dump), so the dump survives the abort.
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": str(spec.async_error_handling),
         "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": str(max(1, math.ceil(spec.heartbeat_timeout))),
-        "TORCH_NCCL_ENABLE_MONITORING": "1",
+        # The monitor kills a rank after a timeout's dump whatever the mode: off for the modes
+        # that promise to keep the rank (spec.ASYNC_ERROR_HANDLING).
+        "TORCH_NCCL_ENABLE_MONITORING": "1" if spec.async_error_handling in TEARS_DOWN else "0",
         "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
         "TORCH_FR_BUFFER_SIZE": "2000",
     }.items():
@@ -234,7 +236,8 @@ def _launch_config(spec: JobSpec, rd: RunDir, job_id: str) -> Any:
         "start_method": spec.start_method,
         "logs_specs": RunDirLogsSpecs(rd),
     }
-    if "shutdown_timeout" in LaunchConfig.__dataclass_fields__:  # torch >= 2.10; default 30 s
+    # Not in every torch (absent from 2.11's LaunchConfig); where it is, 30 s by default.
+    if "shutdown_timeout" in LaunchConfig.__dataclass_fields__:
         kwargs["shutdown_timeout"] = max(1, round(spec.stop_grace))
     # LaunchConfig asks torch.cuda about devices (for NUMA binding). Ask NVML rather than the
     # CUDA runtime, so this process never initialises CUDA or holds GPU memory.

@@ -5,6 +5,10 @@ leaves when it ends (``rank-R.collectives.json``), a live rank's answer to a pro
 (``rank-R.probe.json``), both written by `elastic_nb.recorder` in torch's dump format, and the
 dump NCCL itself writes on a collective timeout (``fr-rank-R``, pickled, the same format).
 
+torch keeps two flight recorders, the CPU one (gloo) and NCCL's, and each backend numbers its
+own collectives: a process group with both (``cpu:gloo,cuda:nccl``) has two sequences under one
+name. NCCL's are kept apart as ``<name>@nccl``.
+
 Collectives of a process group are numbered per group, in the order each rank issues them
 (``collective_seq_id``); a correct program issues the same op as number N on every member. Two
 situations can then never resolve, whatever the collective timeout says (`find_certain`):
@@ -21,15 +25,27 @@ a desync (it may still arrive).
 from __future__ import annotations
 
 import json
+import os
 import pickle
+import stat
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Finding", "History", "Op", "find_certain", "history", "read_nccl_dump", "stalled"]
+__all__ = [
+    "Finding",
+    "History",
+    "Op",
+    "base",
+    "find_certain",
+    "history",
+    "read_nccl_dump",
+    "stalled",
+]
 
 DEFAULT_GROUP = "0"  # c10d names groups by a counter shared by every rank: the default is "0"
+NCCL = "@nccl"  # suffix of a group's NCCL sequence
 # Frames of autograd's engine: a collective issued from there is DDP's gradient all-reduce.
 _BACKWARD = {"_engine_run_backward", "run_backward"}
 
@@ -53,15 +69,17 @@ class History:
     ops: dict[tuple[str, int], Op] = field(default_factory=dict)  # the ring buffer's entries
     members: dict[str, list[int]] = field(default_factory=dict)  # its groups and their ranks
     left: bool = False  # it finished the cell: no collective will ever come from it again
+    final: bool = False  # the rank has ended (finished or raised): this is its last word
     known: bool = False  # its recorder could be read (else `last` says nothing)
 
     def member_of(self, group: str) -> bool:
-        return group in self.members or group in self.last or group == DEFAULT_GROUP
+        return group in self.members or group in self.last or base(group) == DEFAULT_GROUP
 
     def in_flight(self, group: str) -> Op | None:
-        """The collective of `group` this rank waits in: its last one, not yet done."""
-        op = self.ops.get((group, self.last.get(group, 0)))
-        return op if op is not None and not op.done else None
+        """The collective of `group` this rank waits in: its oldest one not yet done. NCCL's
+        CPU side runs ahead of the GPU, so later ones may be queued behind it."""
+        pending = [op for (g, _), op in self.ops.items() if g == group and not op.done]
+        return min(pending, key=lambda op: op.seq, default=None)
 
     def absorb(self, other: History) -> None:
         """Add another dump of the same rank (NCCL's own, beside the record the rank wrote)."""
@@ -76,16 +94,28 @@ class History:
 
 def history(rank: int, record: dict[str, Any] | None, cell: str, left: bool = False) -> History:
     """Parse what `elastic_nb.recorder` wrote (or `read_nccl_dump` read) for one rank."""
-    h = History(rank, left=left)
-    dump = (record or {}).get("dump")
-    if not isinstance(dump, dict):
-        return h
-    h.known = True
+    record = record or {}
+    h = History(rank, left=left, final=bool(record.get("final")))
+    for key in ("dump", "nccl"):
+        dump = record.get(key)
+        if isinstance(dump, dict):
+            h.known = True
+            _parse(h, dump, cell, key)
+    h.members.update({str(g): list(r) for g, r in (record.get("groups") or {}).items()})
+    return h
+
+
+def _parse(h: History, dump: dict[str, Any], cell: str, key: str) -> None:
+    entries = [e for e in dump.get("entries") or () if isinstance(e, dict)]
+    names = [str(e.get("profiling_name") or "") for e in entries]
+    # A dump is NCCL's by its entries' names ("nccl:all_reduce"); an empty one by where it came.
+    nccl = any(n.startswith("nccl:") for n in names) if names else key == "nccl"
+    suffix = NCCL if nccl else ""
     for group, status in (dump.get("pg_status") or {}).items():
         seq = _int(status.get("last_enqueued_collective"))
         if seq is not None and seq > 0:
-            h.last[str(group)] = seq
-    for e in dump.get("entries") or ():
+            h.last[f"{group}{suffix}"] = seq
+    for e in entries:
         if e.get("is_p2p"):
             continue  # point-to-point ops count apart (p2p_seq_id) and pair up by peer
         pg = e.get("process_group") or ()
@@ -94,7 +124,7 @@ def history(rank: int, record: dict[str, Any] | None, cell: str, left: bool = Fa
             continue
         frames = e.get("frames") or []
         op = Op(
-            group=str(pg[0]),
+            group=f"{pg[0]}{suffix}",
             seq=seq,
             name=str(e.get("profiling_name") or "?").split(":", 1)[-1],
             done=bool(e.get("retired")) or e.get("state") == "completed",
@@ -106,19 +136,30 @@ def history(rank: int, record: dict[str, Any] | None, cell: str, left: bool = Fa
     for group, config in (dump.get("pg_config") or {}).items():
         ranks = _ranks(config.get("ranks"))
         if group and ranks:  # gloo's config is keyed "" and lists no ranks: useless
-            h.members[str(group)] = ranks
-    h.members.update({str(g): list(r) for g, r in ((record or {}).get("groups") or {}).items()})
-    return h
+            h.members[f"{group}{suffix}"] = ranks
+
+
+def base(group: str) -> str:
+    """The process group's own name, without the backend's suffix."""
+    return group.removesuffix(NCCL)
 
 
 def read_nccl_dump(path: Path) -> dict[str, Any] | None:
-    """NCCL's own dump on a timeout (TORCH_FR_DUMP_TEMP_FILE<rank>), as a record."""
+    """NCCL's own dump on a timeout (TORCH_FR_DUMP_TEMP_FILE<rank>), as a record. Unpickling
+    runs code: only a regular file of our own user, never through a link."""
     try:
-        with open(path, "rb") as f:
-            dump = pickle.load(f)
-    except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ImportError):
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
         return None
-    return {"dump": dump} if isinstance(dump, dict) else None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+            return None
+        try:
+            dump = pickle.load(f)
+        except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, ValueError):
+            return None
+    return {"nccl": dump} if isinstance(dump, dict) else None
 
 
 # ---- the certain cases --------------------------------------------------------------------
@@ -160,8 +201,10 @@ def _left(histories: dict[int, History]) -> Finding | None:
             op = h.ops.get((group, first + 1))
             if h.left or h.last.get(group, 0) <= first:
                 continue
-            if op is not None and op.done:
-                continue  # done without the leaver: it was no member after all
+            if op is not None and op.done and not h.final:
+                # Done without the leaver: it was no member after all. (A rank that raised
+                # has its timed-out op retired too: gloo retires it on the error.)
+                continue
             waiters.append(Waiter(h.rank, group, first + 1, op))
         if waiters:
             late = [h for h in culprits if h.last.get(group, 0) == first]
@@ -217,7 +260,7 @@ def stalled(before: dict[int, History], now: dict[int, History]) -> list[int]:
 
 
 def _group_order(group: str) -> tuple[int, str]:
-    return (0 if group == DEFAULT_GROUP else 1, group)
+    return (0 if base(group) == DEFAULT_GROUP else 1, group)
 
 
 def _int(x: Any) -> int | None:

@@ -16,7 +16,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from elastic_nb.supervisor.desync import DEFAULT_GROUP, Finding, History, Op, find_certain
+from elastic_nb.supervisor.desync import (
+    DEFAULT_GROUP,
+    NCCL,
+    Finding,
+    History,
+    Op,
+    base,
+    find_certain,
+)
 
 __all__ = [
     "Desync",
@@ -88,12 +96,14 @@ def parse_traceback(text: str) -> list[Frame]:
 
 
 def where_from_dump(rank: int, dump: str, cell: str, path: str) -> RankWhere:
-    """The thread that runs the cell (else the first one) of a live rank's dump."""
+    """The thread that runs the cell's body (else one in a function of the cell, a thread the
+    cell started; else the first one) of a live rank's dump."""
     threads = parse_faulthandler(dump)
     if not threads:
         return RankWhere(rank, "unknown", note="its stack dump was empty", dump=path)
-    main = next((t for t in threads if any(f.file == cell for f in t)), threads[0])
-    return RankWhere(rank, "live", main, dump=path)
+    body = [t for t in threads if any(f.file == cell and f.func == "<module>" for f in t)]
+    in_cell = [t for t in threads if any(f.file == cell for f in t)]
+    return RankWhere(rank, "live", (body or in_cell or threads)[0], dump=path)
 
 
 def where_from_record(rank: int, record: dict[str, Any]) -> RankWhere:
@@ -145,7 +155,7 @@ def desync_verdict(
 def _describe_finding(
     f: Finding, where: dict[int, RankWhere], cell: str, lines: list[str]
 ) -> Desync:
-    of = f" of group {f.group}" if f.group != DEFAULT_GROUP else ""
+    of = f" of group {base(f.group)}" if base(f.group) != DEFAULT_GROUP else ""
     waits = _waits(f, where, cell, lines)
     notes = {}
     if f.kind == "left":
@@ -179,7 +189,7 @@ def _describe_finding(
 def _waits(f: Finding, where: dict[int, RankWhere], cell: str, lines: list[str]) -> str:
     """'rank 0 waits in all_reduce #8 (cell line 16: loss.backward(): DDP's gradient
     all-reduce)', ranks that wait alike grouped."""
-    of = f" of group {f.group}" if f.group != DEFAULT_GROUP else ""
+    of = f" of group {base(f.group)}" if base(f.group) != DEFAULT_GROUP else ""
     alike: dict[tuple[bool, str], list[int]] = {}
     for w in f.waiters:
         rw = where.get(w.rank)
@@ -253,7 +263,7 @@ def _from_stacks(
         notes[r] = f"never entered {op_name}"
         h = histories.get(r)
         if h is not None and h.left and h.known and seq:
-            ran = h.last.get(DEFAULT_GROUP, 0)
+            ran = max(h.last.get(DEFAULT_GROUP, 0), h.last.get(DEFAULT_GROUP + NCCL, 0))
             parts[-1] += f" after {ran} collective{'s' if ran != 1 else ''}"
     waited = ", ".join(str(r) for r in sorted(waiters))
     text = "; ".join(parts) + f"; rank{'s' if len(waiters) > 1 else ''} {waited} waited in it"
@@ -290,7 +300,7 @@ def _waited_seq(waiters: list[int], histories: dict[int, History]) -> int | None
         if h is None or not h.known:
             continue
         op = next((op for g in h.last if (op := h.in_flight(g)) is not None), None)
-        seqs.add(op.seq if op else h.last.get(DEFAULT_GROUP))
+        seqs.add(op.seq if op else h.last.get(DEFAULT_GROUP, h.last.get(DEFAULT_GROUP + NCCL)))
     seqs.discard(None)
     return seqs.pop() if len(seqs) == 1 else None
 

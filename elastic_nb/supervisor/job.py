@@ -33,7 +33,7 @@ import psutil
 
 from elastic_nb import procs, protocol, report
 from elastic_nb.rundir import RunDir, read_json, write_atomic, write_json
-from elastic_nb.spec import JobSpec
+from elastic_nb.spec import TEARS_DOWN, JobSpec
 from elastic_nb.supervisor.desync import History, find_certain, stalled
 from elastic_nb.supervisor.forensics import (
     Desync,
@@ -46,7 +46,15 @@ from elastic_nb.supervisor.forensics import (
 from elastic_nb.supervisor.launchers import Launcher, LauncherPool
 from elastic_nb.supervisor.probes import Probes
 from elastic_nb.supervisor.tailer import LogTailer
-from elastic_nb.supervisor.verdict import RankState, Verdict, analyze
+from elastic_nb.supervisor.verdict import (
+    NCCL_TIMEOUT_MARKS,
+    TORCH_LOG_NOISE,
+    RankState,
+    Verdict,
+    analyze,
+    watchdog_op,
+    watchdog_summary,
+)
 
 __all__ = ["Job"]
 
@@ -80,6 +88,7 @@ STACKS_WAIT_S = 1.0  # how long live ranks get to answer a stack dump request
 # ranks stalled in different ops): a status look costs a rank 0.1 ms.
 LOOK_LEFT_S = 0.25
 LOOK_IDLE_S = 1.0
+RELOOK_S = 1.0  # after a full look that did not confirm a finding
 EXIT_WAIT_S = 0.5  # how long a forked rank's exit status may take to come from its launcher
 
 
@@ -118,7 +127,7 @@ class Job:
         self._launcher_result: dict[str, Any] | None = None
         self._launcher_exits: dict[int, dict[int, int]] = {}
         self._leftovers: list[dict[str, Any]] = []
-        self._tailer = LogTailer()
+        self._tailer = LogTailer(marks=NCCL_TIMEOUT_MARKS, noise=TORCH_LOG_NOISE)
         self._tg: anyio.abc.TaskGroup | None = None
         self._pending_ranks: dict[int, dict[str, Any]] = {}
         self._pending_alerts: list[dict[str, Any]] = []
@@ -133,6 +142,7 @@ class Job:
         self._lines_seen = 0
         self._hang_reported = False
         self._oom_base = procs.oom_kills()
+        self._watchdog_alerts: set[tuple[int, int]] = set()  # NCCL timeouts that end nothing
         self._watchdog_fired = False
         self._zombies: set[tuple[int, int]] = set()  # (attempt, rank) dead and left unreaped
         self._exits: dict[tuple[int, int], anyio.Event] = {}  # forked ranks' reported ends
@@ -394,6 +404,8 @@ class Job:
         next_flush = 0.0
         while True:
             self._tailer.poll()
+            for attempt, rank, _, line in self._tailer.take_marked():
+                self._on_watchdog(attempt, rank, line)
             for r in self._attempt_ranks(self.attempt):
                 if r.died_at is None and r.failure is None and r.done is None:
                     # Records land before the process exits (torch and Python teardown can
@@ -409,6 +421,27 @@ class Job:
                 await self._flush()
                 next_flush = time.monotonic() + FLUSH_S
             await anyio.sleep(POLL_S)
+
+    def _on_watchdog(self, attempt: int, rank: int, line: str) -> None:
+        """NCCL's watchdog says this rank's collective timed out. The rank lives on for a
+        minute (the flight recorder's dump, then SIGABRT): diagnose now, while every rank can
+        still show where it is."""
+        r = self._ranks.get((attempt, rank))
+        if r is None or r.watchdog is not None or r.failure is not None:
+            return
+        self._log_event("rank.watchdog", attempt=attempt, rank=rank, line=line)
+        if self.spec.async_error_handling in TEARS_DOWN:
+            r.watchdog = {"time": time.time(), "line": line}
+            self._evaluate(r)
+        elif (attempt, rank) not in self._watchdog_alerts:
+            # The rank lives on and the error may reach the cell, which may handle it: say
+            # where every rank is, end nothing.
+            self._watchdog_alerts.add((attempt, rank))
+            what = watchdog_summary(line)
+            title = f"rank {rank}: {what}; it lives on (--async-error-handling "
+            title += f"{self.spec.async_error_handling})"
+            assert self._tg is not None
+            self._tg.start_soon(self._report_where, "collective_timeout", title)
 
     def _decide_from_launcher(self) -> None:
         assert self._launcher is not None
@@ -446,6 +479,8 @@ class Job:
             desync = self._verdict(where, histories)
             stacks = self._format(where)
             op = where[r.rank].collective() if r.rank in where else None
+            if r.watchdog is not None:
+                op = watchdog_op(r.watchdog["line"]) or op
             timeout = self.spec.collective_timeout
             title = f"rank {r.rank} timed out in {op or 'a collective'}" + (
                 f" after {timeout:g} s" if timeout else ""
@@ -473,7 +508,7 @@ class Job:
             return  # one rank cannot fall out of step with itself
         before: dict[int, History] = {}
         looked = 0.0
-        unconfirmed: set[str] = set()  # findings a full look did not bear out: not again
+        unconfirmed: dict[str, float] = {}  # findings a full look did not bear out, and when
         while True:
             await anyio.sleep(LOOK_LEFT_S)
             ranks = self._attempt_ranks(self.attempt)
@@ -501,9 +536,13 @@ class Job:
             before = now
             if certain is None or self._outcome is not None or self._diagnosing:
                 continue
+            # A look that did not bear a finding out (a rank too busy to answer in time) is
+            # taken again, but not at every pass: each one dumps every rank's stack.
             key = repr((self.attempt, certain.kind, [(w.rank, w.seq) for w in certain.waiters]))
-            if key not in unconfirmed and not await self._diagnose_desync(self.attempt):
-                unconfirmed.add(key)
+            if time.monotonic() - unconfirmed.get(key, -RELOOK_S) < RELOOK_S:
+                continue
+            if not await self._diagnose_desync(self.attempt):
+                unconfirmed[key] = time.monotonic()
 
     async def _diagnose_desync(self, attempt: int) -> bool:
         """Take the stacks and a full look; if the desync holds, report it and end the attempt."""
@@ -512,7 +551,13 @@ class Job:
             where, histories = await self._evidence()
             desync = self._verdict(where, histories)
             if desync is None or not desync.certain or attempt != self.attempt:
-                return False  # the full look did not bear it out: keep watching
+                # The full look did not bear it out: keep watching (and keep the record).
+                self._log_event(
+                    "desync.unconfirmed",
+                    looked={r: {"last": h.last, "left": h.left} for r, h in histories.items()},
+                    verdict=desync.text if desync else None,
+                )
+                return False
             stacks = self._format(where)
             self._blame(desync)
             self._diagnosis = {"text": desync.text, "hint": desync.hint, "stacks": stacks}
@@ -533,14 +578,14 @@ class Job:
                 r.blame = note
                 self._pending_ranks[rank] = self._chip(r)
 
-    async def _diagnose_hang(self, silent_for: float) -> None:
+    async def _report_where(self, kind: str, title: str) -> None:
+        """An alert with every rank's stack and what they say of a desync; nothing ends."""
         where, histories = await self._evidence()
         desync = self._verdict(where, histories)
-        title = f"no output and no exit from any rank for {silent_for:.0f} s (--hang-after)"
         if desync is not None:
             title += f": {desync.text}"
         culprit = desync.behind[0] if desync is not None and desync.behind else None
-        self._alert("hang", "warning", title, rank=culprit, text=self._format(where))
+        self._alert(kind, "warning", title, rank=culprit, text=self._format(where))
 
     async def _evidence(self) -> tuple[dict[int, RankWhere], dict[int, History]]:
         """Where every rank is (stacks) and what it ran (flight recorder), asked together."""
@@ -619,7 +664,9 @@ class Job:
             if mem.get(key) is not None:
                 facts.append(f"{key} {mem[key] / 2**30:.2f} GiB")
         line = r.failure.get("cell_line")
-        title = f"rank {r.rank} ran out of CUDA memory" + (f" at cell line {line}" if line else "")
+        gpu = f" on GPU {mem['device']}" if mem.get("device") is not None else ""
+        title = f"rank {r.rank} ran out of CUDA memory{gpu}"
+        title += f" at cell line {line}" if line else ""
         if facts:
             title += f" ({', '.join(facts)})"
         hint = (
@@ -635,7 +682,7 @@ class Job:
         has no stack to show yet); ranks that all finished the cell are the agent's to reap
         (the zombie watchdog's business)."""
         now = time.time()
-        lines = self._tailer.lines_total()
+        lines = self._tailer.activity_total()
         if lines != self._lines_seen or not self._in_the_cell():
             self._lines_seen, self._last_activity, self._hang_reported = lines, now, False
         if (
@@ -649,7 +696,9 @@ class Job:
             return
         self._hang_reported = True  # once per silence; output re-arms it
         assert self._tg is not None
-        self._tg.start_soon(self._diagnose_hang, now - self._last_activity)
+        silent_for = now - self._last_activity
+        title = f"no output and no exit from any rank for {silent_for:.0f} s (--hang-after)"
+        self._tg.start_soon(self._report_where, "hang", title)
 
     def _in_the_cell(self) -> bool:
         """Every live rank of this attempt runs our bootstrap (it arms its stack dump first

@@ -20,7 +20,7 @@ from elastic_nb.supervisor.verdict import RankState
 
 __all__ = ["Probes"]
 
-PROBE_WAIT_S = 0.5  # a rank answers in milliseconds; a full dump of 2,000 entries in ~0.1 s
+PROBE_WAIT_S = 1.0  # a rank answers in milliseconds; a full dump of 2,000 entries in ~0.1 s
 
 
 class Probes:

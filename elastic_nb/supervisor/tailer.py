@@ -4,6 +4,11 @@ Files are the truth for logs: ranks write them at the fd level and nothing here 
 down. Each poll reads what is new; each batch carries at most `max_lines` lines per stream (the
 newest) and the count of lines it left out, so a rank printing 100,000 lines costs the kernel a
 few messages, not 100,000. Progress bars (``\\r`` rewrites) collapse to their last state.
+
+Two kinds of line are told apart on the way, whatever the batch keeps: lines carrying a *mark*
+are handed out whole (`take_marked`: NCCL's watchdog announcing a timeout is evidence, and may
+sit in a flood), and lines carrying *noise* (torch's own C++ logging) are not counted as a
+rank's activity (`activity_total`: what --hang-after watches).
 """
 
 from __future__ import annotations
@@ -38,11 +43,15 @@ class _Stream:
     stream: str
     path: Path
     max_lines: int
+    marks: tuple[bytes, ...] = ()
+    noise: tuple[bytes, ...] = ()
     fd: int | None = None
     partial: bytes = b""
     lines: collections.deque[str] = field(init=False)
     skipped: int = 0
     total: int = 0
+    quiet: int = 0  # lines of noise among total
+    marked: list[str] = field(default_factory=list)
     progress: str | None = None
     progress_sent: str | None = None
 
@@ -79,11 +88,20 @@ class _Stream:
         self.partial = partial
 
     def _add(self, raws: list[bytes]) -> None:
+        if self.marks or self.noise:
+            self._sort(raws)
         # Only the newest max_lines can survive to the next batch: decode just those.
         keep = raws[-self.max_lines :]
         self.total += len(raws)
         self.skipped += len(raws) - len(keep) + max(0, len(self.lines) + len(keep) - self.max_lines)
         self.lines.extend(_collapse(raw) for raw in keep)
+
+    def _sort(self, raws: list[bytes]) -> None:
+        for raw in raws:
+            if any(m in raw for m in self.noise):
+                self.quiet += 1
+            if any(m in raw for m in self.marks):
+                self.marked.append(_collapse(raw))
 
     def take(self) -> Batch | None:
         progress = self.progress if self.progress != self.progress_sent else None
@@ -113,15 +131,21 @@ def _collapse(raw: bytes) -> str:
 
 
 class LogTailer:
-    def __init__(self, max_lines: int = 200) -> None:
+    def __init__(
+        self, max_lines: int = 200, marks: tuple[bytes, ...] = (), noise: tuple[bytes, ...] = ()
+    ) -> None:
         self._max_lines = max_lines
+        self._marks = marks
+        self._noise = noise
         self._streams: dict[tuple[int, int, str], _Stream] = {}
 
     def follow(self, attempt: int, rank: int, paths: dict[str, Path]) -> None:
         for stream, path in paths.items():
             key = (attempt, rank, stream)
             if key not in self._streams:
-                self._streams[key] = _Stream(attempt, rank, stream, path, self._max_lines)
+                self._streams[key] = _Stream(
+                    attempt, rank, stream, path, self._max_lines, self._marks, self._noise
+                )
 
     def poll(self, final: bool = False) -> None:
         for s in self._streams.values():
@@ -130,8 +154,20 @@ class LogTailer:
     def take(self) -> list[Batch]:
         return [b for s in self._streams.values() if (b := s.take()) is not None]
 
+    def take_marked(self) -> list[tuple[int, int, str, str]]:
+        """Every marked line since the last call: (attempt, rank, stream, line)."""
+        out = []
+        for s in self._streams.values():
+            out.extend((s.attempt, s.rank, s.stream, line) for line in s.marked)
+            s.marked.clear()
+        return out
+
     def lines_total(self) -> int:
         return sum(s.total for s in self._streams.values())
+
+    def activity_total(self) -> int:
+        """Lines the ranks wrote themselves: torch's own logging (noise) left out."""
+        return sum(s.total - s.quiet for s in self._streams.values())
 
     def last_line(self, attempt: int, rank: int) -> str | None:
         s = self._streams.get((attempt, rank, "out"))

@@ -17,7 +17,15 @@ from typing import Any
 
 from elastic_nb.procs import describe_exit, signal_name
 
-__all__ = ["RankState", "Verdict", "analyze"]
+__all__ = [
+    "NCCL_TIMEOUT_MARKS",
+    "TORCH_LOG_NOISE",
+    "RankState",
+    "Verdict",
+    "analyze",
+    "watchdog_op",
+    "watchdog_summary",
+]
 
 # What a rank raises when another rank of its group died under it (gloo and NCCL wordings).
 _PEER_DIED = re.compile(
@@ -32,6 +40,22 @@ _TIMED_OUT = re.compile(
     r"|operation timed out|collective operation timeout",
     re.IGNORECASE,
 )
+# NCCL's watchdog announcing that a collective of *this* rank timed out (ProcessGroupNCCL.cpp,
+# Watchdog::runLoop and the heartbeat monitor). With TORCH_NCCL_ASYNC_ERROR_HANDLING=1 it then
+# waits for the flight recorder's dump (60 s by default) and aborts: no exception reaches the
+# cell, no failure record is written, and the rank ends in SIGABRT like every other rank.
+NCCL_TIMEOUT_MARKS = (
+    b"Watchdog caught collective operation timeout",
+    b"failure detected by watchdog at work sequence id",
+    b"Received a dump signal due to a collective timeout from this local rank",
+)
+# Lines torch's C++ logging writes by itself (glog style, "[rank0]:[E1123 ...] ProcessGroupNCCL
+# .cpp:632] ..."), and NCCL's own: they are not the cell's output, so not a sign of progress.
+TORCH_LOG_NOISE = (b"ProcessGroupNCCL", b"NCCL WARN", b"NCCL INFO", b"c10d::DistBackendError")
+_WATCHDOG = re.compile(
+    r"SeqNum=(?P<seq>\d+), OpType=(?P<op>\w+).*?ran for (?P<ms>\d+) milliseconds"
+)
+_TIMEOUT_MS = re.compile(r"Timeout\(ms\)=(\d+)")
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGKILL)
 # A rank's own failure, as opposed to a consequence of another rank's.
 _REAL = ("exception", "oom", "host_oom", "exit", "exit0", "signal")
@@ -62,11 +86,14 @@ class RankState:
     exit_code: int | None = None  # N, or -SIG
     oom_killed: bool = False  # the kernel's OOM killer fired while it died
     armed: bool = False  # its stack dump handler is registered: it runs our bootstrap
+    watchdog: dict[str, Any] | None = None  # NCCL's watchdog said it timed out: {time, line}
     blame: str | None = None  # what a desync verdict found it did ("left the cell after 7 ...")
 
     @property
     def failed_at(self) -> float | None:
-        return self.failure["time"] if self.failure else self.died_at
+        if self.failure:
+            return self.failure["time"]
+        return self.watchdog["time"] if self.watchdog else self.died_at
 
     def kind(self, teardown_at: float | None) -> str:
         """done | running | exception | oom | collective_timeout | peer | terminated | exit |
@@ -83,6 +110,8 @@ class RankState:
             if _PEER_DIED.search(self.failure["message"]):
                 return "peer"
             return "exception"
+        if self.watchdog is not None:
+            return "collective_timeout"  # whatever signal NCCL's abort then ends it with
         if self.died_at is None:
             return "running"
         if teardown_at is not None and self.died_at >= teardown_at:
@@ -105,6 +134,8 @@ class RankState:
             if self.failure.get("cell_line"):
                 text += f" (cell line {self.failure['cell_line']})"
             return text
+        if self.watchdog is not None:
+            return watchdog_summary(self.watchdog["line"])
         if self.exit_code == 0 and self.died_at is not None and self.done is None:
             return "exited with code 0 before finishing the cell (os._exit?)"
         if self.oom_killed and self.exit_code == -signal.SIGKILL:
@@ -118,6 +149,8 @@ class RankState:
             return "exited 0" if kind == "done" and self.died_at is not None else "running"
         if self.failure is not None:
             return self.failure["type"].rsplit(".", 1)[-1]
+        if self.watchdog is not None:
+            return "collective timeout (NCCL)"
         if kind == "exit0":
             return "exited 0 early"
         if self.exit_code is not None and self.exit_code < 0:
@@ -169,6 +202,14 @@ def analyze(
         if first is not None and (first.failed_at or 0.0) <= (r.failed_at or 0.0):
             kinds[r.rank] = "agent"
     real = [r for r in real if kinds[r.rank] != "agent"]
+    # NCCL aborts every rank (SIGABRT) once a collective timed out: after the first timeout,
+    # an abort is its consequence, whichever rank the abort reached first.
+    if timeouts:
+        first_timeout = timeouts[0].failed_at or 0.0
+        for r in real:
+            if r.exit_code == -signal.SIGABRT and (r.failed_at or 0.0) >= first_timeout:
+                kinds[r.rank] = "nccl_abort"
+        real = [r for r in real if kinds[r.rank] != "nccl_abort"]
     lagging = [r for r in ranks if r.rank in (behind or ())]
     if lagging:
         # A desync was found first; ranks stopped after it (by us, to end the attempt, or by
@@ -224,6 +265,24 @@ def _describe(r: RankState, kind: str, root: RankState | None) -> str:
         if how == "SIGINT":
             return f"ended with its parent (torch's parent-death signal, SIGINT){after}"
         return f"stopped by elastic_nb ({how}){after}"
+    if kind == "nccl_abort":
+        return "aborted by NCCL (SIGABRT) after the collective timeout"
     if kind == "agent":
         return f"stopped by the torchelastic agent ({signal_name(-(r.exit_code or 0))}){after}"
     return f"also failed: {r.failure_summary()}"
+
+
+def watchdog_op(line: str) -> str | None:
+    """The collective a watchdog line names: 'ALLREDUCE #7'."""
+    m = _WATCHDOG.search(line)
+    return f"{m['op']} #{m['seq']}" if m else None
+
+
+def watchdog_summary(line: str) -> str:
+    """'NCCL's watchdog: ALLREDUCE #7 timed out after 5002 ms (Timeout(ms)=5000)'."""
+    m = _WATCHDOG.search(line)
+    if m is None:
+        return f"NCCL's watchdog: {line.split('] ')[-1].strip()}"
+    t = _TIMEOUT_MS.search(line)
+    limit = f" (Timeout(ms)={t[1]})" if t else ""
+    return f"NCCL's watchdog: {watchdog_op(line)} timed out after {m['ms']} ms{limit}"

@@ -1,0 +1,29 @@
+"""What travels between the kernel and the ranks: tensors always on the CPU."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+
+from elastic_nb import pickling
+
+
+def test_cpu_tensors_and_parameters_travel_as_they_are() -> None:
+    p = torch.nn.Parameter(torch.arange(3.0))
+    t, q = pickle.loads(pickling.dumps((torch.ones(2), p)))
+    assert torch.equal(t, torch.ones(2)) and isinstance(q, torch.nn.Parameter)
+    assert q.requires_grad and torch.equal(q.detach(), p.detach())
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device (this torch sees none)"
+)
+def test_a_cuda_tensor_travels_on_the_cpu() -> None:
+    # A pushed tensor restored on cuda:0 in every rank would put N CUDA contexts on GPU 0.
+    t, p = pickle.loads(
+        pickling.dumps((torch.ones(2, device="cuda"), torch.nn.Parameter(torch.ones(2).cuda())))
+    )
+    assert t.device.type == "cpu" and p.device.type == "cpu"
+    assert isinstance(p, torch.nn.Parameter) and p.requires_grad

@@ -34,17 +34,10 @@ import psutil
 from elastic_nb import procs, protocol, report
 from elastic_nb.rundir import RunDir, read_json, write_atomic, write_json
 from elastic_nb.spec import TEARS_DOWN, JobSpec
-from elastic_nb.supervisor.desync import History, find_certain, stalled
-from elastic_nb.supervisor.forensics import (
-    Desync,
-    RankWhere,
-    desync_verdict,
-    format_stacks,
-    where_from_dump,
-    where_from_record,
-)
+from elastic_nb.supervisor.desync import History
+from elastic_nb.supervisor.evidence import Evidence, EvidenceCollector
+from elastic_nb.supervisor.forensics import Desync
 from elastic_nb.supervisor.launchers import Launcher, LauncherPool
-from elastic_nb.supervisor.probes import Probes
 from elastic_nb.supervisor.tailer import LogTailer
 from elastic_nb.supervisor.verdict import (
     NCCL_TIMEOUT_MARKS,
@@ -82,7 +75,6 @@ _FAILURES = (
     "exit0",
     "signal",
 )
-STACKS_WAIT_S = 1.0  # how long live ranks get to answer a stack dump request
 # The desync watch looks at the ranks' flight recorders this often once a rank has left the
 # cell (a desync can become certain any moment then), and every LOOK_IDLE_S otherwise (two
 # ranks stalled in different ops): a status look costs a rank 0.1 ms.
@@ -137,7 +129,7 @@ class Job:
         self._diagnosing: set[int] = set()  # attempts whose timeout is being diagnosed
         self._diagnosis: dict[str, Any] | None = None  # what the summary says about a desync
         self._behind: dict[int, list[int]] = {}  # attempt -> ranks a desync verdict blamed
-        self._probes = Probes(self.rd)
+        self._collector = EvidenceCollector(self.rd, source)
         self._last_activity = time.time()  # output, a start or an exit, by any rank
         self._lines_seen = 0
         self._hang_reported = False
@@ -464,21 +456,18 @@ class Job:
 
     async def stacks(self) -> str:
         """Every rank's stack now (``%elastic stacks``); also shown as an alert."""
-        where, histories = await self._evidence()
-        desync = self._verdict(where, histories)
-        text = self._format(where)
+        ev = await self._evidence()
         title = f"stacks of every rank, attempt {self.attempt}"
-        if desync is not None and desync.behind:
-            title += f": {desync.text}"
-        self._alert("stacks", "info", title, text=text)
-        return f"{title}\n{text}"
+        if ev.desync is not None and ev.desync.behind:
+            title += f": {ev.desync.text}"
+        self._alert("stacks", "info", title, text=ev.stacks)
+        return f"{title}\n{ev.stacks}"
 
     async def _diagnose_timeout(self, r: RankState, kind: str) -> None:
         try:
-            where, histories = await self._evidence()
-            desync = self._verdict(where, histories)
-            stacks = self._format(where)
-            op = where[r.rank].collective() if r.rank in where else None
+            ev = await self._evidence()
+            desync = ev.desync
+            op = ev.where[r.rank].collective() if r.rank in ev.where else None
             if r.watchdog is not None:
                 op = watchdog_op(r.watchdog["line"]) or op
             timeout = self.spec.collective_timeout
@@ -491,10 +480,10 @@ class Job:
             self._diagnosis = {
                 "text": desync.text if desync else None,
                 "hint": desync.hint if desync else None,
-                "stacks": stacks,
+                "stacks": ev.stacks,
             }
             culprit = desync.behind[0] if desync is not None and desync.behind else r.rank
-            self._alert("collective_timeout", "error", title, rank=culprit, text=stacks)
+            self._alert("collective_timeout", "error", title, rank=culprit, text=ev.stacks)
         finally:
             self._diagnosing.discard(r.attempt)
             self._fail_attempt(r, kind)
@@ -502,8 +491,7 @@ class Job:
     async def _watch_desync(self) -> None:
         """Find a desync the moment it can no longer resolve (`desync.find_certain`: a rank
         left the cell while another waits in a later collective of its group, or two ranks
-        wait in different ops at the same number), not when the collective timeout ends it:
-        a status look at every live rank's flight recorder, a full one only when it matters."""
+        wait in different ops at the same number), not when the collective timeout ends it."""
         if self.spec.nproc < 2:
             return  # one rank cannot fall out of step with itself
         before: dict[int, History] = {}
@@ -527,13 +515,7 @@ class Job:
             if not left and time.monotonic() - looked < LOOK_IDLE_S:
                 continue
             looked = time.monotonic()
-            now = await self._probes.look(ranks, full=False)
-            certain = find_certain(now)
-            suspects = stalled(before, now)
-            if certain is None and suspects:
-                now.update(await self._probes.look([r for r in live if r.rank in suspects], True))
-                certain = find_certain(now)
-            before = now
+            before, certain = await self._collector.look(ranks, before)
             if certain is None or self._outcome is not None or self._diagnosing:
                 continue
             # A look that did not bear a finding out (a rank too busy to answer in time) is
@@ -548,21 +530,22 @@ class Job:
         """Take the stacks and a full look; if the desync holds, report it and end the attempt."""
         self._diagnosing.add(attempt)
         try:
-            where, histories = await self._evidence()
-            desync = self._verdict(where, histories)
+            ev = await self._evidence()
+            desync = ev.desync
             if desync is None or not desync.certain or attempt != self.attempt:
                 # The full look did not bear it out: keep watching (and keep the record).
                 self._log_event(
                     "desync.unconfirmed",
-                    looked={r: {"last": h.last, "left": h.left} for r, h in histories.items()},
+                    looked={r: {"last": h.last, "left": h.left} for r, h in ev.histories.items()},
                     verdict=desync.text if desync else None,
                 )
                 return False
-            stacks = self._format(where)
             self._blame(desync)
-            self._diagnosis = {"text": desync.text, "hint": desync.hint, "stacks": stacks}
+            self._diagnosis = {"text": desync.text, "hint": desync.hint, "stacks": ev.stacks}
             culprit = self._ranks[(attempt, desync.behind[0])]
-            self._alert("desync", "error", f"desync: {desync.text}", rank=culprit.rank, text=stacks)
+            self._alert(
+                "desync", "error", f"desync: {desync.text}", rank=culprit.rank, text=ev.stacks
+            )
             self._fail_attempt(culprit, "desync", reason=f"desync: {desync.text}")
             return True
         finally:
@@ -580,81 +563,18 @@ class Job:
 
     async def _report_where(self, kind: str, title: str) -> None:
         """An alert with every rank's stack and what they say of a desync; nothing ends."""
-        where, histories = await self._evidence()
-        desync = self._verdict(where, histories)
-        if desync is not None:
-            title += f": {desync.text}"
-        culprit = desync.behind[0] if desync is not None and desync.behind else None
-        self._alert(kind, "warning", title, rank=culprit, text=self._format(where))
+        ev = await self._evidence()
+        if ev.desync is not None:
+            title += f": {ev.desync.text}"
+        culprit = ev.desync.behind[0] if ev.desync is not None and ev.desync.behind else None
+        self._alert(kind, "warning", title, rank=culprit, text=ev.stacks)
 
-    async def _evidence(self) -> tuple[dict[int, RankWhere], dict[int, History]]:
-        """Where every rank is (stacks) and what it ran (flight recorder), asked together."""
+    async def _evidence(self) -> Evidence:
+        """Where every rank of the current attempt is and what it ran, from fresh records."""
         ranks = self._attempt_ranks(self.attempt)
-        got: dict[str, Any] = {}
-
-        async def where() -> None:
-            got["where"] = await self._where()
-
-        async def histories() -> None:
-            got["histories"] = await self._probes.look(ranks, full=True)
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(where)
-            tg.start_soon(histories)
-        return got["where"], got["histories"]
-
-    def _verdict(self, where: dict[int, RankWhere], histories: dict[int, History]) -> Desync | None:
-        return desync_verdict(where, str(self.rd.cell), self._source.splitlines(), histories)
-
-    async def _where(self) -> dict[int, RankWhere]:
-        """Where every rank of the current attempt is: live ranks dump their stacks on request
-        (all at once, answers awaited together), the others tell from their records."""
-        cell = str(self.rd.cell)
-        where: dict[int, RankWhere] = {}
-        asked: dict[int, tuple[RankState, Any, int, tuple[str, str]]] = {}
-        for r in self._attempt_ranks(self.attempt):
+        for r in ranks:
             self._read_records(r)
-            if r.done is not None:
-                where[r.rank] = RankWhere(r.rank, "finished")
-            elif r.failure is not None:
-                where[r.rank] = where_from_record(r.rank, r.failure)
-            elif r.died_at is not None or r.pid is None:
-                where[r.rank] = RankWhere(r.rank, "exited", note=r.failure_summary())
-            else:
-                path = self.rd.stacks(r.attempt, r.rank)
-                state = procs.proc_state(r.pid)
-                if state is None or not path.exists():
-                    note = "not yet running the cell" if state else "gone"
-                    where[r.rank] = RankWhere(r.rank, "unknown", note=note)
-                    continue
-                size = path.stat().st_size
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(r.pid, protocol.STACK_SIGNAL)
-                asked[r.rank] = (r, path, size, state)
-        last: dict[int, int] = {}
-        answered: set[int] = set()
-        with anyio.move_on_after(STACKS_WAIT_S):
-            while len(answered) < len(asked):
-                await anyio.sleep(0.02)
-                for rank, (_, path, size, _) in asked.items():
-                    now = path.stat().st_size
-                    if now > size and last.get(rank) == now:
-                        answered.add(rank)  # grew, then held still for a poll: complete
-                    last[rank] = now
-        for rank, (_r, path, size, state) in asked.items():
-            with open(path, "rb") as f:
-                f.seek(size)
-                dump = f.read().decode(errors="replace")
-            w = where_from_dump(rank, dump, cell, str(path))
-            if not dump:
-                w.note = f"no answer to the stack request: the process is {state[1]}"
-            elif state[0] in "DTt":
-                w.note = state[1]
-            where[rank] = w
-        return where
-
-    def _format(self, where: dict[int, RankWhere]) -> str:
-        return format_stacks(where, str(self.rd.cell), self._source.splitlines())
+        return await self._collector.collect(ranks)
 
     def _alert_oom(self, r: RankState) -> None:
         assert r.failure is not None

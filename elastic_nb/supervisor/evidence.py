@@ -1,0 +1,126 @@
+"""Asking a job's ranks where they are and what they ran: the evidence every diagnosis uses.
+
+Stacks come on request (`protocol.STACK_SIGNAL`, answered by faulthandler even inside a
+collective), flight recorders through probes (`probes.Probes`); a diagnosis asks both at once
+and awaits them together. The desync watch's cheaper look asks only for each group's last
+collective number. The job decides what to make of the answers; nothing here ends anything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+
+import anyio
+
+from elastic_nb import procs, protocol
+from elastic_nb.rundir import RunDir
+from elastic_nb.supervisor.desync import Finding, History, find_certain, stalled
+from elastic_nb.supervisor.forensics import (
+    Desync,
+    RankWhere,
+    desync_verdict,
+    format_stacks,
+    where_from_dump,
+    where_from_record,
+)
+from elastic_nb.supervisor.probes import Probes
+from elastic_nb.supervisor.verdict import RankState
+
+__all__ = ["Evidence", "EvidenceCollector"]
+
+STACKS_WAIT_S = 1.0  # how long live ranks get to answer a stack dump request
+
+
+@dataclass
+class Evidence:
+    where: dict[int, RankWhere]
+    histories: dict[int, History]
+    desync: Desync | None  # what the two say of who is out of step, if anyone is
+    stacks: str  # every rank's stack, trimmed to the cell's frames, as reports show them
+
+
+class EvidenceCollector:
+    def __init__(self, rd: RunDir, source: str) -> None:
+        self._rd = rd
+        self._cell = str(rd.cell)
+        self._lines = source.splitlines()
+        self._probes = Probes(rd)
+
+    async def collect(self, ranks: list[RankState]) -> Evidence:
+        """Every rank's stack and flight recorder, now. `ranks` (one attempt's) carry their
+        latest records: a rank that finished or raised tells from them."""
+        where: dict[int, RankWhere] = {}
+        histories: dict[int, History] = {}
+
+        async def stacks() -> None:
+            where.update(await self._where(ranks))
+
+        async def recorders() -> None:
+            histories.update(await self._probes.look(ranks, full=True))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(stacks)
+            tg.start_soon(recorders)
+        desync = desync_verdict(where, self._cell, self._lines, histories)
+        return Evidence(where, histories, desync, format_stacks(where, self._cell, self._lines))
+
+    async def look(
+        self, ranks: list[RankState], before: dict[int, History]
+    ) -> tuple[dict[int, History], Finding | None]:
+        """The desync watch's look: each group's last collective number of every rank (cheap),
+        then every entry of the ranks that have not moved since `before` and sit at the same
+        number as another (a mismatch needs the ops' names)."""
+        now = await self._probes.look(ranks, full=False)
+        certain = find_certain(now)
+        suspects = [r for r in ranks if r.rank in stalled(before, now) and r.died_at is None]
+        if certain is None and suspects:
+            now.update(await self._probes.look(suspects, full=True))
+            certain = find_certain(now)
+        return now, certain
+
+    async def _where(self, ranks: list[RankState]) -> dict[int, RankWhere]:
+        """Live ranks dump their stacks on request (all at once, answers awaited together);
+        the others tell from their records."""
+        where: dict[int, RankWhere] = {}
+        asked: dict[int, tuple[os.PathLike[str], int, tuple[str, str]]] = {}
+        for r in ranks:
+            if r.done is not None:
+                where[r.rank] = RankWhere(r.rank, "finished")
+            elif r.failure is not None:
+                where[r.rank] = where_from_record(r.rank, r.failure)
+            elif r.died_at is not None or r.pid is None:
+                where[r.rank] = RankWhere(r.rank, "exited", note=r.failure_summary())
+            else:
+                path = self._rd.stacks(r.attempt, r.rank)
+                state = procs.proc_state(r.pid)
+                if state is None or not path.exists():
+                    note = "not yet running the cell" if state else "gone"
+                    where[r.rank] = RankWhere(r.rank, "unknown", note=note)
+                    continue
+                size = path.stat().st_size
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(r.pid, protocol.STACK_SIGNAL)
+                asked[r.rank] = (path, size, state)
+        last: dict[int, int] = {}
+        answered: set[int] = set()
+        with anyio.move_on_after(STACKS_WAIT_S):
+            while len(answered) < len(asked):
+                await anyio.sleep(0.02)
+                for rank, (path, size, _) in asked.items():
+                    now = os.stat(path).st_size
+                    if now > size and last.get(rank) == now:
+                        answered.add(rank)  # grew, then held still for a poll: complete
+                    last[rank] = now
+        for rank, (path, size, state) in asked.items():
+            with open(path, "rb") as f:
+                f.seek(size)
+                dump = f.read().decode(errors="replace")
+            w = where_from_dump(rank, dump, self._cell, str(path))
+            if not dump:
+                w.note = f"no answer to the stack request: the process is {state[1]}"
+            elif state[0] in "DTt":
+                w.note = state[1]
+            where[rank] = w
+        return where

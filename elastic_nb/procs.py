@@ -136,6 +136,20 @@ def pidfd_open(pid: int) -> int | None:
         return None
 
 
+def send_signal(pid: int, pidfd: int | None, sig: int) -> bool:
+    """Signal a process we watch through `pidfd` (opened while it lived): never another that
+    reused its pid after it was reaped (a forked rank is reaped by its fork server at once).
+    Without a pidfd, by pid. False if it is gone."""
+    try:
+        if pidfd is not None:
+            signal.pidfd_send_signal(pidfd, sig)
+        else:
+            os.kill(pid, sig)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def zombie_exit_code(pid: int) -> int | None:
     """The exit code of a dead, not yet reaped process, from /proc/PID/stat (Linux >= 3.5).
 

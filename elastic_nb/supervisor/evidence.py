@@ -8,7 +8,6 @@ collective number. The job decides what to make of the answers; nothing here end
 
 from __future__ import annotations
 
-import contextlib
 import os
 from dataclasses import dataclass
 
@@ -100,9 +99,10 @@ class EvidenceCollector:
                     where[r.rank] = RankWhere(r.rank, "unknown", note=note)
                     continue
                 size = path.stat().st_size
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(r.pid, protocol.STACK_SIGNAL)
-                asked[r.rank] = (path, size, state)
+                if procs.send_signal(r.pid, r.pidfd, protocol.STACK_SIGNAL):
+                    asked[r.rank] = (path, size, state)
+                else:
+                    where[r.rank] = RankWhere(r.rank, "unknown", note="gone")
         last: dict[int, int] = {}
         answered: set[int] = set()
         with anyio.move_on_after(STACKS_WAIT_S):

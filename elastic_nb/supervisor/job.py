@@ -300,9 +300,11 @@ class Job:
             while procs.zombie_exit_code(r.pid) is None and psutil.pid_exists(r.pid):
                 await anyio.sleep(POLL_S)
         else:
+            r.pidfd = fd
             try:
                 await anyio.wait_readable(fd)
             finally:
+                r.pidfd = None
                 os.close(fd)
         died = self._last_activity = time.time()
         # A spawned rank is the agent's child: read its status now, before torchelastic reaps
@@ -386,8 +388,7 @@ class Job:
             # collective until its timeout. Ending them makes the agent restart the group now.
             for x in self._attempt_ranks(r.attempt):
                 if x.pid is not None and x.died_at is None and x.done is None:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(x.pid, signal.SIGTERM)
+                    procs.send_signal(x.pid, x.pidfd, signal.SIGTERM)
 
     def _attempt_ranks(self, attempt: int) -> list[RankState]:
         return [r for (a, _), r in sorted(self._ranks.items()) if a == attempt]

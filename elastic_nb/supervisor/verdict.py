@@ -88,6 +88,7 @@ class RankState:
     armed: bool = False  # its stack dump handler is registered: it runs our bootstrap
     watchdog: dict[str, Any] | None = None  # NCCL's watchdog said it timed out: {time, line}
     blame: str | None = None  # what a desync verdict found it did ("left the cell after 7 ...")
+    pidfd: int | None = None  # open while the supervisor watches it: signals go through it
 
     @property
     def failed_at(self) -> float | None:

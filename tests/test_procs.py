@@ -1,0 +1,35 @@
+"""Process ownership helpers that need no job: signalling through a pidfd."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+from elastic_nb import procs
+
+
+def test_a_reaped_process_is_not_signalled_by_its_old_pid() -> None:
+    sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
+    gone, newcomer = subprocess.Popen(sleep), subprocess.Popen(sleep)
+    fd = procs.pidfd_open(gone.pid)
+    assert fd is not None
+    try:
+        assert procs.send_signal(gone.pid, fd, 0)  # alive: signal 0 goes through
+        gone.kill()
+        gone.wait()  # reaped: its pid is free for anyone
+        # The pid now names another process (here: the newcomer's, as if reused). Through the
+        # pidfd the signal can only reach the process it was opened for, which is gone.
+        assert not procs.send_signal(newcomer.pid, fd, signal.SIGTERM)
+        assert newcomer.poll() is None
+    finally:
+        os.close(fd)
+        newcomer.kill()
+        newcomer.wait()
+
+
+def test_without_a_pidfd_the_pid_is_used() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    assert procs.send_signal(child.pid, None, signal.SIGTERM)
+    assert child.wait(timeout=10) == -signal.SIGTERM

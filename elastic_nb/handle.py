@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import os
 import pickle
 import queue
 import signal
 import threading
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from elastic_nb import procs, protocol
@@ -140,10 +140,10 @@ class JobHandle:
         rd = RunDir(self.run_dir)
         if self.spec.pull and self.namespace is not None and not self._pulled:
             what = f"--pull from rank {self.spec.pull_rank}"
-            self.namespace.update(_load(rd.pulled(s["attempt"], self.spec.pull_rank), what))
+            self.namespace.update(_load(rd, rd.pulled(s["attempt"], self.spec.pull_rank), what))
             self._pulled = True
         if s["result"]:
-            how, value = _load(rd.result(s["attempt"]), "the cell's result")
+            how, value = _load(rd, rd.result(s["attempt"]), "the cell's result")
             return value if how == "value" else _Text(value)
         return None
 
@@ -286,9 +286,8 @@ class _Text(str):
         return str(self)
 
 
-def _load(path: os.PathLike[str], what: str) -> Any:
+def _load(rd: RunDir, path: Path, what: str) -> Any:
     try:
-        with open(path, "rb") as f:
-            return pickle.load(f)
+        return pickle.loads(rd.read_private(path))
     except Exception as e:
         raise ElasticError(f"could not load {what} from {path}: {type(e).__name__}: {e}") from None

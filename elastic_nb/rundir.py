@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -128,9 +129,32 @@ class RunDir:
         """What NCCL dumps there on a collective timeout (pickled, torch's format)."""
         return self.flight_recorder_prefix(attempt).with_name(f"fr-rank-{rank}")
 
+    def read_private(self, path: Path) -> bytes:
+        """A file of this run directory that is about to be unpickled (unpickling runs code):
+        refused unless it, and every directory from it up to this one, is the user's own and
+        writable by nobody else (a --log-dir in a shared place must not let others plant it)."""
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as f:
+            _check_private(os.fstat(f.fileno()), path)
+            d = path.parent
+            while True:
+                _check_private(os.stat(d), d)
+                if d == self.path or d == d.parent:
+                    break
+                d = d.parent
+            return f.read()
+
     def flight_recorder_prefix(self, attempt: int) -> Path:
         """TORCH_FR_DUMP_TEMP_FILE: NCCL appends the rank to this prefix."""
         return self.attempt(attempt) / "fr-rank-"
+
+
+def _check_private(st: os.stat_result, path: Path) -> None:
+    if st.st_uid != os.getuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise PermissionError(
+            f"{path} is not this user's own or others may write to it: elastic_nb will not load "
+            "objects from it (a shared --log-dir needs a directory of your own inside it)"
+        )
 
 
 def write_atomic(path: Path, data: bytes) -> None:

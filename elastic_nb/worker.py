@@ -102,10 +102,23 @@ def _adopt_environment(env: dict[str, str], start_env: dict[str, str]) -> None:
     os.environ.clear()
     os.environ.update(env)
     os.environ.update(ours)
-    procs.mark_process(os.environ[procs.MARKER])
+    _mark(os.environ[procs.MARKER])
     warmup = sys.modules.get("elastic_nb.warmup")
     if warmup is not None and os.getpid() != warmup.PID:  # forked from a launcher's server
         _settle_forked_rank(warmup.FAILED)
+
+
+def _mark(job_id: str) -> None:
+    """The job's marker where /proc shows it. Without it the rank still goes with its job (the
+    teardown ends the launcher's whole process group), only a sweep by marker misses it: a
+    warning, not a failure of every rank."""
+    try:
+        procs.mark_process(job_id)
+    except Exception as e:
+        sys.stderr.write(
+            f"elastic_nb: could not write the job marker into this rank's environment ({e}); "
+            "it is ended with its launcher's process group instead\n"
+        )
 
 
 def _prepare_process(spec: JobSpec, rd: RunDir) -> None:
@@ -250,8 +263,7 @@ def _restore(rd: RunDir, meta: dict[str, Any], namespace: dict[str, Any]) -> Non
                 f"rank: {e}"
             ) from e
     if meta["objects"]:
-        with open(rd.payload, "rb") as f:
-            namespace.update(pickle.load(f))
+        namespace.update(pickle.loads(rd.read_private(rd.payload)))
 
 
 def _pulled(names: tuple[str, ...], namespace: dict[str, Any], rank: int) -> dict[str, Any]:

@@ -7,6 +7,8 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 from elastic_nb import procs
 
 
@@ -33,3 +35,16 @@ def test_without_a_pidfd_the_pid_is_used() -> None:
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     assert procs.send_signal(child.pid, None, signal.SIGTERM)
     assert child.wait(timeout=10) == -signal.SIGTERM
+
+
+def test_a_rank_that_cannot_write_its_marker_runs_on_with_a_warning(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from elastic_nb import worker
+
+    def fail(job_id: str) -> None:
+        raise RuntimeError("no ELASTIC_NB_SLOT in this process's environment")
+
+    monkeypatch.setattr(procs, "mark_process", fail)
+    worker._mark("cafe0001")
+    assert "could not write the job marker into this rank's environment" in capsys.readouterr().err

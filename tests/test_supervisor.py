@@ -178,3 +178,19 @@ def test_a_rank_that_crashes_after_finishing_is_reported(
     assert [(a["kind"], a["rank"]) for a in alerts] == [("exit_after_done", 1)]
     assert "killed by SIGABRT" in alerts[0]["title"]
     assert_job_gone(job.id)
+
+
+def test_a_long_session_keeps_a_bounded_history_of_finished_jobs(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from elastic_nb.supervisor import server
+
+    sup = server.Supervisor(listen_fd=-1, kernel_pid=os.getpid(), log_path=str(tmp_path / "s.log"))
+    jobs = {f"j{i}": SimpleNamespace(running=False) for i in range(server.KEEP_FINISHED + 5)}
+    jobs["live"] = SimpleNamespace(running=True)
+    sup._jobs.update(jobs)  # type: ignore[arg-type]
+    sup._forget_old_jobs()
+    assert "live" in sup._jobs and "j0" not in sup._jobs and "j4" not in sup._jobs
+    assert (
+        len(sup._jobs) == server.KEEP_FINISHED + 1 and f"j{server.KEEP_FINISHED + 4}" in sup._jobs
+    )

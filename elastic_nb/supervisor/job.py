@@ -200,6 +200,7 @@ class Job:
         write_json(self.rd.cell_meta, self._meta)
         if self._payload:
             write_atomic(self.rd.payload, self._payload)
+            self._payload = None  # on disk now; a pushed model need not stay in our memory
         self._log_event("created", nproc=self.spec.nproc)
 
     async def _start_launcher(self) -> None:

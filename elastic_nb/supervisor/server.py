@@ -28,6 +28,8 @@ from elastic_nb.supervisor.launchers import LauncherPool
 
 __all__ = ["Supervisor"]
 
+KEEP_FINISHED = 200  # finished jobs `%elastic jobs` lists; older ones live on disk only
+
 
 class Connection:
     def __init__(self, stream: SocketStream) -> None:
@@ -213,6 +215,7 @@ class Supervisor:
             reap=self.reap,
             launchers=self._launchers,
         )
+        self._forget_old_jobs()
         self._jobs[job_id] = job  # the id is taken from here on, even while prepare runs
         try:
             await anyio.to_thread.run_sync(job.prepare)  # payloads can be large: off the loop
@@ -222,6 +225,13 @@ class Supervisor:
         assert self._tg is not None
         self._tg.start_soon(job.run)
         return {"job": job_id}
+
+    def _forget_old_jobs(self) -> None:
+        """A kernel may run thousands of cells: keep the latest finished jobs only (their run
+        directories stay on disk)."""
+        done = [j for j in self._jobs if not self._jobs[j].running]
+        for job_id in done[: max(0, len(done) - KEEP_FINISHED)]:
+            del self._jobs[job_id]
 
     async def _stacks(self, job_id: str | None) -> str:
         running = [j for j in self._jobs.values() if j.running]

@@ -1,0 +1,44 @@
+"""The run directory: what is unpickled from it must be the user's own."""
+
+from __future__ import annotations
+
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+
+from elastic_nb.rundir import RunDir
+
+
+@pytest.fixture
+def rd(tmp_path: Path) -> RunDir:
+    shared = tmp_path / "shared"  # a --log-dir anyone may write to, like /tmp
+    shared.mkdir()
+    shared.chmod(0o1777)
+    rd = RunDir(shared / "cafe0001")
+    rd.path.mkdir(mode=0o700)
+    rd.attempt(0).mkdir(mode=0o700)
+    rd.result(0).write_bytes(pickle.dumps(("value", 42)))
+    return rd
+
+
+def test_our_own_files_load(rd: RunDir) -> None:
+    assert pickle.loads(rd.read_private(rd.result(0))) == ("value", 42)
+
+
+@pytest.mark.parametrize("where", ["run dir", "attempt dir", "file"])
+def test_what_others_may_write_is_refused(rd: RunDir, where: str) -> None:
+    target = {"run dir": rd.path, "attempt dir": rd.attempt(0), "file": rd.result(0)}[where]
+    target.chmod(0o777 if target.is_dir() else 0o666)
+    with pytest.raises(PermissionError, match="others may write to it"):
+        rd.read_private(rd.result(0))
+
+
+def test_a_planted_link_is_not_followed(rd: RunDir, tmp_path: Path) -> None:
+    elsewhere = tmp_path / "elsewhere.pkl"
+    elsewhere.write_bytes(pickle.dumps("planted"))
+    os.replace(rd.result(0), tmp_path / "moved")
+    rd.result(0).symlink_to(elsewhere)
+    with pytest.raises(OSError):
+        rd.read_private(rd.result(0))

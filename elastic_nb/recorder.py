@@ -88,8 +88,14 @@ def write_final(path: Path, cell: str) -> None:
 def serve_probes(fifo: Path, answer: Path, cell: str) -> None:
     """Answer the supervisor's probes from a thread: it writes ``"<n> status|full"`` into the
     FIFO, this thread writes the snapshot, tagged with n, to `answer`. Opening a FIFO blocks
-    until the other side opens it: an idle rank pays nothing."""
-    os.mkfifo(fifo, 0o600)
+    until the other side opens it: an idle rank pays nothing. Where no FIFO can be made (a
+    --log-dir on a file system without them), the rank runs without: the supervisor then
+    finds a desync at the collective timeout, from the records ranks leave."""
+    try:
+        os.mkfifo(fifo, 0o600)
+    except OSError as e:
+        sys.stderr.write(f"elastic_nb: no desync probes for this rank ({fifo}: {e})\n")
+        return
     threading.Thread(
         target=_serve, args=(fifo, answer, cell), name="elastic_nb-probe", daemon=True
     ).start()

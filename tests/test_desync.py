@@ -301,3 +301,14 @@ def test_a_rank_that_timed_out_waiting_for_the_leaver_still_points_at_it() -> No
     # A live rank whose #11 is done without rank 1 shows rank 1 was no member of that group.
     waiter.final = False
     assert find_certain({0: waiter, 1: leaver}) is None
+
+
+def test_a_rank_without_a_fifo_runs_on_without_probes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from elastic_nb import recorder
+
+    taken = tmp_path / "rank-0.probe"
+    taken.write_text("not a fifo")  # mkfifo fails here as on a file system without FIFOs
+    recorder.serve_probes(taken, tmp_path / "rank-0.probe.json", CELL)
+    assert "no desync probes for this rank" in capsys.readouterr().err

@@ -37,10 +37,15 @@ def _pickler(buf: io.BytesIO) -> pickle.Pickler:
     class CpuPickler(cloudpickle.Pickler):
         def reducer_override(self, obj: Any) -> Any:
             torch = sys.modules.get("torch")
-            if torch is not None and isinstance(obj, torch.Tensor) and obj.device.type != "cpu":
+            if (
+                torch is not None
+                and isinstance(obj, torch.Tensor)
+                and obj.device.type not in ("cpu", "meta")  # a meta tensor has no data to move
+            ):
+                cpu = obj.detach().cpu()
                 if isinstance(obj, torch.nn.Parameter):
-                    return torch.nn.Parameter, (obj.detach().cpu(), obj.requires_grad)
-                return _identity, (obj.detach().cpu(),)
+                    return torch.nn.Parameter, (cpu, obj.requires_grad)
+                return _identity, (cpu.requires_grad_(obj.requires_grad),)
             return super().reducer_override(obj)
 
     return CpuPickler(buf, protocol=pickle.HIGHEST_PROTOCOL)

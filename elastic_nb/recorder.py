@@ -9,8 +9,10 @@ releases the GIL there, so a Python thread can still read the recorder.
 torch keeps two recorders, the CPU one (gloo) and, in builds with NCCL, NCCL's: a record holds
 both. It keeps torch's own dump format (entries trimmed to the fields the verdict reads, their
 frames to those down to the cell's), so that the supervisor reads it and the dumps NCCL writes
-on a timeout with one parser (`supervisor.desync.history`). Two things are added: the members of
-every group, from c10d's own registry (gloo's ``pg_config`` lists none), and the time.
+on a timeout with one parser (`supervisor.desync.history`). Added from c10d's own registry: the
+members of every group (gloo's ``pg_config`` lists none) and each group's collective count by
+its name (``seqs``: the dump's ``pg_status`` is keyed by a per-process backend counter, which
+names different groups on different ranks).
 
 Imported in every rank before torch (by the worker): torch is read only if the cell loaded it.
 """
@@ -42,28 +44,26 @@ def snapshot(cell: str, full: bool, frames: bool = False) -> dict[str, Any]:
     ask every second. With it, every entry too: tens of milliseconds for a full buffer, asked
     for only when a desync is suspected or certain. `frames`: each entry's Python stack too,
     where that is cheap (see `_read`)."""
-    record: dict[str, Any] = {"time": time.time(), "groups": {}, "dump": None}
+    record: dict[str, Any] = {"time": time.time(), "groups": {}, "seqs": {}, "dump": None}
     if "torch.distributed" not in sys.modules:
         return record  # the cell never loaded it: no collective to speak of
     from torch._C import _distributed_c10d as c10d
 
     if not hasattr(c10d, "_dump_fr_trace_json"):  # torch before the CPU flight recorder
         return record
-    record["groups"] = _groups()
-    record["dump"] = _read(c10d._dump_fr_trace_json, c10d._dump_fr_trace, cell, full, frames)
+    record["groups"], record["seqs"] = _groups()
+    if not full:
+        return record
+    record["dump"] = _read(c10d._dump_fr_trace_json, c10d._dump_fr_trace, cell, frames)
     torch = sys.modules["torch"]
     # NCCL records into a flight recorder of its own (built only with NCCL). Asked only once
     # CUDA is up: nothing here may initialise it.
     if hasattr(c10d, "_dump_nccl_trace_json") and torch.cuda.is_initialized():
-        record["nccl"] = _read(
-            c10d._dump_nccl_trace_json, c10d._dump_nccl_trace, cell, full, frames
-        )
+        record["nccl"] = _read(c10d._dump_nccl_trace_json, c10d._dump_nccl_trace, cell, frames)
     return record
 
 
-def _read(as_json: Any, as_pickle: Any, cell: str, full: bool, frames: bool) -> dict[str, Any]:
-    if not full:
-        return json.loads(as_json(False, False))
+def _read(as_json: Any, as_pickle: Any, cell: str, frames: bool) -> dict[str, Any]:
     if frames and "torch._inductor" in sys.modules:
         # With stacks, each entry says which cell line issued it (DDP's all-reduces included:
         # they are issued from backward()). Symbolising imports torch._inductor, 1.5 s the
@@ -105,7 +105,10 @@ def _serve(fifo: Path, answer: Path, cell: str) -> None:
     while True:
         try:
             with open(fifo, "rb") as f:
-                request = f.read().decode(errors="replace").split()
+                lines = f.read().decode(errors="replace").splitlines()
+            # Two requests in one read (the first timed out before it was read): the supervisor
+            # waits for the last one only.
+            request = lines[-1].split() if lines else []
             if len(request) < 2 or not request[0].isdigit():
                 continue
             try:
@@ -117,16 +120,23 @@ def _serve(fifo: Path, answer: Path, cell: str) -> None:
             return  # the run directory went away: the job is over
 
 
-def _groups() -> dict[str, list[int]]:
-    """Every process group this rank is a member of, by name, with its members' global ranks."""
+def _groups() -> tuple[dict[str, list[int]], dict[str, int]]:
+    """Every process group this rank is a member of, by name: its members' global ranks, and
+    how many collectives each of its backends has issued (NCCL's as ``<name>@nccl``: each
+    backend numbers its own)."""
     c10d = sys.modules.get("torch.distributed.distributed_c10d")
+    members: dict[str, list[int]] = {}
+    seqs: dict[str, int] = {}
     try:
-        return {
-            name: list(c10d.get_process_group_ranks(pg))  # type: ignore[union-attr]
-            for pg, name in list(c10d._world.pg_names.items())  # type: ignore[union-attr]
-        }
-    except Exception:  # c10d's registry is private: a torch that moved it loses membership only
-        return {}
+        for pg, name in list(c10d._world.pg_names.items()):  # type: ignore[union-attr]
+            members[name] = list(c10d.get_process_group_ranks(pg))  # type: ignore[union-attr]
+            backends = {id(b): b for d in pg._device_types if (b := pg._get_backend(d))}
+            for b in backends.values():
+                suffix = "@nccl" if "NCCL" in type(b).__name__ else ""
+                seqs[name + suffix] = int(b._get_sequence_number_for_group())
+    except Exception:  # c10d's registry is private: a torch that moved it loses this only
+        pass
+    return members, seqs
 
 
 def _trim(entry: dict[str, Any], cell: str) -> dict[str, Any]:

@@ -29,6 +29,7 @@ CUDA_BY: str | None = None
 # A preloaded module that asks torch.cuda.is_available() at import must not initialise CUDA
 # here: with this, torch answers from NVML (torch/cuda/__init__.py, _nvml_based_avail). Ranks
 # adopt their job's environment, so it stays the server's.
+_NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK" not in os.environ
 os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 
 _ALWAYS = ("torch", "torch.distributed", "elastic_nb.worker")
@@ -51,6 +52,8 @@ def _preload() -> None:
 
 
 _preload()
+if _NVML_CHECK:
+    del os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"]  # ours, for the imports: not the ranks'
 # Everything imported so far lives as long as the ranks: out of the collector's way, so that its
 # passes neither walk those objects nor write to (and so copy) the pages ranks share with us.
 gc.freeze()

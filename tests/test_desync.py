@@ -78,6 +78,26 @@ def test_a_slow_rank_is_no_desync() -> None:
     assert find_certain(hs) is None
 
 
+def test_pg_status_keys_are_not_group_names_and_never_blame() -> None:
+    # torch keys pg_status by a per-process backend counter: on rank 1, "0" is the NCCL
+    # backend of a subgroup rank 0 is not in (found in review: a correct program was blamed).
+    left = {"final": True, "seqs": {"0": 3}, "dump": {"pg_status": {}, "entries": []}}
+    busy = {
+        "seqs": {"0": 3, "1@nccl": 40},
+        "nccl": {"pg_status": {"0": {"last_enqueued_collective": "40"}}, "entries": []},
+    }
+    hs = {0: history(0, left, CELL, left=True), 1: history(1, busy, CELL)}
+    assert hs[1].last == {"0": 3, "1@nccl": 40}
+    assert find_certain(hs) is None
+
+
+def test_a_leaver_that_cannot_say_what_it_ran_blames_nobody() -> None:
+    # A torch without the CPU flight recorder: no dump, no counts.
+    unknown = history(1, {"final": True, "groups": {}, "seqs": {}, "dump": None}, CELL, left=True)
+    waiter = history(0, {"seqs": {"0": 4}}, CELL)
+    assert not unknown.known and find_certain({0: waiter, 1: unknown}) is None
+
+
 def test_status_only_looks_are_enough_to_be_certain() -> None:
     # What the watch sees every second: each group's last number, no entries.
     leaver = History(1, last={"0": 23}, left=True, known=True)
@@ -153,8 +173,10 @@ def test_the_records_elastic_nb_writes_parse_like_torchs_dumps() -> None:
     # recorder.py's shape: torch's JSON dump (strings in pg_status) plus c10d's group members.
     rec = {
         "groups": {"0": [0, 1], "1": [0]},
+        "seqs": {"0": 12, "1": 0},
         "dump": {
-            "pg_status": {"0": {"last_enqueued_collective": "12"}, "1": {}},
+            # Keyed by a per-process backend counter, not by name: never read.
+            "pg_status": {"0": {"last_enqueued_collective": "99"}, "1": {}},
             "pg_config": {"": {"name": "", "ranks": "[]"}},
             "entries": [
                 {
@@ -267,8 +289,7 @@ def test_two_nccl_ranks_in_different_ops_at_the_same_number() -> None:
 def test_gloo_and_nccl_numbers_of_one_group_never_mix() -> None:
     # One process group with both backends: each numbers its own collectives.
     def record(gloo_last: int, *nccl: dict) -> dict:
-        gloo = {"pg_status": {"0": {"last_enqueued_collective": str(gloo_last)}}, "entries": []}
-        return {"dump": gloo, **nccl_dump(*nccl)}
+        return {"seqs": {"0": gloo_last}, **nccl_dump(*nccl)}
 
     leaver = history(1, record(3, nccl_entry(9, "all_reduce", "completed")), CELL, left=True)
     waiter = history(0, record(3, nccl_entry(10, "all_reduce", "started")), CELL)

@@ -27,3 +27,11 @@ def test_a_cuda_tensor_travels_on_the_cpu() -> None:
     )
     assert t.device.type == "cpu" and p.device.type == "cpu"
     assert isinstance(p, torch.nn.Parameter) and p.requires_grad
+
+
+def test_a_model_on_the_meta_device_travels_as_it_is() -> None:
+    # Built without memory, to be materialised in each rank: there is no data to move.
+    with torch.device("meta"):
+        model = torch.nn.Linear(4, 4)
+    back = pickle.loads(pickling.dumps(model))
+    assert back.weight.device.type == "meta" and back.weight.shape == (4, 4)

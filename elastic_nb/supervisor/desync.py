@@ -101,6 +101,12 @@ def history(rank: int, record: dict[str, Any] | None, cell: str, left: bool = Fa
         if isinstance(dump, dict):
             h.known = True
             _parse(h, dump, cell, key)
+    seqs = record.get("seqs")
+    if isinstance(seqs, dict) and seqs:  # none: no group yet, or a torch that cannot say
+        h.known = True
+        for group, seq in seqs.items():
+            if (n := _int(seq)) is not None and n > 0:
+                h.last[str(group)] = max(h.last.get(str(group), 0), n)
     h.members.update({str(g): list(r) for g, r in (record.get("groups") or {}).items()})
     return h
 
@@ -111,10 +117,9 @@ def _parse(h: History, dump: dict[str, Any], cell: str, key: str) -> None:
     # A dump is NCCL's by its entries' names ("nccl:all_reduce"); an empty one by where it came.
     nccl = any(n.startswith("nccl:") for n in names) if names else key == "nccl"
     suffix = NCCL if nccl else ""
-    for group, status in (dump.get("pg_status") or {}).items():
-        seq = _int(status.get("last_enqueued_collective"))
-        if seq is not None and seq > 0:
-            h.last[f"{group}{suffix}"] = seq
+    # Not pg_status: torch keys it by a per-process backend counter, not by the group's name
+    # (a rank outside a group never creates its backend, so the same key names other groups
+    # on other ranks), and NCCL's counts point-to-point ops in it too.
     for e in entries:
         if e.get("is_p2p"):
             continue  # point-to-point ops count apart (p2p_seq_id) and pair up by peer

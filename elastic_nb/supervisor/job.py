@@ -134,7 +134,8 @@ class Job:
         self._lines_seen = 0
         self._hang_reported = False
         self._oom_base = procs.oom_kills()
-        self._watchdog_alerts: set[tuple[int, int]] = set()  # NCCL timeouts that end nothing
+        self._watchdog_alerts: set[int] = set()  # attempts whose NCCL timeouts end nothing
+        self._deferred: list[tuple[RankState, str]] = []  # failures seen while diagnosing
         self._watchdog_fired = False
         self._zombies: set[tuple[int, int]] = set()  # (attempt, rank) dead and left unreaped
         self._exits: dict[tuple[int, int], anyio.Event] = {}  # forked ranks' reported ends
@@ -364,7 +365,13 @@ class Job:
     def _on_rank_failed(self, r: RankState, kind: str) -> None:
         if kind == "oom" and r.failure is not None:
             self._alert_oom(r)
-        if r.attempt in self._failed_attempts or r.attempt in self._diagnosing:
+        self._decide_rank_failed(r, kind)
+
+    def _decide_rank_failed(self, r: RankState, kind: str) -> None:
+        if r.attempt in self._failed_attempts:
+            return
+        if r.attempt in self._diagnosing:
+            self._deferred.append((r, kind))  # decided once the diagnosis under way has ended
             return
         if kind == "collective_timeout" and r.attempt == self.attempt:
             # Hold the decision until every live rank's stack is on disk: the teardown would
@@ -427,10 +434,10 @@ class Job:
         if self.spec.async_error_handling in TEARS_DOWN:
             r.watchdog = {"time": time.time(), "line": line}
             self._evaluate(r)
-        elif (attempt, rank) not in self._watchdog_alerts:
+        elif attempt not in self._watchdog_alerts:
             # The rank lives on and the error may reach the cell, which may handle it: say
-            # where every rank is, end nothing.
-            self._watchdog_alerts.add((attempt, rank))
+            # where every rank is (once an attempt: every rank's watchdog says it), end nothing.
+            self._watchdog_alerts.add(attempt)
             what = watchdog_summary(line)
             title = f"rank {rank}: {what}; it lives on (--async-error-handling "
             title += f"{self.spec.async_error_handling})"
@@ -470,15 +477,14 @@ class Job:
             ev = await self._evidence()
             desync = ev.desync
             op = ev.where[r.rank].collective() if r.rank in ev.where else None
-            if r.watchdog is not None:
-                op = watchdog_op(r.watchdog["line"]) or op
             timeout = self.spec.collective_timeout
-            title = f"rank {r.rank} timed out in {op or 'a collective'}" + (
-                f" after {timeout:g} s" if timeout else ""
-            )
+            after = f" after {timeout:g} s" if timeout else ""
+            if r.watchdog is not None:  # its own words: the op, and the timeout it had
+                op, after = watchdog_op(r.watchdog["line"]) or op, ""
+            title = f"rank {r.rank} timed out in {op or 'a collective'}{after}"
             if desync is not None:
                 title += f": {desync.text}"
-                self._blame(desync)
+                self._blame(r.attempt, desync)
             self._diagnosis = {
                 "text": desync.text if desync else None,
                 "hint": desync.hint if desync else None,
@@ -489,6 +495,7 @@ class Job:
         finally:
             self._diagnosing.discard(r.attempt)
             self._fail_attempt(r, kind)
+            self._decide_deferred()
 
     async def _watch_desync(self) -> None:
         """Find a desync the moment it can no longer resolve (`desync.find_certain`: a rank
@@ -534,7 +541,12 @@ class Job:
         try:
             ev = await self._evidence()
             desync = ev.desync
-            if desync is None or not desync.certain or attempt != self.attempt:
+            if (
+                desync is None
+                or not desync.certain
+                or attempt != self.attempt
+                or self._outcome is not None
+            ):
                 # The full look did not bear it out: keep watching (and keep the record).
                 self._log_event(
                     "desync.unconfirmed",
@@ -542,7 +554,7 @@ class Job:
                     verdict=desync.text if desync else None,
                 )
                 return False
-            self._blame(desync)
+            self._blame(attempt, desync)
             self._diagnosis = {"text": desync.text, "hint": desync.hint, "stacks": ev.stacks}
             culprit = self._ranks[(attempt, desync.behind[0])]
             self._alert(
@@ -552,13 +564,21 @@ class Job:
             return True
         finally:
             self._diagnosing.discard(attempt)
+            self._decide_deferred()
 
-    def _blame(self, desync: Desync) -> None:
+    def _decide_deferred(self) -> None:
+        """Failures that came while a diagnosis held the attempt: an unconfirmed desync must
+        not swallow a rank's own exception."""
+        deferred, self._deferred = self._deferred, []
+        for r, kind in deferred:
+            self._decide_rank_failed(r, kind)
+
+    def _blame(self, attempt: int, desync: Desync) -> None:
         """Say on each culprit's chip what it did: a rank that left early exited 0, but it is
         the one that broke the group."""
-        self._behind[self.attempt] = desync.behind
+        self._behind[attempt] = desync.behind
         for rank, note in desync.notes.items():
-            r = self._ranks.get((self.attempt, rank))
+            r = self._ranks.get((attempt, rank))
             if r is not None:
                 r.blame = note
                 self._pending_ranks[rank] = self._chip(r)

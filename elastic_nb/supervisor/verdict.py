@@ -44,9 +44,10 @@ _TIMED_OUT = re.compile(
 # Watchdog::runLoop and the heartbeat monitor). With TORCH_NCCL_ASYNC_ERROR_HANDLING=1 it then
 # waits for the flight recorder's dump (60 s by default) and aborts: no exception reaches the
 # cell, no failure record is written, and the rank ends in SIGABRT like every other rank.
+# ("failure detected by watchdog at work sequence id" is not one: NCCL logs it for any failed
+# work, a dead peer's included.)
 NCCL_TIMEOUT_MARKS = (
     b"Watchdog caught collective operation timeout",
-    b"failure detected by watchdog at work sequence id",
     b"Received a dump signal due to a collective timeout from this local rank",
 )
 # Lines torch's C++ logging writes by itself (glog style, "[rank0]:[E1123 ...] ProcessGroupNCCL

@@ -39,20 +39,18 @@ _MAX_FRAMES = 8  # innermost frames kept per entry, down to the cell's own
 
 
 def snapshot(cell: str, full: bool, frames: bool = False) -> dict[str, Any]:
-    """What the flight recorders hold now: the CPU one (gloo) as ``dump``, NCCL's as ``nccl``.
-    Without `full`, only each group's last collective (``pg_status``): 0.1 ms, cheap enough to
-    ask every second. With it, every entry too: tens of milliseconds for a full buffer, asked
-    for only when a desync is suspected or certain. `frames`: each entry's Python stack too,
-    where that is cheap (see `_read`)."""
+    """Each group's members and collective count, from c10d's registry: cheap enough to ask
+    every second. With `full`, what the flight recorders hold too, the CPU one (gloo) as
+    ``dump``, NCCL's as ``nccl``: tens of milliseconds for a full buffer, asked for only when a
+    desync is suspected or certain. `frames`: each entry's Python stack too, where that is
+    cheap (see `_read`)."""
     record: dict[str, Any] = {"time": time.time(), "groups": {}, "seqs": {}, "dump": None}
     if "torch.distributed" not in sys.modules:
         return record  # the cell never loaded it: no collective to speak of
     from torch._C import _distributed_c10d as c10d
 
-    if not hasattr(c10d, "_dump_fr_trace_json"):  # torch before the CPU flight recorder
-        return record
     record["groups"], record["seqs"] = _groups()
-    if not full:
+    if not full or not hasattr(c10d, "_dump_fr_trace_json"):  # a torch without the recorder
         return record
     record["dump"] = _read(c10d._dump_fr_trace_json, c10d._dump_fr_trace, cell, frames)
     torch = sys.modules["torch"]

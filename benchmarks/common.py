@@ -125,6 +125,13 @@ def torchrun(
     return Run(t0, time.time(), read_marks(directory), code, out.decode(errors="replace"))
 
 
+def print_blamed(blamed: dict[str, list[int | None]], rank: int, what: str = "") -> None:
+    """How often each side named the right rank: 'torchrun named rank 1 in 0 of 5 runs'."""
+    for side, ranks in blamed.items():
+        right = sum(r == rank for r in ranks)
+        print(f"{side} named rank {rank}{what} in {right} of {len(ranks)} runs (blamed: {ranks})")
+
+
 def torchrun_root_rank(output: str) -> int | None:
     """The rank torchrun's error report names as the root cause."""
     m = re.search(r"Root Cause.*?rank\s*:\s*(\d+)", output, re.S)

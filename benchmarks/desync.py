@@ -14,6 +14,7 @@ from common import (
     alternate,
     bench_dir,
     median,
+    print_blamed,
     row,
     runs,
     torchrun,
@@ -75,9 +76,7 @@ def main() -> None:
             "<= 2 s, naming rank 1",
         )
     )
-    for side, ranks in blamed.items():
-        right = sum(r == 1 for r in ranks)
-        print(f"{side} named rank 1 in {right} of {len(ranks)} runs (blamed: {ranks})")
+    print_blamed(blamed, 1)
     verdict = "meets" if median(xs) <= 2.0 else "misses"
     print(f"elastic_nb median {median(xs):.2f} s: {verdict} the 2 s target")
 

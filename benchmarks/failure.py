@@ -13,6 +13,7 @@ from common import (
     alternate,
     bench_dir,
     median,
+    print_blamed,
     row,
     runs,
     torchrun,
@@ -64,11 +65,7 @@ def main() -> None:
             "<= 0.5 s",
         )
     )
-    for side, ranks in blamed.items():
-        right = sum(r == 1 for r in ranks)
-        print(
-            f"{side} named rank 1 as the failure in {right} of {len(ranks)} runs (blamed: {ranks})"
-        )
+    print_blamed(blamed, 1, " as the failure")
     print(
         f"elastic_nb median {median(xs):.2f} s: {'meets' if median(xs) <= 0.5 else 'misses'} the 0.5 s target"
     )

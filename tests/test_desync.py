@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from elastic_nb.rundir import RunDir
 from elastic_nb.supervisor import forensics
 from elastic_nb.supervisor.desync import (
     History,
@@ -31,7 +32,7 @@ CELL = record.CELL
 def recorded(scenario: str, left: tuple[int, ...] = ()) -> dict[int, History]:
     out = {}
     for rank in (0, 1):
-        dump = read_nccl_dump(DATA / scenario / f"fr-rank-{rank}")
+        dump = read_nccl_dump(RunDir(DATA), DATA / scenario / f"fr-rank-{rank}")
         assert dump is not None
         out[rank] = history(rank, dump, CELL, left=rank in left)
     return out
@@ -204,8 +205,8 @@ def test_nothing_readable_is_nothing_known(rec: dict | None) -> None:
 def test_a_truncated_dump_reads_as_none(tmp_path: Path) -> None:
     p = tmp_path / "fr-rank-0"
     p.write_bytes((DATA / "mismatch" / "fr-rank-0").read_bytes()[:100])
-    assert read_nccl_dump(p) is None
-    assert read_nccl_dump(tmp_path / "absent") is None
+    assert read_nccl_dump(RunDir(tmp_path), p) is None
+    assert read_nccl_dump(RunDir(tmp_path), tmp_path / "absent") is None
 
 
 # ---- NCCL: entries as torch's flight recorder documents them (scheduled/started/completed) ---
@@ -306,10 +307,12 @@ def test_gloo_and_nccl_numbers_of_one_group_never_mix() -> None:
 def test_a_dump_someone_else_wrote_is_not_unpickled(tmp_path: Path) -> None:
     p = tmp_path / "fr-rank-0"
     p.write_bytes((DATA / "mismatch" / "fr-rank-0").read_bytes())
-    assert read_nccl_dump(p) is not None
+    assert read_nccl_dump(RunDir(tmp_path), p) is not None
     link = tmp_path / "fr-rank-1"
     link.symlink_to(p)
-    assert read_nccl_dump(link) is None  # never follow a link planted in the run directory
+    assert (
+        read_nccl_dump(RunDir(tmp_path), link) is None
+    )  # never follow a link planted in the run directory
 
 
 def test_a_rank_that_timed_out_waiting_for_the_leaver_still_points_at_it() -> None:

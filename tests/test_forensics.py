@@ -454,10 +454,17 @@ def test_nccls_watchdog_line_is_a_timeout_diagnosed_before_its_abort(
 
 
 def test_a_mode_that_keeps_the_rank_gets_an_alert_not_an_end(kernel: Kernel) -> None:
-    cell = FAKE_NCCL.replace(" MODE", " --async-error-handling 2").replace(
-        "    dist.all_reduce(torch.ones(1))   # rank 1 never comes\n", "    time.sleep(4)\n"
+    # Rank 0 lives on until the alert is in the job's event log (not for a guessed while).
+    until_alerted = (
+        "    events = os.path.join(os.environ['ELASTIC_NB_RUN_DIR'], 'events.jsonl')\n"
+        "    deadline = time.time() + 60\n"
+        "    while '\"collective_timeout\"' not in open(events).read() and time.time() < deadline:\n"
+        "        time.sleep(0.05)\n"
     )
-    cell = cell.replace("    time.sleep(600)\n", "    time.sleep(4)\n")
+    cell = FAKE_NCCL.replace(" MODE", " --async-error-handling 2").replace(
+        "    dist.all_reduce(torch.ones(1))   # rank 1 never comes\n", until_alerted
+    )
+    cell = cell.replace("    time.sleep(600)\n", "    pass\n")
     cell += "print('monitoring', os.environ['TORCH_NCCL_ENABLE_MONITORING'])\n"
     ex = kernel.ok(cell)
     assert (

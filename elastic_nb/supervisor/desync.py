@@ -25,13 +25,13 @@ a desync (it may still arrive).
 from __future__ import annotations
 
 import json
-import os
 import pickle
-import stat
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from elastic_nb.rundir import RunDir
 
 __all__ = [
     "Finding",
@@ -80,6 +80,10 @@ class History:
         CPU side runs ahead of the GPU, so later ones may be queued behind it."""
         pending = [op for (g, _), op in self.ops.items() if g == group and not op.done]
         return min(pending, key=lambda op: op.seq, default=None)
+
+    def waiting_in(self) -> Op | None:
+        """The collective this rank waits in, whichever of its groups it is in."""
+        return next((op for g in self.last if (op := self.in_flight(g)) is not None), None)
 
     def absorb(self, other: History) -> None:
         """Add another dump of the same rank (NCCL's own, beside the record the rank wrote)."""
@@ -149,21 +153,13 @@ def base(group: str) -> str:
     return group.removesuffix(NCCL)
 
 
-def read_nccl_dump(path: Path) -> dict[str, Any] | None:
+def read_nccl_dump(rd: RunDir, path: Path) -> dict[str, Any] | None:
     """NCCL's own dump on a timeout (TORCH_FR_DUMP_TEMP_FILE<rank>), as a record. Unpickling
-    runs code: only a regular file of our own user, never through a link."""
+    runs code: only what `RunDir.read_private` lets through (ours, nobody else's to write)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
+        dump = pickle.loads(rd.read_private(path))
+    except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ImportError, ValueError):
         return None
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
-            return None
-        try:
-            dump = pickle.load(f)
-        except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, ValueError):
-            return None
     return {"nccl": dump} if isinstance(dump, dict) else None
 
 

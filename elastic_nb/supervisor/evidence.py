@@ -73,7 +73,8 @@ class EvidenceCollector:
         number as another (a mismatch needs the ops' names)."""
         now = await self._probes.look(ranks, full=False)
         certain = find_certain(now)
-        suspects = [r for r in ranks if r.rank in stalled(before, now) and r.died_at is None]
+        still = stalled(before, now)
+        suspects = [r for r in ranks if r.rank in still and r.died_at is None]
         if certain is None and suspects:
             now.update(await self._probes.look(suspects, full=True))
             certain = find_certain(now)

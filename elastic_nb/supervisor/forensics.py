@@ -235,7 +235,9 @@ def _from_stacks(
     issued from C++, with no c10d frame on the stack)."""
     waiting: dict[int, str] = {}
     for r, w in where.items():
-        op = w.collective() or _in_flight_name(histories.get(r))
+        h = histories.get(r)
+        in_flight = h.waiting_in() if h is not None else None
+        op = w.collective() or (in_flight.name if in_flight else None)
         if op is not None and w.how != "finished":
             waiting[r] = op
     if not waiting:
@@ -270,13 +272,6 @@ def _from_stacks(
     return Desync(behind, sorted(waiters), text, notes=notes)
 
 
-def _in_flight_name(h: History | None) -> str | None:
-    if h is None:
-        return None
-    op = next((op for g in h.last if (op := h.in_flight(g)) is not None), None)
-    return op.name if op else None
-
-
 def _elsewhere(w: RankWhere, cell: str) -> str:
     if w.how == "finished":
         return "it had finished the cell"
@@ -299,7 +294,7 @@ def _waited_seq(waiters: list[int], histories: dict[int, History]) -> int | None
         h = histories.get(r)
         if h is None or not h.known:
             continue
-        op = next((op for g in h.last if (op := h.in_flight(g)) is not None), None)
+        op = h.waiting_in()
         seqs.add(op.seq if op else h.last.get(DEFAULT_GROUP, h.last.get(DEFAULT_GROUP + NCCL)))
     seqs.discard(None)
     return seqs.pop() if len(seqs) == 1 else None

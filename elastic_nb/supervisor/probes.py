@@ -62,7 +62,7 @@ class Probes:
             record = await self._ask(r, full)
         else:
             record = None
-        nccl = read_nccl_dump(nccl_path)
+        nccl = read_nccl_dump(self._rd, nccl_path)
         if record is None and nccl is None:
             return None
         h = history(r.rank, record, self._cell, left=r.done is not None)

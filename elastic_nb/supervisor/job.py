@@ -48,6 +48,7 @@ from elastic_nb.supervisor.verdict import (
     watchdog_op,
     watchdog_summary,
 )
+from elastic_nb.supervisor.watchdogs import stuck_agent
 
 __all__ = ["Job"]
 
@@ -654,50 +655,33 @@ class Job:
         return any(r.done is None and r.failure is None for r in live)
 
     def _watch_agent(self) -> None:
-        """The zombie watchdog: dead ranks the agent does not reap, or an agent whose monitor
-        loop stopped while ranks still run, mean torchelastic is stuck (the Event.set deadlock,
-        a frozen launcher). Say so, and stop the launcher: SIGTERM breaks that wait."""
+        """The zombie watchdog (`watchdogs.stuck_agent` judges): say so, and stop the launcher,
+        SIGTERM breaks the agent's stuck wait."""
         launcher = self._launcher
         if self._watchdog_fired or launcher is None or launcher.poll() is not None:
             return
-        now, bound = time.time(), self.zombie_bound_s
-        why = None
-        for r in self._ranks.values():
-            if r.died_at is None or now - r.died_at < bound or r.pid is None:
-                continue
-            if self._teardown_at is not None and r.died_at >= self._teardown_at:
-                continue  # dying because we stop the job: the agent is busy with that
-            if procs.zombie_exit_code(r.pid) is not None:
-                why = f"rank {r.rank} died {now - r.died_at:.1f} s ago and is still unreaped"
-                self._zombies.add((r.attempt, r.rank))
-                self._pending_ranks[r.rank] = self._chip(r)
-                break
-        ranks = self._attempt_ranks(self.attempt)
-        if (
-            why is None
-            and len(ranks) == self.spec.nproc
-            and all(r.done and r.died_at for r in ranks)
-        ):
-            # Forked ranks are reaped by their fork server, so torch's Event.set() deadlock
-            # leaves no zombie behind: only an agent that does not return after every rank has.
-            gone = now - max(r.died_at or now for r in ranks)
-            if gone > bound:
-                why = (
-                    f"every rank finished the cell and exited {gone:.1f} s ago; it has not returned"
-                )
         state = procs.proc_state(launcher.pid)
-        if why is None and self._outcome is None and self.state == "running" and self.last_tick:
-            # Once every rank has finished the cell the agent legitimately sits in join()
-            # while they exit (no ticks then); a loop silent while ranks still run is stuck.
-            busy = any(r.done is None for r in self._attempt_ranks(self.attempt))
-            stopped = state is not None and state[0] in "Tt"
-            if now - self.last_tick > bound and (busy or stopped):
-                why = f"its monitor loop has not run for {now - self.last_tick:.1f} s"
-        if why is None:
+        current = self._attempt_ranks(self.attempt)
+        stuck = stuck_agent(
+            self._ranks.values(),
+            current,
+            self.spec.nproc,
+            time.time(),
+            self.zombie_bound_s,
+            self._teardown_at,
+            self.last_tick,
+            ticking=self._outcome is None and self.state == "running",
+            launcher_stopped=state is not None and state[0] in "Tt",
+            unreaped=lambda pid: procs.zombie_exit_code(pid) is not None,
+        )
+        if stuck is None:
             return
+        why, zombie = stuck
+        if zombie is not None:
+            self._zombies.add((zombie.attempt, zombie.rank))
+            self._pending_ranks[zombie.rank] = self._chip(zombie)
         self._watchdog_fired = True
-        ranks = self._attempt_ranks(self.attempt)
-        finished = [r.rank for r in ranks if r.done is not None]
+        finished = [r.rank for r in current if r.done is not None]
         title = f"torchelastic's agent is stuck (zombie): {why}"
         if state is not None:
             title += f"; the launcher (pid {launcher.pid}) is {state[1]}"

@@ -1,0 +1,49 @@
+"""The zombie watchdog's judgement on hand-made observations (the real deadlocks are in
+test_forensics.py)."""
+
+from __future__ import annotations
+
+from elastic_nb.supervisor.verdict import RankState
+from elastic_nb.supervisor.watchdogs import stuck_agent
+
+BOUND = 1.5
+
+
+def judge(ranks: list[RankState], now: float = 10.0, **kw: object) -> object:
+    args = dict(
+        nproc=len(ranks),
+        now=now,
+        bound=BOUND,
+        teardown_at=None,
+        last_tick=now,
+        ticking=True,
+        launcher_stopped=False,
+        unreaped=lambda pid: True,
+    )
+    args.update(kw)
+    return stuck_agent(ranks, ranks, **args)  # type: ignore[arg-type]
+
+
+def test_a_rank_dead_and_unreaped_past_the_bound() -> None:
+    dead = RankState(0, 1, pid=11, died_at=8.0, exit_code=-6)
+    why, zombie = judge([RankState(0, 0, pid=10), dead])  # type: ignore[misc]
+    assert why == "rank 1 died 2.0 s ago and is still unreaped" and zombie is dead
+    assert judge([RankState(0, 0, pid=10), dead], unreaped=lambda pid: False) is None
+    assert judge([RankState(0, 0, pid=10), dead], now=9.0) is None  # within the bound
+    assert judge([RankState(0, 0, pid=10), dead], teardown_at=7.0) is None  # we stopped it
+
+
+def test_every_rank_done_and_gone_but_no_return() -> None:
+    done = [RankState(0, r, pid=r, done={"time": 1}, died_at=7.0) for r in (0, 1)]
+    why, zombie = judge(done, unreaped=lambda pid: False)  # type: ignore[misc]
+    assert why.startswith("every rank finished the cell and exited 3.0 s ago") and zombie is None
+
+
+def test_a_silent_monitor_loop_while_ranks_run() -> None:
+    running = [RankState(0, r, pid=r) for r in (0, 1)]
+    why, _ = judge(running, last_tick=8.0)  # type: ignore[misc]
+    assert why == "its monitor loop has not run for 2.0 s"
+    assert judge(running, last_tick=8.0, ticking=False) is None  # decided, or not running
+    finished = [RankState(0, r, pid=r, done={"time": 1}) for r in (0, 1)]
+    assert judge(finished, last_tick=8.0) is None  # the agent waits in join(): no ticks then
+    assert judge(finished, last_tick=8.0, launcher_stopped=True) is not None  # SIGSTOPped

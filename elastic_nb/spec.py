@@ -22,6 +22,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from elastic_nb import gpus
+
 __all__ = ["DEFAULTS", "JobSpec", "SpecError", "default_log_dir", "preflight"]
 
 
@@ -183,7 +185,8 @@ class JobSpec:
         o = {**DEFAULTS, **options}
         cwd = os.path.abspath(cwd or os.getcwd())
 
-        nproc = _parse_nproc(o["nproc"])
+        env = _parse_env(o["env"])
+        nproc = _parse_nproc(o["nproc"], {**os.environ, **env})
         _check_single_node(str(o["nnodes"]), str(o["rdzv_endpoint"]))
         max_restarts = _parse_int("--max-restarts", o["max_restarts"], minimum=0)
         monitor_interval = _parse_seconds("--monitor-interval", o["monitor_interval"])
@@ -233,7 +236,7 @@ class JobSpec:
             rdzv_endpoint=rdzv_endpoint,
             rdzv_id=None if rdzv_id is None else str(rdzv_id),
             rdzv_conf=_parse_pairs("--rdzv-conf", o["rdzv_conf"], split_commas=True),
-            env=_parse_env(o["env"]),
+            env=env,
             timeout=_parse_optional_seconds("--timeout", o["timeout"]),
             collective_timeout=_parse_optional_seconds(
                 "--collective-timeout", o["collective_timeout"]
@@ -365,30 +368,22 @@ def _parse_optional_seconds(flag: str, value: Any) -> float | None:
     return _parse_seconds(flag, value)
 
 
-def _parse_nproc(value: Any) -> int:
+def _parse_nproc(value: Any, env: Mapping[str, str]) -> int:
     text = str(value).strip().lower()
     if text in ("gpu", "auto"):
-        gpus = visible_gpu_count()
-        if gpus:
-            return gpus
+        count = gpus.visible_gpu_count(env)
+        if count:
+            return count
         if text == "gpu":
-            raise SpecError("--nproc gpu: no NVIDIA GPU is visible to this kernel")
+            visible = env.get("CUDA_VISIBLE_DEVICES")
+            raise SpecError(
+                "--nproc gpu: no NVIDIA GPU is visible"
+                + ("" if visible is None else f" with CUDA_VISIBLE_DEVICES={visible!r}")
+            )
         text = "cpu"
     if text == "cpu":
         return os.cpu_count() or 1
-    n = _parse_int("--nproc", text, minimum=1)
-    return n
-
-
-def visible_gpu_count() -> int:
-    """Count GPUs without touching CUDA in the kernel (never initialise CUDA before a fork)."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
-    try:
-        return len(os.listdir("/proc/driver/nvidia/gpus"))
-    except OSError:
-        return 0
+    return _parse_int("--nproc", text, minimum=1)
 
 
 def _check_single_node(nnodes: str, endpoint: str) -> None:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import socket
 from pathlib import Path
 
 import pytest
 
+from elastic_nb import gpus
 from elastic_nb.spec import JobSpec, SpecError, preflight
 
 
@@ -103,15 +105,23 @@ def test_bad_values_name_the_flag(options: dict[str, object], message: str) -> N
     assert message in str(info.value)
 
 
-def test_gpu_count_comes_from_cuda_visible_devices(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gpu_count_is_what_cuda_would_see_with_the_jobs_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # This machine has no NVIDIA driver: the variable alone names no GPU.
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,3")
-    assert spec(nproc="gpu").nproc == 3
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    with pytest.raises(SpecError, match="no NVIDIA GPU"):
+    with pytest.raises(SpecError, match="no NVIDIA GPU is visible with CUDA_VISIBLE_DEVICES='0,1,3'"):
         spec(nproc="gpu")
-    assert spec(nproc="auto").nproc >= 1  # falls back to the CPU count
-
-
+    assert spec(nproc="auto").nproc == os.cpu_count()  # falls back to the CPU count
+    # Four GPUs as NVML would list them (tests/test_gpus.py checks the rules against torch's).
+    found = [gpus.Gpu(f"GPU-{i}000", mig=False) for i in range(4)]
+    monkeypatch.setattr(gpus, "nvml_gpus", lambda: found)
+    assert spec(nproc="gpu").nproc == 3
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,-1,2")  # CUDA stops at the first invalid
+    assert spec(nproc="gpu").nproc == 2
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert spec(nproc="auto").nproc == 4
+    assert spec(nproc="gpu", env=["CUDA_VISIBLE_DEVICES=2"]).nproc == 1  # what the ranks get
 def test_preflight_refuses_a_busy_port(tmp_path: Path) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

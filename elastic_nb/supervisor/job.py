@@ -128,6 +128,7 @@ class Job:
         self._events: Any = None
         # forensics
         self._diagnosing: set[int] = set()  # attempts whose timeout is being diagnosed
+        self._diagnosis_ended = anyio.Event()  # replaced after each end
         self._diagnosis: dict[str, Any] | None = None  # what the summary says about a desync
         self._behind: dict[int, list[int]] = {}  # attempt -> ranks a desync verdict blamed
         self._collector = EvidenceCollector(self.rd, source)
@@ -231,6 +232,10 @@ class Job:
         with anyio.move_on_after(KILL_WAIT_S):
             while self._launcher.poll() is None:
                 await anyio.sleep(0.02)
+        # torchelastic gives up the moment a rank fails; a diagnosis under way (stacks taken
+        # while the others were still alive) decides first, or its verdict would be lost.
+        while self._diagnosing:
+            await self._diagnosis_ended.wait()
         self._decide_from_launcher()
 
     def _on_launcher(self, msg: dict[str, Any]) -> None:
@@ -570,6 +575,8 @@ class Job:
     def _decide_deferred(self) -> None:
         """Failures that came while a diagnosis held the attempt: an unconfirmed desync must
         not swallow a rank's own exception."""
+        self._diagnosis_ended.set()
+        self._diagnosis_ended = anyio.Event()
         deferred, self._deferred = self._deferred, []
         for r, kind in deferred:
             self._decide_rank_failed(r, kind)

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -55,11 +55,13 @@ class Launcher:
         self.ready = False
         self.started = time.time()
         self.job: str | None = None  # who it was handed to
-        # The pool reads the pipe while the launcher is idle; a job that takes it cancels
-        # that read and waits for it to let go (one reader per pipe).
-        self._pool_reading = anyio.CancelScope()
-        self._pool_done = anyio.Event()
-        self._pool_watching = False
+        self.last_tick: float | None = None  # its agent's monitor loop, as last heard
+        self.result: dict[str, Any] | None = None  # what elastic_launch returned or raised
+        self.closed = anyio.Event()  # its pipe reached EOF: the launcher is exiting
+        self.discarded = False  # ended by us while idle, not died
+        # One reader of the pipe for the launcher's life (`read`); the job that takes it
+        # receives its messages from this stream.
+        self._forward, self.messages = anyio.create_memory_object_stream[dict[str, Any]](math.inf)
         with open(log_path, "ab") as log:
             # start_new_session: the launcher, its fork server and every rank are one process
             # group the job's teardown signals as a whole. Started from the supervisor's main
@@ -83,47 +85,67 @@ class Launcher:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    async def watch_idle(self) -> bool:
-        """Read its pipe while it waits for a job: READY marks it ready; EOF means it exited
-        (True). A job that takes it stops this read (False): from then on the job reads the
-        pipe, with this decoder (a launcher says nothing between READY and its job)."""
-        self._pool_watching = True
-        try:
-            with self._pool_reading:
-                async for msg in self.messages():
-                    if msg["kind"] == protocol.READY:
-                        self.ready = True
-                return True
-            return False
-        finally:
-            self._pool_done.set()
-
-    async def messages(self) -> AsyncIterator[dict[str, Any]]:
-        """Frames from its pipe, until it closes (the launcher is exiting)."""
+    async def read(self) -> None:
+        """Read its pipe until EOF (the launcher is exiting). READY marks it ready, TICK is
+        kept as `last_tick`, RESULT as `result`; the rest, once a job has it, goes to
+        `messages`, which ends at EOF."""
         assert self.proc.stdout is not None
         fd = self.proc.stdout.fileno()
-        while True:
-            await anyio.wait_readable(fd)
-            try:
-                data = os.read(fd, 1 << 16)
-            except BlockingIOError:
-                continue
-            if not data:
-                return
-            for msg, _ in self.decoder.feed(data):
-                yield msg
+        try:
+            while True:
+                await anyio.wait_readable(fd)
+                try:
+                    data = os.read(fd, 1 << 16)
+                except BlockingIOError:
+                    continue
+                if not data:
+                    return
+                for msg, _ in self.decoder.feed(data):
+                    kind = msg["kind"]
+                    if kind == protocol.TICK:
+                        self.last_tick = time.time()
+                        continue
+                    if kind == protocol.RESULT:
+                        self.result = msg
+                    if kind == protocol.READY:
+                        self.ready = True
+                        if self.job is None:
+                            continue  # said while idle: nothing a job needs to hear
+                    self._forward.send_nowait(msg)
+        finally:
+            self._forward.close()
+            self.proc.stdout.close()
+            self.closed.set()
 
-    async def pipe_released(self) -> None:
-        """Wait until the pool no longer reads this launcher's pipe (see `watch_idle`)."""
-        if self._pool_watching:
-            await self._pool_done.wait()
+    async def exited(self) -> int:
+        """Wait for the process to end (its pidfd), reap it, and return its status."""
+        fd = procs.pidfd_open(self.pid)
+        if fd is not None:
+            try:
+                await anyio.wait_readable(fd)
+            finally:
+                os.close(fd)
+        while (code := self.proc.poll()) is None:  # no pidfd: an old kernel
+            await anyio.sleep(0.02)
+        return code
 
     def assign(self, job_id: str, run_dir: str, env: dict[str, str]) -> bytes:
         """Make it the job's; returns the assignment for the caller to write (off the loop:
-        an environment can be larger than a pipe's buffer)."""
+        an environment can be larger than a pipe's buffer). The ranks get the job's
+        environment, marked with its id (procs.MARKER: how its processes are found)."""
         self.job = job_id
-        self._pool_reading.cancel()
+        env = {**env, procs.MARKER: job_id, "ELASTIC_NB_SUPERVISOR_PID": str(os.getpid())}
+        if "matplotlib_inline" in env.get("MPLBACKEND", ""):
+            env["MPLBACKEND"] = "Agg"  # the kernel's inline backend means nothing in a rank
         return json.dumps({"job": job_id, "run_dir": run_dir, "env": env}).encode() + b"\n"
+
+    def outcome(self, log: Path) -> tuple[str, str]:
+        """How the job ends by the launcher's account, once it has exited."""
+        if self.result and self.result.get("ok"):
+            return "succeeded", "elastic_launch returned"
+        if self.result:
+            return "failed", f"torchelastic gave up: {self.result.get('error')}"
+        return "failed", f"the launcher {procs.describe_exit(self.proc.poll())} (see {log})"
 
     def write_assignment(self, line: bytes) -> None:
         assert self.proc.stdin is not None
@@ -132,15 +154,15 @@ class Launcher:
             self.proc.stdin.close()
 
     def discard(self) -> None:
-        """End an idle launcher and its fork server (one process group), and reap it."""
-        self._pool_reading.cancel()  # the pool's watch ends quietly, not on a closed pipe
+        """End an idle launcher and its fork server (one process group), and reap it. Its pipe
+        is `read`'s to close, at the EOF this brings."""
+        self.discarded = True
         procs.signal_group(self.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=5)
-        for pipe in (self.proc.stdin, self.proc.stdout):
+        if self.proc.stdin is not None:
             with contextlib.suppress(OSError):
-                if pipe is not None:
-                    pipe.close()
+                self.proc.stdin.close()
         with contextlib.suppress(OSError):
             self.log_path.unlink()
 
@@ -239,9 +261,12 @@ class LauncherPool:
             "ELASTIC_NB_PRELOAD": json.dumps(list(spec.preload)),
             "ELASTIC_NB_SYS_PATH": json.dumps(list(spec.sys_path)),
         }
-        return Launcher(
+        launcher = Launcher(
             start_env, spec.preload, Path(f"{self._log_stem}-launcher-{self._count}.log")
         )
+        assert self._tg is not None
+        self._tg.start_soon(launcher.read)
+        return launcher
 
     async def _keep(self, launcher: Launcher) -> None:
         """Watch a warm launcher while it waits; replace it if it dies before a job takes it.
@@ -252,8 +277,9 @@ class LauncherPool:
             print(f"elastic_nb supervisor: watching a warm launcher: {e!r}", file=sys.stderr)
 
     async def _watch(self, launcher: Launcher) -> None:
-        if not await launcher.watch_idle():
-            return  # a job took it
+        await launcher.closed.wait()
+        if launcher.job is not None or launcher.discarded:
+            return  # a job took it (and watches it now), or we ended it
         # It died waiting: say why, and warm another (not forever, if it never got ready).
         tail = _tail(launcher.log_path)
         launcher.discard()

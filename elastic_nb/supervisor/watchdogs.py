@@ -1,18 +1,31 @@
-"""The zombie watchdog's judgement, as a pure function of what the supervisor observed.
+"""The watchdogs' judgements, as functions of what the supervisor observed: the zombie watchdog
+(is torchelastic's agent stuck?) and --hang-after (has every rank been silent too long?).
 
 torchelastic's agent is stuck when it leaves a dead rank unreaped (spawned ranks are its
 children), when it does not return after every rank finished and exited (forked ranks are
 reaped by their fork server, so torch's Event.set() deadlock leaves no zombie), or when its
 monitor loop stops ticking while ranks still run the cell. The job acts on the reason.
+
+Silence is no new line and no start or exit from any rank while they run the cell. A rank still
+starting its interpreter is busy, not silent (and has no stack to show yet); ranks that all
+finished the cell are the agent's to reap (the zombie watchdog's business).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
+from elastic_nb import protocol
 from elastic_nb.supervisor.verdict import RankState
 
-__all__ = ["stuck_agent"]
+__all__ = ["Silence", "stuck_agent", "zombie_bound", "zombie_title"]
+
+
+def zombie_bound(monitor_interval: float) -> float:
+    """How long a dead rank may stay unreaped, or the agent's loop silent, before the watchdog
+    calls the agent stuck: a few monitor passes and one tick period past 1 s."""
+    return 1.0 + 3 * monitor_interval + protocol.TICK_EVERY_S
 
 
 def stuck_agent(
@@ -52,3 +65,36 @@ def stuck_agent(
         if now - last_tick > bound and (busy or launcher_stopped):
             return f"its monitor loop has not run for {now - last_tick:.1f} s", None
     return None
+
+
+def zombie_title(
+    why: str, launcher_pid: int, state: tuple[str, str] | None, finished: list[int]
+) -> str:
+    title = f"torchelastic's agent is stuck (zombie): {why}"
+    if state is not None:
+        title += f"; the launcher (pid {launcher_pid}) is {state[1]}"
+    if finished:
+        title += f"; rank{'s' if len(finished) > 1 else ''} "
+        title += ", ".join(map(str, finished)) + " had finished the cell"
+    return title + "; stopping it"
+
+
+@dataclass
+class Silence:
+    """--hang-after: how long every rank has said nothing, one alert per silence."""
+
+    last_activity: float  # output, a start or an exit, by any rank
+    lines_seen: int = 0
+    reported: bool = False
+
+    def activity(self, now: float) -> None:
+        self.last_activity = now
+
+    def due(self, now: float, lines: int, in_the_cell: bool, hang_after: float | None) -> bool:
+        """Observe the line count; True once, when the silence has lasted `hang_after`."""
+        if lines != self.lines_seen or not in_the_cell:
+            self.lines_seen, self.last_activity, self.reported = lines, now, False
+        if hang_after is None or self.reported or now - self.last_activity < hang_after:
+            return False
+        self.reported = True  # once per silence; output re-arms it
+        return True

@@ -1,0 +1,98 @@
+"""Ending a job's process tree: the launcher, its fork server, every rank, and whatever the cell
+started, found by the job's marker (never by name).
+
+SIGTERM goes to the launcher and every marked process, SIGKILL after the grace to the whole
+process group and every marked process again; what still lives after that is reported, by pid.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import psutil
+
+from elastic_nb import procs
+
+__all__ = ["ProcessTree", "unkillable"]
+
+POLL_S = 0.05
+KILL_WAIT_S = 5.0  # after SIGKILL, how long processes may take to vanish (D state)
+LEFTOVER_GRACE_S = 0.5  # after a successful launcher exits, its helpers' time to follow it
+
+
+class ProcessTree:
+    def __init__(self, job_id: str, launcher: subprocess.Popen[bytes]) -> None:
+        self.job_id = job_id
+        self.launcher = launcher
+
+    def alive(self, leftovers_too: bool = True) -> bool:
+        if self.launcher.poll() is None:
+            return True
+        return leftovers_too and bool(procs.job_processes([self.job_id]))
+
+    async def wait_gone(self, timeout: float, leftovers_too: bool = True) -> None:
+        with anyio.move_on_after(timeout):
+            while self.alive(leftovers_too):
+                await anyio.sleep(POLL_S)
+
+    async def leftovers_after_success(
+        self, grace: float, stuck: Callable[[], bool]
+    ) -> list[dict[str, Any]]:
+        """torch has joined the ranks and the launcher is on its way out: wait for it (unless the
+        agent is known stuck), then name what still carries the marker, left behind by the cell."""
+        with anyio.move_on_after(grace):
+            while self.alive(leftovers_too=False) and not stuck():
+                await anyio.sleep(POLL_S)
+        if self.launcher.poll() is None:
+            return []
+        # Helpers of the launcher (multiprocessing's resource tracker, a fork server) exit on
+        # their own once it has gone: give them a moment before blaming the cell.
+        await self.wait_gone(LEFTOVER_GRACE_S)
+        return [_describe(p) for p in procs.job_processes([self.job_id])]
+
+    async def stop(self, grace: float, on_signal: Callable[[str, int], None]) -> list[int]:
+        """SIGTERM, `grace`, SIGKILL; returns the pids that survived it all."""
+        pid = self.launcher.pid
+        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, KILL_WAIT_S)):
+            if not self.alive():
+                break
+            if sig == signal.SIGTERM:
+                # The launcher and every process marked with the job, not the whole group: the
+                # fork server lives on to tell the launcher how each forked rank ended, and exits
+                # when the launcher does. SIGKILL, if it comes to that, takes the whole group.
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+                procs.signal_group(pid, signal.SIGCONT)  # a stopped one too
+            else:
+                procs.signal_group(pid, sig)
+            stray = procs.kill_job([self.job_id], sig)
+            on_signal(signal.Signals(sig).name, stray)
+            await self.wait_gone(wait)
+        survivors = [p.pid for p in procs.job_processes([self.job_id])]
+        if self.launcher.poll() is None:
+            survivors.insert(0, pid)
+        return survivors
+
+
+def _describe(p: psutil.Process) -> dict[str, Any]:
+    try:
+        return {"pid": p.pid, "cmd": " ".join(p.cmdline())[:80]}
+    except psutil.Error:
+        return {"pid": p.pid, "cmd": "?"}
+
+
+def unkillable(survivors: list[int]) -> dict[str, Any]:
+    """The alert for processes of a job that outlived SIGKILL (D state, most often)."""
+    states = [(pid, procs.proc_state(pid)) for pid in survivors]
+    return dict(
+        kind="unkillable",
+        severity="error",
+        title=f"{len(survivors)} process(es) of the job survived SIGKILL",
+        text="\n".join(f"pid {pid}: {st[1] if st else 'gone'}" for pid, st in states),
+    )

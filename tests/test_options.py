@@ -1,0 +1,55 @@
+"""Every flag is declared once (elastic_nb/options.py): the parser, DEFAULTS and the README's flag
+table must say what the declaration says."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from IPython.core.magic_arguments import parse_argstring
+
+from elastic_nb.magic import ElasticMagics
+from elastic_nb.options import DEFAULTS, OPTIONS, shown_default
+from elastic_nb.spec import JobSpec
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def readme_flag_table() -> dict[tuple[str, ...], str]:
+    """The rows of the README's `%%elastic [flags]` table: flags -> default column."""
+    text = README.read_text()
+    table = text[text.index("### `%%elastic [flags]`") :].split("\n\n")[1]
+    rows = {}
+    for line in table.splitlines()[2:]:
+        first, default = [c.strip() for c in line.strip("|").split(" | ")][:2]
+        flags = tuple(re.findall(r"`(--[a-z-]+)", first))
+        rows[flags] = default.strip("`")
+    return rows
+
+
+def test_the_readme_table_is_the_declaration() -> None:
+    declared = {o.flags: shown_default(o) for o in OPTIONS}
+    assert readme_flag_table() == declared
+
+
+def test_defaults_cover_every_field_a_flag_sets() -> None:
+    assert set(DEFAULTS) == {o.dest for o in OPTIONS}
+    spec = JobSpec.from_options({}, cwd="/tmp")
+    for o in OPTIONS:
+        assert hasattr(spec, o.dest), o.dest
+
+
+@pytest.mark.parametrize("option", [o for o in OPTIONS if o.torchrun], ids=lambda o: o.dest)
+def test_torchruns_underscore_spellings_parse(option) -> None:
+    flag = next(f for f in option.spellings if "_" in f)
+    value = "x" if option.metavar else ""
+    parsed = vars(parse_argstring(ElasticMagics.elastic, f"{flag} {value}".strip()))
+    expected = [value] if option.action == "append" else value
+    assert parsed == {option.dest: expected}
+
+
+def test_no_warm_and_warm_set_one_option() -> None:
+    assert vars(parse_argstring(ElasticMagics.elastic, "--no-warm")) == {"warm": False}
+    assert vars(parse_argstring(ElasticMagics.elastic, "--warm")) == {"warm": True}
+    assert vars(parse_argstring(ElasticMagics.elastic, "")) == {}  # defaults merge in layers

@@ -1,0 +1,140 @@
+"""The supervisor's rooms, each below the job that uses them: the rank book, the reporter, the
+summary's cause, and the teardown of a real process tree."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from elastic_nb import procs, protocol
+from elastic_nb.rundir import RunDir, write_json
+from elastic_nb.supervisor.forensics import Desync
+from elastic_nb.supervisor.rankbook import RankBook
+from elastic_nb.supervisor.reporter import Reporter
+from elastic_nb.supervisor.summary import cause, closing_alerts
+from elastic_nb.supervisor.tailer import LogTailer
+from elastic_nb.supervisor.teardown import ProcessTree
+
+
+def test_the_rank_book_meets_records_exits_and_blame(tmp_path: Path) -> None:
+    rd = RunDir(str(tmp_path))
+    book = RankBook(rd)
+    r0, r1 = book.add(0, 0, pid=101, started_at=1.0), book.add(0, 1, pid=102, started_at=1.0)
+    assert book.of(0) == [r0, r1] and book.of(1) == []
+    assert book.chip(r1, None)["state"] == "running"
+    # A pidfd fired before the launcher said how rank 1 ended: EXITS makes it judgeable.
+    r1.died_at = 2.0
+    assert book.record_exits(0, {0: 0, 1: -9}) == [r1]
+    assert (r0.exit_code, r1.exit_code) == (0, -9)
+    assert book.report_exit(0, 1, 3) is None  # the first word stands
+    # A done record is read once; a rank that left early gets the desync verdict's words.
+    rd.attempt(0).mkdir(parents=True)
+    write_json(rd.done(0, 0), {"rank": 0, "attempt": 0, "time": 1.5})
+    book.read_records(r0)
+    assert r0.done is not None and r0.failure is None
+    desync = Desync(behind=[0], waiting=[1], text="…", notes={0: "left the cell after 3 collectives"})
+    assert book.blame(0, desync) == [r0]
+    r0.died_at = 1.6
+    chip = book.chip(r0, None)
+    assert (chip["state"], chip["label"]) == ("failed", "left the cell after 3 collectives")
+    book.zombies.add((0, 1))
+    assert book.chip(r1, None)["state"] == "zombie"
+
+
+def test_the_reporter_sends_one_update_per_flush_and_keeps_a_diary(tmp_path: Path) -> None:
+    sent: list[tuple[str, dict[str, Any]]] = []
+
+    async def send(kind: str, **fields: Any) -> None:
+        sent.append((kind, fields))
+
+    async def main() -> None:
+        report = Reporter("cafe0001", send)
+        report.open(tmp_path / "events.jsonl")
+        report.set_state("running")
+        report.chip(0, {"state": "running"})
+        report.chip(0, {"state": "done"})  # the latest wins
+        report.alert("hang", "warning", "quiet", rank=1)
+        await report.flush(0, LogTailer())
+        await report.flush(0, LogTailer())  # nothing new: nothing sent
+        report.close()
+
+    anyio.run(main)
+    assert len(sent) == 1
+    kind, update = sent[0]
+    assert kind == protocol.UPDATE and update["job"] == "cafe0001"
+    assert update["state"] == "running" and update["ranks"] == {"0": {"state": "done"}}
+    assert [a["title"] for a in update["alerts"]] == ["quiet"]
+    diary = (tmp_path / "events.jsonl").read_text()
+    assert '"event": "state"' in diary and '"event": "alert"' in diary
+
+
+@pytest.mark.parametrize(
+    ("outcome", "failure", "zombie", "expected"),
+    [
+        ("failed", {"cause": "oom"}, False, "oom"),
+        ("timeout", None, False, "deadline"),
+        ("interrupted", None, False, "interrupted"),
+        ("failed", None, True, "zombie"),
+        ("failed", None, False, "launcher"),
+        ("succeeded", None, False, None),
+    ],
+)
+def test_every_cause_class(outcome: str, failure: Any, zombie: bool, expected: Any) -> None:
+    assert cause(outcome, failure, zombie) == expected
+
+
+def test_closing_alerts_name_leftovers_and_a_rank_that_broke_after_finishing() -> None:
+    from elastic_nb.supervisor.verdict import RankState
+
+    ok, bad = RankState(0, 0, exit_code=-signal.SIGTERM), RankState(0, 1, exit_code=-11)
+    summary = {"outcome": "succeeded", "failure": None}
+    alerts = closing_alerts(summary, [ok, bad], [{"pid": 7, "cmd": "sleep 300"}])
+    assert [a["kind"] for a in alerts] == ["leftovers", "exit_after_done"]
+    assert "7 (sleep 300)" in alerts[0]["title"] and alerts[1]["rank"] == 1
+
+
+# A launcher stand-in that ignores SIGTERM, with a marked child that ignores it too and escapes
+# into a session of its own: only the marker finds it, only SIGKILL ends them.
+STUBBORN = """
+import os, signal, subprocess, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+child = subprocess.Popen([sys.executable, "-c",
+    "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"],
+    start_new_session=True)
+print(child.pid, flush=True)
+time.sleep(60)
+"""
+
+
+def test_the_process_tree_goes_sigterm_grace_sigkill_and_leaves_nothing() -> None:
+    job_id = f"test{os.getpid()}"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", STUBBORN],
+        env={**os.environ, procs.MARKER: job_id},
+        stdout=subprocess.PIPE,
+        start_new_session=True,
+    )
+    assert proc.stdout is not None
+    child = int(proc.stdout.readline())
+    signals: list[str] = []
+
+    async def main() -> list[int]:
+        return await ProcessTree(job_id, proc).stop(0.5, lambda name, _: signals.append(name))
+
+    started = time.monotonic()
+    survivors = anyio.run(main)
+    assert survivors == []
+    assert signals == ["SIGTERM", "SIGKILL"]  # SIGTERM was ignored: the grace, then SIGKILL
+    assert time.monotonic() - started < 5
+    assert proc.poll() == -signal.SIGKILL
+    assert not procs.job_processes([job_id])
+    state = procs.proc_state(child)
+    assert state is None or state[0] == "Z"  # gone, or dead awaiting its new parent's reaping

@@ -49,229 +49,17 @@ from elastic_nb.cell import explicit_timeouts, prepare_cell
 from elastic_nb.client import get_client
 from elastic_nb.errors import ElasticError
 from elastic_nb.handle import JobHandle, Renderer
+from elastic_nb.options import OPTIONS, Option, add_arguments
 from elastic_nb.render_text import TextRenderer
 from elastic_nb.rundir import RunDir
-from elastic_nb.spec import (
-    ASYNC_ERROR_HANDLING,
-    DEFAULTS,
-    JobSpec,
-    SpecError,
-    default_log_dir,
-    preflight,
-)
+from elastic_nb.spec import JobSpec, SpecError, preflight
 
 __all__ = ["ElasticMagics"]
 
-_S = argparse.SUPPRESS  # only flags the user gives are parsed: defaults merge in layers
-
-
-def _default(name: str) -> str:
-    value = DEFAULTS[name]
-    if name == "log_dir":
-        return default_log_dir()
-    if value in (None, (), {}):
-        return "none"
-    return str(value)
-
 
 def launch_arguments(func: Any) -> Any:
-    """The flags of %%elastic, shared by %elastic config."""
-    decorators = [
-        argument_group("ranks"),
-        argument(
-            "--nproc",
-            "--nproc-per-node",
-            "--nproc_per_node",
-            dest="nproc",
-            metavar="N",
-            default=_S,
-            help=f"ranks to run: a number, 'gpu' (one per visible GPU), 'cpu' or 'auto' (default: {_default('nproc')})",
-        ),
-        argument(
-            "--nnodes",
-            metavar="N|MIN:MAX",
-            default=_S,
-            help="nodes; only 1 in this version: more nodes need a rendezvous every node reaches (default: 1)",
-        ),
-        argument(
-            "--max-restarts",
-            "--max_restarts",
-            dest="max_restarts",
-            metavar="N",
-            default=_S,
-            help=f"restarts of the whole group after a failure (default: {_default('max_restarts')})",
-        ),
-        argument(
-            "--monitor-interval",
-            "--monitor_interval",
-            dest="monitor_interval",
-            metavar="S",
-            default=_S,
-            help=f"how often torchelastic's agent checks its ranks (default: {_default('monitor_interval')})",
-        ),
-        argument(
-            "--start-method",
-            "--start_method",
-            dest="start_method",
-            metavar="spawn|forkserver",
-            default=_S,
-            help="how ranks are started: forked from a server that imported torch once, or "
-            f"each a fresh interpreter (default: {_default('start_method')})",
-        ),
-        argument(
-            "--no-warm",
-            dest="warm",
-            action="store_false",
-            default=_S,
-            help="start this cell's launcher from scratch and keep none ready for the next "
-            "(warm: a launcher and its fork server wait with torch imported; default: warm)",
-        ),
-        argument(
-            "--warm",
-            dest="warm",
-            action="store_true",
-            default=_S,
-            help="keep a launcher ready again after %%elastic config --no-warm",
-        ),
-        argument(
-            "--preload",
-            metavar="MODULES",
-            action="append",
-            default=_S,
-            help="modules the fork server imports once for every rank, warm for the next cell "
-            "(comma-separated, repeatable; e.g. transformers) (default: torch only)",
-        ),
-        argument_group("rendezvous"),
-        argument(
-            "--rdzv-backend",
-            "--rdzv_backend",
-            dest="rdzv_backend",
-            metavar="c10d|static",
-            default=_S,
-            help=f"rendezvous backend (default: {_default('rdzv_backend')})",
-        ),
-        argument(
-            "--rdzv-endpoint",
-            "--rdzv_endpoint",
-            dest="rdzv_endpoint",
-            metavar="HOST:PORT",
-            default=_S,
-            help=f"rendezvous address on this machine; port 0 picks a free one (default: {_default('rdzv_endpoint')})",
-        ),
-        argument(
-            "--rdzv-id",
-            "--rdzv_id",
-            dest="rdzv_id",
-            metavar="ID",
-            default=_S,
-            help="rendezvous run id (default: the job id)",
-        ),
-        argument(
-            "--rdzv-conf",
-            "--rdzv_conf",
-            dest="rdzv_conf",
-            metavar="K=V,...",
-            action="append",
-            default=_S,
-            help="extra rendezvous settings, e.g. join_timeout=60 (default: none)",
-        ),
-        argument_group("environment and limits"),
-        argument(
-            "--env",
-            metavar="K=V",
-            action="append",
-            default=_S,
-            help="set an environment variable in every rank; repeatable (default: none)",
-        ),
-        argument(
-            "--timeout",
-            metavar="S",
-            default=_S,
-            help="deadline for the whole job, in seconds; past it every rank is stopped (default: none)",
-        ),
-        argument(
-            "--collective-timeout",
-            dest="collective_timeout",
-            metavar="S",
-            default=_S,
-            help="default timeout of every process group the cell creates (gloo and NCCL), in "
-            f"seconds; 'off' keeps torch's 30 min / 10 min (default: {_default('collective_timeout')})",
-        ),
-        argument(
-            "--heartbeat-timeout",
-            dest="heartbeat_timeout",
-            metavar="S",
-            default=_S,
-            help="NCCL's heartbeat monitor: a rank whose watchdog is stuck this long is aborted "
-            f"(TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC; default: {_default('heartbeat_timeout')})",
-        ),
-        argument(
-            "--async-error-handling",
-            dest="async_error_handling",
-            metavar="0-3",
-            default=_S,
-            help="what NCCL does when a collective times out (TORCH_NCCL_ASYNC_ERROR_HANDLING): "
-            + "; ".join(f"{k}: {v}" for k, v in ASYNC_ERROR_HANDLING.items())
-            + f" (default: {_default('async_error_handling')})",
-        ),
-        argument(
-            "--hang-after",
-            dest="hang_after",
-            metavar="S",
-            default=_S,
-            help="no output and no exit from any rank for this long: alert with every rank's "
-            f"stack, the job keeps running; 'off' disables (default: {_default('hang_after')})",
-        ),
-        argument_group("data"),
-        argument(
-            "--push",
-            metavar="NAMES",
-            action="append",
-            default=_S,
-            help="notebook objects to send to every rank (comma-separated, repeatable); modules, "
-            "functions and classes the cell uses travel without it (default: none)",
-        ),
-        argument(
-            "--pull",
-            metavar="NAMES",
-            action="append",
-            default=_S,
-            help="objects to bring back into the notebook when the job succeeds (default: none)",
-        ),
-        argument(
-            "--pull-rank",
-            dest="pull_rank",
-            metavar="R",
-            default=_S,
-            help=f"the rank --pull takes its objects from (default: {_default('pull_rank')})",
-        ),
-        argument_group("output"),
-        argument(
-            "--no-widgets",
-            dest="widgets",
-            action="store_false",
-            default=_S,
-            help="print rank output as text instead of the live dashboard (text is what "
-            "nbconvert, terminal IPython and other frontends without widgets get anyway)",
-        ),
-        argument(
-            "--bg",
-            dest="background",
-            action="store_true",
-            default=_S,
-            help="return a job handle at once (job.wait(), await job, job.result, job.stop(), "
-            "job.logs()); the dashboard's Stop button works for it",
-        ),
-        argument(
-            "--log-dir",
-            "--log_dir",
-            dest="log_dir",
-            metavar="DIR",
-            default=_S,
-            help=f"where run directories go (default: {_default('log_dir')})",
-        ),
-    ]
-    for deco in reversed(decorators):
+    """The flags of %%elastic (options.OPTIONS), shared by %elastic config."""
+    for deco in reversed(add_arguments(argument, argument_group)):
         func = deco(func)
     return func
 
@@ -519,8 +307,9 @@ class ElasticMagics(Magics):
                     client._client.request(protocol.WARM, on=False)  # free its memory now
         if self.session_defaults:
             print("session defaults for %%elastic (flags on a cell override them):")
-            for key, value in sorted(self.session_defaults.items()):
-                print(f"  --{key.replace('_', '-')}: {value}")
+            for o in OPTIONS:
+                if o.dest in self.session_defaults:
+                    print(f"  {_as_flag(o, self.session_defaults[o.dest])}")
         else:
             print("no session defaults: every flag has its built-in default (%elastic? lists them)")
 
@@ -532,6 +321,15 @@ class ElasticMagics(Magics):
         if job_id not in self.jobs:
             raise UsageError(f"no job {job_id!r} in this session (%elastic jobs lists them)")
         return self.jobs[job_id]
+
+
+def _as_flag(o: Option, value: Any) -> str:
+    """A parsed value as the flag that gives it (for %elastic config)."""
+    if o.action in ("store_true", "store_false"):
+        return o.flags[0] if value == (o.action == "store_true") else o.flags[-1]
+    if isinstance(value, list):
+        value = ",".join(value)
+    return f"{o.flags[0]} {value}"
 
 
 def widgets_frontend(shell: Any) -> bool:

@@ -299,8 +299,24 @@ def add_arguments(add: Any, group: Any) -> list[Any]:
         if o.action in ("store_true", "store_false") and len(o.flags) == 2:
             # --no-X / --X: one option, two flags that set it each way.
             off, on = o.flags
-            decorators.append(add(off, dest=o.dest, action="store_false", default=argparse.SUPPRESS, help=help_text))
-            decorators.append(add(on, dest=o.dest, action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS))
+            decorators.append(
+                add(
+                    off,
+                    dest=o.dest,
+                    action="store_false",
+                    default=argparse.SUPPRESS,
+                    help=help_text,
+                )
+            )
+            decorators.append(
+                add(
+                    on,
+                    dest=o.dest,
+                    action="store_true",
+                    default=argparse.SUPPRESS,
+                    help=argparse.SUPPRESS,
+                )
+            )
             continue
         kwargs: dict[str, Any] = {"dest": o.dest, "default": argparse.SUPPRESS, "help": help_text}
         if o.action is not None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import errno
 import importlib.util
-import ipaddress
 import json
 import os
 import re
@@ -19,60 +18,36 @@ import socket
 import sys
 import tempfile
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
-from elastic_nb import gpus
+from elastic_nb.flags import (
+    MANAGED_ENV,
+    SpecError,
+    check_single_node,
+    parse_async_error_handling,
+    parse_endpoint,
+    parse_env,
+    parse_int,
+    parse_names,
+    parse_nproc,
+    parse_optional_seconds,
+    parse_pairs,
+    parse_seconds,
+)
+from elastic_nb.options import DEFAULTS
 
-__all__ = ["DEFAULTS", "JobSpec", "SpecError", "default_log_dir", "preflight"]
-
-
-class SpecError(ValueError):
-    """A flag value that cannot launch a job; the message names the flag and the fix."""
+__all__ = ["MANAGED_ENV", "JobSpec", "SpecError", "default_log_dir", "preflight"]
 
 
 START_METHODS = ("spawn", "forkserver")
 RDZV_BACKENDS = ("c10d", "static")
 
-# Variables torchelastic or elastic_nb set for every rank; a user value would break the launch.
-MANAGED_ENV = frozenset(
-    {
-        "RANK",
-        "LOCAL_RANK",
-        "GROUP_RANK",
-        "ROLE_RANK",
-        "ROLE_NAME",
-        "WORLD_SIZE",
-        "LOCAL_WORLD_SIZE",
-        "GROUP_WORLD_SIZE",
-        "ROLE_WORLD_SIZE",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-        "TORCHELASTIC_RESTART_COUNT",
-        "TORCHELASTIC_MAX_RESTARTS",
-        "TORCHELASTIC_RUN_ID",
-        "TORCHELASTIC_USE_AGENT_STORE",
-        "TORCHELASTIC_ERROR_FILE",
-    }
-)
-MANAGED_PREFIX = "ELASTIC_NB_"
-# TORCH_NCCL_ASYNC_ERROR_HANDLING modes (torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp) as
-# elastic_nb runs them. Whatever the mode, NCCL's heartbeat monitor kills a rank after a timeout
-# once it has dumped (ProcessGroupNCCL.cpp, HeartbeatMonitor): elastic_nb turns the monitor off
-# for 0 and 2, so that they do what they say.
-ASYNC_ERROR_HANDLING = {
-    0: "no handling: the watchdog logs the timeout; the rank lives on (heartbeat monitor off)",
-    1: "abort the communicators and end the rank, after the flight recorder has dumped",
-    2: "abort the communicators; the error reaches the cell (heartbeat monitor off)",
-    3: "end the rank without aborting the communicators",
-}
 # Modes that end a rank once its collective timed out (ProcessGroupNCCL.hpp, SHOULD_TEAR_DOWN).
 TEARS_DOWN = (1, 3)
 # After a timeout, NCCL's watchdog waits 4 x TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC (15 s) for the
 # flight recorder's dump before it ends the rank: the longest a torn-down rank takes to go.
 NCCL_DUMP_WAIT_S = 60.0
-
-_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
 
 def default_log_dir() -> str:
@@ -81,70 +56,37 @@ def default_log_dir() -> str:
     return os.path.join(base, "elastic_nb", "runs")
 
 
-# Built-in defaults of every option, by JobSpec field name. `%elastic config` overrides them
-# for the session; flags on the cell override both.
-DEFAULTS: dict[str, Any] = {
-    "nproc": "1",
-    "nnodes": "1",
-    "max_restarts": 0,
-    "monitor_interval": 0.1,
-    "start_method": "forkserver",
-    "rdzv_backend": "c10d",
-    "rdzv_endpoint": "localhost:0",
-    "rdzv_id": None,
-    "rdzv_conf": (),
-    "env": (),
-    "timeout": None,
-    "collective_timeout": 120.0,
-    "heartbeat_timeout": 480.0,
-    "async_error_handling": 1,
-    "hang_after": 120.0,
-    "push": (),
-    "pull": (),
-    "pull_rank": 0,
-    "widgets": True,
-    "background": False,
-    "log_dir": None,
-    "warm": True,
-    "preload": (),
-}
-
-
 @dataclass(frozen=True)
 class JobSpec:
-    """Everything the supervisor, the launcher and the ranks need to run one cell."""
+    """Everything the supervisor, the launcher and the ranks need to run one cell.
+
+    Built by `from_options` (from flags: options.OPTIONS declares each one, its default and
+    help) or `from_json` (in a rank); the fields are the parsed values."""
 
     nproc: int
-    max_restarts: int = 0
-    monitor_interval: float = 0.1
-    # Ranks fork from a server that imported torch once (warm: before the cell was even run).
-    start_method: str = "forkserver"
-    rdzv_backend: str = "c10d"
-    rdzv_endpoint: str = "localhost:0"
-    rdzv_id: str | None = None
-    rdzv_conf: dict[str, str] = field(default_factory=dict)
-    env: dict[str, str] = field(default_factory=dict)
-    timeout: float | None = None
-    # Interactive defaults (torch's are 30 min gloo / 10 min NCCL): a stuck collective fails the
-    # cell in two minutes, with every rank's stack, instead of holding the notebook for half an hour.
-    collective_timeout: float | None = 120.0
-    # TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC, torch's own default: the monitor acts only when NCCL's
-    # watchdog thread itself is stuck (a CUDA or NCCL call that hangs), never on a slow
-    # collective; lower, it can end a healthy rank whose watchdog waits behind a long cudaFree.
-    # --hang-after shows every stack long before.
-    heartbeat_timeout: float = 480.0
-    async_error_handling: int = 1  # TORCH_NCCL_ASYNC_ERROR_HANDLING: 1 = abort and tear down
-    hang_after: float | None = 120.0  # no output and no exit for this long: dump every stack
-    push: tuple[str, ...] = ()
-    pull: tuple[str, ...] = ()
-    pull_rank: int = 0
-    widgets: bool = True
-    background: bool = False  # --bg: the cell returns a handle at once
-    log_dir: str = field(default_factory=default_log_dir)
-    warm: bool = True  # keep a launcher (and its fork server) ready for the next cell
-    preload: tuple[str, ...] = ()  # modules the fork server imports for every rank
-    cwd: str = field(default_factory=os.getcwd)
-    sys_path: tuple[str, ...] = ()
+    max_restarts: int
+    monitor_interval: float
+    start_method: str
+    rdzv_backend: str
+    rdzv_endpoint: str
+    rdzv_id: str | None
+    rdzv_conf: dict[str, str]
+    env: dict[str, str]
+    timeout: float | None
+    collective_timeout: float | None
+    heartbeat_timeout: float
+    async_error_handling: int
+    hang_after: float | None
+    push: tuple[str, ...]
+    pull: tuple[str, ...]
+    pull_rank: int
+    widgets: bool
+    background: bool
+    log_dir: str
+    warm: bool
+    preload: tuple[str, ...]
+    cwd: str
+    sys_path: tuple[str, ...]
     # SIGTERM -> SIGKILL grace when a job is stopped: the supervisor's for the process group,
     # torchelastic's (shutdown_timeout, 30 s by default) for the ranks. A notebook waits on it.
     stop_grace: float = 2.0
@@ -185,11 +127,11 @@ class JobSpec:
         o = {**DEFAULTS, **options}
         cwd = os.path.abspath(cwd or os.getcwd())
 
-        env = _parse_env(o["env"])
-        nproc = _parse_nproc(o["nproc"], {**os.environ, **env})
-        _check_single_node(str(o["nnodes"]), str(o["rdzv_endpoint"]))
-        max_restarts = _parse_int("--max-restarts", o["max_restarts"], minimum=0)
-        monitor_interval = _parse_seconds("--monitor-interval", o["monitor_interval"])
+        env = parse_env(o["env"])
+        nproc = parse_nproc(o["nproc"], {**os.environ, **env})
+        check_single_node(str(o["nnodes"]), str(o["rdzv_endpoint"]))
+        max_restarts = parse_int("--max-restarts", o["max_restarts"], minimum=0)
+        monitor_interval = parse_seconds("--monitor-interval", o["monitor_interval"])
         if monitor_interval > 10:
             raise SpecError(
                 f"--monitor-interval {monitor_interval:g}: the agent checks its ranks this often; "
@@ -211,7 +153,7 @@ class JobSpec:
                 f"--rdzv-backend {rdzv_backend}: single-node jobs rendezvous with "
                 f"{' or '.join(RDZV_BACKENDS)}"
             )
-        rdzv_endpoint = _parse_endpoint(str(o["rdzv_endpoint"]))
+        rdzv_endpoint = parse_endpoint(str(o["rdzv_endpoint"]))
         if rdzv_backend == "static" and rdzv_endpoint.rsplit(":", 1)[1] == "0":
             raise SpecError(
                 "--rdzv-backend static needs a fixed port: --rdzv-endpoint localhost:PORT"
@@ -219,12 +161,12 @@ class JobSpec:
         rdzv_id = o["rdzv_id"]
         if rdzv_id is not None and not re.fullmatch(r"[A-Za-z0-9_.\-]+", str(rdzv_id)):
             raise SpecError(f"--rdzv-id {rdzv_id!r}: use letters, digits, '.', '_' and '-'")
-        pull_rank = _parse_int("--pull-rank", o["pull_rank"], minimum=0)
+        pull_rank = parse_int("--pull-rank", o["pull_rank"], minimum=0)
         if pull_rank >= nproc:
             raise SpecError(f"--pull-rank {pull_rank}: the job has ranks 0..{nproc - 1}")
-        push = _parse_names("--push", o["push"])
-        preload = _parse_names("--preload", o["preload"], dotted=True)
-        pull = _parse_names("--pull", o["pull"])
+        push = parse_names("--push", o["push"])
+        preload = parse_names("--preload", o["preload"], dotted=True)
+        pull = parse_names("--pull", o["pull"])
         log_dir = o["log_dir"] or default_log_dir()
         log_dir = os.path.abspath(os.path.join(cwd, os.path.expanduser(str(log_dir))))
         return cls(
@@ -235,15 +177,15 @@ class JobSpec:
             rdzv_backend=rdzv_backend,
             rdzv_endpoint=rdzv_endpoint,
             rdzv_id=None if rdzv_id is None else str(rdzv_id),
-            rdzv_conf=_parse_pairs("--rdzv-conf", o["rdzv_conf"], split_commas=True),
+            rdzv_conf=parse_pairs("--rdzv-conf", o["rdzv_conf"], split_commas=True),
             env=env,
-            timeout=_parse_optional_seconds("--timeout", o["timeout"]),
-            collective_timeout=_parse_optional_seconds(
+            timeout=parse_optional_seconds("--timeout", o["timeout"]),
+            collective_timeout=parse_optional_seconds(
                 "--collective-timeout", o["collective_timeout"]
             ),
-            heartbeat_timeout=_parse_seconds("--heartbeat-timeout", o["heartbeat_timeout"]),
-            async_error_handling=_parse_async_error_handling(o["async_error_handling"]),
-            hang_after=_parse_optional_seconds("--hang-after", o["hang_after"]),
+            heartbeat_timeout=parse_seconds("--heartbeat-timeout", o["heartbeat_timeout"]),
+            async_error_handling=parse_async_error_handling(o["async_error_handling"]),
+            hang_after=parse_optional_seconds("--hang-after", o["hang_after"]),
             push=push,
             pull=pull,
             pull_rank=pull_rank,
@@ -280,14 +222,6 @@ class JobSpec:
 
 
 _TUPLES = ("push", "pull", "preload", "sys_path")
-
-
-def _parse_async_error_handling(value: Any) -> int:
-    mode = _parse_int("--async-error-handling", value, minimum=0)
-    if mode not in ASYNC_ERROR_HANDLING:
-        modes = ", ".join(f"{k} ({v})" for k, v in ASYNC_ERROR_HANDLING.items())
-        raise SpecError(f"--async-error-handling {mode}: choose one of {modes}")
-    return mode
 
 
 # ---- environment checks ---------------------------------------------------------------------
@@ -337,142 +271,3 @@ def _check_port_free(host: str, port: int) -> None:
                 if e.errno == errno.EADDRNOTAVAIL:  # no IPv6 on this host
                     continue
                 raise
-
-
-# ---- parsers --------------------------------------------------------------------------------
-
-
-def _parse_int(flag: str, value: Any, *, minimum: int) -> int:
-    try:
-        n = int(str(value).strip())
-    except ValueError:
-        raise SpecError(f"{flag} {value!r}: expected a whole number") from None
-    if n < minimum:
-        raise SpecError(f"{flag} {n}: must be at least {minimum}")
-    return n
-
-
-def _parse_seconds(flag: str, value: Any) -> float:
-    try:
-        s = float(str(value).strip())
-    except ValueError:
-        raise SpecError(f"{flag} {value!r}: expected a number of seconds") from None
-    if not s > 0 or s != s or s == float("inf"):
-        raise SpecError(f"{flag} {value}: must be a positive number of seconds")
-    return s
-
-
-def _parse_optional_seconds(flag: str, value: Any) -> float | None:
-    if value is None or str(value).strip().lower() in ("", "none", "off"):
-        return None
-    return _parse_seconds(flag, value)
-
-
-def _parse_nproc(value: Any, env: Mapping[str, str]) -> int:
-    text = str(value).strip().lower()
-    if text in ("gpu", "auto"):
-        count = gpus.visible_gpu_count(env)
-        if count:
-            return count
-        if text == "gpu":
-            visible = env.get("CUDA_VISIBLE_DEVICES")
-            raise SpecError(
-                "--nproc gpu: no NVIDIA GPU is visible"
-                + ("" if visible is None else f" with CUDA_VISIBLE_DEVICES={visible!r}")
-            )
-        text = "cpu"
-    if text == "cpu":
-        return os.cpu_count() or 1
-    return _parse_int("--nproc", text, minimum=1)
-
-
-def _check_single_node(nnodes: str, endpoint: str) -> None:
-    text = nnodes.strip()
-    parts = text.split(":")
-    if len(parts) > 2:
-        raise SpecError(f"--nnodes {text}: expected N or MIN:MAX")
-    try:
-        lo, hi = int(parts[0]), int(parts[-1])
-    except ValueError:
-        raise SpecError(f"--nnodes {text}: expected N or MIN:MAX with whole numbers") from None
-    if lo < 1:
-        raise SpecError(f"--nnodes {text}: a job needs at least one node")
-    if lo > hi:
-        raise SpecError(f"--nnodes {text}: MIN ({lo}) is larger than MAX ({hi})")
-    if (lo, hi) != (1, 1):
-        raise SpecError(
-            f"--nnodes {text}: a multi-node job needs a rendezvous every node can reach "
-            f"(--rdzv-endpoint HOST:PORT on a shared host, not {endpoint}) and an agent on each "
-            "node; this version of elastic_nb runs single-node jobs only, so use --nnodes 1"
-        )
-
-
-def _parse_endpoint(text: str) -> str:
-    host, sep, port = text.strip().rpartition(":")
-    if not sep or not host:
-        raise SpecError(f"--rdzv-endpoint {text!r}: expected HOST:PORT, e.g. localhost:29500")
-    port_n = _parse_int("--rdzv-endpoint port", port, minimum=0)
-    if port_n > 65535:
-        raise SpecError(f"--rdzv-endpoint {text}: port {port_n} is out of range")
-    if not _is_local_host(host.strip("[]")):
-        raise SpecError(
-            f"--rdzv-endpoint {text}: {host} is not this machine; a remote rendezvous means a "
-            "multi-node job, which this version does not run (use localhost:PORT)"
-        )
-    return f"{host}:{port_n}"
-
-
-def _is_local_host(host: str) -> bool:
-    if host in ("localhost", socket.gethostname(), socket.getfqdn()):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def _flatten(value: Any) -> list[str]:
-    if value is None:
-        return []
-    if isinstance(value, str):
-        return [value]
-    out: list[str] = []
-    for v in value:
-        out.extend(_flatten(v))
-    return out
-
-
-def _parse_names(flag: str, value: Any, dotted: bool = False) -> tuple[str, ...]:
-    names: list[str] = []
-    for item in _flatten(value):
-        for name in item.replace(",", " ").split():
-            if not all(_NAME.match(part) for part in (name.split(".") if dotted else [name])):
-                raise SpecError(f"{flag} {name!r}: not a Python {'module ' if dotted else ''}name")
-            if name not in names:
-                names.append(name)
-    return tuple(names)
-
-
-def _parse_pairs(flag: str, value: Any, *, split_commas: bool) -> dict[str, str]:
-    pairs: dict[str, str] = {}
-    if isinstance(value, Mapping):
-        return {str(k): str(v) for k, v in value.items()}
-    for item in _flatten(value):
-        for pair in item.split(",") if split_commas else [item]:
-            key, sep, val = pair.partition("=")
-            if not sep or not key.strip():
-                raise SpecError(f"{flag} {pair!r}: expected KEY=VALUE")
-            pairs[key.strip()] = val
-    return pairs
-
-
-def _parse_env(value: Any) -> dict[str, str]:
-    env = _parse_pairs("--env", value, split_commas=False)
-    for key in env:
-        if not _NAME.match(key):
-            raise SpecError(f"--env {key}=...: not a valid environment variable name")
-        if key in MANAGED_ENV or key.startswith(MANAGED_PREFIX):
-            raise SpecError(
-                f"--env {key}=...: {key} is set by the launcher for every rank and cannot be overridden"
-            )
-    return env

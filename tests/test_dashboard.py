@@ -116,7 +116,7 @@ def test_a_flood_costs_one_bounded_message_per_tick(
     """4 ranks x 100,000 lines, fed through the supervisor's own tailer in 20 of its ticks
     (0.1 s apart): the dashboard sends one message per SEND_EVERY_S, whatever the volume."""
     ranks, lines_per_rank, ticks = 4, 100_000, 20
-    dash = Dashboard("cafe0001", str(tmp_path), JobSpec(nproc=ranks))
+    dash = Dashboard("cafe0001", str(tmp_path), JobSpec.from_options({"nproc": ranks}))
     c = _dashboard_comm(comms)
     tailer = LogTailer()
     files = {}
@@ -176,7 +176,9 @@ def test_a_flood_costs_one_bounded_message_per_tick(
 def test_states_chips_alerts_and_the_attempts_timeline(
     comms: list[RecordingComm], clock: Clock, tmp_path: Path
 ) -> None:
-    dash = Dashboard("cafe0001", str(tmp_path), JobSpec(nproc=2, max_restarts=1))
+    dash = Dashboard(
+        "cafe0001", str(tmp_path), JobSpec.from_options({"nproc": 2, "max_restarts": 1})
+    )
     c = _dashboard_comm(comms)
     first = c.sent[0]["state"]["snapshot"]
     assert first["header"]["worst_case_s"] == 360.0 and first["header"]["background"] is False
@@ -235,7 +237,7 @@ def test_states_chips_alerts_and_the_attempts_timeline(
 def test_progress_bars_show_their_latest_state(
     comms: list[RecordingComm], clock: Clock, tmp_path: Path
 ) -> None:
-    dash = Dashboard("cafe0001", str(tmp_path), JobSpec(nproc=1))
+    dash = Dashboard("cafe0001", str(tmp_path), JobSpec.from_options({"nproc": 1}))
     c = _dashboard_comm(comms)
     dash.update({"logs": [[0, 0, "err", [], 0, "epoch 1:  40%|####"]]})
     clock.now += 0.2
@@ -258,7 +260,7 @@ def test_buttons_act_only_for_a_running_background_job(
     dash = Dashboard(
         "cafe0001",
         str(tmp_path),
-        JobSpec(nproc=1, background=True),
+        JobSpec.from_options({"nproc": 1, "background": True}),
         on_stop=lambda: clicked.append("stop"),
         on_stacks=lambda: clicked.append("stacks"),
     )

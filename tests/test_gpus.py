@@ -12,10 +12,34 @@ from elastic_nb.gpus import Gpu, parse_visible_devices, visible_gpu_count
 UUIDS = ["GPU-1a2b3c4d-0000", "GPU-1a2b9999-0000", "GPU-77aa0000-0000", "GPU-88bb0000-0000"]
 
 VALUES = [
-    "0", "0,1", "1,0", "0,1,2,3", "3,2", "", "-1", "0,-1,2", "0,1,-1,2", "0,abc,1", "abc",
-    "0,0", "1,2,1", "0,7", "7,0", " 1, 2", "1gpu2,2ampere", "+1", "01", "2,3,4,5,6",
-    "GPU-77aa", "GPU-77aa,GPU-88bb", "GPU-1a2b", "GPU-1a2b3c4d,GPU-77aa", "GPU-77aa,GPU-77aa",
-    "GPU-zzzz,GPU-77aa", "GPU-77aa,0", "GPU-88bb,GPU-1a2b9",
+    "0",
+    "0,1",
+    "1,0",
+    "0,1,2,3",
+    "3,2",
+    "",
+    "-1",
+    "0,-1,2",
+    "0,1,-1,2",
+    "0,abc,1",
+    "abc",
+    "0,0",
+    "1,2,1",
+    "0,7",
+    "7,0",
+    " 1, 2",
+    "1gpu2,2ampere",
+    "+1",
+    "01",
+    "2,3,4,5,6",
+    "GPU-77aa",
+    "GPU-77aa,GPU-88bb",
+    "GPU-1a2b",
+    "GPU-1a2b3c4d,GPU-77aa",
+    "GPU-77aa,GPU-77aa",
+    "GPU-zzzz,GPU-77aa",
+    "GPU-77aa,0",
+    "GPU-88bb,GPU-1a2b9",
 ]
 
 

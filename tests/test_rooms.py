@@ -40,7 +40,9 @@ def test_the_rank_book_meets_records_exits_and_blame(tmp_path: Path) -> None:
     write_json(rd.done(0, 0), {"rank": 0, "attempt": 0, "time": 1.5})
     book.read_records(r0)
     assert r0.done is not None and r0.failure is None
-    desync = Desync(behind=[0], waiting=[1], text="…", notes={0: "left the cell after 3 collectives"})
+    desync = Desync(
+        behind=[0], waiting=[1], text="…", notes={0: "left the cell after 3 collectives"}
+    )
     assert book.blame(0, desync) == [r0]
     r0.died_at = 1.6
     chip = book.chip(r0, None)

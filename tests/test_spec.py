@@ -110,7 +110,9 @@ def test_gpu_count_is_what_cuda_would_see_with_the_jobs_environment(
 ) -> None:
     # This machine has no NVIDIA driver: the variable alone names no GPU.
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,3")
-    with pytest.raises(SpecError, match="no NVIDIA GPU is visible with CUDA_VISIBLE_DEVICES='0,1,3'"):
+    with pytest.raises(
+        SpecError, match="no NVIDIA GPU is visible with CUDA_VISIBLE_DEVICES='0,1,3'"
+    ):
         spec(nproc="gpu")
     assert spec(nproc="auto").nproc == os.cpu_count()  # falls back to the CPU count
     # Four GPUs as NVML would list them (tests/test_gpus.py checks the rules against torch's).
@@ -122,6 +124,8 @@ def test_gpu_count_is_what_cuda_would_see_with_the_jobs_environment(
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     assert spec(nproc="auto").nproc == 4
     assert spec(nproc="gpu", env=["CUDA_VISIBLE_DEVICES=2"]).nproc == 1  # what the ranks get
+
+
 def test_preflight_refuses_a_busy_port(tmp_path: Path) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -136,3 +140,12 @@ def test_preflight_refuses_an_unwritable_log_dir(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("")
     with pytest.raises(SpecError, match="cannot write there"):
         preflight(spec(log_dir=str(tmp_path / "file" / "runs")))
+
+
+def test_a_local_endpoint_never_waits_on_a_reverse_lookup(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_dns() -> str:
+        raise AssertionError("getfqdn() called for a loopback endpoint")
+
+    monkeypatch.setattr(socket, "getfqdn", no_dns)
+    for endpoint in ("localhost:0", "127.0.0.1:29500", "[::1]:0", f"{socket.gethostname()}:0"):
+        assert spec(rdzv_endpoint=endpoint).rdzv_endpoint == endpoint

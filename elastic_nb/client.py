@@ -1,10 +1,12 @@
-"""The kernel's side of the supervisor: start it, talk to it, hand each job's messages on.
+"""The kernel's side of the supervisor: a transport. Start it, send it requests, and hand each
+job's messages to whoever subscribed to that job.
 
 The supervisor is started on first use, in its own session (so the kernel's interrupt never
 reaches it), with a listening socket the kernel created in an owner-only directory. The kernel
 keeps one connection open for its whole life: that connection is the supervisor's lifeline.
-A reader thread turns frames into replies and per-job queues; the cell's thread waits on its
-job's queue, so an interrupt lands in the cell, which forwards it as a stop.
+A reader thread turns frames into replies and per-job queues (`subscribe`); the cell's thread
+waits on its job's queue (handle.JobHandle follows it), so an interrupt lands in the cell, which
+forwards it as a stop. When the connection breaks, every queue gets `GONE`.
 """
 
 from __future__ import annotations
@@ -24,14 +26,15 @@ from pathlib import Path
 from typing import Any
 
 from elastic_nb import protocol
-from elastic_nb.errors import ElasticError, SupervisorDied
-from elastic_nb.handle import GONE, JobHandle
+from elastic_nb.errors import Refused, SupervisorDied
 from elastic_nb.spec import JobSpec
 
-__all__ = ["SupervisorClient", "get_client", "shutdown_client"]
+__all__ = ["GONE", "SupervisorClient", "current_client", "get_client", "shutdown_client"]
 
 HELLO_TIMEOUT_S = 30.0
 REQUEST_TIMEOUT_S = 30.0
+GONE = object()  # put on every queue when the supervisor's connection breaks
+SLOW_DISK_BYTES_PER_S = 20e6  # a --push payload's write, at a slow disk's pace, adds to SUBMIT's
 
 
 def runtime_dir() -> Path:
@@ -55,9 +58,10 @@ class SupervisorClient:
     def __init__(self) -> None:
         self._send_lock = threading.Lock()
         self._pending: dict[int, queue.Queue[Any]] = {}
-        self._jobs: dict[str, JobHandle] = {}
+        self._subscribers: dict[str, queue.Queue[Any]] = {}  # job id -> its messages
         self._req = itertools.count(1)
         self._alive = True
+        self.gone_reason = "it exited"  # what broke the connection, once it has broken
         self._start()
 
     # ---- lifecycle --------------------------------------------------------------------------
@@ -166,17 +170,20 @@ class SupervisorClient:
                     break
                 for msg, _ in decoder.feed(data):
                     self._dispatch(msg)
-        except (OSError, protocol.ProtocolError):
-            pass
+        except protocol.ProtocolError as e:
+            # The stream cannot be trusted past this point: drop it (the supervisor then stops
+            # this kernel's jobs and exits) and say why, rather than go silent.
+            self.gone_reason = f"it sent a frame the kernel could not read ({e})"
+            self._break()
+        except OSError as e:
+            self.gone_reason = f"its connection failed ({e})"
         finally:
             self._alive = False
             if self._proc is not None:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     self._proc.wait(timeout=1)  # reap it
-            for q in list(self._pending.values()):
+            for q in [*self._pending.values(), *self._subscribers.values()]:
                 q.put(GONE)
-            for job in list(self._jobs.values()):
-                job._deliver(GONE)
 
     def _dispatch(self, msg: dict[str, Any]) -> None:
         kind = msg["kind"]
@@ -185,12 +192,14 @@ class SupervisorClient:
             if q is not None:
                 q.put(msg)
         elif kind in (protocol.UPDATE, protocol.END):
-            job = self._jobs.get(msg.get("job", ""))
-            if job is not None:
-                job._deliver(msg)
+            q = self._subscribers.get(msg.get("job", ""))
+            if q is not None:
+                q.put(msg)
 
     def _write(self, data: bytes) -> None:
         with self._send_lock:
+            if not self._alive:
+                raise SupervisorDied(f"the elastic_nb supervisor is gone: {self.gone_reason}")
             try:
                 self._sock.sendall(data)
             except OSError as e:
@@ -237,41 +246,63 @@ class SupervisorClient:
             self._pending.pop(req, None)
         if reply is GONE:
             raise SupervisorDied(
-                f"the elastic_nb supervisor exited; its log says:\n{self._log_tail()}"
+                f"the elastic_nb supervisor is gone: {self.gone_reason}; its log says:\n"
+                f"{self._log_tail()}"
             )
         if not reply.get("ok"):
-            raise ElasticError(f"the supervisor refused {kind!r}: {reply.get('error')}")
+            raise Refused(kind, str(reply.get("error")))
         return reply
 
     # ---- requests ---------------------------------------------------------------------------
 
+    def subscribe(self, job_id: str) -> queue.Queue[Any]:
+        """The queue that gets every UPDATE and END of the job (and GONE if the connection
+        breaks); subscribe before submitting, so that no message can come first."""
+        q: queue.Queue[Any] = queue.Queue()
+        self._subscribers[job_id] = q
+        if not self._alive:
+            q.put(GONE)
+        return q
+
+    def unsubscribe(self, job_id: str) -> None:
+        self._subscribers.pop(job_id, None)
+
     def submit(
-        self, spec: JobSpec, source: str, meta: dict[str, Any], payload: bytes | None
-    ) -> JobHandle:
-        # The id is ours: the handle is registered before the first event can arrive, and an
-        # interrupt that lands before the reply can still stop the job.
-        job = JobHandle(self, secrets.token_hex(4), spec)
-        self._jobs[job.id] = job
+        self,
+        job_id: str,
+        spec: JobSpec,
+        source: str,
+        meta: dict[str, Any],
+        payload: bytes | None,
+    ) -> None:
+        """Start a job. An interrupt that lands before the reply still stops it."""
         try:
+            # Writing a large --push payload to disk is part of the request: its time is not
+            # the supervisor's slowness (about 200 MB/s here; a minute more per 10 GB).
+            timeout = REQUEST_TIMEOUT_S + len(payload or b"") / SLOW_DISK_BYTES_PER_S
             self.request(
                 protocol.SUBMIT,
                 payload,
-                job=job.id,
+                timeout=timeout,
+                job=job_id,
                 spec=spec.to_dict(),
                 cell={"source": source, "meta": meta},
                 env=dict(os.environ),
             )
         except KeyboardInterrupt:
             with contextlib.suppress(SupervisorDied):
-                self.send(protocol.STOP, job=job.id, reason="interrupt")
+                self.send(protocol.STOP, job=job_id, reason="interrupt")
             raise
-        except BaseException:
-            del self._jobs[job.id]
-            raise
-        return job
 
     def stop(self, job_id: str | None = None, reason: str = "user") -> list[str]:
         return self.request(protocol.STOP, job=job_id, reason=reason)["stopping"]
+
+    def stacks(self, job_id: str | None = None) -> str:
+        """Every rank's stack, now, of the job (the latest running one by default)."""
+        return self.request(protocol.STACKS, job=job_id)["text"]
+
+    def keep_warm(self, on: bool) -> None:
+        self.request(protocol.WARM, on=on)
 
     def jobs(self) -> list[dict[str, Any]]:
         return self.request(protocol.JOBS)["jobs"]
@@ -282,6 +313,12 @@ class SupervisorClient:
 
 _client: SupervisorClient | None = None
 _client_lock = threading.Lock()
+
+
+def current_client() -> SupervisorClient | None:
+    """This kernel's supervisor if it is running; never starts one."""
+    with _client_lock:
+        return _client if _client is not None and _client.alive else None
 
 
 def get_client() -> SupervisorClient:

@@ -89,5 +89,13 @@ class JobStopped(ElasticError):
         return report.failure_report(self.summary)
 
 
+class Refused(ElasticError):
+    """The supervisor said no to a request (e.g. stacks of a job that is not running)."""
+
+    def __init__(self, request: str, reason: str) -> None:
+        super().__init__(f"the supervisor refused {request!r}: {reason}")
+        self.request, self.reason = request, reason
+
+
 class SupervisorDied(ElasticError):
     """The supervisor process vanished while a job ran; the job's processes were killed."""

@@ -1,6 +1,6 @@
 """The kernel's handle on one job: following its events to the end, and the notebook's API.
 
-The client's reader thread puts the supervisor's messages for a job on the job's queue; one
+The handle subscribes to its job's messages (`client.subscribe`) before it submits the job; one
 follower (the cell's thread, or a background job's own thread) takes them off and feeds them
 to a renderer. For ``%%elastic --bg`` the handle is what the cell returns: ``stop()``,
 ``wait()``, ``await job``, ``result``, ``logs()``, ``stacks()``.
@@ -12,27 +12,25 @@ import contextlib
 import contextvars
 import pickle
 import queue
+import secrets
 import signal
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from elastic_nb import procs, protocol
+from elastic_nb.client import GONE, SupervisorClient
 from elastic_nb.errors import ElasticError, JobFailed, JobStopped, JobTimeout, SupervisorDied
 from elastic_nb.rundir import RunDir
 from elastic_nb.spec import JobSpec
 
-if TYPE_CHECKING:
-    from elastic_nb.client import SupervisorClient
-
-__all__ = ["GONE", "JobHandle", "Renderer"]
+__all__ = ["JobHandle", "Renderer"]
 
 # After an interrupt the supervisor normally ends the job in well under a second (SIGTERM to the
 # whole group, 2 s grace at most); past this the kernel kills the job's processes itself.
 STOP_TIMEOUT_S = 4.0
 
-GONE = object()  # put on every queue when the supervisor's connection breaks
 FLUSH_WAIT_S = 0.1  # a quiet queue still gets the renderer's held-back changes out this soon
 
 
@@ -60,12 +58,32 @@ class JobHandle:
         self.namespace: dict[str, Any] | None = None  # where --pull objects land
         self.widget: Any = None  # the dashboard that shows it, where there is one
         self._client = client
-        self._queue: queue.Queue[Any] = queue.Queue()
+        self._queue = client.subscribe(job_id)
         self._ended = threading.Event()  # followed to the end (summary or error known)
         self._background = False
         self._error: BaseException | None = None  # what a background follower ran into
         self._rendered_end = False
         self._pulled = False
+
+    @classmethod
+    def submit(
+        cls,
+        client: SupervisorClient,
+        spec: JobSpec,
+        source: str,
+        meta: dict[str, Any],
+        payload: bytes | None,
+    ) -> JobHandle:
+        """Start a job and follow it from its first message. The id is ours: the handle
+        listens before any message can arrive, and an interrupt before the reply can still
+        stop the job."""
+        job = cls(client, secrets.token_hex(4), spec)
+        try:
+            client.submit(job.id, spec, source, meta, payload)
+        except BaseException:
+            client.unsubscribe(job.id)
+            raise
+        return job
 
     def __repr__(self) -> str:
         return f"<elastic_nb job {self.id} {self.state} run_dir={self.run_dir}>"
@@ -91,7 +109,7 @@ class JobHandle:
 
     def stacks(self) -> str:
         """Every live rank's Python stack, now (the dashboard shows them as an alert too)."""
-        return self._client.request(protocol.STACKS, job=self.id)["text"]
+        return self._client.stacks(self.id)
 
     def wait(self, timeout: float | None = None) -> Any:
         """Block until the job ends; return the cell's result or raise what the cell would
@@ -171,9 +189,6 @@ class JobHandle:
             target=context.run, args=(run,), name=f"elastic_nb-job-{self.id}", daemon=True
         ).start()
 
-    def _deliver(self, msg: Any) -> None:
-        self._queue.put(msg)
-
     def follow(self, renderer: Renderer) -> dict[str, Any]:
         """Feed the job's events to `renderer` until it ends; return its summary.
 
@@ -235,10 +250,12 @@ class JobHandle:
 
     def _handle(self, msg: Any, renderer: Renderer | None) -> None:
         if msg is GONE:
-            self._kill_here("failed", "the supervisor exited")
+            gone = self._client.gone_reason
+            self._kill_here("failed", f"the supervisor is gone: {gone}")
             raise SupervisorDied(
-                f"the elastic_nb supervisor (pid {self._client.pid}) exited while job {self.id} "
-                "ran; the job's processes were killed. The next %%elastic cell starts a new one."
+                f"the elastic_nb supervisor (pid {self._client.pid}) is gone ({gone}) while job "
+                f"{self.id} ran; the job's processes were killed. The next %%elastic cell starts "
+                "a new one."
             )
         if msg["kind"] == protocol.UPDATE and renderer is not None:
             renderer.update(msg)
@@ -281,6 +298,26 @@ class JobHandle:
 
 class _Text(str):
     """Shown as itself, not as a quoted string: a result that travelled as its repr."""
+
+    @classmethod
+    def submit(
+        cls,
+        client: SupervisorClient,
+        spec: JobSpec,
+        source: str,
+        meta: dict[str, Any],
+        payload: bytes | None,
+    ) -> JobHandle:
+        """Start a job and follow it from its first message. The id is ours: the handle
+        listens before any message can arrive, and an interrupt before the reply can still
+        stop the job."""
+        job = cls(client, secrets.token_hex(4), spec)
+        try:
+            client.submit(job.id, spec, source, meta, payload)
+        except BaseException:
+            client.unsubscribe(job.id)
+            raise
+        return job
 
     def __repr__(self) -> str:
         return str(self)

@@ -44,10 +44,9 @@ from IPython.core.magic_arguments import argument, argument_group, magic_argumen
 from IPython.display import display
 from IPython.utils.text import SList
 
-from elastic_nb import protocol
 from elastic_nb.cell import explicit_timeouts, prepare_cell
-from elastic_nb.client import get_client
-from elastic_nb.errors import ElasticError
+from elastic_nb.client import current_client, get_client
+from elastic_nb.errors import Refused
 from elastic_nb.handle import JobHandle, Renderer
 from elastic_nb.options import OPTIONS, Option, add_arguments
 from elastic_nb.render_text import TextRenderer
@@ -111,7 +110,7 @@ class ElasticMagics(Magics):
                     f"it overrides --collective-timeout {spec.collective_timeout:g} for that group",
                     file=sys.stderr,
                 )
-        job = get_client().submit(spec, prepared.source, prepared.meta, prepared.payload)
+        job = JobHandle.submit(get_client(), spec, prepared.source, prepared.meta, prepared.payload)
         job.namespace = self.shell.user_ns
         self.jobs[job.id] = job
         renderer = self._renderer(job, spec)
@@ -165,10 +164,8 @@ class ElasticMagics(Magics):
         return handlers[command](rest.strip())
 
     def _status(self, rest: str) -> None:
-        from elastic_nb import client
-
-        c = client._client
-        if c is None or not c.alive:
+        c = current_client()
+        if c is None:
             print("supervisor: not running (it starts with the next %%elastic cell)")
             return
         st = c.status()
@@ -189,11 +186,8 @@ class ElasticMagics(Magics):
             )
 
     def _jobs(self, rest: str) -> SList:
-        running = {}
-        from elastic_nb import client
-
-        if client._client is not None and client._client.alive:
-            running = {j["job"]: j for j in client._client.jobs()}
+        c = current_client()
+        running = {j["job"]: j for j in c.jobs()} if c is not None else {}
         rows = []
         for job in self.jobs.values():
             s = job.summary
@@ -267,30 +261,28 @@ class ElasticMagics(Magics):
                     print(f"[rank {rank}] {text}")
 
     def _stop(self, rest: str) -> None:
-        from elastic_nb import client
-
         job_id = rest or None
         if job_id is not None:
             self._job(job_id)
-        if client._client is None or not client._client.alive:
+        c = current_client()
+        if c is None:
             print("no running jobs")
             return
-        stopping = client._client.stop(job_id, reason="user")
+        stopping = c.stop(job_id, reason="user")
         print(f"stopping: {', '.join(stopping)}" if stopping else "no running jobs")
 
     def _stacks(self, rest: str) -> None:
         """Every rank's Python stack, now, for a running job (the latest one by default)."""
-        from elastic_nb import client
-
         job_id = rest or None
         if job_id is not None:
             self._job(job_id)
-        if client._client is None or not client._client.alive:
+        c = current_client()
+        if c is None:
             raise UsageError("no running job: %elastic stacks needs one (e.g. started with --bg)")
         try:
-            text = client._client.request(protocol.STACKS, job=job_id)["text"]
-        except ElasticError as e:
-            raise UsageError(str(e).replace("the supervisor refused 'stacks': ", "")) from None
+            text = c.stacks(job_id)
+        except Refused as e:
+            raise UsageError(e.reason) from None
         print(text)
 
     def _config(self, rest: str) -> None:
@@ -300,11 +292,9 @@ class ElasticMagics(Magics):
             options = self._options(rest)
             self._spec(options)  # reject a bad default now, not at the next cell
             self.session_defaults.update(options)
-            if options.get("warm") is False:
-                from elastic_nb import client
-
-                if client._client is not None and client._client.alive:
-                    client._client.request(protocol.WARM, on=False)  # free its memory now
+            c = current_client()
+            if options.get("warm") is False and c is not None:
+                c.keep_warm(False)  # free the warm launcher's memory now
         if self.session_defaults:
             print("session defaults for %%elastic (flags on a cell override them):")
             for o in OPTIONS:

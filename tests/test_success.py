@@ -159,3 +159,14 @@ def test_log_flood_every_line_on_disk(kernel: Kernel, tmp_path: Path) -> None:
     assert "lines not shown (full log: " in ex.stdout
     assert "[rank 3] rank 3 line 49999" in ex.stdout
     assert_job_gone(ex.job_id)
+
+
+def test_a_large_push_is_not_cut_short_by_the_request_timeout(fresh_kernel: Kernel) -> None:
+    # SUBMIT's reply comes once the payload is on disk: with a 10 ms budget for the reply itself,
+    # 200 MB can only arrive if the write's own time is allowed for.
+    fresh_kernel.ok(
+        "import elastic_nb.client as c\nc.REQUEST_TIMEOUT_S = 0.01\nbig = bytes(200_000_000)\n"
+    )
+    ex = fresh_kernel.ok("%%elastic --nproc 1 --push big\nprint(len(big))\n")
+    assert "[rank 0] 200000000" in ex.stdout
+    assert_job_gone(ex.job_id)

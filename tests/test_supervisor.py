@@ -6,6 +6,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Iterator
@@ -16,8 +17,9 @@ import pytest
 
 from elastic_nb import protocol
 from elastic_nb.cell import prepare_cell
-from elastic_nb.client import SupervisorClient
+from elastic_nb.client import GONE, SupervisorClient
 from elastic_nb.errors import SupervisorDied
+from elastic_nb.handle import JobHandle
 from elastic_nb.spec import JobSpec
 from tests.kernel import assert_job_gone
 
@@ -50,7 +52,7 @@ def submit(client: SupervisorClient, tmp_path: Path, nproc: int, body: str) -> A
         {"nproc": str(nproc), "log_dir": str(tmp_path)}, cwd=str(tmp_path), sys_path=sys.path
     )
     cell = prepare_cell(f"--nproc {nproc}", body, {})
-    return client.submit(spec, cell.source, cell.meta, cell.payload)
+    return JobHandle.submit(client, spec, cell.source, cell.meta, cell.payload)
 
 
 def test_updates_are_batched_and_account_for_every_line(
@@ -113,6 +115,13 @@ def test_a_bad_connection_is_dropped_and_the_supervisor_serves_on(
             s.sendall(garbage)
             assert s.recv(1024) == b""  # dropped, no reply
     assert client.status()["pid"] == client.pid
+    # Said in the supervisor's log, with what was wrong: not a silent disconnect.
+    said = Path(client.log_path).read_text()
+    assert (
+        "WARNING elastic_nb.supervisor.server: dropped a client connection: 'jobs' before hello"
+        in said
+    )
+    assert said.count("dropped a client connection") == 3
     job = submit(client, tmp_path, 1, "print('still here')\n")
     assert job.follow(Recorder())["outcome"] == "succeeded"
     assert_job_gone(job.id)
@@ -194,3 +203,23 @@ def test_a_long_session_keeps_a_bounded_history_of_finished_jobs(tmp_path: Path)
     assert (
         len(sup._jobs) == server.KEEP_FINISHED + 1 and f"j{server.KEEP_FINISHED + 4}" in sup._jobs
     )
+
+
+def test_an_unreadable_frame_drops_the_connection_and_says_why() -> None:
+    """The client's reader on a socket whose other end sends garbage (a unit below the real
+    supervisor, which never does): every waiter hears GONE, and the error says what broke."""
+    ours, theirs = socket.socketpair()
+    c = SupervisorClient.__new__(SupervisorClient)
+    c._sock, c._proc, c._alive, c.gone_reason = ours, None, True, "it exited"
+    c._pending, c._subscribers, c._send_lock, c._req = {}, {}, threading.Lock(), iter(range(9))
+    job = c.subscribe("cafe0001")
+    reader = threading.Thread(target=c._read, args=(protocol.FrameDecoder(),))
+    reader.start()
+    theirs.sendall(b"this is not a frame\n")
+    reader.join(timeout=5)
+    assert not reader.is_alive() and not c.alive
+    assert job.get(timeout=1) is GONE
+    assert "could not read" in c.gone_reason and "not a frame" in c.gone_reason
+    assert theirs.recv(1) == b""  # the kernel dropped its end: the supervisor sees EOF
+    with pytest.raises(SupervisorDied, match="could not read"):
+        c.request(protocol.STATUS, timeout=1)

@@ -25,7 +25,7 @@ def judge(ranks: list[RankState], now: float = 10.0, **kw: object) -> object:
 
 
 def test_a_rank_dead_and_unreaped_past_the_bound() -> None:
-    dead = RankState(0, 1, pid=11, died_at=8.0, exit_code=-6)
+    dead = RankState(0, 1, pid=11, died_at=8.0, gone_at=8.0, exit_code=-6)
     why, zombie = judge([RankState(0, 0, pid=10), dead])  # type: ignore[misc]
     assert why == "rank 1 died 2.0 s ago and is still unreaped" and zombie is dead
     assert judge([RankState(0, 0, pid=10), dead], unreaped=lambda pid: False) is None
@@ -34,7 +34,7 @@ def test_a_rank_dead_and_unreaped_past_the_bound() -> None:
 
 
 def test_every_rank_done_and_gone_but_no_return() -> None:
-    done = [RankState(0, r, pid=r, done={"time": 1}, died_at=7.0) for r in (0, 1)]
+    done = [RankState(0, r, pid=r, done={"time": 1}, died_at=7.0, gone_at=7.0) for r in (0, 1)]
     why, zombie = judge(done, unreaped=lambda pid: False)  # type: ignore[misc]
     assert why.startswith("every rank finished the cell and exited 3.0 s ago") and zombie is None
 
@@ -47,3 +47,12 @@ def test_a_silent_monitor_loop_while_ranks_run() -> None:
     finished = [RankState(0, r, pid=r, done={"time": 1}) for r in (0, 1)]
     assert judge(finished, last_tick=8.0) is None  # the agent waits in join(): no ticks then
     assert judge(finished, last_tick=8.0, launcher_stopped=True) is not None  # SIGSTOPped
+
+
+def test_a_step_of_the_wall_clock_is_not_a_stuck_agent() -> None:
+    # The wall clock jumped an hour between the rank's death and now (NTP, a suspended VM):
+    # intervals are taken on the monotonic clock, where 0.2 s passed.
+    dead = RankState(0, 1, pid=11, died_at=8.0 - 3600, gone_at=9.8, exit_code=1)
+    assert judge([RankState(0, 0, pid=10), dead]) is None
+    done = [RankState(0, r, pid=r, done={"time": 1}, died_at=-3600.0, gone_at=9.9) for r in (0, 1)]
+    assert judge(done, unreaped=lambda pid: False) is None

@@ -2,8 +2,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
 import signal
+import sys
 
 import anyio
 
@@ -23,6 +25,12 @@ def main() -> None:
     # The kernel's interrupt never reaches us (we run in a session of our own), and a job is
     # stopped by request, not by Ctrl-C: ignore SIGINT.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # stderr is the supervisor's log file (the kernel opened it): what went wrong, with tracebacks.
+    logging.basicConfig(
+        stream=sys.stderr,
+        level=logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     anyio.run(Supervisor(args.listen_fd, args.kernel_pid, args.log).run)
     with contextlib.suppress(OSError):
         os.unlink(args.log)

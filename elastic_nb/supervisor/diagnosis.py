@@ -132,7 +132,7 @@ class Diagnosis:
         self._ended = anyio.Event()  # replaced after each end
         self._deferred: list[tuple[RankState, str]] = []
         self.finding: Finding | None = None  # what the summary says about a timeout or desync
-        self.silence = Silence(last_activity=time.time())  # --hang-after's clock
+        self.silence = Silence(last_activity=time.monotonic())  # --hang-after's clock
         self._watchdog_alerts: set[int] = set()  # attempts whose NCCL timeouts end nothing
 
     @property
@@ -194,7 +194,7 @@ class Diagnosis:
         """--hang-after (`watchdogs.Silence` judges): an alert with every stack, nothing ends."""
         job = self._job
         quiet = not job.decided and job.state == "running" and not self.busy
-        now = time.time()
+        now = time.monotonic()
         hang_after = job.spec.hang_after if quiet else None
         if self.silence.due(now, lines, self._book.in_the_cell(job.attempt), hang_after):
             silent_for = now - self.silence.last_activity

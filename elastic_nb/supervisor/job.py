@@ -20,6 +20,7 @@ of the job is accounted for before the kernel hears the end.
 from __future__ import annotations
 
 import contextlib
+import logging
 import signal
 import time
 from collections.abc import Callable
@@ -48,6 +49,8 @@ from elastic_nb.supervisor.verdict import (
 from elastic_nb.supervisor.watchdogs import stuck_agent, zombie_bound, zombie_title
 
 __all__ = ["Job"]
+
+log = logging.getLogger(__name__)
 
 POLL_S = 0.05  # log tail and record polling
 FLUSH_S = 0.1  # one update per job per flush: at most 10 messages a second
@@ -83,6 +86,7 @@ class Job:
         self.rd = RunDir.of(spec.log_dir, job_id)
         self.attempt = 0
         self.created = time.time()
+        self._created_mono = time.monotonic()
         self.summary: dict[str, Any] | None = None
         self._source, self._meta, self._payload, self._env = source, meta, payload, env
         self._reap = reap
@@ -146,12 +150,15 @@ class Job:
                 tg.start_soon(self._read_launcher)
                 tg.start_soon(self._poll_loop)
                 tg.start_soon(self._diagnosis.watch_desync)
+                if self.spec.timeout is not None:
+                    tg.start_soon(self._deadline, self.spec.timeout)
                 await self._decided.wait()
                 # Rank watchers and the launcher reader keep running through the teardown:
                 # they record how and when each process ended.
                 await self._teardown()
                 tg.cancel_scope.cancel()
         except Exception as e:  # a bug of ours must still end the job cleanly
+            log.exception("job %s: supervisor error", self.id)
             self._decide("failed", f"elastic_nb supervisor error: {type(e).__name__}: {e}")
             self._report.event("internal_error", error=repr(e))
         finally:
@@ -160,6 +167,11 @@ class Job:
                 if self._tree is not None and self._tree.alive():
                     await self._teardown()
                 await self._finish()
+
+    async def _deadline(self, timeout: float) -> None:
+        """--timeout, counted from the job's creation on the monotonic clock."""
+        await anyio.sleep(timeout - (time.monotonic() - self._created_mono))
+        self._decide("timeout", f"the --timeout of {timeout:g} s passed")
 
     async def stacks(self) -> str:
         """Every rank's stack now (``%elastic stacks``); also shown as an alert."""
@@ -230,8 +242,8 @@ class Job:
             self.attempt = attempt
         r = self._book.add(attempt, rank, pid, time.time())
         assert self._launcher is not None
-        self._launcher.last_tick = r.started_at  # a start is a sign of life
-        self._diagnosis.silence.activity(r.started_at)
+        self._launcher.last_tick = time.monotonic()  # a start is a sign of life
+        self._diagnosis.silence.activity(time.monotonic())
         self._tailer.follow(
             attempt, rank, {s: self.rd.log(attempt, rank, s) for s in ("out", "err")}
         )
@@ -247,8 +259,8 @@ class Job:
         await self._book.wait_exit(r, forked, EXIT_WAIT_S)
         # Until now the rank counted as alive (died_at unset): nothing judged it without its
         # exit status.
-        r.died_at = time.time()
-        self._diagnosis.silence.activity(r.died_at)
+        r.died_at, r.gone_at = time.time(), time.monotonic()
+        self._diagnosis.silence.activity(r.gone_at)
         r.oom_killed = procs.oom_kills() > self._oom_base
         self._book.read_records(r)
         self._report.event("rank.exit", attempt=r.attempt, rank=r.rank, code=r.exit_code)
@@ -314,8 +326,6 @@ class Job:
                     self._book.read_records(r)
                     if r.failure is not None:
                         self.evaluate(r)
-            if self.spec.timeout is not None and time.time() - self.created > self.spec.timeout:
-                self._decide("timeout", f"the --timeout of {self.spec.timeout:g} s passed")
             self._watch_agent()
             self._diagnosis.watch_silence(self._tailer.activity_total(), self._tg)
             if time.monotonic() >= next_flush:
@@ -337,7 +347,7 @@ class Job:
             self._book.all(),
             current,
             self.spec.nproc,
-            time.time(),
+            time.monotonic(),
             zombie_bound(self.spec.monitor_interval),
             self._teardown_at,
             launcher.last_tick,
@@ -397,6 +407,7 @@ class Job:
         try:
             self.summary = await self._final_summary(outcome, reason)
         except Exception as e:  # the kernel must hear the end whatever broke here
+            log.exception("job %s: could not analyse its end", self.id)
             self._report.event("internal_error", error=repr(e))
             self.summary = self._summarize(outcome, reason, Verdict(None, None, []))
             self.summary["reason"] += f" (elastic_nb could not analyse it: {e!r})"

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import os
 import signal
@@ -36,6 +37,8 @@ from elastic_nb import procs, protocol
 from elastic_nb.spec import JobSpec
 
 __all__ = ["Launcher", "LauncherPool"]
+
+log = logging.getLogger(__name__)
 
 # Read by the dynamic loader or the interpreter at process start: a launcher started with other
 # values cannot serve the job.
@@ -55,7 +58,7 @@ class Launcher:
         self.ready = False
         self.started = time.time()
         self.job: str | None = None  # who it was handed to
-        self.last_tick: float | None = None  # its agent's monitor loop, as last heard
+        self.last_tick: float | None = None  # its agent's monitor loop, last heard (monotonic)
         self.result: dict[str, Any] | None = None  # what elastic_launch returned or raised
         self.closed = anyio.Event()  # its pipe reached EOF: the launcher is exiting
         self.discarded = False  # ended by us while idle, not died
@@ -103,7 +106,7 @@ class Launcher:
                 for msg, _ in self.decoder.feed(data):
                     kind = msg["kind"]
                     if kind == protocol.TICK:
-                        self.last_tick = time.time()
+                        self.last_tick = time.monotonic()
                         continue
                     if kind == protocol.RESULT:
                         self.result = msg
@@ -273,8 +276,8 @@ class LauncherPool:
         A bug here must not take the supervisor down: it only costs the warm start."""
         try:
             await self._watch(launcher)
-        except Exception as e:
-            print(f"elastic_nb supervisor: watching a warm launcher: {e!r}", file=sys.stderr)
+        except Exception:
+            log.exception("watching warm launcher %s", launcher.pid)
 
     async def _watch(self, launcher: Launcher) -> None:
         await launcher.closed.wait()
@@ -283,10 +286,11 @@ class LauncherPool:
         # It died waiting: say why, and warm another (not forever, if it never got ready).
         tail = _tail(launcher.log_path)
         launcher.discard()
-        print(
-            f"elastic_nb supervisor: warm launcher {launcher.pid} exited "
-            f"({procs.describe_exit(launcher.proc.returncode)}) before any job took it: {tail}",
-            file=sys.stderr,
+        log.warning(
+            "warm launcher %s exited (%s) before any job took it: %s",
+            launcher.pid,
+            procs.describe_exit(launcher.proc.returncode),
+            tail,
         )
         if self._idle is launcher:
             self._idle = None

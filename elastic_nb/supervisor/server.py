@@ -9,13 +9,12 @@ exactly as long as its kernel: when the kernel's connection closes or the kernel
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import secrets
 import signal
 import socket
-import sys
 import time
-import traceback
 from typing import Any
 
 import anyio
@@ -27,6 +26,8 @@ from elastic_nb.supervisor.job import Job
 from elastic_nb.supervisor.launchers import LauncherPool
 
 __all__ = ["Supervisor"]
+
+log = logging.getLogger(__name__)
 
 KEEP_FINISHED = 200  # finished jobs `%elastic jobs` lists; older ones live on disk only
 
@@ -159,9 +160,9 @@ class Supervisor:
                     continue
                 await self._handle(conn, msg, blob)
         except protocol.ProtocolError as e:
-            print(f"elastic_nb supervisor: dropped a connection: {e}", file=sys.stderr)
+            log.warning("dropped a %s connection: %s", "kernel" if is_kernel else "client", e)
         except Exception:  # a bug of ours ends this connection, never the supervisor
-            traceback.print_exc()
+            log.exception("a connection failed")
         finally:
             with contextlib.suppress(Exception):
                 await stream.aclose()
@@ -193,6 +194,7 @@ class Supervisor:
             else:
                 raise protocol.ProtocolError(f"unknown request {kind!r}")
         except Exception as e:  # a bad request fails alone; the supervisor serves on
+            log.info("refused %r: %s", kind, e, exc_info=not isinstance(e, protocol.ProtocolError))
             await conn.send(protocol.REPLY, req=req, ok=False, error=f"{type(e).__name__}: {e}")
             return
         await conn.send(protocol.REPLY, req=req, ok=True, **reply)

@@ -83,7 +83,8 @@ class RankState:
     started_at: float | None = None
     done: dict[str, Any] | None = None  # the worker's done record
     failure: dict[str, Any] | None = None  # the worker's failure record
-    died_at: float | None = None  # our clock, when its pidfd fired
+    died_at: float | None = None  # our clock, when its pidfd fired (ordered with ranks' stamps)
+    gone_at: float | None = None  # the same moment on the monotonic clock, for intervals
     exit_code: int | None = None  # N, or -SIG
     oom_killed: bool = False  # the kernel's OOM killer fired while it died
     armed: bool = False  # its stack dump handler is registered: it runs our bootstrap

@@ -41,18 +41,20 @@ def stuck_agent(
     unreaped: Callable[[int], bool],
 ) -> tuple[str, RankState | None] | None:
     """Why the agent is stuck, and the rank left a zombie if that is why; None if it is not.
+    Intervals are on the monotonic clock (`now`, `RankState.gone_at`, `last_tick`): a step of
+    the wall clock must never make a healthy agent look stuck.
 
     `ranks`: every rank of every attempt; `current`: the running attempt's; `ticking`: the job
     runs undecided, so the monitor loop should tick; `unreaped(pid)`: the pid is a zombie."""
     for r in ranks:
-        if r.died_at is None or now - r.died_at < bound or r.pid is None:
+        if r.gone_at is None or now - r.gone_at < bound or r.pid is None:
             continue
-        if teardown_at is not None and r.died_at >= teardown_at:
+        if teardown_at is not None and r.died_at is not None and r.died_at >= teardown_at:
             continue  # dying because we stop the job: the agent is busy with that
         if unreaped(r.pid):
-            return f"rank {r.rank} died {now - r.died_at:.1f} s ago and is still unreaped", r
-    if len(current) == nproc and all(r.done and r.died_at for r in current):
-        gone = now - max(r.died_at or now for r in current)
+            return f"rank {r.rank} died {now - r.gone_at:.1f} s ago and is still unreaped", r
+    if len(current) == nproc and all(r.done and r.gone_at for r in current):
+        gone = now - max(r.gone_at or now for r in current)
         if gone > bound:
             return (
                 f"every rank finished the cell and exited {gone:.1f} s ago; it has not returned",
@@ -83,7 +85,7 @@ def zombie_title(
 class Silence:
     """--hang-after: how long every rank has said nothing, one alert per silence."""
 
-    last_activity: float  # output, a start or an exit, by any rank
+    last_activity: float  # output, a start or an exit, by any rank (monotonic clock)
     lines_seen: int = 0
     reported: bool = False
 

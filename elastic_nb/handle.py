@@ -280,20 +280,15 @@ class JobHandle:
     def _kill_here(self, outcome: str, reason: str) -> None:
         """Last resort from the kernel itself: kill every process carrying this job's marker."""
         procs.kill_job([self.id], signal.SIGKILL)
-        self.summary = {
-            "job": self.id,
-            "outcome": outcome,
-            "reason": reason,
-            "world_size": self.spec.world_size,
-            "attempt": 0,
-            "restarts": 0,
-            "max_restarts": self.spec.max_restarts,
-            "wall_s": 0.0,
-            "run_dir": self.run_dir,
-            "failure": None,
-            "others": [],
-            "result": False,
-        }
+        self.summary = protocol.summary(
+            self.id,
+            outcome,
+            reason,
+            cause="interrupted" if outcome == "interrupted" else None,
+            world_size=self.spec.world_size,
+            max_restarts=self.spec.max_restarts,
+            run_dir=self.run_dir,
+        )
 
 
 class _Text(str):

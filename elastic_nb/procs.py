@@ -231,6 +231,23 @@ def set_child_subreaper() -> None:
         libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
 
 
+def orphans(keep: Iterable[int] = ()) -> list[psutil.Process]:
+    """Our live children other than ``keep``. A subreaper's only children besides the
+    launchers it started are what it inherited: processes whose parent died (a rank's child
+    that escaped its process group and dropped the job's marker with its environment)."""
+    keep = set(keep)
+    try:
+        children = psutil.Process().children()
+    except psutil.Error:
+        return []
+    found = []
+    for child in children:
+        with contextlib.suppress(psutil.Error):
+            if child.pid not in keep and child.status() != psutil.STATUS_ZOMBIE:
+                found.append(child)
+    return found
+
+
 def reap_orphans(keep: Iterable[int] = ()) -> list[int]:
     """Reap our zombie children except ``keep`` (children whose Popen object reaps them)."""
     keep = set(keep)

@@ -28,6 +28,10 @@ Launcher -> supervisor
   tick {t}                                  agent monitor loop is alive (every TICK_EVERY_S)
   result {ok, error?}                       elastic_launch returned or raised
 
+The records inside those messages (an update's alerts, rank chips and log batches, the end's
+summary) are the TypedDicts below: one definition for the supervisor that writes them and the
+handle, the text renderer and the dashboard that read them.
+
 Supervisor -> rank (the desync watch; a FIFO per rank, see rundir.RunDir.probe)
   "<n> status" or "<n> full"                the rank's flight recorder: each group's last
                                             collective, or every entry too; the rank answers
@@ -39,11 +43,21 @@ from __future__ import annotations
 import json
 import signal
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, TypedDict
 
-__all__ = ["VERSION", "FrameDecoder", "ProtocolError", "encode"]
+__all__ = [
+    "VERSION",
+    "Alert",
+    "Chip",
+    "FrameDecoder",
+    "LogBatch",
+    "ProtocolError",
+    "Summary",
+    "encode",
+    "summary",
+]
 
-VERSION = 1
+VERSION = 2  # 2: log batches are records, not positional lists
 
 # kernel -> supervisor
 HELLO = "hello"
@@ -148,3 +162,92 @@ def check_hello(msg: Message) -> None:
             f"protocol version {msg.get('version')} on the other side, {VERSION} here: "
             "restart the kernel after upgrading elastic_nb"
         )
+
+
+# ---- records --------------------------------------------------------------------------------
+
+
+class Alert(TypedDict):
+    kind: str  # failure, oom, desync, collective_timeout, hang, zombie, restart, stacks, ...
+    severity: str  # error, warning, info
+    title: str
+    rank: int | None  # the rank it is about, if one
+    text: str | None  # the detail: stacks, a traceback, a memory report
+    time: float
+
+
+class Chip(TypedDict, total=False):
+    """One rank of the current attempt, as a dashboard shows it."""
+
+    state: str  # running, done, failed, stopped, zombie
+    label: str  # a few words: "exited 0", "ValueError", "left the cell after 7 collectives"
+    attempt: int
+    pid: int | None
+    detail: str  # the whole story, for a failed or stopped rank
+
+
+class LogBatch(TypedDict):
+    """New output of one rank's stream since the last update."""
+
+    attempt: int
+    rank: int
+    stream: str  # out, err
+    lines: list[str]  # whole lines, at most a bounded number per update
+    skipped: int  # lines left out of this update (the log file has them)
+    progress: str | None  # the latest state of a \r progress bar, if one is being drawn
+
+
+class Summary(TypedDict):
+    """A finished job: summary.json, the END message, what the cell raises or returns."""
+
+    job: str
+    outcome: str  # succeeded, failed, timeout, interrupted, stopped
+    reason: str
+    cause: str | None  # report.CAUSE_HINTS' classes
+    world_size: int
+    attempt: int  # the last attempt
+    restarts: int
+    max_restarts: int
+    worst_case_s: float | None
+    started: float | None
+    ended: float | None
+    wall_s: float
+    run_dir: str
+    failure: dict[str, Any] | None  # rank, attempt, cause, summary, hint, record, exit_code
+    diagnosis: dict[str, Any] | None  # text, hint, stacks (a timeout or desync's evidence)
+    others: list[dict[str, Any]]  # every other rank: rank, kind, text, delay
+    launcher_log_tail: str | None
+    leftovers: list[dict[str, Any]]  # processes the cell left running: pid, cmd
+    result: bool  # rank 0 left a value for the cell
+    lines: int
+
+
+def summary(job: str, outcome: str, reason: str, **known: Any) -> Summary:
+    """A summary with every key; what is not `known` is empty."""
+    s: dict[str, Any] = {
+        "job": job,
+        "outcome": outcome,
+        "reason": reason,
+        "cause": None,
+        "world_size": 0,
+        "attempt": 0,
+        "restarts": 0,
+        "max_restarts": 0,
+        "worst_case_s": None,
+        "started": None,
+        "ended": None,
+        "wall_s": 0.0,
+        "run_dir": "",
+        "failure": None,
+        "diagnosis": None,
+        "others": [],
+        "launcher_log_tail": None,
+        "leftovers": [],
+        "result": False,
+        "lines": 0,
+    }
+    unknown = set(known) - set(s)
+    if unknown:
+        raise TypeError(f"not summary keys: {sorted(unknown)}")
+    s.update(known)
+    return Summary(**s)  # type: ignore[typeddict-item]

@@ -70,9 +70,9 @@ class TextRenderer:
             stream.write(f"[elastic_nb] {alert['title']}\n")
             if alert.get("text"):
                 stream.write(alert["text"].rstrip("\n") + "\n")
-        for attempt, rank, name, lines, skipped, progress in (
-            msg.get("logs", ()) if self._mode == "live" else ()
-        ):
+        for batch in msg.get("logs", ()) if self._mode == "live" else ():
+            attempt, rank, name = batch["attempt"], batch["rank"], batch["stream"]
+            lines, skipped, progress = batch["lines"], batch["skipped"], batch["progress"]
             stream = self._out if name == "out" else self._err
             prefix = f"[rank {rank}] "
             if skipped:

@@ -6,11 +6,9 @@ the summary the supervisor sends when a job ends.
 
 from __future__ import annotations
 
-from typing import Any
+from elastic_nb.protocol import Summary
 
 __all__ = ["CAUSE_HINTS", "failure_headline", "failure_report", "summary_line"]
-
-Summary = dict[str, Any]
 
 # Every cause class a job can end with, and what to do about it.
 CAUSE_HINTS = {

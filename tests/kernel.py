@@ -5,16 +5,61 @@ from __future__ import annotations
 import os
 import re
 import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import psutil
 from jupyter_client.manager import KernelManager
 
 from elastic_nb import procs
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _JOB = re.compile(r"\[elastic_nb\] job ([0-9a-f]{8})")
+
+
+class TreeWatch:
+    """Every process that ever appeared under a kernel, sampled by a thread every 20 ms: the
+    suite's own account of what a kernel started, independent of the marker sweep the
+    implementation uses (which cannot see a process that dropped its environment)."""
+
+    def __init__(self, pid: int) -> None:
+        self._root = psutil.Process(pid)
+        self.seen: dict[tuple[int, float], str] = {}  # (pid, start time) -> command line
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tree-watch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.02):
+            try:
+                children = self._root.children(recursive=True)
+            except psutil.Error:
+                return  # the kernel is gone
+            for p in children:
+                try:
+                    key = (p.pid, p.create_time())
+                    if key not in self.seen:
+                        self.seen[key] = " ".join(p.cmdline())[:120] or p.name()
+                except psutil.Error:
+                    continue
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def alive(self) -> list[str]:
+        """What the watch saw that still runs (a zombie has ended: its parent reaps it)."""
+        out = []
+        for (pid, started), cmd in list(self.seen.items()):
+            try:
+                p = psutil.Process(pid)
+                if p.create_time() == started and p.status() != psutil.STATUS_ZOMBIE:
+                    out.append(f"{pid} {cmd}")
+            except psutil.Error:
+                continue
+        return out
 
 
 @dataclass
@@ -57,6 +102,7 @@ class Kernel:
         self.kc = self.km.client()
         self.kc.start_channels()
         self.kc.wait_for_ready(timeout=60)
+        self.tree = TreeWatch(self.pid)
         # IOPub messages of earlier cells that arrived while another cell was collected (what a
         # background job's thread prints goes under the cell that started it).
         self.late: dict[str, list[dict[str, Any]]] = {}
@@ -160,8 +206,17 @@ class Kernel:
         os.kill(self.pid, signal.SIGKILL)
 
     def shutdown(self) -> None:
+        """A normal shutdown (jupyter_client's): every process the kernel's tree ever held must
+        be gone after it, the supervisor, warm launchers and fork servers included."""
         self.kc.stop_channels()
-        self.km.shutdown_kernel(now=True)
+        self.km.shutdown_kernel(now=False)  # shutdown_request first, as JupyterLab does
+        self.assert_tree_gone()
+
+    def assert_tree_gone(self, timeout: float = 10) -> None:
+        self.tree.stop()
+        assert wait_for(lambda: not self.tree.alive(), timeout), (
+            f"processes the kernel started outlived it: {self.tree.alive()}"
+        )
 
 
 def wait_for(predicate: Any, timeout: float, interval: float = 0.05) -> bool:

@@ -12,6 +12,7 @@ from typing import Any
 import comm
 import pytest
 
+from elastic_nb import protocol
 from elastic_nb.dashboard import Dashboard, widget
 from elastic_nb.dashboard.model import ALL_LINES, TAIL_LINES
 from elastic_nb.spec import JobSpec
@@ -110,6 +111,12 @@ def _summary(outcome: str, run_dir: str, **extra: Any) -> dict[str, Any]:
     }
 
 
+def batch(attempt: int, rank: int, stream: str, lines: list[str], progress: str | None) -> Any:
+    return protocol.LogBatch(
+        attempt=attempt, rank=rank, stream=stream, lines=lines, skipped=0, progress=progress
+    )
+
+
 def test_a_flood_costs_one_bounded_message_per_tick(
     comms: list[RecordingComm], clock: Clock, tmp_path: Path
 ) -> None:
@@ -132,10 +139,7 @@ def test_a_flood_costs_one_bounded_message_per_tick(
             f.write("".join(f"{r} {i}\n" for i in range(tick * per_tick, (tick + 1) * per_tick)))
             f.flush()
         tailer.poll()
-        logs = [
-            [b.attempt, b.rank, b.stream, b.lines, b.skipped, b.progress] for b in tailer.take()
-        ]
-        dash.update({"logs": logs})
+        dash.update({"logs": [b.record() for b in tailer.take()]})
         clock.now += 0.1
         dash.flush()
     dash.end(_summary("succeeded", str(tmp_path)))
@@ -189,7 +193,7 @@ def test_states_chips_alerts_and_the_attempts_timeline(
 
     running = {"state": "running", "label": "running", "attempt": 0, "pid": 11}
     dash.update({"state": "running", "attempt": 0, "ranks": {"0": running, "1": running}})
-    dash.update({"logs": [[0, 1, "err", ["Traceback ...", "ValueError: boom"], 0, None]]})
+    dash.update({"logs": [batch(0, 1, "err", ["Traceback ...", "ValueError: boom"], None)]})
     failed = {"state": "failed", "label": "ValueError", "attempt": 0, "detail": "ValueError: boom"}
     restart = {
         "kind": "restart",
@@ -223,7 +227,7 @@ def test_states_chips_alerts_and_the_attempts_timeline(
     assert ["1", "note", ["── attempt 1 ──"]] in delta["lines"]
 
     # A late line from the replaced attempt does not land in the new attempt's tab.
-    dash.update({"logs": [[0, 0, "out", ["late"], 0, None]]})
+    dash.update({"logs": [batch(0, 0, "out", ["late"], None)]})
     clock.now += 0.2
     dash.flush()
     assert len(c.customs) == 2
@@ -239,15 +243,15 @@ def test_progress_bars_show_their_latest_state(
 ) -> None:
     dash = Dashboard("cafe0001", str(tmp_path), JobSpec.from_options({"nproc": 1}))
     c = _dashboard_comm(comms)
-    dash.update({"logs": [[0, 0, "err", [], 0, "epoch 1:  40%|####"]]})
+    dash.update({"logs": [batch(0, 0, "err", [], "epoch 1:  40%|####")]})
     clock.now += 0.2
     dash.flush()
     assert c.customs[-1]["progress"] == {"0": ["err", "epoch 1:  40%|####"]}
-    dash.update({"logs": [[0, 0, "out", ["a print from the loop"], 0, None]]})
+    dash.update({"logs": [batch(0, 0, "out", ["a print from the loop"], None)]})
     clock.now += 0.2
     dash.flush()
     assert "progress" not in c.customs[-1]  # a line on another stream leaves the bar alone
-    dash.update({"logs": [[0, 0, "err", ["epoch 1: 100%|##########"], 0, None]]})
+    dash.update({"logs": [batch(0, 0, "err", ["epoch 1: 100%|##########"], None)]})
     clock.now += 0.2
     dash.flush()
     assert c.customs[-1]["progress"] == {"0": None}  # the bar's line is finished

@@ -144,7 +144,7 @@ def test_a_deadline_before_the_ranks_start_says_so(kernel: Kernel) -> None:
     assert_job_gone(ex.job_id)
 
 
-def test_interrupt_stops_every_rank(fresh_kernel: Kernel) -> None:
+def test_interrupt_stops_every_rank(fresh_kernel: Kernel, cache_home: Path) -> None:
     k = fresh_kernel
     msg_id, ex = k.start(
         "%%elastic --nproc 2\nimport time\nprint('sleeping', flush=True)\ntime.sleep(300)\n"
@@ -153,11 +153,45 @@ def test_interrupt_stops_every_rank(fresh_kernel: Kernel) -> None:
     t0 = time.monotonic()
     k.interrupt()
     k.collect(msg_id, ex, timeout=30)
-    assert time.monotonic() - t0 < 5
+    # The supervisor stopped it, well before the kernel's own fallback (STOP_TIMEOUT_S, 4 s)
+    # would have: the outcome is its record, not the kernel's.
+    assert time.monotonic() - t0 < 3
     assert ex.ename == "KeyboardInterrupt"
     assert "interrupted" in ex.stdout
+    s = _summary(ex.job_id, cache_home)
+    assert (s["outcome"], s["reason"], s["cause"]) == (
+        "interrupted",
+        "interrupted from the kernel",
+        "interrupted",
+    )
     assert_job_gone(ex.job_id)
     assert k.ok("%%elastic --nproc 1\n'next'\n").result == "'next'"
+
+
+def test_interrupt_when_the_supervisor_does_not_answer(fresh_kernel: Kernel) -> None:
+    """The kernel's fallback: a frozen supervisor cannot hold the notebook. After STOP_TIMEOUT_S
+    the kernel kills the job's processes itself."""
+    k = fresh_kernel
+    msg_id, ex = k.start(
+        "%%elastic --nproc 2\nimport time\nprint('sleeping', flush=True)\ntime.sleep(300)\n"
+    )
+    k.collect(msg_id, ex, timeout=60, until=lambda e: e.stdout.count("sleeping") == 2)
+    (supervisor,) = [
+        p
+        for p in psutil.Process(k.pid).children()
+        if "elastic_nb.supervisor" in " ".join(p.cmdline())
+    ]
+    supervisor.suspend()
+    try:
+        t0 = time.monotonic()
+        k.interrupt()
+        k.collect(msg_id, ex, timeout=30)
+        assert 4 <= time.monotonic() - t0 < 8
+        assert ex.ename == "KeyboardInterrupt"
+        assert f"job {ex.job_id} interrupted" in ex.stdout
+        assert_job_gone(ex.job_id)
+    finally:
+        supervisor.resume()
 
 
 def test_interrupt_while_ranks_block_in_a_collective(fresh_kernel: Kernel) -> None:

@@ -48,6 +48,7 @@ def test_status_jobs_and_logs(kernel: Kernel) -> None:
     assert "rank 1 stdout, attempt 0" in logs and "(100 lines)" in logs
     assert logs.strip().endswith("[rank 1] line 99 of rank 1")
     assert "[rank 1] line 96 of rank 1" not in logs
+    assert "rank 0" not in logs  # --rank 1: nothing of the other rank
     assert "line 99 of rank 0" in kernel.ok("%elastic logs").stdout  # the last job, every rank
 
 

@@ -129,7 +129,8 @@ def test_the_process_tree_goes_sigterm_grace_sigkill_and_leaves_nothing() -> Non
     signals: list[str] = []
 
     async def main() -> list[int]:
-        return await ProcessTree(job_id, proc).stop(0.5, lambda name, _: signals.append(name))
+        tree = ProcessTree(job_id, proc, orphans=list)
+        return await tree.stop(0.5, lambda name, _: signals.append(name))
 
     started = time.monotonic()
     survivors = anyio.run(main)

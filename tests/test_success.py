@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
+
+import psutil
+import pytest
 
 from elastic_nb.rundir import RunDir
 from tests.kernel import Kernel, assert_job_gone
@@ -86,14 +90,26 @@ def test_a_collective_timeout_fails_the_waiting_rank(kernel: Kernel) -> None:
     assert_job_gone(ex.job_id)
 
 
-def test_processes_the_cell_leaves_behind_are_stopped(kernel: Kernel) -> None:
-    ex = kernel.ok(
+@pytest.mark.parametrize("env", ["", ", env={}"], ids=["marked", "without the job's environment"])
+@pytest.mark.parametrize("outcome", ["succeeded", "failed"])
+def test_processes_the_cell_leaves_behind_are_stopped(
+    kernel: Kernel, env: str, outcome: str
+) -> None:
+    # In a session of its own, and (second case) with an empty environment: neither the process
+    # group nor the job's marker finds it; the supervisor, a subreaper, inherits it when its
+    # rank dies.
+    ex = kernel.run(
         "%%elastic --nproc 1\n"
         "import subprocess\n"
-        "subprocess.Popen(['sleep', '300'], start_new_session=True)  # escapes the process group\n"
-        "print('started a daemon')\n"
+        f"p = subprocess.Popen(['sleep', '300'], start_new_session=True{env})\n"
+        "print('daemon', p.pid, flush=True)\n"
+        + ("raise RuntimeError('after starting a daemon')\n" if outcome == "failed" else "")
     )
-    assert "stopped 1 process(es) the cell left running" in ex.stdout and "(sleep 300)" in ex.stdout
+    assert (ex.ename == "JobFailed") == (outcome == "failed")
+    daemon = int(re.search(r"daemon (\d+)", ex.stdout)[1])  # type: ignore[index]
+    if outcome == "succeeded":
+        assert f"stopped 1 process(es) the cell left running: {daemon} (sleep 300)" in ex.stdout
+    assert not psutil.pid_exists(daemon) or psutil.Process(daemon).status() == "zombie"
     assert_job_gone(ex.job_id)
 
 
@@ -154,8 +170,12 @@ def test_log_flood_every_line_on_disk(kernel: Kernel, tmp_path: Path) -> None:
     for rank in range(4):
         lines = rd.log(0, rank, "out").read_text().splitlines()
         assert lines == [f"rank {rank} line {i}" for i in range(50_000)]
-    # The notebook got a bounded view with the way to the rest, not 200,000 lines.
-    assert ex.stdout.count("\n") < 50_000
+    # The notebook got a bounded view with the way to the rest, not 200,000 lines: at most 200
+    # lines per rank per update, at most 10 updates a second (README, "The run directory").
+    updates = 10 * ex.seconds + 2
+    for rank in range(4):
+        shown = ex.stdout.count(f"[rank {rank}] rank {rank} line ")
+        assert shown <= 200 * updates, (rank, shown, ex.seconds)
     assert "lines not shown (full log: " in ex.stdout
     assert "[rank 3] rank 3 line 49999" in ex.stdout
     assert_job_gone(ex.job_id)

@@ -21,7 +21,7 @@ from elastic_nb.client import GONE, SupervisorClient
 from elastic_nb.errors import SupervisorDied
 from elastic_nb.handle import JobHandle
 from elastic_nb.spec import JobSpec
-from tests.kernel import assert_job_gone
+from tests.kernel import assert_job_gone, wait_for
 
 
 class Recorder:
@@ -73,9 +73,9 @@ def test_updates_are_batched_and_account_for_every_line(
     # ...each bounded...
     shown: dict[int, int] = defaultdict(int)
     for _, msg in rec.updates:
-        for _attempt, rank, stream, lines, skipped, _progress in msg.get("logs", ()):
-            assert stream == "out" and len(lines) <= 200
-            shown[rank] += len(lines) + skipped
+        for b in msg.get("logs", ()):
+            assert b["stream"] == "out" and len(b["lines"]) <= 200
+            shown[b["rank"]] += len(b["lines"]) + b["skipped"]
     # ...and every line either shown or counted as left out.
     assert dict(shown) == {0: 100_000, 1: 100_000, 2: 100_000, 3: 100_000}
     assert_job_gone(job.id)
@@ -160,12 +160,7 @@ def test_closing_the_lifeline_ends_jobs_and_the_supervisor(tmp_path: Path) -> No
     c = SupervisorClient()
     job = submit(c, tmp_path, 2, "import time\ntime.sleep(300)\n")
     proc = c._proc
-    deadline = time.monotonic() + 60
-    while (
-        not (tmp_path / job.id / "attempt-0" / "rank-1.out").exists()
-        and time.monotonic() < deadline
-    ):
-        time.sleep(0.05)
+    assert wait_for(lambda: (tmp_path / job.id / "attempt-0" / "rank-1.out").exists(), 60)
     c.close()  # what the OS does when a kernel dies
     assert proc.wait(timeout=15) == 0
     assert_job_gone(job.id)

@@ -148,9 +148,10 @@ def test_no_warm_keeps_none(fresh_kernel: Kernel, cache_home: Path) -> None:
     assert not launcher_of(cache_home, cold.job_id)["warm"]
     assert warm_status(k) is None
     k.ok("%%elastic --nproc 1\nprint('warm again after this one')\n")
-    wait_warm(k)
+    warm = psutil.Process(int(wait_warm(k)))
     k.ok("%elastic config --no-warm")  # the session
     assert warm_status(k) is None  # ended at once, its memory freed
+    assert not _alive(warm)
     ex = k.ok("%%elastic --nproc 1\nprint('two')\n")
     assert not launcher_of(cache_home, ex.job_id)["warm"]
     assert warm_status(k) is None
@@ -204,7 +205,7 @@ def test_forked_ranks_start_like_spawned_ones(kernel: Kernel) -> None:
     # Read at interpreter start or torch import, in the fork server, before the job existed:
     # PYTHONUNBUFFERED (a print without flush reaches the log at once) and OMP_NUM_THREADS.
     ex = kernel.ok(
-        "%%elastic --bg --nproc 2 --env OMP_NUM_THREADS=1\n"
+        "%%elastic --bg --nproc 2 --env OMP_NUM_THREADS=3\n"
         "import time, torch\n"
         "print('threads', torch.get_num_threads())\n"
         "time.sleep(600)\n"
@@ -213,7 +214,7 @@ def test_forked_ranks_start_like_spawned_ones(kernel: Kernel) -> None:
     kernel.ok("job = _")
     for rank in (0, 1):
         assert wait_for(
-            lambda rank=rank: "threads 1" in kernel.ok(f"print(job.logs(rank={rank}))").stdout,
+            lambda rank=rank: "threads 3" in kernel.ok(f"print(job.logs(rank={rank}))").stdout,
             timeout=60,
         )
     kernel.ok("job.stop()")

@@ -74,7 +74,9 @@ class DashboardState:
             self._chip(rank, chip)
         for alert in msg.get("alerts", ()):
             self._alert(alert)
-        for attempt_, rank, stream, lines, skipped, progress in msg.get("logs", ()):
+        for batch in msg.get("logs", ()):
+            attempt_, rank, stream = batch["attempt"], batch["rank"], batch["stream"]
+            lines, skipped, progress = batch["lines"], batch["skipped"], batch["progress"]
             if attempt_ != self.header["attempt"]:
                 continue  # the last lines of an attempt that has been replaced
             self._lines(str(rank), stream, lines, skipped, self._rd.log(attempt_, rank, stream))

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 import anyio
+import psutil
 
 from elastic_nb import procs, protocol
 from elastic_nb.rundir import RunDir, write_atomic, write_json
@@ -79,6 +80,7 @@ class Job:
         env: dict[str, str],
         send: Send,
         reap: Callable[[], None],
+        orphans: Callable[[], list[psutil.Process]],
         launchers: LauncherPool,
     ) -> None:
         self.id = job_id
@@ -89,7 +91,7 @@ class Job:
         self._created_mono = time.monotonic()
         self.summary: dict[str, Any] | None = None
         self._source, self._meta, self._payload, self._env = source, meta, payload, env
-        self._reap = reap
+        self._reap, self._orphans = reap, orphans
         self._launchers = launchers
         self._launcher: Launcher | None = None
         self._tree: ProcessTree | None = None  # the launcher's, once it has the job
@@ -195,7 +197,7 @@ class Job:
         """Take a launcher (the warm one, or a new one) and give it this job."""
         launcher = self._launchers.take(self.spec, self._env)
         line = launcher.assign(self.id, str(self.rd), self._env)  # before any await: ours now
-        self._launcher, self._tree = launcher, ProcessTree(self.id, launcher.proc)
+        self._launcher, self._tree = launcher, ProcessTree(self.id, launcher.proc, self._orphans)
         self._report.event("launcher", pid=launcher.pid, warm=launcher.ready)
         if launcher.ready:
             self._report.set_state("rendezvous")
@@ -391,11 +393,10 @@ class Job:
             )
         if tree.alive() and self._teardown_at is None:
             self._teardown_at = time.time()
-
-        def signalled(name: str, stray: list[int]) -> None:
-            self._report.event("teardown", signal=name, stray=stray)
-
-        survivors = await tree.stop(self.spec.stop_grace, signalled)
+        survivors = await tree.stop(
+            self.spec.stop_grace,
+            lambda sig, stray: self._report.event("teardown", signal=sig, stray=stray),
+        )
         if survivors:
             self._report.event("teardown_failed", pids=survivors)
             self._report.alert(**unkillable(survivors))
@@ -425,11 +426,11 @@ class Job:
     async def _final_summary(self, outcome: str, reason: str) -> dict[str, Any]:
         self._tailer.poll(final=True)
         self._book.settle()
-        for r in self._book.all():
-            self.show(r)
         current = self._book.of(self.attempt)
         behind = self._book.behind.get(self.attempt)
         verdict = analyze(current, self._teardown_at, behind, self.spec.nproc)
+        for r in current:
+            self._report.chip(r.rank, self._book.chip(r, self._teardown_at, verdict.root))
         result = self._summarize(outcome, reason, verdict)
         for alert in summary.closing_alerts(result, current, self._leftovers):
             self._report.alert(**alert)

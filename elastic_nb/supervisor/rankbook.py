@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
 
 import anyio
 import psutil
 
 from elastic_nb import procs
+from elastic_nb.protocol import Chip
 from elastic_nb.rundir import RunDir, read_json
 from elastic_nb.supervisor.forensics import Desync
 from elastic_nb.supervisor.verdict import RankState
@@ -130,20 +130,23 @@ class RankBook:
                 changed.append(r)
         return changed
 
-    def chip(self, r: RankState, teardown_at: float | None) -> dict[str, Any]:
+    def chip(self, r: RankState, teardown_at: float | None, root: RankState | None = None) -> Chip:
         """What a dashboard shows for one rank: a state to colour it by, a few words, and the
-        whole story for a failed or stopped one."""
+        whole story for a failed or stopped one. A rank that only saw its peer go is a victim
+        (stopped), unless the verdict (`root`, at the end) finds no one else to blame."""
         kind = r.kind(teardown_at)
         if kind == "running" or (kind == "done" and r.died_at is None):
             state = "running"
         else:
-            state = {"done": "done", "terminated": "stopped"}.get(kind, "failed")
+            state = {"done": "done", "terminated": "stopped", "peer": "stopped"}.get(kind, "failed")
+            if r is root:
+                state = "failed"
         label = r.label(teardown_at)
         if r.blame is not None:
             state, label = "failed", r.blame
         if (r.attempt, r.rank) in self.zombies:
             state, label = "zombie", f"zombie · {label}"
-        chip: dict[str, Any] = {"state": state, "label": label, "attempt": r.attempt, "pid": r.pid}
+        chip = Chip(state=state, label=label, attempt=r.attempt, pid=r.pid)
         if state in ("failed", "stopped", "zombie"):
             chip["detail"] = r.failure_summary()
         return chip

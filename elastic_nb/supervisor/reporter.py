@@ -29,8 +29,8 @@ class Reporter:
         self.state = "starting"
         self._send = send
         self._events: TextIO | None = None
-        self._ranks: dict[int, dict[str, Any]] = {}
-        self._alerts: list[dict[str, Any]] = []
+        self._ranks: dict[int, protocol.Chip] = {}
+        self._alerts: list[protocol.Alert] = []
         self._state_dirty = True
 
     def open(self, events: Path) -> None:
@@ -53,7 +53,7 @@ class Reporter:
             self._state_dirty = True
             self.event("state", state=state)
 
-    def chip(self, rank: int, chip: dict[str, Any]) -> None:
+    def chip(self, rank: int, chip: protocol.Chip) -> None:
         """What the dashboard shows for a rank of the current attempt (the latest wins)."""
         self._ranks[rank] = chip
 
@@ -61,14 +61,9 @@ class Reporter:
         self, kind: str, severity: str, title: str, rank: int | None = None, text: str | None = None
     ) -> None:
         """A typed event any renderer can show: what, how bad, which rank, optional detail."""
-        alert = {
-            "kind": kind,
-            "severity": severity,
-            "title": title,
-            "rank": rank,
-            "text": text,
-            "time": time.time(),
-        }
+        alert = protocol.Alert(
+            kind=kind, severity=severity, title=title, rank=rank, text=text, time=time.time()
+        )
         self._alerts.append(alert)
         self.event("alert", **alert)
 
@@ -82,9 +77,7 @@ class Reporter:
             self._ranks = {}
         if self._alerts:
             update["alerts"], self._alerts = self._alerts, []
-        logs = [
-            [b.attempt, b.rank, b.stream, b.lines, b.skipped, b.progress] for b in tailer.take()
-        ]
+        logs = [b.record() for b in tailer.take()]
         if logs:
             update["logs"] = logs
         if update:

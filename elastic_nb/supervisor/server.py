@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 import anyio
+import psutil
 from anyio.abc import SocketListener, SocketStream, TaskGroup
 
 from elastic_nb import procs, protocol
@@ -120,11 +121,18 @@ class Supervisor:
             await anyio.sleep(1.0)
             self.reap()
 
-    def reap(self) -> None:
+    def _launcher_pids(self) -> set[int]:
         keep = {j.launcher_pid for j in self._jobs.values() if j.launcher_pid}
         if self._launchers.idle is not None:
             keep.add(self._launchers.idle.pid)
-        procs.reap_orphans(keep=keep)
+        return keep
+
+    def reap(self) -> None:
+        procs.reap_orphans(keep=self._launcher_pids())
+
+    def orphans(self) -> list[psutil.Process]:
+        """What we inherited as a subreaper: left behind by some job's processes."""
+        return procs.orphans(keep=self._launcher_pids())
 
     def _shutdown(self) -> None:
         """Stop every job; the task group ends when the last one has torn down."""
@@ -215,6 +223,7 @@ class Supervisor:
             env=msg.get("env") or dict(os.environ),
             send=conn.send,
             reap=self.reap,
+            orphans=self.orphans,
             launchers=self._launchers,
         )
         self._forget_old_jobs()

@@ -12,7 +12,7 @@ import signal
 import time
 from typing import Any
 
-from elastic_nb import procs, report
+from elastic_nb import procs, protocol, report
 from elastic_nb.rundir import RunDir
 from elastic_nb.spec import JobSpec
 from elastic_nb.supervisor.verdict import RankState, Verdict, analyze
@@ -34,7 +34,7 @@ def summarize(
     diagnosis: dict[str, Any] | None,
     leftovers: list[dict[str, Any]],
     lines: int,
-) -> dict[str, Any]:
+) -> protocol.Summary:
     root = verdict.root
     failure = None
     if outcome == "failed" and root is not None:
@@ -52,28 +52,28 @@ def summarize(
             "exit_code": root.exit_code,
         }
     ended = time.time()
-    return {
-        "job": job_id,
-        "outcome": outcome,
-        "reason": reason,
-        "cause": cause(outcome, failure, zombie),
-        "world_size": spec.world_size,
-        "attempt": attempt,
-        "restarts": attempt,
-        "max_restarts": spec.max_restarts,
-        "worst_case_s": spec.worst_case_s,
-        "started": created,
-        "ended": ended,
-        "wall_s": ended - created,
-        "run_dir": str(rd),
-        "failure": failure,
-        "diagnosis": diagnosis if outcome == "failed" else None,
-        "others": verdict.others if outcome != "succeeded" else [],
-        "launcher_log_tail": _log_tail(rd) if outcome == "failed" and failure is None else None,
-        "leftovers": leftovers,
-        "result": rd.result(attempt).exists(),
-        "lines": lines,
-    }
+    return protocol.summary(
+        job_id,
+        outcome,
+        reason,
+        cause=cause(outcome, failure, zombie),
+        world_size=spec.world_size,
+        attempt=attempt,
+        restarts=attempt,
+        max_restarts=spec.max_restarts,
+        worst_case_s=spec.worst_case_s,
+        started=created,
+        ended=ended,
+        wall_s=ended - created,
+        run_dir=str(rd),
+        failure=failure,
+        diagnosis=diagnosis if outcome == "failed" else None,
+        others=verdict.others if outcome != "succeeded" else [],
+        launcher_log_tail=_log_tail(rd) if outcome == "failed" and failure is None else None,
+        leftovers=leftovers,
+        result=rd.result(attempt).exists(),
+        lines=lines,
+    )
 
 
 def cause(outcome: str, failure: dict[str, Any] | None, zombie: bool) -> str | None:

@@ -18,6 +18,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from elastic_nb.protocol import LogBatch
+
 __all__ = ["Batch", "LogTailer"]
 
 _READ_CHUNK = 4 * 1024 * 1024
@@ -34,6 +36,17 @@ class Batch:
     lines: list[str]
     skipped: int = 0
     progress: str | None = None  # the latest state of an unfinished \r-rewritten line
+
+    def record(self) -> LogBatch:
+        """As it travels to the kernel (protocol.LogBatch)."""
+        return LogBatch(
+            attempt=self.attempt,
+            rank=self.rank,
+            stream=self.stream,
+            lines=self.lines,
+            skipped=self.skipped,
+            progress=self.progress,
+        )
 
 
 @dataclass

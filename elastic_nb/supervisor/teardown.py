@@ -1,8 +1,11 @@
 """Ending a job's process tree: the launcher, its fork server, every rank, and whatever the cell
-started, found by the job's marker (never by name).
+started, found by what they are (never by name): the launcher's process group, the job's marker
+in a process's environment, and the supervisor's orphans. The supervisor is a subreaper: a
+process whose rank died (one that left the process group and dropped its environment) becomes
+its child, and any child of it that is not a launcher is such a leftover.
 
-SIGTERM goes to the launcher and every marked process, SIGKILL after the grace to the whole
-process group and every marked process again; what still lives after that is reported, by pid.
+SIGTERM goes to the launcher, every marked process and every orphan; SIGKILL after the grace to
+the whole process group and all of those again; what still lives after that is reported, by pid.
 """
 
 from __future__ import annotations
@@ -27,14 +30,25 @@ LEFTOVER_GRACE_S = 0.5  # after a successful launcher exits, its helpers' time t
 
 
 class ProcessTree:
-    def __init__(self, job_id: str, launcher: subprocess.Popen[bytes]) -> None:
+    def __init__(
+        self,
+        job_id: str,
+        launcher: subprocess.Popen[bytes],
+        orphans: Callable[[], list[psutil.Process]],
+    ) -> None:
         self.job_id = job_id
         self.launcher = launcher
+        self._orphans = orphans
+
+    def leftovers(self) -> list[psutil.Process]:
+        """Processes of the job that are not the launcher's group: marked ones, and orphans."""
+        found = {p.pid: p for p in [*procs.job_processes([self.job_id]), *self._orphans()]}
+        return list(found.values())
 
     def alive(self, leftovers_too: bool = True) -> bool:
         if self.launcher.poll() is None:
             return True
-        return leftovers_too and bool(procs.job_processes([self.job_id]))
+        return leftovers_too and bool(self.leftovers())
 
     async def wait_gone(self, timeout: float, leftovers_too: bool = True) -> None:
         with anyio.move_on_after(timeout):
@@ -54,7 +68,7 @@ class ProcessTree:
         # Helpers of the launcher (multiprocessing's resource tracker, a fork server) exit on
         # their own once it has gone: give them a moment before blaming the cell.
         await self.wait_gone(LEFTOVER_GRACE_S)
-        return [_describe(p) for p in procs.job_processes([self.job_id])]
+        return [_describe(p) for p in self.leftovers()]
 
     async def stop(self, grace: float, on_signal: Callable[[str, int], None]) -> list[int]:
         """SIGTERM, `grace`, SIGKILL; returns the pids that survived it all."""
@@ -71,10 +85,14 @@ class ProcessTree:
                 procs.signal_group(pid, signal.SIGCONT)  # a stopped one too
             else:
                 procs.signal_group(pid, sig)
-            stray = procs.kill_job([self.job_id], sig)
+            stray = []
+            for p in self.leftovers():
+                with contextlib.suppress(psutil.Error):
+                    p.send_signal(sig)
+                    stray.append(p.pid)
             on_signal(signal.Signals(sig).name, stray)
             await self.wait_gone(wait)
-        survivors = [p.pid for p in procs.job_processes([self.job_id])]
+        survivors = [p.pid for p in self.leftovers()]
         if self.launcher.poll() is None:
             survivors.insert(0, pid)
         return survivors

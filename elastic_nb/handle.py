@@ -64,6 +64,7 @@ class JobHandle:
         self._error: BaseException | None = None  # what a background follower ran into
         self._rendered_end = False
         self._pulled = False
+        self._state = "starting"  # as the supervisor's updates say, until the summary
 
     @classmethod
     def submit(
@@ -97,7 +98,8 @@ class JobHandle:
 
     @property
     def state(self) -> str:
-        return self.summary["outcome"] if self.summary else "running"
+        """starting, rendezvous, running, restarting; then the outcome."""
+        return self.summary["outcome"] if self.summary else self._state
 
     # ---- the notebook's API -----------------------------------------------------------------
 
@@ -257,8 +259,10 @@ class JobHandle:
                 f"{self.id} ran; the job's processes were killed. The next %%elastic cell starts "
                 "a new one."
             )
-        if msg["kind"] == protocol.UPDATE and renderer is not None:
-            renderer.update(msg)
+        if msg["kind"] == protocol.UPDATE:
+            self._state = msg.get("state", self._state)
+            if renderer is not None:
+                renderer.update(msg)
         elif msg["kind"] == protocol.END:
             self.summary = msg["summary"]
             if renderer is not None:

@@ -195,17 +195,29 @@ def proc_state(pid: int) -> tuple[str, str] | None:
     return letter, text
 
 
-def oom_kills() -> int:
-    """How many processes the kernel's OOM killer has ended: in this process's cgroup (v2
-    memory.events) where readable, else machine-wide (/proc/vmstat). Compare two readings."""
-    with contextlib.suppress(OSError, ValueError, IndexError):
+def oom_kills() -> int | None:
+    """How many processes the kernel's OOM killer has ended in this process's memory cgroup
+    (v2 memory.events, or v1 memory.oom_control); None where neither is readable. Never the
+    machine-wide count: an unrelated OOM kill elsewhere must not relabel a rank's SIGKILL.
+    Compare two readings."""
+    try:
         with open("/proc/self/cgroup") as f:
-            path = next(line.split(":", 2)[2].strip() for line in f if line.startswith("0::"))
-        with open(f"/sys/fs/cgroup{path}/memory.events") as f:
+            groups = [line.strip().split(":", 2) for line in f]
+    except OSError:
+        return None
+    for fields in groups:
+        if len(fields) != 3:
+            continue
+        hierarchy, controllers, path = fields
+        if hierarchy == "0" and not controllers:
+            name = f"/sys/fs/cgroup{path}/memory.events"
+        elif "memory" in controllers.split(","):
+            name = f"/sys/fs/cgroup/memory{path}/memory.oom_control"
+        else:
+            continue
+        with contextlib.suppress(OSError, ValueError, StopIteration), open(name) as f:
             return next(int(line.split()[1]) for line in f if line.startswith("oom_kill "))
-    with contextlib.suppress(OSError, ValueError, StopIteration), open("/proc/vmstat") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("oom_kill "))
-    return 0
+    return None
 
 
 def signal_name(signum: int) -> str:

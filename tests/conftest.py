@@ -1,8 +1,11 @@
 from __future__ import annotations
 
+import contextlib
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 from elastic_nb import procs
@@ -10,9 +13,17 @@ from tests.kernel import Kernel, wait_for
 
 
 @pytest.fixture(scope="session")
-def cache_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Run directories of the tests' jobs go here, not into the user's cache."""
-    return tmp_path_factory.mktemp("cache")
+def cache_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Run directories of the tests' jobs go here, not into the user's cache; the supervisors
+    the test process starts itself inherit it too."""
+    path = tmp_path_factory.mktemp("cache")
+    saved = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(path)
+    yield path
+    if saved is None:
+        del os.environ["XDG_CACHE_HOME"]
+    else:
+        os.environ["XDG_CACHE_HOME"] = saved
 
 
 @pytest.fixture(scope="module")
@@ -35,11 +46,23 @@ def fresh_kernel(tmp_path: Path, cache_home: Path) -> Iterator[Kernel]:
 
 
 @pytest.fixture(autouse=True)
-def no_stray_processes() -> Iterator[None]:
-    """Every test ends with no process of any elastic_nb job left alive."""
+def no_stray_processes(cache_home: Path) -> Iterator[None]:
+    """Every test ends with no process of any job this suite started left alive (a notebook
+    job of the user running beside the suite is not ours: its ranks have another cache home)."""
     yield
     # Kernels shut down by fixtures take their supervisor (and its jobs) with them; allow the
     # teardown its bounded time, then insist.
-    wait_for(lambda: not procs.job_processes(), timeout=10)
-    left = [p.pid for p in procs.job_processes()]
+    wait_for(lambda: not ours(cache_home), timeout=10)
+    left = [p.pid for p in ours(cache_home)]
     assert not left, f"elastic_nb job processes left behind: {left}"
+
+
+def ours(cache_home: Path) -> list[psutil.Process]:
+    """Processes of this suite's jobs: they carry the suite's XDG_CACHE_HOME (the kernels get it
+    explicitly; jobs started from the test process inherit it, see `cache_home`)."""
+    found = []
+    for p in procs.job_processes():
+        with contextlib.suppress(psutil.Error):
+            if p.environ().get("XDG_CACHE_HOME") == str(cache_home):
+                found.append(p)
+    return found

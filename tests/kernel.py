@@ -16,6 +16,7 @@ from jupyter_client.manager import KernelManager
 from elastic_nb import procs
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_CALLERS = ("ELASTIC_NB_", "JPY_", "VSCODE_")
 _JOB = re.compile(r"\[elastic_nb\] job ([0-9a-f]{8})")
 
 
@@ -98,7 +99,10 @@ class Execution:
 class Kernel:
     def __init__(self, cwd: str, env: dict[str, str] | None = None) -> None:
         self.km = KernelManager(kernel_name="python3")
-        self.km.start_kernel(cwd=cwd, env={**os.environ, **(env or {})})
+        # A clean, explicit environment: nothing of the caller's notebook or elastic_nb setup
+        # (ELASTIC_NB_WIDGETS, JPY_SESSION_NAME, VSCODE_PID...) decides what the test sees.
+        inherited = {k: v for k, v in os.environ.items() if not k.startswith(_CALLERS)}
+        self.km.start_kernel(cwd=cwd, env={**inherited, **(env or {})})
         self.kc = self.km.client()
         self.kc.start_channels()
         self.kc.wait_for_ready(timeout=60)

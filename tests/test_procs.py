@@ -1,11 +1,13 @@
-"""Process ownership helpers that need no job: signalling through a pidfd."""
+"""Process ownership helpers that need no job: signalling through a pidfd, OOM-kill counts."""
 
 from __future__ import annotations
 
+import builtins
 import os
 import signal
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -48,3 +50,25 @@ def test_a_rank_that_cannot_write_its_marker_runs_on_with_a_warning(
     monkeypatch.setattr(procs, "mark_process", fail)
     worker._mark("cafe0001")
     assert "could not write the job marker into this rank's environment" in capsys.readouterr().err
+
+
+def test_oom_kills_come_from_our_cgroup_never_the_whole_machine(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    real_open = builtins.open
+
+    def no_vmstat(name: Any, *args: Any, **kwargs: Any) -> Any:
+        assert name != "/proc/vmstat", "an OOM kill elsewhere would relabel a rank's SIGKILL"
+        return real_open(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", no_vmstat)
+    first = procs.oom_kills()
+    assert first is None or first >= 0
+
+    def no_cgroup_files(name: Any, *args: Any, **kwargs: Any) -> Any:
+        if str(name).startswith("/sys/fs/cgroup"):
+            raise FileNotFoundError(name)
+        return no_vmstat(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", no_cgroup_files)
+    assert procs.oom_kills() is None  # unknown, not a guess

@@ -256,3 +256,9 @@ def test_an_abort_before_any_timeout_is_still_the_root() -> None:
     late = RankState(0, 1, watchdog={"time": 9.0, "line": WATCHDOG_LINE})
     v = analyze([crashed, late], teardown_at=None)
     assert v.root is crashed and v.cause == "signal"
+
+
+def test_sys_exit_in_the_cell_is_an_exit_not_an_exception() -> None:
+    r = RankState(0, 1, failure=failure(1.0, "SystemExit", "3"), died_at=1.1, exit_code=1)
+    assert r.kind(None) == "exit"
+    assert analyze([r], None).cause == "exit"

@@ -130,18 +130,6 @@ class Job:
     def request_stop(self, reason: str) -> None:
         self._decide(*_STOPS.get(reason, ("stopped", reason)))
 
-    def info(self) -> dict[str, Any]:
-        return {
-            "job": self.id,
-            "state": self.state,
-            "attempt": self.attempt,
-            "world_size": self.spec.world_size,
-            "run_dir": str(self.rd),
-            "created": self.created,
-            "outcome": self.summary["outcome"] if self.summary else None,
-            "wall_s": self.summary["wall_s"] if self.summary else time.time() - self.created,
-        }
-
     async def run(self) -> None:
         try:
             if self._outcome is not None:
@@ -236,11 +224,7 @@ class Job:
         if attempt > self.attempt:
             found = self._diagnosis.finding
             desync = found.desync.text if found and found.desync else None
-            failed = self._book.of(attempt - 1)
-            behind = self._book.behind.get(attempt - 1)
-            self._report.alert(
-                **summary.restart_alert(attempt - 1, failed, behind, desync, self.spec)
-            )
+            self._report.alert(**summary.restart_alert(self._book, attempt - 1, desync, self.spec))
             self.attempt = attempt
         r = self._book.add(attempt, rank, pid, time.time())
         assert self._launcher is not None
@@ -263,7 +247,8 @@ class Job:
         # exit status.
         r.died_at, r.gone_at = time.time(), time.monotonic()
         self._diagnosis.silence.activity(r.gone_at)
-        r.oom_killed = procs.oom_kills() > self._oom_base
+        kills, base = procs.oom_kills(), self._oom_base  # None: no cgroup memory events here
+        r.oom_killed = kills is not None and base is not None and kills > base
         self._book.read_records(r)
         self._report.event("rank.exit", attempt=r.attempt, rank=r.rank, code=r.exit_code)
         self.evaluate(r)
@@ -321,13 +306,10 @@ class Job:
                 r = self._book.get(attempt, rank)
                 if r is not None:
                     self._diagnosis.on_watchdog(r, line, self._tg)
-            for r in self._book.of(self.attempt):
-                if r.died_at is None and r.failure is None and r.done is None:
-                    # Records land before the process exits (torch and Python teardown can
-                    # take a while): act on a failure at once. Read once a poll, for everyone.
-                    self._book.read_records(r)
-                    if r.failure is not None:
-                        self.evaluate(r)
+            # Records land before the process exits (torch and Python teardown can take a
+            # while): act on a failure at once.
+            for r in self._book.new_failures(self.attempt):
+                self.evaluate(r)
             self._watch_agent()
             self._diagnosis.watch_silence(self._tailer.activity_total(), self._tg)
             if time.monotonic() >= next_flush:

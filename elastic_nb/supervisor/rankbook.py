@@ -112,6 +112,16 @@ class RankBook:
             if r.exit_code is None:
                 r.exit_code = self.launcher_exits.get(r.attempt, {}).get(r.rank)
 
+    def new_failures(self, attempt: int) -> list[RankState]:
+        """Live ranks of the attempt whose failure record has just appeared (read once a poll)."""
+        found = []
+        for r in self.of(attempt):
+            if r.died_at is None and r.failure is None and r.done is None:
+                self.read_records(r)
+                if r.failure is not None:
+                    found.append(r)
+        return found
+
     def read_records(self, r: RankState) -> None:
         if r.done is None:
             r.done = read_json(self.rd.done(r.attempt, r.rank))

@@ -191,7 +191,7 @@ class Supervisor:
                     self._launchers.drop_idle()
                 reply = {}
             elif kind == protocol.JOBS:
-                reply = {"jobs": [j.info() for j in self._jobs.values()]}
+                reply = {"jobs": [_info(j) for j in self._jobs.values()]}
             elif kind == protocol.STATUS:
                 reply = {
                     "pid": os.getpid(),
@@ -271,3 +271,18 @@ def _pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
+
+
+def _info(job: Job) -> dict[str, Any]:
+    """One job as %elastic jobs lists it."""
+    s = job.summary
+    return {
+        "job": job.id,
+        "state": job.state,
+        "attempt": job.attempt,
+        "world_size": job.spec.world_size,
+        "run_dir": str(job.rd),
+        "created": job.created,
+        "outcome": s["outcome"] if s else None,
+        "wall_s": s["wall_s"] if s else time.time() - job.created,
+    }

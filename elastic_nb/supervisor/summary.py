@@ -15,6 +15,7 @@ from typing import Any
 from elastic_nb import procs, protocol, report
 from elastic_nb.rundir import RunDir
 from elastic_nb.spec import JobSpec
+from elastic_nb.supervisor.rankbook import RankBook
 from elastic_nb.supervisor.verdict import RankState, Verdict, analyze
 
 __all__ = ["cause", "closing_alerts", "keep_launcher_log", "restart_alert", "summarize"]
@@ -134,15 +135,11 @@ def closing_alerts(
 
 
 def restart_alert(
-    attempt: int,
-    failed: list[RankState],
-    behind: list[int] | None,
-    desync: str | None,
-    spec: JobSpec,
+    book: RankBook, attempt: int, desync: str | None, spec: JobSpec
 ) -> dict[str, Any]:
-    """`attempt` failed (its ranks: `failed`) and the next starts: who broke it (`desync`: the
-    verdict's words, if a desync did)."""
-    verdict = analyze(failed, None, behind)
+    """`attempt` failed and the next starts: who broke it (`desync`: the verdict's words, if a
+    desync did)."""
+    verdict = analyze(book.of(attempt), None, book.behind.get(attempt))
     root = verdict.root
     if verdict.cause == "desync" and desync:
         why = f"desync: {desync}"

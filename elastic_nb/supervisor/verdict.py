@@ -106,6 +106,8 @@ class RankState:
         if self.failure is not None:
             if self.failure["type"] == "KeyboardInterrupt":
                 return "terminated"  # torch gives ranks PDEATHSIG=SIGINT
+            if self.failure["type"] == "SystemExit":
+                return "exit"  # sys.exit(N), exit(N): the cell chose to end the rank
             if self.failure["type"].endswith("OutOfMemoryError"):
                 return "oom"
             if _TIMED_OUT.search(self.failure["message"]):

@@ -1,0 +1,159 @@
+"""What the README promises, each end to end in a real kernel: flags no other test runs, cause
+classes, the exception's fields, several jobs at once, the handle's logs and stacks."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import stat
+from pathlib import Path
+
+import pytest
+
+from elastic_nb.client import runtime_dir
+from tests.kernel import Kernel, assert_job_gone, wait_for
+
+
+def _summary(cache: Path, job: str) -> dict:
+    return json.loads((cache / "elastic_nb" / "runs" / job / "summary.json").read_text())
+
+
+def test_ranks_that_ignore_sigterm_are_killed_after_the_grace(
+    kernel: Kernel, cache_home: Path
+) -> None:
+    ex = kernel.run(
+        "%%elastic --nproc 2 --timeout 1\n"
+        "import signal, time\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "print('deaf', flush=True)\n"
+        "time.sleep(300)\n"
+    )
+    assert ex.ename == "JobTimeout"
+    # The deadline, the 2 s grace nobody used, SIGKILL: a bounded end, not a hang.
+    assert ex.seconds < 8
+    s = _summary(cache_home, ex.job_id)
+    assert (s["outcome"], s["cause"]) == ("timeout", "deadline")
+    assert_job_gone(ex.job_id)
+
+
+def test_the_exception_carries_rank_cause_and_run_dir(kernel: Kernel) -> None:
+    ex = kernel.run(
+        "%%elastic --nproc 2\nimport os, sys\nif os.environ['RANK'] == '1':\n    sys.exit(3)\n"
+    )
+    assert ex.ename == "JobFailed"
+    fields = kernel.ok(
+        "import sys\ne = sys.last_value\nprint(e.rank, e.cause, e.job_id, e.run_dir)"
+    ).stdout
+    rank, cause, job, run_dir = fields.split()
+    assert (rank, cause, job) == ("1", "exit", ex.job_id)
+    assert Path(run_dir, "summary.json").exists()
+    assert_job_gone(ex.job_id)
+
+
+def test_static_rendezvous_with_its_id_and_conf(kernel: Kernel) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ex = kernel.ok(
+        f"%%elastic --nproc 2 --rdzv-backend static --rdzv-endpoint localhost:{port} "
+        "--rdzv-id notebook-run-7 --rdzv-conf join_timeout=60\n"
+        "import os, torch.distributed as dist\n"
+        "dist.init_process_group()\n"
+        "print(os.environ['TORCHELASTIC_RUN_ID'], dist.get_world_size())\n"
+    )
+    for rank in (0, 1):
+        assert f"[rank {rank}] notebook-run-7 2" in ex.stdout
+    assert_job_gone(ex.job_id)
+
+
+@pytest.mark.parametrize("nproc", ["cpu", "auto"])
+def test_nproc_cpu_and_auto(kernel: Kernel, nproc: str) -> None:
+    # No GPU here: 'auto' is 'cpu', one rank per core.
+    ex = kernel.ok(f"%%elastic --nproc {nproc}\nimport os\nprint(os.environ['WORLD_SIZE'])\n")
+    cores = os.cpu_count()
+    assert ex.stdout.count(f"] {cores}\n") == cores
+    assert_job_gone(ex.job_id)
+
+
+def test_hang_after_off_overrides_a_session_default(kernel: Kernel) -> None:
+    kernel.ok("%elastic config --hang-after 0.5")
+    try:
+        silent = "import time\nprint('up', flush=True)\ntime.sleep(2.5)\n"
+        on = kernel.ok(f"%%elastic --nproc 1\n{silent}")
+        assert "(--hang-after)" in on.stdout + on.stderr  # the session default works...
+        off = kernel.ok(f"%%elastic --nproc 1 --hang-after off\n{silent}")
+        assert "(--hang-after)" not in off.stdout + off.stderr  # ...and the flag turns it off
+    finally:
+        kernel.ok("%elastic config reset")
+
+
+def test_collective_timeout_off_keeps_torchs_default(kernel: Kernel) -> None:
+    ex = kernel.ok(
+        "%%elastic --nproc 2 --collective-timeout off\n"
+        "import torch, torch.distributed as dist\n"
+        "dist.init_process_group('gloo')\n"
+        "backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device('cpu'))\n"
+        "print('timeout', backend.options._timeout.total_seconds())\n"
+    )
+    assert "[rank 0] timeout 1800.0" in ex.stdout  # torch's 30 min for gloo
+    assert_job_gone(ex.job_id)
+
+
+def test_two_jobs_at_once_and_one_stop_for_both(kernel: Kernel) -> None:
+    cell = "%%elastic --bg --nproc 1\nimport time\nprint('up', flush=True)\ntime.sleep(300)\n"
+    jobs = []
+    for name in ("a", "b"):
+        jobs.append(kernel.ok(cell).result.split()[2])
+        kernel.ok(f"{name} = _")
+    assert wait_for(lambda: kernel.ok("a.state, b.state").result == "('running', 'running')", 60)
+    stopping = kernel.ok("%elastic stop").stdout
+    assert all(j in stopping for j in jobs)
+    for name, job in zip("ab", jobs, strict=True):
+        assert kernel.run(f"{name}.wait(timeout=30)").ename == "JobStopped"
+        assert_job_gone(job)
+
+
+def test_logs_and_stacks_of_an_earlier_attempt_and_of_a_live_job(kernel: Kernel) -> None:
+    ex = kernel.ok(
+        "%%elastic --bg --nproc 2 --max-restarts 1\n"
+        "import os, sys, time\n"
+        "attempt = os.environ['TORCHELASTIC_RESTART_COUNT']\n"
+        "print('attempt', attempt, flush=True)\n"
+        "if attempt == '0' and os.environ['RANK'] == '1':\n"
+        "    print('first try fails', file=sys.stderr, flush=True)\n"
+        "    sys.exit(1)\n"
+        "while True:\n"
+        "    time.sleep(0.1)\n"
+    )
+    job = ex.result.split()[2]
+    kernel.ok("job = _")
+    assert wait_for(lambda: "attempt 1" in kernel.ok("print(job.logs(rank=1))").stdout, 60)
+    assert "first try fails" in kernel.ok("print(job.logs(rank=1, stream='err', attempt=0))").stdout
+    assert "attempt 0" in kernel.ok(f"%elastic logs {job} --rank 0 --attempt 0").stdout
+    assert "attempt 1" not in kernel.ok(f"%elastic logs {job} --rank 0 --attempt 0").stdout
+    assert wait_for(lambda: "time.sleep(0.1)" in kernel.ok("print(job.stacks())").stdout, 30)
+    stacks = kernel.ok("print(job.stacks())").stdout
+    assert re.search(r"rank 0 · cell line 9: time\.sleep\(0\.1\)", stacks), stacks
+    assert re.search(r"rank 1 · cell line 9: time\.sleep\(0\.1\)", stacks), stacks
+    kernel.ok("job.stop()")
+    assert kernel.run("job.wait(timeout=30)").ename == "JobStopped"
+    assert_job_gone(job)
+
+
+def test_the_socket_directory_is_the_users_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    loose = tmp_path / "elastic_nb"
+    loose.mkdir(mode=0o755)
+    loose.chmod(0o777)
+    assert runtime_dir() == loose
+    assert stat.S_IMODE(loose.stat().st_mode) == 0o700  # tightened
+    loose.rmdir()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    loose.symlink_to(elsewhere)
+    with pytest.raises(RuntimeError, match="not a directory owned by this user"):
+        runtime_dir()

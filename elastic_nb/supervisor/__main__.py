@@ -1,3 +1,5 @@
+"""`python -m elastic_nb.supervisor`: the supervisor process a kernel starts (see server.py)."""
+
 from __future__ import annotations
 
 import argparse

@@ -240,3 +240,42 @@ def test_a_preload_that_initialises_cuda_is_refused_with_the_way_out(
     )
     assert "never" not in ex.stdout
     assert_job_gone(ex.job_id)
+
+
+def test_the_kernels_changes_reach_the_next_warm_rank_and_a_jobs_own_do_not(
+    fresh_kernel: Kernel, tmp_path: Path, cache_home: Path
+) -> None:
+    """The leak paths a warm launcher has: it was started with the environment of an earlier
+    cell, so what the kernel changed since, and what a job's own flags set, must be re-applied
+    or dropped at the job's start."""
+    k = fresh_kernel
+    local, loader = tmp_path / "local", tmp_path / "loader"
+    for d, module in ((local, "local_helpers"), (loader, "at_start_helpers")):
+        d.mkdir()
+        (d / f"{module}.py").write_text(f"WHERE = {str(d)!r}\n")
+    k.ok("import os; os.environ['DELETED_LATER'] = 'still here'")
+    k.ok("%%elastic --nproc 1 --env ONLY_FOR_JOB_1=1\nprint('one')\n")
+    wait_warm(k)
+    # Between the cells, the kernel moves, learns a module path and drops a variable.
+    k.ok(
+        f"import os, sys\nos.chdir({str(local)!r})\nsys.path.append({str(local)!r})\n"
+        "del os.environ['DELETED_LATER']\n"
+    )
+    ex = k.ok(
+        "%%elastic --nproc 1\n"
+        "import os, local_helpers\n"
+        "print('env', os.environ.get('ONLY_FOR_JOB_1'), os.environ.get('DELETED_LATER'))\n"
+        "print('cwd', os.getcwd())\n"
+        "print('module', local_helpers.WHERE)\n"
+    )
+    assert "[rank 0] env None None" in ex.stdout
+    assert f"[rank 0] cwd {local}" in ex.stdout
+    assert f"[rank 0] module {local}" in ex.stdout
+    assert launcher_of(cache_home, ex.job_id)["warm"]  # all of it on the warm launcher
+    # PYTHONPATH is read once, at interpreter start: the warm launcher cannot serve that job.
+    wait_warm(k)
+    k.ok(f"os.environ['PYTHONPATH'] = {str(loader)!r}")
+    ex = k.ok("%%elastic --nproc 1\nimport at_start_helpers\nprint(at_start_helpers.WHERE)\n")
+    assert f"[rank 0] {loader}" in ex.stdout
+    assert not launcher_of(cache_home, ex.job_id)["warm"]
+    assert_job_gone(ex.job_id)

@@ -15,5 +15,7 @@ declared = tomllib.loads((root / "pyproject.toml").read_text())["project"]["depe
 for requirement in declared:
     match = re.fullmatch(r"\s*([A-Za-z0-9_.\-]+)\s*>=\s*([0-9][0-9A-Za-z.]*)\s*", requirement)
     if not match:
-        sys.exit(f"floors.py: {requirement!r} is not 'name>=version'; every dependency needs a floor")
+        sys.exit(
+            f"floors.py: {requirement!r} is not 'name>=version'; every dependency needs a floor"
+        )
     print(f"{match[1]}=={match[2]}")

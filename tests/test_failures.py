@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import time
 from pathlib import Path
@@ -33,7 +34,12 @@ def test_rank_raises_while_peer_blocks(kernel: Kernel, cache_home: Path) -> None
     assert ex.ename == "JobFailed"
     assert ex.error["evalue"] == "rank 1 failed first: ValueError: rank one is broken (cell line 7)"
     assert 'raise ValueError("rank one is broken")' in ex.traceback
-    assert "rank 0: stopped by elastic_nb (SIGTERM) after rank 1 failed" in ex.traceback
+    # Rank 0 is a consequence either way: stopped by us, or (when rank 1's exit closed the
+    # connection before the next 50 ms poll) failed on its dead peer. Both name rank 1 first.
+    assert re.search(
+        r"rank 0: (stopped by elastic_nb \(SIGTERM\) after rank 1 failed|.*: its peer had died)",
+        ex.traceback,
+    ), ex.traceback
     assert ex.seconds < 10
     assert_job_gone(ex.job_id)
     s = _summary(ex.job_id, cache_home)

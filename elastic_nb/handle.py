@@ -14,6 +14,7 @@ import pickle
 import queue
 import secrets
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -231,7 +232,12 @@ class JobHandle:
         while self.summary is None:
             try:
                 if deadline is not None and time.monotonic() > deadline:
-                    self._kill_here("interrupted", "the supervisor did not stop the job in time")
+                    why = f"the supervisor did not stop the job within {self.stop_timeout:g} s"
+                    self._kill_here("interrupted", why)
+                    print(
+                        f"[elastic_nb] job {self.id}: {why}; the kernel killed its processes",
+                        file=sys.stderr,
+                    )
                     break
                 with contextlib.suppress(queue.Empty):
                     self._handle(self._queue.get(timeout=FLUSH_WAIT_S), renderer)

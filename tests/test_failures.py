@@ -197,6 +197,10 @@ def test_interrupt_when_the_supervisor_does_not_answer(fresh_kernel: Kernel) -> 
         assert 4 <= time.monotonic() - t0 < 8
         assert ex.ename == "KeyboardInterrupt"
         assert f"job {ex.job_id} interrupted" in ex.stdout
+        assert (
+            f"[elastic_nb] job {ex.job_id}: the supervisor did not stop the job within 4 s; "
+            "the kernel killed its processes" in ex.stderr
+        )
         assert_job_gone(ex.job_id)
     finally:
         supervisor.resume()

@@ -254,9 +254,12 @@ def orphans(keep: Iterable[int] = ()) -> list[psutil.Process]:
         return []
     found = []
     for child in children:
-        with contextlib.suppress(psutil.Error):
-            if child.pid not in keep and child.status() != psutil.STATUS_ZOMBIE:
-                found.append(child)
+        with contextlib.suppress(psutil.Error, OSError):
+            if child.pid in keep or child.status() == psutil.STATUS_ZOMBIE:
+                continue
+            if os.getpgid(child.pid) in keep:
+                continue  # a launcher's helper (its fork server), on its way out with it
+            found.append(child)
     return found
 
 

@@ -90,24 +90,28 @@ def test_a_collective_timeout_fails_the_waiting_rank(kernel: Kernel) -> None:
     assert_job_gone(ex.job_id)
 
 
-@pytest.mark.parametrize("env", ["", ", env={}"], ids=["marked", "without the job's environment"])
+@pytest.mark.parametrize(
+    "how",
+    [", start_new_session=True", ", start_new_session=True, env={}", ", env={}"],
+    ids=["own session", "own session, no environment", "no environment, in the group"],
+)
 @pytest.mark.parametrize("outcome", ["succeeded", "failed"])
 def test_processes_the_cell_leaves_behind_are_stopped(
-    kernel: Kernel, env: str, outcome: str
+    kernel: Kernel, how: str, outcome: str
 ) -> None:
-    # In a session of its own, and (second case) with an empty environment: neither the process
-    # group nor the job's marker finds it; the supervisor, a subreaper, inherits it when its
-    # rank dies.
+    # In a session of its own; and with an empty environment too, where neither the process
+    # group nor the job's marker finds it (the supervisor, a subreaper, inherits it when its rank
+    # dies); and with an empty environment inside the launcher's group, among its helpers.
     ex = kernel.run(
         "%%elastic --nproc 1\n"
         "import subprocess\n"
-        f"p = subprocess.Popen(['sleep', '300'], start_new_session=True{env})\n"
+        f"p = subprocess.Popen(['sleep', '300']{how})\n"
         "print('daemon', p.pid, flush=True)\n"
         + ("raise RuntimeError('after starting a daemon')\n" if outcome == "failed" else "")
     )
     assert (ex.ename == "JobFailed") == (outcome == "failed")
     daemon = int(re.search(r"daemon (\d+)", ex.stdout)[1])  # type: ignore[index]
-    if outcome == "succeeded":
+    if outcome == "succeeded" and "start_new_session" in how:
         assert f"stopped 1 process(es) the cell left running: {daemon} (sleep 300)" in ex.stdout
     assert not psutil.pid_exists(daemon) or psutil.Process(daemon).status() == "zombie"
     assert_job_gone(ex.job_id)

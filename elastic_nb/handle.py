@@ -304,26 +304,6 @@ class JobHandle:
 class _Text(str):
     """Shown as itself, not as a quoted string: a result that travelled as its repr."""
 
-    @classmethod
-    def submit(
-        cls,
-        client: SupervisorClient,
-        spec: JobSpec,
-        source: str,
-        meta: dict[str, Any],
-        payload: bytes | None,
-    ) -> JobHandle:
-        """Start a job and follow it from its first message. The id is ours: the handle
-        listens before any message can arrive, and an interrupt before the reply can still
-        stop the job."""
-        job = cls(client, secrets.token_hex(4), spec)
-        try:
-            client.submit(job.id, spec, source, meta, payload)
-        except BaseException:
-            client.unsubscribe(job.id)
-            raise
-        return job
-
     def __repr__(self) -> str:
         return str(self)
 

@@ -298,25 +298,11 @@ def add_arguments(add: Any, group: Any) -> list[Any]:
         help_text = o.help + (f" (default: {shown})" if shown else "")
         if o.action in ("store_true", "store_false") and len(o.flags) == 2:
             # --no-X / --X: one option, two flags that set it each way.
-            off, on = o.flags
-            decorators.append(
-                add(
-                    off,
-                    dest=o.dest,
-                    action="store_false",
-                    default=argparse.SUPPRESS,
-                    help=help_text,
-                )
-            )
-            decorators.append(
-                add(
-                    on,
-                    dest=o.dest,
-                    action="store_true",
-                    default=argparse.SUPPRESS,
-                    help=argparse.SUPPRESS,
-                )
-            )
+            for flag, action, shown_help in zip(
+                o.flags, ("store_false", "store_true"), (help_text, argparse.SUPPRESS), strict=True
+            ):
+                kwargs = {"dest": o.dest, "action": action, "default": argparse.SUPPRESS}
+                decorators.append(add(flag, help=shown_help, **kwargs))
             continue
         kwargs: dict[str, Any] = {"dest": o.dest, "default": argparse.SUPPRESS, "help": help_text}
         if o.action is not None:

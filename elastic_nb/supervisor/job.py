@@ -47,7 +47,7 @@ from elastic_nb.supervisor.verdict import (
     Verdict,
     analyze,
 )
-from elastic_nb.supervisor.watchdogs import stuck_agent, zombie_bound, zombie_title
+from elastic_nb.supervisor.watchdogs import agent_stuck
 
 __all__ = ["Job"]
 
@@ -56,13 +56,6 @@ log = logging.getLogger(__name__)
 POLL_S = 0.05  # log tail and record polling
 FLUSH_S = 0.1  # one update per job per flush: at most 10 messages a second
 
-_STOPS = {
-    "interrupt": ("interrupted", "interrupted from the kernel"),
-    "user": ("stopped", "stopped with %elastic stop"),
-    "handle": ("stopped", "stopped with job.stop()"),
-    "button": ("stopped", "stopped with the dashboard's Stop button"),
-    "shutdown": ("stopped", "the supervisor shut down (its kernel exited)"),
-}
 _FAILURES = frozenset(
     ["exception", "oom", "host_oom", "collective_timeout", "peer", "exit", "exit0", "signal"]
 )
@@ -128,7 +121,7 @@ class Job:
         return self.summary is None
 
     def request_stop(self, reason: str) -> None:
-        self._decide(*_STOPS.get(reason, ("stopped", reason)))
+        self._decide(*summary.STOPS.get(reason, ("stopped", reason)))
 
     async def run(self) -> None:
         try:
@@ -153,7 +146,7 @@ class Job:
             self._report.event("internal_error", error=repr(e))
         finally:
             with anyio.CancelScope(shield=True):
-                self._decide(*_STOPS["shutdown"])
+                self._decide(*summary.STOPS["shutdown"])
                 if self._tree is not None and self._tree.alive():
                     await self._teardown()
                 await self._finish()
@@ -320,38 +313,31 @@ class Job:
     # ---- watchdogs --------------------------------------------------------------------------
 
     def _watch_agent(self) -> None:
-        """The zombie watchdog (`watchdogs.stuck_agent` judges): say so, and stop the launcher,
+        """The zombie watchdog (`watchdogs.agent_stuck` judges): say so, and stop the launcher,
         SIGTERM breaks the agent's stuck wait."""
         launcher = self._launcher
         if self._watchdog_fired or launcher is None or not launcher.alive:
             return
-        state = procs.proc_state(launcher.pid)
+        ticking = self._outcome is None and self.state == "running"
         current = self._book.of(self.attempt)
-        stuck = stuck_agent(
+        stuck = agent_stuck(
             self._book.all(),
             current,
             self.spec.nproc,
-            time.monotonic(),
-            zombie_bound(self.spec.monitor_interval),
-            self._teardown_at,
+            self.spec.monitor_interval,
+            launcher.pid,
             launcher.last_tick,
-            ticking=self._outcome is None and self.state == "running",
-            launcher_stopped=state is not None and state[0] in "Tt",
-            unreaped=lambda pid: procs.zombie_exit_code(pid) is not None,
+            self._teardown_at,
+            ticking,
         )
         if stuck is None:
             return
-        why, zombie = stuck
-        if zombie is not None:
-            self._book.zombies.add((zombie.attempt, zombie.rank))
-            self.show(zombie)
         self._watchdog_fired = True
-        finished = [r.rank for r in current if r.done is not None]
-        self._report.alert("zombie", "error", zombie_title(why, launcher.pid, state, finished))
-        if len(finished) == self.spec.nproc:
-            self._decide("succeeded", "every rank finished the cell; the agent then got stuck")
-        else:
-            self._decide("failed", f"torchelastic's agent got stuck: {why}")
+        if stuck.zombie is not None:
+            self._book.zombies.add((stuck.zombie.attempt, stuck.zombie.rank))
+            self.show(stuck.zombie)
+        self._report.alert("zombie", "error", stuck.title)
+        self._decide(stuck.outcome, stuck.reason)
 
     # ---- ending ---------------------------------------------------------------------------
 

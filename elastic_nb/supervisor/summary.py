@@ -18,7 +18,17 @@ from elastic_nb.spec import JobSpec
 from elastic_nb.supervisor.rankbook import RankBook
 from elastic_nb.supervisor.verdict import RankState, Verdict, analyze
 
-__all__ = ["cause", "closing_alerts", "keep_launcher_log", "restart_alert", "summarize"]
+__all__ = ["STOPS", "cause", "closing_alerts", "keep_launcher_log", "restart_alert", "summarize"]
+
+
+# How a stop request ends a job, by who asked: (outcome, reason).
+STOPS = {
+    "interrupt": ("interrupted", "interrupted from the kernel"),
+    "user": ("stopped", "stopped with %elastic stop"),
+    "handle": ("stopped", "stopped with job.stop()"),
+    "button": ("stopped", "stopped with the dashboard's Stop button"),
+    "shutdown": ("stopped", "the supervisor shut down (its kernel exited)"),
+}
 
 
 def summarize(

@@ -13,13 +13,14 @@ finished the cell are the agent's to reap (the zombie watchdog's business).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from elastic_nb import protocol
+from elastic_nb import procs, protocol
 from elastic_nb.supervisor.verdict import RankState
 
-__all__ = ["Silence", "stuck_agent", "zombie_bound", "zombie_title"]
+__all__ = ["AgentStuck", "Silence", "agent_stuck", "stuck_agent", "zombie_bound", "zombie_title"]
 
 
 def zombie_bound(monitor_interval: float) -> float:
@@ -79,6 +80,52 @@ def zombie_title(
         title += f"; rank{'s' if len(finished) > 1 else ''} "
         title += ", ".join(map(str, finished)) + " had finished the cell"
     return title + "; stopping it"
+
+
+@dataclass(frozen=True)
+class AgentStuck:
+    """What the zombie watchdog found, and how the job ends because of it."""
+
+    title: str  # the alert's
+    zombie: RankState | None  # the rank it left unreaped, if that is why
+    outcome: str  # succeeded when every rank had finished the cell before the agent stuck
+    reason: str
+
+
+def agent_stuck(
+    ranks: Iterable[RankState],
+    current: list[RankState],
+    nproc: int,
+    monitor_interval: float,
+    launcher_pid: int,
+    last_tick: float | None,
+    teardown_at: float | None,
+    ticking: bool,
+) -> AgentStuck | None:
+    """`stuck_agent` on what this machine shows now (the launcher's state, zombies), worded."""
+    state = procs.proc_state(launcher_pid)
+    stuck = stuck_agent(
+        ranks,
+        current,
+        nproc,
+        time.monotonic(),
+        zombie_bound(monitor_interval),
+        teardown_at,
+        last_tick,
+        ticking=ticking,
+        launcher_stopped=state is not None and state[0] in "Tt",
+        unreaped=lambda pid: procs.zombie_exit_code(pid) is not None,
+    )
+    if stuck is None:
+        return None
+    why, zombie = stuck
+    finished = [r.rank for r in current if r.done is not None]
+    title = zombie_title(why, launcher_pid, state, finished)
+    if len(finished) == nproc:
+        return AgentStuck(
+            title, zombie, "succeeded", "every rank finished the cell; the agent then got stuck"
+        )
+    return AgentStuck(title, zombie, "failed", f"torchelastic's agent got stuck: {why}")
 
 
 @dataclass

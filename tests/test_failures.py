@@ -14,14 +14,20 @@ from elastic_nb import procs
 from elastic_nb.rundir import RunDir
 from tests.kernel import Kernel, assert_job_gone, wait_for
 
+# Rank 1 raises only once rank 0's all_reduce is provably under way: rank 0 issues it
+# (`async_op=True`, then `wait()`: what a blocking all_reduce does in distributed_c10d) and only
+# then sets a key in the job's store, which rank 1 waits for. No sleep decides the order.
 RAISE_WHILE_PEER_WAITS = """%%elastic --nproc 2
-import time, torch, torch.distributed as dist
+import torch, torch.distributed as dist
 dist.init_process_group()
+store = dist.distributed_c10d._get_default_store()
 x = torch.ones(1)
 if dist.get_rank() == 1:
-    time.sleep(0.5)  # rank 0 is inside all_reduce by now
+    store.wait(["rank 0 in all_reduce"])
     raise ValueError("rank one is broken")
-dist.all_reduce(x)
+work = dist.all_reduce(x, async_op=True)
+store.set("rank 0 in all_reduce", "yes")
+work.wait()
 """
 
 
@@ -32,7 +38,7 @@ def _summary(ex_job: str, cache: Path) -> dict:
 def test_rank_raises_while_peer_blocks(kernel: Kernel, cache_home: Path) -> None:
     ex = kernel.run(RAISE_WHILE_PEER_WAITS)
     assert ex.ename == "JobFailed"
-    assert ex.error["evalue"] == "rank 1 failed first: ValueError: rank one is broken (cell line 7)"
+    assert ex.error["evalue"] == "rank 1 failed first: ValueError: rank one is broken (cell line 8)"
     assert 'raise ValueError("rank one is broken")' in ex.traceback
     # Rank 0 is a consequence either way: stopped by us, or (when rank 1's exit closed the
     # connection before the next 50 ms poll) failed on its dead peer. Both name rank 1 first.

@@ -1,9 +1,16 @@
-"""A real `jupyter lab` server and a headless Chromium page driving it, for the browser tests.
+"""A real `jupyter lab` (or Notebook 7) server and a headless Chromium page driving it, for the
+browser tests.
 
 The server runs from this interpreter with an empty token, no XSRF check and the app exposed as
 ``window.jupyterapp`` (what galata's test configuration does), on a free port of 127.0.0.1, with
-a temporary root directory. Notebooks are written there and driven through JupyterLab's own
-commands; assertions read what the page renders.
+a temporary root directory. Notebooks are written there and driven through the app's own
+commands (Notebook 7 is built from JupyterLab's, so one driver serves both). Every read of the
+page goes through Playwright's `expect`, which retries until the page agrees or its timeout
+passes: the dashboard renders asynchronously, so a one-shot read can see the frame before.
+
+The fixtures `browser` and `page` live here for every browser test module to import (as
+`browser_fixture`, `page_fixture`: pytest finds them by their `name`); a module names its server
+fixture `lab` (`yield from serve(...)`).
 """
 
 from __future__ import annotations
@@ -11,16 +18,20 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import nbformat
+import pytest
+from playwright.sync_api import expect
 
 CHROMIUM = os.environ.get("ELASTIC_NB_CHROMIUM", "/usr/bin/chromium")
 # What a headless Chromium needs on a machine with no display and a closed network.
@@ -48,7 +59,15 @@ c.ServerApp.disable_check_xsrf = True
 c.LabApp.expose_app_in_browser = True
 c.LabApp.workspaces_dir = {workspaces!r}
 c.LabApp.check_for_updates_class = "jupyterlab.NeverCheckForUpdate"
+c.JupyterNotebookApp.expose_app_in_browser = True
+c.JupyterNotebookApp.workspaces_dir = {workspaces!r}
 """
+
+# What each app is started as, and where it opens a notebook.
+APPS = {
+    "lab": ("jupyterlab", "/lab/tree/"),
+    "notebook": ("notebook", "/notebooks/"),  # Notebook 7
+}
 
 
 def chromium_missing() -> str | None:
@@ -68,7 +87,11 @@ def free_port() -> int:
 
 
 class LabServer:
-    def __init__(self, workdir: Path, env: dict[str, str]) -> None:
+    """`jupyter lab`, or with app="notebook" `jupyter notebook` (Notebook 7)."""
+
+    def __init__(self, workdir: Path, env: dict[str, str], app: str = "lab") -> None:
+        self.app = app
+        module, self.tree = APPS[app]
         self.root = workdir / "root"
         self.root.mkdir()
         (workdir / "workspaces").mkdir()
@@ -88,10 +111,10 @@ class LabServer:
                 port=self.port, root=str(self.root), workspaces=str(workdir / "workspaces")
             )
         )
-        self.log_path = workdir / "jupyter-lab.log"
+        self.log_path = workdir / f"jupyter-{app}.log"
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "jupyterlab", f"--config={config}"],
+                [sys.executable, "-m", module, f"--config={config}"],
                 cwd=self.root,
                 env={**os.environ, **env, "JUPYTER_CONFIG_DIR": str(workdir / "config")},
                 stdin=subprocess.DEVNULL,
@@ -105,7 +128,7 @@ class LabServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"jupyter lab exited:\n{self.log()}")
+                raise RuntimeError(f"jupyter {self.app} exited:\n{self.log()}")
             with (
                 contextlib.suppress(OSError),
                 urllib.request.urlopen(f"{self.url}/api/status", timeout=2) as r,
@@ -113,7 +136,7 @@ class LabServer:
                 if r.status == 200:
                     return
             time.sleep(0.2)
-        raise TimeoutError(f"jupyter lab did not answer in {timeout} s:\n{self.log()}")
+        raise TimeoutError(f"jupyter {self.app} did not answer in {timeout} s:\n{self.log()}")
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-5000:]
@@ -136,34 +159,38 @@ class LabServer:
 
 
 class Notebook:
-    """One open notebook in the page: run its cells, find what they render."""
+    """One open notebook in the page: run its cells, find what they render. Its cells run once
+    each, as in a notebook just opened: a prompt goes from `[ ]` to `[*]` to `[N]`."""
 
     def __init__(self, page: Any, lab: LabServer, name: str) -> None:
         self.page = page
-        page.goto(f"{lab.url}/lab/tree/{name}")
-        page.wait_for_function(
+        page.goto(f"{lab.url}{lab.tree}{name}")
+        # The app's state, not the DOM: polled in the page until it holds (the id of the panel).
+        ready = page.wait_for_function(
             """(name) => {
                 const w = window.jupyterapp?.shell?.currentWidget;
                 return w?.context?.path === name
-                    && w.sessionContext?.session?.kernel?.status === 'idle';
+                    && w.sessionContext?.session?.kernel?.status === 'idle'
+                    && w.id;
             }""",
             arg=name,
             timeout=120_000,
         )
-        panel_id = page.evaluate("() => window.jupyterapp.shell.currentWidget.id")
-        self.panel = page.locator(f'[id="{panel_id}"]')
+        self.panel = page.locator(f'[id="{ready.json_value()}"]')
 
     def cell(self, i: int) -> Any:
         return self.panel.locator(".jp-Notebook .jp-Cell").nth(i)
+
+    def prompt(self, i: int) -> Any:
+        return self.cell(i).locator(".jp-InputPrompt")
 
     def outputs(self, i: int) -> Any:
         return self.cell(i).locator(".jp-OutputArea-output")
 
     def run(self, i: int) -> None:
-        """Start cell i and return once its prompt has changed (to [*], or at once to its
+        """Start cell i and return once its prompt has left `[ ]` (for `[*]`, or at once for its
         execution count for a quick cell), like shift-enter without moving on."""
-        prompt = self.cell(i).locator(".jp-InputPrompt")
-        before = prompt.text_content()
+        expect(self.prompt(i)).to_have_text(NOT_RUN)
         self.page.evaluate(
             """(i) => {
                 const w = window.jupyterapp.shell.currentWidget;
@@ -172,25 +199,93 @@ class Notebook:
             }""",
             i,
         )
-        self.page.wait_for_function(
-            "([el, before]) => el.textContent !== before",
-            arg=[prompt.element_handle(), before],
-            timeout=30_000,
-        )
+        expect(self.prompt(i)).not_to_have_text(NOT_RUN, timeout=30_000)
+
+    def expect_running(self, i: int) -> None:
+        expect(self.prompt(i)).to_have_text(RUNNING)
 
     def wait_done(self, i: int, timeout: float = 120) -> None:
-        prompt = self.cell(i).locator(".jp-InputPrompt")
-        self.page.wait_for_function(
-            "(el) => /\\[\\d+\\]/.test(el.textContent)",
-            arg=prompt.element_handle(),
-            timeout=timeout * 1000,
-        )
-
-    def running(self, i: int) -> bool:
-        return "[*]" in self.cell(i).locator(".jp-InputPrompt").inner_text()
+        expect(self.prompt(i)).to_have_text(DONE, timeout=timeout * 1000)
 
     def interrupt(self) -> None:
         self.page.evaluate("() => window.jupyterapp.commands.execute('notebook:interrupt-kernel')")
 
-    def text(self, i: int) -> str:
-        return "\n".join(self.outputs(i).all_inner_texts())
+    def expect_output(self, i: int, *texts: str) -> None:
+        """Cell i's outputs contain these texts, in this order (one output may hold several)."""
+        expect(self.outputs(i)).to_contain_text(list(texts), use_inner_text=True)
+
+
+def has_class(name: str) -> re.Pattern[str]:
+    """For `to_have_class`: the class list holds `name` (`to_contain_class` needs Playwright
+    1.52; the test extra's floor is 1.45)."""
+    return re.compile(rf"(?:^|\s){re.escape(name)}(?:\s|$)")
+
+
+NOT_RUN = re.compile(r"^\[ \]:?$")
+RUNNING = re.compile(r"^\[\*\]:?$")
+DONE = re.compile(r"^\[\d+\]:?$")
+
+
+def job_of(nb: Notebook, cell: int) -> str:
+    """The job id the cell's dashboard shows."""
+    job = nb.cell(cell).locator(".enb-job").first
+    expect(job).to_have_text(re.compile(r"^job [0-9a-f]{8}$"))
+    return job.inner_text().removeprefix("job ")
+
+
+def serve(
+    tmp_path_factory: pytest.TempPathFactory, cache_home: Path, app: str
+) -> Iterator[LabServer]:
+    """A module's server fixture: `yield from serve(tmp_path_factory, cache_home, "lab")`."""
+    missing = chromium_missing()
+    if missing:
+        pytest.fail(missing)  # a missing browser is a broken setup, not a reason to skip
+    server = LabServer(tmp_path_factory.mktemp(app), {"XDG_CACHE_HOME": str(cache_home)}, app=app)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module", name="browser")
+def browser_fixture(lab: LabServer) -> Iterator[Any]:
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        yield b
+        b.close()
+
+
+@pytest.fixture(name="page")
+def page_fixture(browser: Any, request: pytest.FixtureRequest) -> Iterator[Any]:
+    """A page that fails its test on any uncaught error in it, but for the module's
+    `KNOWN_PAGE_ERRORS`: (message, a piece of its stack) pairs of the app's own, shown to
+    happen without elastic_nb on the page."""
+    known = getattr(request.module, "KNOWN_PAGE_ERRORS", ())
+    page = browser.new_page(viewport={"width": 1400, "height": 1100})
+    errors: list[str] = []
+
+    def on_error(e: Any) -> None:
+        if not any(e.message == m and where in (e.stack or "") for m, where in known):
+            errors.append(f"{e.message}\n{e.stack}")
+
+    page.on("pageerror", on_error)
+    yield page
+    page.close()
+    assert not errors, errors
+
+
+def open_notebook(page: Any, lab: LabServer, name: str, cells: list[str]) -> Notebook:
+    """A notebook of `%load_ext elastic_nb` and `cells`, open, its first cell run."""
+    nb = Notebook(page, lab, lab.write_notebook(name, ["%load_ext elastic_nb", *cells]))
+    nb.run(0)
+    nb.wait_done(0)
+    return nb
+
+
+def shot(page: Any, locator: Any, name: str) -> None:
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    locator.scroll_into_view_if_needed()
+    page.screenshot(path=str(SHOTS / name), full_page=False)
+
+
+SHOTS = Path(__file__).resolve().parent.parent / "test-output" / "browser"

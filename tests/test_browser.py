@@ -12,61 +12,24 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from playwright.sync_api import expect
 
 from tests.kernel import assert_job_gone, wait_for
-from tests.lab import CHROMIUM, CHROMIUM_ARGS, LabServer, Notebook, chromium_missing
-
-SHOTS = Path(__file__).resolve().parent.parent / "test-output" / "browser"
+from tests.lab import (
+    LabServer,
+    browser_fixture,  # noqa: F401  (the fixture `browser`)
+    has_class,
+    job_of,
+    open_notebook,
+    page_fixture,  # noqa: F401  (the fixture `page`)
+    serve,
+    shot,
+)
 
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory: pytest.TempPathFactory, cache_home: Path) -> Iterator[LabServer]:
-    missing = chromium_missing()
-    if missing:
-        pytest.fail(missing)  # a missing browser is a broken setup, not a reason to skip
-    server = LabServer(tmp_path_factory.mktemp("lab"), {"XDG_CACHE_HOME": str(cache_home)})
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def browser(lab: LabServer) -> Iterator[Any]:
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
-        yield b
-        b.close()
-
-
-@pytest.fixture
-def page(browser: Any) -> Iterator[Any]:
-    page = browser.new_page(viewport={"width": 1400, "height": 1100})
-    errors: list[str] = []
-    page.on("pageerror", lambda e: errors.append(str(e)))
-    yield page
-    page.close()
-    assert not errors, errors
-
-
-def open_notebook(page: Any, lab: LabServer, name: str, cells: list[str]) -> Notebook:
-    nb = Notebook(page, lab, lab.write_notebook(name, ["%load_ext elastic_nb", *cells]))
-    nb.run(0)
-    nb.wait_done(0)
-    return nb
-
-
-def job_of(nb: Notebook, cell: int) -> str:
-    text = nb.cell(cell).locator(".enb-job").first.inner_text()
-    m = re.fullmatch(r"job ([0-9a-f]{8})", text)
-    assert m, text
-    return m.group(1)
-
-
-def shot(page: Any, locator: Any, name: str) -> None:
-    SHOTS.mkdir(parents=True, exist_ok=True)
-    locator.scroll_into_view_if_needed()
-    page.screenshot(path=str(SHOTS / name), full_page=False)
+    yield from serve(tmp_path_factory, cache_home, "lab")
 
 
 def test_rank_chips_appear_while_the_cell_runs(page: Any, lab: LabServer) -> None:
@@ -84,29 +47,30 @@ def test_rank_chips_appear_while_the_cell_runs(page: Any, lab: LabServer) -> Non
     )
     nb.run(1)
     dash = nb.cell(1).locator(".enb")
-    chips = dash.locator(".enb-chip")
     # Both chips running, each showing its rank's latest line, while the cell still runs.
     for r in (0, 1):
         chip = dash.locator(f'.enb-chip[data-rank="{r}"]')
-        chip.locator(".enb-chip-last", has_text=re.compile(rf"rank {r} step \d+")).wait_for(
-            timeout=90_000
+        expect(chip.locator(".enb-chip-last")).to_contain_text(
+            re.compile(rf"rank {r} step \d+"), timeout=90_000
         )
-        assert "enb-s-running" in chip.get_attribute("class")
-    assert chips.count() == 2 and nb.running(1)
-    assert dash.locator(".enb-state").inner_text() == "running"
-    assert "Interrupt the kernel" in dash.locator(".enb-hint").inner_text()
-    assert not dash.locator(".enb-stop").is_visible()  # a busy kernel could not act on it
+        expect(chip).to_have_class(has_class("enb-s-running"))
+    expect(dash.locator(".enb-chip")).to_have_count(2)
+    nb.expect_running(1)
+    expect(dash.locator(".enb-state")).to_have_text("running")
+    expect(dash.locator(".enb-hint")).to_contain_text("Interrupt the kernel", use_inner_text=True)
+    expect(dash.locator(".enb-stop")).to_be_hidden()  # a busy kernel could not act on it
     # The log tab follows: rank 1's tab shows rank 1's lines only.
     dash.locator('.enb-tab[data-tab="1"]').click()
-    dash.locator(".enb-log", has_text="rank 1 step").wait_for()
-    assert "rank 0 step" not in dash.locator(".enb-log").inner_text()
+    log = dash.locator(".enb-log")
+    expect(log).to_contain_text("rank 1 step", use_inner_text=True)
+    expect(log).not_to_contain_text("rank 0 step", use_inner_text=True)
     shot(page, dash, "dashboard-running.png")
     job = job_of(nb, 1)
 
     nb.interrupt()
     nb.wait_done(1, timeout=30)
-    assert dash.locator(".enb-state").inner_text() == "interrupted"
-    assert "KeyboardInterrupt" in nb.text(1)
+    expect(dash.locator(".enb-state")).to_have_text("interrupted")
+    nb.expect_output(1, "KeyboardInterrupt")
     assert_job_gone(job)
 
 
@@ -127,17 +91,22 @@ def test_a_failing_rank_is_named_on_its_chip_and_in_the_alert(page: Any, lab: La
     nb.run(1)
     nb.wait_done(1)
     dash = nb.cell(1).locator(".enb")
-    assert dash.locator(".enb-state").inner_text() == "failed"
+    expect(dash.locator(".enb-state")).to_have_text("failed")
     failed = dash.locator(".enb-chip.enb-s-failed")
-    assert failed.count() == 1 and failed.get_attribute("data-rank") == "1"
-    assert failed.locator(".enb-chip-label").inner_text() == "ValueError"
-    assert "enb-s-failed" not in dash.locator('.enb-chip[data-rank="0"]').get_attribute("class")
+    expect(failed).to_have_count(1)
+    expect(failed).to_have_attribute("data-rank", "1")
+    expect(failed.locator(".enb-chip-label")).to_have_text("ValueError")
+    expect(dash.locator('.enb-chip[data-rank="0"]')).not_to_have_class(has_class("enb-s-failed"))
     alert = dash.locator('.enb-alert[data-kind="failure"]')
-    assert alert.locator(".enb-alert-rank").inner_text() == "rank 1"
-    title = alert.locator(".enb-alert-title").inner_text()
-    assert "rank 1 failed first: ValueError: rank 1 ran out of patience (cell line 5)" in title
-    assert "raise ValueError('rank 1 ran out of patience')" in alert.locator("details").inner_text()
-    assert "JobFailed: rank 1 failed first" in nb.text(1)  # and the cell raised
+    expect(alert.locator(".enb-alert-rank")).to_have_text("rank 1")
+    expect(alert.locator(".enb-alert-title")).to_contain_text(
+        "rank 1 failed first: ValueError: rank 1 ran out of patience (cell line 5)",
+        use_inner_text=True,
+    )
+    expect(alert.locator("details")).to_contain_text(
+        "raise ValueError('rank 1 ran out of patience')", use_inner_text=True
+    )
+    nb.expect_output(1, "JobFailed: rank 1 failed first")  # and the cell raised
     shot(page, dash, "dashboard-failed.png")
     assert_job_gone(job_of(nb, 1))
 
@@ -159,17 +128,22 @@ def test_a_log_flood_renders_and_the_page_stays_responsive(page: Any, lab: LabSe
     nb.run(1)
     nb.wait_done(1, timeout=180)
     dash = nb.cell(1).locator(".enb")
-    assert dash.locator(".enb-state").inner_text() == "succeeded"
+    expect(dash.locator(".enb-state")).to_have_text("succeeded")
+    log = dash.locator(".enb-log")
     for r in range(4):
         dash.locator(f'.enb-tab[data-tab="{r}"]').click()
-        log = dash.locator(".enb-log").inner_text().splitlines()
-        assert log[-1] == f"rank {r} line 19999"
-        assert 0 < len(log) <= 1001  # a bounded tail, and a note of what it left out
-        assert any(re.match(r"\.\.\. [\d,]+ lines not shown \(full log: ", x) for x in log)
+        # A bounded tail (at most 1,001 lines, the last one the rank's last) ...
+        expect(log).to_have_text(
+            re.compile(rf"^(?:[^\n]*\n){{0,1000}}rank {r} line 19999\n?$"), use_inner_text=True
+        )
+        # ... with a note of what it left out.
+        expect(log).to_contain_text(
+            re.compile(r"(?:^|\n)\.\.\. [\d,]+ lines not shown \(full log: "), use_inner_text=True
+        )
     # The page is still ours: the next cell runs and shows its result.
     nb.run(2)
     nb.wait_done(2, timeout=30)
-    assert nb.text(2) == "42"
+    expect(nb.outputs(2)).to_have_text(["42"], use_inner_text=True)
     assert_job_gone(job_of(nb, 1))
 
 
@@ -185,23 +159,25 @@ def test_the_stop_button_ends_a_background_job(page: Any, lab: LabServer) -> Non
     dash = nb.cell(1).locator(".enb")
     for r in (0, 1):
         chip = dash.locator(f'.enb-chip[data-rank="{r}"]')
-        chip.locator(".enb-chip-last", has_text="up").wait_for(timeout=90_000)
+        expect(chip.locator(".enb-chip-last")).to_contain_text("up", timeout=90_000)
     job = job_of(nb, 1)
     # The kernel is idle, so the buttons work: first every rank's stack, then stop.
     dash.locator(".enb-stacks").click()
     stacks = dash.locator('.enb-alert[data-kind="stacks"]')
-    stacks.wait_for(timeout=30_000)
+    expect(stacks).to_be_visible(timeout=30_000)
     stacks.locator("summary").click()
-    text = stacks.locator("details").inner_text()
-    assert "rank 0 · cell line 4: time.sleep(600)" in text
-    assert "rank 1 · cell line 4: time.sleep(600)" in text
-    assert stacks.locator(".enb-stacks-grid pre").count() == 2  # side by side
+    details = stacks.locator("details")
+    for r in (0, 1):
+        expect(details).to_contain_text(
+            f"rank {r} · cell line 4: time.sleep(600)", use_inner_text=True
+        )
+    expect(stacks.locator(".enb-stacks-grid pre")).to_have_count(2)  # side by side
     dash.locator(".enb-stop").click()
-    dash.locator(".enb-state", has_text="stopped").wait_for(timeout=30_000)
-    assert not dash.locator(".enb-stop").is_visible()
+    expect(dash.locator(".enb-state")).to_have_text("stopped", timeout=30_000)
+    expect(dash.locator(".enb-stop")).to_be_hidden()
     # The background thread's summary line lands under the cell that started the job.
     stdout = nb.cell(1).locator('[data-mime-type="application/vnd.jupyter.stdout"]')
-    stdout.filter(has_text=f"job {job} stopped").wait_for(timeout=10_000)
+    expect(stdout).to_contain_text([f"job {job} stopped"], timeout=10_000)
     shot(page, dash, "dashboard-background-stopped.png")
     assert wait_for(lambda: not _job_processes(job), timeout=10)
 

@@ -164,7 +164,7 @@ def test_the_stop_button_ends_a_background_job(page: Any, lab: LabServer) -> Non
     # The kernel is idle, so the buttons work: first every rank's stack, then stop.
     dash.locator(".enb-stacks").click()
     stacks = dash.locator('.enb-alert[data-kind="stacks"]')
-    expect(stacks).to_be_visible(timeout=30_000)
+    expect(stacks).to_be_visible()
     stacks.locator("summary").click()
     details = stacks.locator("details")
     for r in (0, 1):
@@ -173,7 +173,7 @@ def test_the_stop_button_ends_a_background_job(page: Any, lab: LabServer) -> Non
         )
     expect(stacks.locator(".enb-stacks-grid pre")).to_have_count(2)  # side by side
     dash.locator(".enb-stop").click()
-    expect(dash.locator(".enb-state")).to_have_text("stopped", timeout=30_000)
+    expect(dash.locator(".enb-state")).to_have_text("stopped")
     expect(dash.locator(".enb-stop")).to_be_hidden()
     # The background thread's summary line lands under the cell that started the job.
     stdout = nb.cell(1).locator('[data-mime-type="application/vnd.jupyter.stdout"]')

@@ -78,6 +78,21 @@ def clear(directory: str) -> None:
         path.unlink()
 
 
+def wait_gone(label: str, owns: Callable[[dict[str, str]], bool], timeout: float = 30) -> None:
+    """Wait until no process whose environment `owns` says is one side's remains, so that the
+    other side's turn never runs beside the previous one's leftovers (a warm-up, a rank)."""
+
+    def left() -> list[int]:
+        found = []
+        for p in psutil.process_iter():
+            with contextlib.suppress(psutil.Error):
+                if p.status() != psutil.STATUS_ZOMBIE and owns(p.environ()):
+                    found.append(p.pid)
+        return found
+
+    assert wait_for(lambda: not left(), timeout, 0.1), f"{label} left processes: {left()}"
+
+
 def torchrun(
     body: str,
     nproc: int,
@@ -122,7 +137,9 @@ def torchrun(
                     p.kill()
         out, _ = proc.communicate()
         code = None
-    return Run(t0, time.time(), read_marks(directory), code, out.decode(errors="replace"))
+    ended = time.time()
+    wait_gone("torchrun", lambda e: e.get("BENCH_DIR") == directory)
+    return Run(t0, ended, read_marks(directory), code, out.decode(errors="replace"))
 
 
 def print_blamed(blamed: dict[str, list[int | None]], rank: int, what: str = "") -> None:
@@ -178,7 +195,11 @@ class Elastic:
         assert ok, self.kernel.ok("%elastic status").stdout
 
     def shutdown(self) -> None:
+        """The kernel and everything it started, the next warm launcher included, are gone when
+        this returns (the kernel driver's own tree check, then every process that carries this
+        kernel's cache home, however it was started)."""
         self.kernel.shutdown()
+        wait_gone("elastic_nb", lambda e: e.get("XDG_CACHE_HOME") == self.cache)
 
 
 def runs() -> int:
@@ -189,11 +210,16 @@ def runs() -> int:
 
 
 def alternate(runs: int, a: Callable[[], Any], b: Callable[[], Any]) -> tuple[list[Any], list[Any]]:
-    """A/B/A/B... so that drift of the machine hits both sides alike."""
+    """A/B, B/A, A/B, ...: drift of the machine hits both sides alike, and neither side always
+    runs first (after the other's leftovers, or on a machine that has just cooled down)."""
     xs, ys = [], []
-    for _ in range(runs):
-        xs.append(a())
-        ys.append(b())
+    for i in range(runs):
+        if i % 2 == 0:
+            xs.append(a())
+            ys.append(b())
+        else:
+            ys.append(b())
+            xs.append(a())
     return xs, ys
 
 
@@ -201,12 +227,18 @@ def median(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
+def spread(xs: list[float], unit: str = "s", digits: int = 2) -> str:
+    """'0.09 s (0.08-0.11)': the median, then the smallest and largest of the runs."""
+    return f"{median(xs):.{digits}f} {unit} ({min(xs):.{digits}f}-{max(xs):.{digits}f})"
+
+
 HEADER = (
-    "| benchmark | elastic_nb (median) | torchrun (median) | elastic_nb/torchrun | target | runs |\n"
+    "| benchmark | elastic_nb: median (min-max) | torchrun: median (min-max) "
+    "| elastic_nb/torchrun (medians) | target | runs |\n"
     "| --- | --- | --- | --- | --- | --- |"
 )
 
 
 def row(name: str, xs: list[float], ys: list[float], target: str, unit: str = "s") -> str:
-    mx, my = median(xs), median(ys)
-    return f"| {name} | {mx:.2f} {unit} | {my:.2f} {unit} | {mx / my:.2f}x | {target} | {len(xs)} |"
+    ratio = median(xs) / median(ys)
+    return f"| {name} | {spread(xs, unit)} | {spread(ys, unit)} | {ratio:.2f}x | {target} | {len(xs)} |"

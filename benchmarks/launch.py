@@ -2,8 +2,11 @@
 
 Cell start -> the last of 4 ranks past `dist.init_process_group()`, on the quickstart's code.
 Warm (P1): a cell after an earlier one, the next launcher warmed up in between (as between two
-cells a person runs). Cold (P1b): the first cell after the kernel started. torchrun: the same
-script, `torchrun --standalone --nproc-per-node 4`, from its start.
+cells a person runs). Run All (P1, back to back): a cell sent the moment the previous cell
+ended, with no pause for the next launcher to warm up (as Run All sends them). Cold (P1b): the
+first cell after the kernel started. torchrun: the same script, `torchrun --standalone
+--nproc-per-node 4`, from its start. No side's turn runs beside the other's leftovers: the next
+warm-up has finished (or the previous kernel is gone, every process of it) before torchrun's.
 """
 
 from __future__ import annotations
@@ -38,6 +41,15 @@ def main() -> None:
             return took
 
         warm_x, warm_y = alternate(n, warm, baseline)
+
+        def run_all() -> float:
+            el.wait_warm()
+            el.run(f"--nproc {NPROC}", BODY)  # the cell before: warm, not counted
+            took = el.run(f"--nproc {NPROC}", BODY).after_start("ready", NPROC)
+            el.wait_warm()
+            return took
+
+        all_x, all_y = alternate(n, run_all, baseline)
     finally:
         el.shutdown()
 
@@ -56,6 +68,14 @@ def main() -> None:
             warm_x,
             warm_y,
             "<= 0.15x",
+        )
+    )
+    print(
+        row(
+            "P1 Run All: the same, the cell sent the moment the previous cell ended (no pause)",
+            all_x,
+            all_y,
+            "-",
         )
     )
     print(row("P1b cold launch (first cell after kernel start)", cold_x, cold_y, "<= 1.1x"))

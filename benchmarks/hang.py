@@ -9,7 +9,7 @@ and stopped there.
 
 from __future__ import annotations
 
-from common import Elastic, bench_dir, median, runs, torchrun, torchrun_root_rank
+from common import Elastic, bench_dir, median, runs, spread, torchrun, torchrun_root_rank
 
 BODY = """import time, torch, torch.distributed as dist
 dist.init_process_group()
@@ -36,31 +36,41 @@ def main() -> None:
     finished: list[bool] = []
     el = Elastic.warm(d)
     try:
-        for _ in range(n):
+
+        def elastic() -> None:
             r = el.run(f"--nproc {NPROC} --collective-timeout 10", BODY)
             ex = r.execution
             assert ex is not None and ex.ename == "JobFailed", r.output[-3000:]
             assert "rank 1 never entered all_reduce" in ex.error["evalue"], ex.error["evalue"]
             assert "where every rank was" in ex.traceback
             xs.append(r.ended - max(r.marks["hang"]))
-            el.wait_warm()
+            el.wait_warm()  # the next warm-up must not run beside torchrun's turn
+
+        def control() -> None:
             c = torchrun(CONTROL, NPROC, d, timeout=BOUND_S)
             assert c.returncode not in (None, 0), c.output[-3000:]
             ys.append(c.ended - max(c.marks["hang"]))
             blamed.append(torchrun_root_rank(c.output))
+
+        def defaults() -> None:
             t = torchrun(BODY, NPROC, d, timeout=BOUND_S)
             finished.append(t.returncode is not None)
+
+        for i in range(n):
+            # Neither side always first: elastic_nb, control, defaults; then the reverse.
+            for turn in (elastic, control, defaults)[:: 1 if i % 2 == 0 else -1]:
+                turn()
     finally:
         el.shutdown()
     done = sum(finished)
     print(
-        "| benchmark | elastic_nb (median) | torchrun (median) | elastic_nb/torchrun | target "
-        "| runs |\n| --- | --- | --- | --- | --- | --- |"
+        "| benchmark | elastic_nb: median (min-max) | torchrun: median (min-max) "
+        "| elastic_nb/torchrun (medians) | target | runs |\n| --- | --- | --- | --- | --- | --- |"
     )
     print(
         f"| P3 hang diagnosis, both with a 10 s collective timeout: rank 1 silent -> the error "
-        f"with every rank's stack (torchrun: -> its exit) | {median(xs):.2f} s | "
-        f"{median(ys):.2f} s | {median(xs) / median(ys):.2f}x | <= 11 s | {len(xs)} |"
+        f"with every rank's stack (torchrun: -> its exit) | {spread(xs)} | "
+        f"{spread(ys)} | {median(xs) / median(ys):.2f}x | <= 11 s | {len(xs)} |"
     )
     print(
         f"| P3 context: torchrun with its defaults (30 min gloo timeout) | - | "

@@ -274,8 +274,10 @@ class SupervisorClient:
         source: str,
         meta: dict[str, Any],
         payload: bytes | None,
+        session: str | None = None,
     ) -> None:
-        """Start a job. An interrupt that lands before the reply still stops it."""
+        """Start a job (or run a cell on `session`'s ranks). An interrupt that lands before the
+        reply still stops it."""
         try:
             # Writing a large --push payload to disk is part of the request: its time is not
             # the supervisor's slowness (about 200 MB/s here; a minute more per 10 GB).
@@ -288,11 +290,30 @@ class SupervisorClient:
                 spec=spec.to_dict(),
                 cell={"source": source, "meta": meta},
                 env=dict(os.environ),
+                session=session,
             )
         except KeyboardInterrupt:
             with contextlib.suppress(SupervisorDied):
                 self.send(protocol.STOP, job=job_id, reason="interrupt")
             raise
+
+    def up(self, session_id: str, spec: JobSpec) -> dict[str, Any]:
+        """Start a session (subscribe to `session_id` first: its updates and end come as a
+        job's). An interrupt that lands before the reply still ends it."""
+        try:
+            return self.request(
+                protocol.UP, session=session_id, spec=spec.to_dict(), env=dict(os.environ)
+            )
+        except KeyboardInterrupt:
+            with contextlib.suppress(SupervisorDied):
+                self.send(protocol.DOWN, session=session_id)
+            raise
+
+    def down(self, session_id: str) -> None:
+        self.request(protocol.DOWN, session=session_id)
+
+    def session(self, session_id: str) -> dict[str, Any]:
+        return self.request(protocol.SESSION, session=session_id)
 
     def stop(self, job_id: str | None = None, reason: str = "user") -> list[str]:
         return self.request(protocol.STOP, job=job_id, reason=reason)["stopping"]

@@ -51,9 +51,14 @@ class JobHandle:
     ``%%elastic --bg``) the notebook's handle on it: ``stop()``, ``wait()``, ``await job``,
     ``result``, ``logs()``."""
 
-    def __init__(self, client: SupervisorClient, job_id: str, spec: JobSpec) -> None:
+    def __init__(
+        self, client: SupervisorClient, job_id: str, spec: JobSpec, session: str | None = None
+    ) -> None:
         self.id = job_id
         self.run_dir = str(RunDir.of(spec.log_dir, job_id))
+        # A session's cell: its ranks (their marker, their logs) are the session's.
+        self.session = session
+        self.ranks_run_dir = str(RunDir.of(spec.log_dir, session)) if session else self.run_dir
         self.spec = spec
         self.summary: dict[str, Any] | None = None
         self.namespace: dict[str, Any] | None = None  # where --pull objects land
@@ -75,13 +80,14 @@ class JobHandle:
         source: str,
         meta: dict[str, Any],
         payload: bytes | None,
+        session: str | None = None,
     ) -> JobHandle:
-        """Start a job and follow it from its first message. The id is ours: the handle
-        listens before any message can arrive, and an interrupt before the reply can still
-        stop the job."""
-        job = cls(client, secrets.token_hex(4), spec)
+        """Start a job (or a cell on `session`'s ranks) and follow it from its first message.
+        The id is ours: the handle listens before any message can arrive, and an interrupt
+        before the reply can still stop the job."""
+        job = cls(client, secrets.token_hex(4), spec, session)
         try:
-            client.submit(job.id, spec, source, meta, payload)
+            client.submit(job.id, spec, source, meta, payload, session)
         except BaseException:
             client.unsubscribe(job.id)
             raise
@@ -139,7 +145,7 @@ class JobHandle:
 
     def logs(self, rank: int = 0, stream: str = "out", attempt: int | None = None) -> str:
         """One rank's whole log (the last attempt by default), from the run directory."""
-        rd = RunDir(self.run_dir)
+        rd = RunDir(self.ranks_run_dir)
         attempts = rd.attempts()
         if attempt is None:
             attempt = attempts[-1] if attempts else 0
@@ -289,7 +295,7 @@ class JobHandle:
 
     def _kill_here(self, outcome: str, reason: str) -> None:
         """Last resort from the kernel itself: kill every process carrying this job's marker."""
-        procs.kill_job([self.id], signal.SIGKILL)
+        procs.kill_job([self.session or self.id], signal.SIGKILL)
         self.summary = protocol.summary(
             self.id,
             outcome,

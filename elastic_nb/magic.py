@@ -20,6 +20,12 @@ Manage jobs and session defaults with the line magic::
     %elastic stacks [JOB]                          # every rank's Python stack, now
     %elastic status                                # the supervisor process
 
+Keep ranks up across cells (a session: names stay defined; a restart replays the cells)::
+
+    %elastic up --nproc 4 [launch flags]           # then a bare %%elastic runs on them
+    %elastic session                               # ranks, attempt, restarts, replay journal
+    %elastic down
+
 The cell blocks until every rank has finished, under a live dashboard where the frontend draws
 widgets (text elsewhere). Interrupt the kernel to stop the job: every rank is ended within seconds
 and the kernel is yours again. ``--bg`` returns a handle at once instead::
@@ -33,6 +39,7 @@ and the kernel is yours again. ``--bg`` returns a handle at once instead::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import os
 import sys
@@ -51,6 +58,13 @@ from elastic_nb.handle import JobHandle, Renderer
 from elastic_nb.options import OPTIONS, Option, add_arguments
 from elastic_nb.render_text import TextRenderer
 from elastic_nb.rundir import RunDir
+from elastic_nb.session import (
+    SESSION_MAX_RESTARTS,
+    SessionHandle,
+    describe,
+    launch_flags,
+    per_cell_options,
+)
 from elastic_nb.spec import JobSpec, SpecError, preflight
 
 __all__ = ["ElasticMagics"]
@@ -69,6 +83,7 @@ class ElasticMagics(Magics):
         super().__init__(shell)
         self.session_defaults: dict[str, Any] = {}
         self.jobs: dict[str, JobHandle] = {}
+        self.session: SessionHandle | None = None  # %elastic up's ranks, while they are up
 
     @magic_arguments()
     @launch_arguments
@@ -95,7 +110,23 @@ class ElasticMagics(Magics):
             raise UsageError(str(e)) from None
 
     def _cell(self, line: str, cell: str) -> Any:
-        spec = self._spec(self._options(line))
+        options = self._options(line)
+        session = self._live_session()
+        if session is not None and not options.get("one_off"):
+            given = launch_flags(options)
+            if given:
+                raise UsageError(
+                    f"{', '.join(given)}: session {session.id} is up, and its ranks were launched "
+                    "with their own flags; a cell on it takes only "
+                    + ", ".join(o.flags[0] for o in OPTIONS if o.per_cell and o.dest != "one_off")
+                    + ". Run it beside the session with %%elastic --one-off ..., or end the "
+                    "session with %elastic down"
+                )
+            defaults = per_cell_options(self.session_defaults)
+            options = {**session.options, **defaults, **options}
+        else:
+            session = None
+        spec = self._spec(options)
         prepared = prepare_cell(
             line, cell, self.shell.user_ns, self.shell.user_ns_hidden, spec.push
         )
@@ -110,7 +141,16 @@ class ElasticMagics(Magics):
                     f"it overrides --collective-timeout {spec.collective_timeout:g} for that group",
                     file=sys.stderr,
                 )
-        job = JobHandle.submit(get_client(), spec, prepared.source, prepared.meta, prepared.payload)
+        if session is not None:
+            spec = dataclasses.replace(spec, session=True)
+        job = JobHandle.submit(
+            get_client(),
+            spec,
+            prepared.source,
+            prepared.meta,
+            prepared.payload,
+            session.id if session is not None else None,
+        )
         job.namespace = self.shell.user_ns
         self.jobs[job.id] = job
         renderer = self._renderer(job, spec)
@@ -129,19 +169,21 @@ class ElasticMagics(Magics):
 
             dash = Dashboard(
                 job.id,
-                job.run_dir,
+                job.ranks_run_dir,
                 spec,
                 on_stop=functools.partial(job.stop, reason="button") if spec.background else None,
                 on_stacks=job.stacks if spec.background else None,
+                session=job.session,
             )
             job.widget = dash.widget
             if not spec.background:
                 display(dash.widget)  # a background job is shown as the cell's result
-            text = TextRenderer(job.id, job.run_dir, mode="record")
-            text.start(spec.nproc, spec.worst_case_s)
+            text = TextRenderer(job.id, job.ranks_run_dir, mode="record")
+            text.start(spec.nproc, spec.worst_case_s, job.session)
             return _Both(dash, text)
-        text = TextRenderer(job.id, job.run_dir, mode="quiet" if spec.background else "live")
-        text.start(spec.nproc, spec.worst_case_s)
+        mode = "quiet" if spec.background else "live"
+        text = TextRenderer(job.id, job.ranks_run_dir, mode=mode)
+        text.start(spec.nproc, spec.worst_case_s, job.session)
         return text
 
     # ---- %elastic -----------------------------------------------------------------------------
@@ -155,6 +197,9 @@ class ElasticMagics(Magics):
             "stop": self._stop,
             "stacks": self._stacks,
             "config": self._config,
+            "up": self._up,
+            "down": self._down,
+            "session": self._session_info,
         }
         if command not in handlers:
             raise UsageError(
@@ -173,6 +218,12 @@ class ElasticMagics(Magics):
         print(f"  socket: {c.socket_path}")
         print(f"  log:    {c.log_path}")
         print(f"  running jobs: {', '.join(st['running']) or 'none'}")
+        for s in st.get("sessions", ()):
+            print(
+                f"  session {s['session']}: {s['state']}, {s['world_size']} ranks, attempt "
+                f"{s['attempt']}, restarts {s['restarts']}/{s['max_restarts']}, "
+                f"{s['cells_run']} cells run"
+            )
         w = st.get("warm")
         if w is None:
             print(
@@ -239,7 +290,7 @@ class ElasticMagics(Magics):
                 "usage: %elastic logs [JOB] [--rank R] [--attempt K] [--tail N]"
             ) from None
         job = self._job(args.job)
-        rd = RunDir(job.run_dir)
+        rd = RunDir(job.ranks_run_dir)
         attempts = rd.attempts()
         if not attempts:
             print(f"job {job.id} has no logs yet ({rd})")
@@ -276,6 +327,9 @@ class ElasticMagics(Magics):
         job_id = rest or None
         if job_id is not None:
             self._job(job_id)
+        session = self._live_session()
+        if job_id is None and session is not None:
+            job_id = session.id
         c = current_client()
         if c is None:
             raise UsageError("no running job: %elastic stacks needs one (e.g. started with --bg)")
@@ -302,6 +356,66 @@ class ElasticMagics(Magics):
                     print(f"  {_as_flag(o, self.session_defaults[o.dest])}")
         else:
             print("no session defaults: every flag has its built-in default (%elastic? lists them)")
+
+    # ---- sessions ---------------------------------------------------------------------------
+
+    def _live_session(self) -> SessionHandle | None:
+        if self.session is not None and not self.session.up:
+            self.session = None  # it ended (down, out of restarts, the supervisor went)
+        return self.session
+
+    def _up(self, rest: str) -> None:
+        session = self._live_session()
+        if session is not None:
+            raise UsageError(f"session {session.id} is already up: %elastic down ends it first")
+        options = self._options(rest)
+        cell_only = [
+            o.flags[0]
+            for o in OPTIONS
+            if o.dest in options and o.dest in ("push", "pull", "pull_rank", "replay", "one_off")
+        ] + (["--bg"] if "background" in options else [])
+        if cell_only:
+            raise UsageError(
+                f"%elastic up {', '.join(cell_only)}: a cell's flag; give it to the cells that "
+                "run on the session"
+            )
+        launch = {k: v for k, v in options.items() if k not in ("widgets",)}
+        if "max_restarts" not in options and "max_restarts" not in self.session_defaults:
+            launch["max_restarts"] = SESSION_MAX_RESTARTS
+        spec = dataclasses.replace(self._spec(launch), session=True)
+        try:
+            preflight(spec)
+        except SpecError as e:
+            raise UsageError(str(e)) from None
+        session = SessionHandle(get_client(), spec, launch)
+        session.start()
+        self.session = session
+
+    def _down(self, rest: str) -> None:
+        session = self._live_session()
+        if session is None:
+            print("no session is up")
+            return
+        session.down()
+        self.session = None
+        s = session.summary
+        if s is None:
+            print(f"[elastic_nb] session {session.id}: still ending (see %elastic status)")
+        else:
+            print(
+                f"[elastic_nb] session {session.id} {s['outcome']}: {s['reason']} "
+                f"(restarts {s['restarts']}/{s['max_restarts']}, {s['wall_s']:.0f} s)"
+            )
+
+    def _session_info(self, rest: str) -> None:
+        session = self._live_session()
+        if session is None:
+            print("no session is up (%elastic up --nproc N starts one)")
+            return
+        try:
+            print(describe(session.info()))
+        except Refused as e:
+            raise UsageError(e.reason) from None
 
     def _job(self, job_id: str | None) -> JobHandle:
         if not self.jobs:

@@ -36,6 +36,7 @@ class Option:
     action: str | None = None  # "append" (repeatable), "store_true" or "store_false"
     shown: str | None = None  # the default as help and README say it, when not the value
     torchrun: bool = False  # torchrun's flag: its underscore spelling works too
+    per_cell: bool = False  # a cell on a session (%elastic up) may give it; the rest launch ranks
 
     @property
     def spellings(self) -> tuple[str, ...]:
@@ -46,6 +47,7 @@ class Option:
 
 
 _RANKS, _RDZV, _ENV, _DATA, _OUT = "ranks", "rendezvous", "environment and limits", "data", "output"
+_SESSION = "sessions (%elastic up)"
 
 OPTIONS: tuple[Option, ...] = (
     Option(
@@ -169,6 +171,7 @@ OPTIONS: tuple[Option, ...] = (
         "deadline for the whole job, in seconds; past it every rank is stopped (JobTimeout)",
         _ENV,
         metavar="S",
+        per_cell=True,
     ),
     # Interactive default (torch's are 30 min gloo / 10 min NCCL): a stuck collective fails the
     # cell in two minutes, with every rank's stack, instead of holding the notebook for half an hour.
@@ -214,6 +217,7 @@ OPTIONS: tuple[Option, ...] = (
         _ENV,
         metavar="S",
         shown="120",
+        per_cell=True,
     ),
     Option(
         "push",
@@ -224,6 +228,7 @@ OPTIONS: tuple[Option, ...] = (
         _DATA,
         metavar="NAMES",
         action="append",
+        per_cell=True,
     ),
     Option(
         "pull",
@@ -233,6 +238,7 @@ OPTIONS: tuple[Option, ...] = (
         _DATA,
         metavar="NAMES",
         action="append",
+        per_cell=True,
     ),
     Option(
         "pull_rank",
@@ -241,6 +247,7 @@ OPTIONS: tuple[Option, ...] = (
         "the rank --pull reads from",
         _DATA,
         metavar="R",
+        per_cell=True,
     ),
     Option(
         "background",
@@ -261,6 +268,7 @@ OPTIONS: tuple[Option, ...] = (
         _OUT,
         action="store_false",
         shown="",
+        per_cell=True,
     ),
     Option(
         "log_dir",
@@ -271,6 +279,27 @@ OPTIONS: tuple[Option, ...] = (
         metavar="DIR",
         shown="~/.cache/elastic_nb/runs",
         torchrun=True,
+    ),
+    Option(
+        "replay",
+        ("--no-replay",),
+        True,
+        "on a session: leave this cell out of the replay after a restart (a training loop "
+        "you do not want to run again)",
+        _SESSION,
+        action="store_false",
+        shown="",
+        per_cell=True,
+    ),
+    Option(
+        "one_off",
+        ("--one-off",),
+        False,
+        "while a session is up: run this cell as a job of its own, beside the session",
+        _SESSION,
+        action="store_true",
+        shown="",
+        per_cell=True,
     ),
 )
 

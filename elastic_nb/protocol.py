@@ -17,6 +17,12 @@ Kernel -> supervisor                      Supervisor -> kernel
   status {req}
   stacks {req, job}                         (reply carries every live rank's stack)
   warm {req, on}                            (off: end the idle warm launcher now)
+  up {req, session, spec, env}              start a session: ranks that stay up across cells
+                                            (its updates and end come as a job's, id session)
+  submit {..., session}                     a cell run on the session's ranks (a job of its own
+                                            for the kernel: updates, end)
+  down {req, session}                       end the session
+  session {req, session}                    the session: ranks, attempt, restarts, journal
 
 Launcher -> supervisor
   ready {pid}                               launcher is up, torch imported
@@ -31,6 +37,14 @@ Launcher -> supervisor
 The records inside those messages (an update's alerts, rank chips and log batches, the end's
 summary) are the TypedDicts below: one definition for the supervisor that writes them and the
 handle, the text renderer and the dashboard that read them.
+
+Rank <-> supervisor, in a session (a Unix socket per session, in the owner-only socket directory;
+never torch's TCPStore, which has no authentication)
+  rank_hello {rank, attempt, pid}           a rank is up and waits for cells
+  run {cell, run_dir}                       supervisor: run this cell (its own run directory)
+  ran {cell, ok}                            rank: done with it; its records are in run_dir
+  interrupt {cell}                          supervisor: KeyboardInterrupt in that cell
+  bye {}                                    supervisor: the session ends; leave the loop
 
 Supervisor -> rank (the desync watch; a FIFO per rank, see rundir.RunDir.probe)
   "<n> status" or "<n> full"                the rank's flight recorder: each group's last
@@ -57,7 +71,7 @@ __all__ = [
     "summary",
 ]
 
-VERSION = 2  # 2: log batches are records, not positional lists
+VERSION = 3  # 2: log batches are records; 3: sessions
 
 # kernel -> supervisor
 HELLO = "hello"
@@ -67,6 +81,9 @@ JOBS = "jobs"
 STATUS = "status"
 STACKS = "stacks"
 WARM = "warm"
+UP = "up"
+DOWN = "down"
+SESSION = "session"
 # supervisor -> kernel
 REPLY = "reply"
 UPDATE = "update"
@@ -79,6 +96,12 @@ EXIT = "exit"
 EXITS = "exits"
 TICK = "tick"
 RESULT = "result"
+# supervisor <-> a session's ranks
+RANK_HELLO = "rank_hello"
+RUN = "run"
+RAN = "ran"
+INTERRUPT = "interrupt"
+BYE = "bye"
 
 # The launcher reports its agent's monitor loop at most this often; the zombie watchdog's bound
 # is built on it.
@@ -220,6 +243,7 @@ class Summary(TypedDict):
     leftovers: list[dict[str, Any]]  # processes the cell left running: pid, cmd
     result: bool  # rank 0 left a value for the cell
     lines: int
+    session: str | None  # the session whose ranks ran the cell (%elastic up), if one
 
 
 def summary(job: str, outcome: str, reason: str, **known: Any) -> Summary:
@@ -245,6 +269,7 @@ def summary(job: str, outcome: str, reason: str, **known: Any) -> Summary:
         "leftovers": [],
         "result": False,
         "lines": 0,
+        "session": None,
     }
     unknown = set(known) - set(s)
     if unknown:

@@ -43,16 +43,17 @@ class TextRenderer:
         self._err = err or sys.stderr
         self._progress_at: dict[tuple[int, str], float] = {}
 
-    def start(self, nproc: int, worst_case_s: float | None = None) -> None:
+    def start(
+        self, nproc: int, worst_case_s: float | None = None, session: str | None = None
+    ) -> None:
         worst = (
             f" (a stuck collective fails the cell within {worst_case_s:g} s)"
             if worst_case_s is not None
             else ""
         )
-        line = (
-            f"[elastic_nb] job {self._job}: starting {nproc} rank{'s' if nproc != 1 else ''}"
-            f"{worst}\n"
-        )
+        ranks = f"{nproc} rank{'s' if nproc != 1 else ''}"
+        what = f"on session {session}'s {ranks}" if session else f"starting {ranks}"
+        line = f"[elastic_nb] job {self._job}: {what}{worst}\n"
         if self._mode == "record":
             self._record.append(line)
             return

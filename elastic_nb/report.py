@@ -89,6 +89,11 @@ def failure_report(s: Summary) -> list[str]:
                 f" (+{o['delay']:.2f} s)" if o.get("delay") is not None and o["delay"] >= 0 else ""
             )
             lines.append(f"rank {o['rank']}: {o['text']}{delay}")
+    if s.get("session"):
+        # What the failure did to the session's ranks: kept, restarted and replayed, or ended.
+        lines.append("")
+        lines.append(f"--- session {s['session']} ---")
+        lines.append(s["reason"])
     return lines
 
 

@@ -85,11 +85,14 @@ class JobSpec:
     log_dir: str
     warm: bool
     preload: tuple[str, ...]
+    replay: bool  # a session cell: replayed after a restart
+    one_off: bool  # a cell beside a session, as a job of its own
     cwd: str
     sys_path: tuple[str, ...]
     # SIGTERM -> SIGKILL grace when a job is stopped: the supervisor's for the process group,
     # torchelastic's (shutdown_timeout, 30 s by default) for the ranks. A notebook waits on it.
     stop_grace: float = 2.0
+    session: bool = False  # the ranks of a session (%elastic up): they run cells until down
 
     @property
     def worst_case_s(self) -> float | None:
@@ -196,6 +199,8 @@ class JobSpec:
             preload=preload,
             cwd=cwd,
             sys_path=tuple(sys_path),
+            replay=bool(o["replay"]),
+            one_off=bool(o["one_off"]),
         )
 
     # ---- transport ----------------------------------------------------------------------

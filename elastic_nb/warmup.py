@@ -32,7 +32,7 @@ CUDA_BY: str | None = None
 _NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK" not in os.environ
 os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 
-_ALWAYS = ("torch", "torch.distributed", "elastic_nb.worker")
+_ALWAYS = ("torch", "torch.distributed", "elastic_nb.worker", "elastic_nb.session_worker")
 
 
 def _preload() -> None:

@@ -301,8 +301,8 @@ def _record_failure(
     """Stamp the failure with our clock (torch's error file has whole seconds) and say where."""
     now = time.time()
     tb = exc.__traceback__
-    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
-        tb = tb.tb_next  # our own frames are noise to the user
+    while tb is not None and tb.tb_frame.f_code.co_filename.startswith(_PACKAGE):
+        tb = tb.tb_next  # our own frames (this bootstrap, a session's loop) are noise to the user
     frames = traceback.extract_tb(tb)
     cell_frames = [f for f in frames if f.filename == str(rd.cell)]
     where = cell_frames[-1] if cell_frames else None
@@ -332,6 +332,7 @@ def _record_failure(
         sys.stderr.flush()
 
 
+_PACKAGE = os.path.dirname(__file__) + os.sep
 _REQUESTED = re.compile(r"Tried to allocate ([\d.]+ [KMGT]?i?B)")
 _GPU = re.compile(r"\bGPU (\d+)\b")
 

@@ -37,7 +37,7 @@ def test_the_readme_table_is_the_declaration() -> None:
 
 def test_every_field_of_a_spec_is_a_flag_and_has_one_default() -> None:
     assert list(DEFAULTS) == [o.dest for o in OPTIONS]  # one declaration each
-    not_flags = {"cwd", "sys_path", "stop_grace"}  # the kernel's, and the supervisor's
+    not_flags = {"cwd", "sys_path", "stop_grace", "session"}  # the kernel's, the supervisor's
     only_checked = {"nnodes"}  # validated (a single node), not carried
     assert {f.name for f in fields(JobSpec)} - not_flags == set(DEFAULTS) - only_checked
 

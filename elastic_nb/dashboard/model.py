@@ -32,12 +32,16 @@ Delta = dict[str, Any]
 
 
 class DashboardState:
-    def __init__(self, job_id: str, run_dir: str, spec: JobSpec) -> None:
+    def __init__(
+        self, job_id: str, run_dir: str, spec: JobSpec, session: str | None = None
+    ) -> None:
+        """`run_dir`: where the ranks' logs are (a session's cell: the session's)."""
         nproc = spec.nproc
         self._rd = RunDir(run_dir)
         self.seq = 0
         self.header: dict[str, Any] = {
             "job": job_id,
+            "session": session,
             "run_dir": run_dir,
             "world_size": nproc,
             "max_restarts": spec.max_restarts,

@@ -58,9 +58,11 @@ class Dashboard:
         spec: JobSpec,
         on_stop: Callable[[], None] | None = None,
         on_stacks: Callable[[], None] | None = None,
+        session: str | None = None,
     ) -> None:
-        """`on_stop`/`on_stacks`: what the buttons do (a background job's dashboard has them)."""
-        self.state = DashboardState(job_id, run_dir, spec)
+        """`on_stop`/`on_stacks`: what the buttons do (a background job's dashboard has them);
+        `session`: the session whose ranks run the cell, if one."""
+        self.state = DashboardState(job_id, run_dir, spec, session)
         self.widget = DashboardWidget(snapshot=self.state.snapshot())
         self._snapshot_at = self._sent_at = time.monotonic()
         self._actions = {"stop": on_stop, "stacks": on_stacks}

@@ -66,6 +66,7 @@ def main() -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
+    from elastic_nb.session_worker import serve
     from elastic_nb.worker import bootstrap
 
     _observe_agent(channel)
@@ -89,7 +90,9 @@ def main() -> None:
     start_env = warm_env if spec.start_method == "forkserver" else job_env
     code = 0
     try:
-        elastic_launch(config, bootstrap)(str(rd.path), job_env, start_env)
+        # A session's ranks run cells until the supervisor says bye; a job's run its one cell.
+        entrypoint = serve if spec.session else bootstrap
+        elastic_launch(config, entrypoint)(str(rd.path), job_env, start_env)
         channel.send(protocol.RESULT, ok=True)
     except ChildFailedError as e:
         failures = {

@@ -41,9 +41,11 @@ class Evidence:
 
 
 class EvidenceCollector:
-    def __init__(self, rd: RunDir, source: str) -> None:
+    def __init__(self, rd: RunDir, source: str, cell: os.PathLike[str] | None = None) -> None:
+        """`cell`: the cell's file, when it is not the run directory's own (a session's cell
+        has a run directory of its own; its ranks' stacks are in the session's)."""
         self._rd = rd
-        self._cell = str(rd.cell)
+        self._cell = str(cell or rd.cell)
         self._lines = source.splitlines()
         self._probes = Probes(rd)
 

@@ -67,7 +67,8 @@ class Reporter:
         self._alerts.append(alert)
         self.event("alert", **alert)
 
-    async def flush(self, attempt: int, tailer: LogTailer) -> None:
+    async def flush(self, attempt: int, tailer: LogTailer | None) -> None:
+        """One UPDATE with what changed; the tailer's new lines too, if given one."""
         update: dict[str, Any] = {}
         if self._state_dirty:
             update.update(state=self.state, attempt=attempt)
@@ -77,7 +78,7 @@ class Reporter:
             self._ranks = {}
         if self._alerts:
             update["alerts"], self._alerts = self._alerts, []
-        logs = [b.record() for b in tailer.take()]
+        logs = [b.record() for b in tailer.take()] if tailer is not None else []
         if logs:
             update["logs"] = logs
         if update:

@@ -15,6 +15,7 @@ import secrets
 import signal
 import socket
 import time
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -25,6 +26,8 @@ from elastic_nb import procs, protocol
 from elastic_nb.spec import JobSpec
 from elastic_nb.supervisor.job import Job
 from elastic_nb.supervisor.launchers import LauncherPool
+from elastic_nb.supervisor.session import Session
+from elastic_nb.supervisor.session_cell import SessionCell
 
 __all__ = ["Supervisor"]
 
@@ -73,6 +76,8 @@ class Supervisor:
         # Launchers log beside us until they have a job (then into its run directory).
         self._launchers = LauncherPool(log_path.removesuffix(".log"))
         self._jobs: dict[str, Job] = {}
+        self._sessions: dict[str, Session] = {}
+        self._socket_dir: Path | None = None
         self._started = time.time()
         self._tg: TaskGroup | None = None
 
@@ -80,6 +85,7 @@ class Supervisor:
         procs.set_child_subreaper()
         sock = socket.socket(fileno=self._listen_fd)
         path = sock.getsockname()
+        self._socket_dir = Path(path).parent  # owner-only: sessions' sockets go there too
         listener = await SocketListener.from_socket(sock)
         try:
             async with anyio.create_task_group() as tg:
@@ -122,7 +128,7 @@ class Supervisor:
             self.reap()
 
     def _launcher_pids(self) -> set[int]:
-        keep = {j.launcher_pid for j in self._jobs.values() if j.launcher_pid}
+        keep = {j.launcher_pid for j in self._owners() if j.launcher_pid}
         if self._launchers.idle is not None:
             keep.add(self._launchers.idle.pid)
         return keep
@@ -137,13 +143,13 @@ class Supervisor:
     def _shutdown(self) -> None:
         """Stop every job; the task group ends when the last one has torn down."""
         self._launchers.close()
-        for job in self._jobs.values():
+        for job in self._owners():
             job.request_stop("shutdown")
         assert self._tg is not None
         self._tg.start_soon(self._cancel_when_jobs_end)
 
     async def _cancel_when_jobs_end(self) -> None:
-        while any(j.running for j in self._jobs.values()):
+        while any(j.running for j in self._owners()):
             await anyio.sleep(0.05)
         assert self._tg is not None
         self._tg.cancel_scope.cancel()
@@ -197,8 +203,16 @@ class Supervisor:
                     "pid": os.getpid(),
                     "uptime_s": time.time() - self._started,
                     "running": [j.id for j in self._jobs.values() if j.running],
+                    "sessions": [s.info() for s in self._sessions.values() if s.running],
                     "warm": self._launchers.describe(),
                 }
+            elif kind == protocol.UP:
+                reply = await self._up(conn, msg)
+            elif kind == protocol.DOWN:
+                self._session(msg.get("session")).down()
+                reply = {}
+            elif kind == protocol.SESSION:
+                reply = self._session(msg.get("session")).info()
             else:
                 raise protocol.ProtocolError(f"unknown request {kind!r}")
         except Exception as e:  # a bad request fails alone; the supervisor serves on
@@ -212,8 +226,22 @@ class Supervisor:
     ) -> dict[str, Any]:
         spec = JobSpec.from_dict(msg["spec"])
         job_id = str(msg.get("job") or secrets.token_hex(4))
-        if job_id in self._jobs or not job_id.isalnum():
+        if job_id in self._jobs or self._cell_session(job_id) or not job_id.isalnum():
             raise ValueError(f"job id {job_id!r} is taken or malformed")
+        if msg.get("session"):
+            session = self._session(msg["session"])
+            cell = SessionCell(
+                job_id,
+                spec,
+                msg["cell"]["source"],
+                msg["cell"]["meta"],
+                blob,
+                conn.send,
+                session.id,
+            )
+            await anyio.to_thread.run_sync(cell.prepare)
+            session.submit(cell)
+            return {"job": job_id}
         job = Job(
             job_id,
             spec,
@@ -245,7 +273,10 @@ class Supervisor:
             del self._jobs[job_id]
 
     async def _stacks(self, job_id: str | None) -> str:
-        running = [j for j in self._jobs.values() if j.running]
+        session = self._cell_session(job_id) if job_id else None
+        if session is not None and session.running:
+            return await session.stacks()
+        running: list[Job | Session] = [j for j in self._owners() if j.running]
         if job_id is not None:
             running = [j for j in running if j.id == job_id]
         if not running:
@@ -253,6 +284,12 @@ class Supervisor:
         return await running[-1].stacks()
 
     def _stop(self, job_id: str | None, reason: str) -> dict[str, Any]:
+        """Stop jobs, or interrupt a session's cells (the session stays: %elastic down ends it)."""
+        session = self._cell_session(job_id) if job_id else None
+        if session is not None:
+            running = session.cells[job_id].running  # type: ignore[index]
+            session.stop_cell(job_id, reason)  # type: ignore[arg-type]
+            return {"stopping": [job_id] if running else []}
         if job_id is not None and job_id not in self._jobs:
             raise KeyError(f"no job {job_id!r}")
         targets = [self._jobs[job_id]] if job_id else list(self._jobs.values())
@@ -260,7 +297,56 @@ class Supervisor:
         for j in targets:
             if j.running:
                 j.request_stop(reason)
+        if job_id is None:
+            for s in self._sessions.values():
+                for cell in [c for c in s.cells.values() if c.running]:
+                    s.stop_cell(cell.id, reason)
+                    stopping.append(cell.id)
         return {"stopping": stopping}
+
+    # ---- sessions -----------------------------------------------------------------------------
+
+    def _owners(self) -> list[Job | Session]:
+        """Whatever owns a launcher and ranks: jobs and sessions."""
+        return [*self._jobs.values(), *self._sessions.values()]
+
+    def _session(self, session_id: str | None) -> Session:
+        session = self._sessions.get(session_id or "")
+        if session is None or not session.running:
+            raise KeyError(f"no session {session_id!r} is up")
+        return session
+
+    def _cell_session(self, job_id: str | None) -> Session | None:
+        for s in self._sessions.values():
+            if job_id in s.cells:
+                return s
+        return None
+
+    async def _up(self, conn: Connection, msg: dict[str, Any]) -> dict[str, Any]:
+        spec = JobSpec.from_dict(msg["spec"])
+        session_id = str(msg.get("session") or secrets.token_hex(4))
+        if session_id in self._sessions or session_id in self._jobs or not session_id.isalnum():
+            raise ValueError(f"session id {session_id!r} is taken or malformed")
+        assert self._socket_dir is not None
+        session = Session(
+            session_id,
+            spec,
+            env=msg.get("env") or dict(os.environ),
+            send=conn.send,
+            reap=self.reap,
+            orphans=self.orphans,
+            launchers=self._launchers,
+            socket_dir=self._socket_dir,
+        )
+        self._sessions[session_id] = session
+        try:
+            await anyio.to_thread.run_sync(session.prepare)
+        except BaseException:
+            del self._sessions[session_id]
+            raise
+        assert self._tg is not None
+        self._tg.start_soon(session.run)
+        return {"session": session_id, "run_dir": str(session.rd)}
 
 
 def _pid_alive(pid: int) -> bool:

@@ -233,13 +233,17 @@ class View {
     const elapsed = running
       ? Date.now() / 1000 - this.data.offset - h.started
       : h.wall_s ?? Date.now() / 1000 - this.data.offset - h.started;
-    this.q(".enb-job").textContent = `job ${h.job ?? ""}`;
+    this.q(".enb-job").textContent = h.session
+      ? `session ${h.session} · cell ${h.job ?? ""}`
+      : `job ${h.job ?? ""}`;
     const state = this.q(".enb-state");
     state.textContent = h.state ?? "";
     state.className = `enb-state enb-s-${h.state}`;
     this.q(".enb-elapsed").textContent = duration(elapsed);
     this.q(".enb-world").textContent = `${h.world_size} rank${h.world_size === 1 ? "" : "s"}`;
-    this.q(".enb-restarts").textContent = `restarts ${h.attempt}/${h.max_restarts}`;
+    this.q(".enb-restarts").textContent = h.session
+      ? `session attempt ${h.attempt} · restarts ${h.attempt}/${h.max_restarts}`
+      : `restarts ${h.attempt}/${h.max_restarts}`;
     this.q(".enb-worst").textContent =
       h.worst_case_s != null ? `stuck collective fails within ${h.worst_case_s} s` : "";
     this.q(".enb-rundir").textContent = `run dir: ${h.run_dir}`;

@@ -1,0 +1,241 @@
+"""Sessions (%elastic up): ranks that keep their state across cells and come back from a restart
+with it. Real kernel, real supervisor, real gloo ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from elastic_nb import procs
+from tests.kernel import Kernel, wait_for
+
+INIT = (
+    "%%elastic\n"
+    "import os, torch, torch.distributed as dist\n"
+    "dist.init_process_group()\n"
+    "counter = 0\n"
+)
+_UP = re.compile(r"\[elastic_nb\] session ([0-9a-f]{8}): (\d+) ranks? up")
+
+
+def up(k: Kernel, flags: str = "--nproc 2") -> str:
+    ex = k.ok(f"%elastic up {flags}")
+    m = _UP.search(ex.stdout)
+    assert m, ex.stdout
+    return m.group(1)
+
+
+def rank_pids(k: Kernel) -> dict[int, int]:
+    """Each rank's pid, as the ranks themselves say."""
+    ex = k.ok("%%elastic\nimport os\nprint('pid', os.getpid(), flush=True)\n")
+    pids = {int(r): int(p) for r, p in re.findall(r"\[rank (\d+)\] pid (\d+)", ex.stdout)}
+    assert sorted(pids) == [0, 1], ex.stdout  # every rank's line reached the cell before its end
+    return pids
+
+
+def summary(cache_home: Path, job: str) -> dict:
+    return json.loads((cache_home / "elastic_nb" / "runs" / job / "summary.json").read_text())
+
+
+def session_gone(session: str) -> bool:
+    return not procs.job_processes([session])
+
+
+@pytest.fixture
+def session_kernel(fresh_kernel: Kernel) -> Iterator[tuple[Kernel, str]]:
+    k = fresh_kernel
+    session = up(k)
+    k.ok(INIT)
+    yield k, session
+
+
+def test_state_persists_over_cells_and_down_leaves_nothing(session_kernel) -> None:
+    k, session = session_kernel
+    pids = rank_pids(k)
+    k.ok("%%elastic\ncounter += 1\nx = torch.ones(1) * (dist.get_rank() + 1)\n")
+    ex = k.ok("%%elastic\ncounter += 1\ndist.all_reduce(x)\n(counter, x.item())\n")
+    assert ex.result == "(2, 3.0)"  # state from both cells above, on both ranks
+    assert f"on session {session}'s 2 ranks" in ex.stdout
+    assert rank_pids(k) == pids  # the same processes ran every cell
+    info = k.ok("%elastic session").stdout
+    assert f"session {session}: ready, 2 ranks, attempt 0, restarts 0/3" in info
+    assert "cell 1 " in info and "cell 3 " in info and "counter += 1" in info
+    ex = k.ok("%elastic down")
+    assert f"session {session} ended: ended with %elastic down" in ex.stdout
+    assert session_gone(session)
+    assert not any(psutil.pid_exists(p) for p in pids.values())
+    # The next bare cell is a one-off job again: nothing of the session's state.
+    ex = k.run("%%elastic --nproc 1\ncounter\n")
+    assert ex.ename == "JobFailed" and "NameError" in ex.traceback
+
+
+def test_an_exception_on_every_rank_keeps_the_session(session_kernel) -> None:
+    k, _session = session_kernel
+    ex = k.run("%%elastic\ncounter += 1\nundefined_name\n")
+    assert ex.ename == "JobFailed"
+    # Both ranks raise at once: either may be first by our clock; the other "also failed".
+    first = re.search(
+        r"rank (\d) failed first: NameError: name 'undefined_name' is not defined "
+        r"\(cell line 3\)",
+        ex.traceback,
+    )
+    assert first, ex.traceback
+    assert f"rank {1 - int(first.group(1))}: also failed: NameError" in ex.traceback
+    assert "session_worker.py" not in ex.traceback  # our frames are not the user's traceback
+    assert "the session keeps its ranks and state" in ex.traceback
+    assert k.ok("%%elastic\ncounter\n").result == "1"  # the state, the failed cell's step too
+    assert "attempt 0, restarts 0/3" in k.ok("%elastic session").stdout
+
+
+def test_a_failure_while_a_peer_runs_interrupts_the_peer(session_kernel, cache_home) -> None:
+    """Rank 1 raises while rank 0 is still in the cell (in Python, so interruptible): rank 0
+    gets a KeyboardInterrupt, and the session keeps both ranks."""
+    k, session = session_kernel
+    pids = rank_pids(k)
+    t0 = time.monotonic()
+    ex = k.run(
+        "%%elastic\n"
+        "import time\n"
+        "if dist.get_rank() == 1:\n"
+        "    raise ValueError('rank 1 gave up')\n"
+        "time.sleep(60)\n"
+    )
+    assert time.monotonic() - t0 < 10
+    assert ex.ename == "JobFailed"
+    assert "rank 1 failed first: ValueError: rank 1 gave up (cell line 4)" in ex.traceback
+    s = summary(cache_home, ex.job_id)
+    assert s["failure"]["rank"] == 1 and s["session"] == session
+    assert {o["rank"]: o["kind"] for o in s["others"]} == {0: "terminated"}
+    assert rank_pids(k) == pids  # nobody restarted
+
+
+def test_a_partial_failure_in_a_collective_restarts_and_replays(session_kernel) -> None:
+    """Rank 1 raises while rank 0 waits inside all_reduce (C++: no KeyboardInterrupt reaches
+    it): rank 0 is ended, torchelastic restarts the group, the journal is replayed minus the
+    --no-replay cell, and the state is back."""
+    k, _session = session_kernel
+    k.ok("%%elastic\ncounter += 1\n")
+    k.ok("%%elastic --no-replay\ncounter += 100\n")
+    k.ok("%%elastic\ncounter += 10\n")
+    pids = rank_pids(k)
+    t0 = time.monotonic()
+    ex = k.run(
+        "%%elastic\n"
+        "if dist.get_rank() == 1:\n"
+        "    raise ValueError('rank 1 skipped the all_reduce')\n"
+        "dist.all_reduce(torch.ones(1))\n"
+    )
+    assert time.monotonic() - t0 < 30
+    assert ex.ename == "JobFailed"
+    assert "rank 1 failed first: ValueError: rank 1 skipped the all_reduce" in ex.traceback
+    assert "rank 0 could not be interrupted within 2 s" in ex.stderr
+    assert "replaying 4 cells (1 left out: --no-replay)" in ex.stdout
+    assert "the session restarted (attempt 1) and replayed 4 cells" in ex.traceback
+    ex = k.ok("%%elastic\n(counter, os.environ['TORCHELASTIC_RESTART_COUNT'])\n")
+    assert ex.result == "(11, '1')"  # 1 + 10 replayed; the --no-replay 100 was not
+    assert not set(rank_pids(k).values()) & set(pids.values())
+    info = k.ok("%elastic session").stdout
+    assert "attempt 1, restarts 1/3" in info and "[--no-replay: left out]" in info
+    assert "replayed on attempt 1: 4 cells in" in info
+
+
+def test_a_rank_killed_between_cells_comes_back_with_the_state(session_kernel) -> None:
+    k, _session = session_kernel
+    k.ok("%%elastic\ncounter += 5\n")
+    pids = rank_pids(k)
+    os.kill(pids[1], signal.SIGKILL)
+    assert wait_for(lambda: not psutil.pid_exists(pids[1]), timeout=5)
+    # The next cell waits for the restart and the replay, then runs on the new ranks.
+    ex = k.ok("%%elastic\ndist.all_reduce(t := torch.ones(1))\n(counter, t.item())\n")
+    assert ex.result == "(5, 2.0)"
+    assert (
+        "the session restarted since its last cell (rank 1 killed by SIGKILL): attempt 1, "
+        "restarts 1/3, replayed 3 cells in" in ex.stdout
+    )
+    info = k.ok("%elastic session").stdout
+    # INIT, counter += 5 and rank_pids' cell: the journal before the kill.
+    assert "attempt 1, restarts 1/3" in info and "replayed on attempt 1: 3 cells in" in info
+
+
+def test_interrupting_a_cell_keeps_the_session(session_kernel) -> None:
+    k, _session = session_kernel
+    pids = rank_pids(k)
+    msg_id, ex = k.start(
+        "%%elastic\nimport time\ncounter += 1\nprint('sleeping', flush=True)\ntime.sleep(300)\n"
+    )
+    k.collect(msg_id, ex, timeout=60, until=lambda e: e.stdout.count("sleeping") == 2)
+    t0 = time.monotonic()
+    k.interrupt()
+    k.collect(msg_id, ex, timeout=30)
+    assert time.monotonic() - t0 < 5
+    assert ex.ename == "KeyboardInterrupt"
+    assert k.ok("%%elastic\ncounter\n").result == "1"
+    assert rank_pids(k) == pids
+
+
+def test_interrupting_ranks_stuck_in_a_collective_restarts_within_seconds(session_kernel) -> None:
+    k, _session = session_kernel
+    k.ok("%%elastic\ncounter += 3\n")
+    msg_id, ex = k.start(
+        "%%elastic\n"
+        "import time\n"
+        "print('in', flush=True)\n"
+        "if dist.get_rank() == 0:\n"
+        "    dist.all_reduce(torch.ones(1))  # rank 1 never joins\n"
+        "time.sleep(300)\n"
+    )
+    k.collect(msg_id, ex, timeout=60, until=lambda e: e.stdout.count("] in") == 2)
+    t0 = time.monotonic()
+    k.interrupt()
+    k.collect(msg_id, ex, timeout=30)
+    assert time.monotonic() - t0 < 5
+    assert ex.ename == "KeyboardInterrupt"
+    assert k.ok("%%elastic\ncounter\n").result == "3"  # restarted and replayed
+    assert "attempt 1, restarts 1/3" in k.ok("%elastic session").stdout
+
+
+def test_launch_flags_are_refused_and_a_one_off_runs_beside(session_kernel) -> None:
+    k, session = session_kernel
+    ex = k.run("%%elastic --nproc 4\n1\n")
+    assert ex.ename == "UsageError"
+    assert f"--nproc: session {session} is up" in ex.traceback and "--one-off" in ex.traceback
+    ex = k.ok("%%elastic --one-off --nproc 1\nimport os\nos.environ['WORLD_SIZE']\n")
+    assert ex.result == "'1'" and "starting 1 rank" in ex.stdout
+    assert k.ok("%%elastic\ncounter\n").result == "0"  # the session did not notice
+    ex = k.run("%elastic up --nproc 2")
+    assert ex.ename == "UsageError" and "is already up" in ex.traceback
+
+
+def test_push_and_pull_on_a_session(session_kernel) -> None:
+    k, _session = session_kernel
+    k.ok("data = [1, 2, 3]")
+    ex = k.ok("%%elastic --push data --pull total\ntotal = sum(data) + dist.get_rank()\n")
+    assert ex.error is None
+    assert k.ok("total").result == "6"  # from rank 0 (--pull-rank 0)
+    assert k.ok("%%elastic\ntotal\n").result == "6"  # and it stays in the ranks
+
+
+def test_stacks_on_a_session(session_kernel) -> None:
+    k, session = session_kernel
+    k.ok("%%elastic\ndef nap():\n    import time\n    time.sleep(0.1)\n")
+    text = k.ok("%elastic stacks").stdout
+    assert f"stacks of every rank of session {session}, attempt 0" in text
+    assert "rank 0" in text and "rank 1" in text
+
+
+def test_a_killed_kernel_takes_the_session_with_it(fresh_kernel: Kernel) -> None:
+    k = fresh_kernel
+    session = up(k)
+    pids = rank_pids(k)
+    k.kill()
+    assert wait_for(lambda: session_gone(session), timeout=15), procs.job_processes([session])
+    assert not any(psutil.pid_exists(p) for p in pids.values())
+    k.assert_tree_gone()

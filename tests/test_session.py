@@ -239,3 +239,32 @@ def test_a_killed_kernel_takes_the_session_with_it(fresh_kernel: Kernel) -> None
     assert wait_for(lambda: session_gone(session), timeout=15), procs.job_processes([session])
     assert not any(psutil.pid_exists(p) for p in pids.values())
     k.assert_tree_gone()
+
+
+def test_a_cells_timeout_and_hang_after_keep_the_session(session_kernel) -> None:
+    k, _session = session_kernel
+    ex = k.run(
+        "%%elastic --timeout 1.5 --hang-after 0.5\nimport time\ncounter += 1\ntime.sleep(60)\n"
+    )
+    assert ex.ename == "JobTimeout"
+    assert "no output from any rank for 0.5 s (--hang-after)" in ex.stdout
+    assert "the --timeout of 1.5 s passed" in ex.traceback
+    assert k.ok("%%elastic\ncounter\n").result == "1"  # interrupted, not restarted
+    assert "attempt 0, restarts 0/3" in k.ok("%elastic session").stdout
+
+
+def test_a_dead_supervisor_takes_the_session_with_it(fresh_kernel: Kernel) -> None:
+    k = fresh_kernel
+    session = up(k)
+    pids = rank_pids(k)
+    (supervisor,) = [
+        p
+        for p in psutil.Process(k.pid).children()
+        if "elastic_nb.supervisor" in " ".join(p.cmdline())
+    ]
+    supervisor.kill()
+    assert wait_for(lambda: session_gone(session), timeout=15), procs.job_processes([session])
+    assert not any(psutil.pid_exists(p) for p in pids.values())
+    # The session is over for the kernel too: a bare cell is a one-off job on a new supervisor.
+    ex = k.ok("%%elastic --nproc 1\nimport os\nos.environ['WORLD_SIZE']\n")
+    assert ex.result == "'1'" and "starting 1 rank" in ex.stdout

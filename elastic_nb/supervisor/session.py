@@ -22,10 +22,7 @@ import contextlib
 import logging
 import math
 import os
-import select
 import signal
-import socket
-import struct
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -34,18 +31,21 @@ from typing import Any
 
 import anyio
 import psutil
-from anyio.abc import SocketStream, TaskGroup
+from anyio.abc import TaskGroup
 
 from elastic_nb import procs, protocol
-from elastic_nb.rundir import RunDir, read_json, write_json
+from elastic_nb.rundir import RunDir, write_json
 from elastic_nb.session_worker import SOCKET_ENV
 from elastic_nb.spec import JobSpec
 from elastic_nb.supervisor import summary
 from elastic_nb.supervisor.evidence import EvidenceCollector
+from elastic_nb.supervisor.followed import Followed
+from elastic_nb.supervisor.journal import Journal
 from elastic_nb.supervisor.launchers import Launcher, LauncherPool
 from elastic_nb.supervisor.rankbook import RankBook
 from elastic_nb.supervisor.reporter import Reporter, Send
-from elastic_nb.supervisor.session_cell import SETTLE_S, SessionCell
+from elastic_nb.supervisor.session_cell import SessionCell
+from elastic_nb.supervisor.session_ranks import Link, RankLinks
 from elastic_nb.supervisor.tailer import LogTailer
 from elastic_nb.supervisor.teardown import KILL_WAIT_S, ProcessTree, unkillable
 from elastic_nb.supervisor.verdict import NCCL_TIMEOUT_MARKS, TORCH_LOG_NOISE, RankState
@@ -58,21 +58,6 @@ log = logging.getLogger(__name__)
 POLL_S = 0.05
 FLUSH_S = 0.1
 EXIT_WAIT_S = 0.5
-HELLO_WAIT_S = 5.0  # a rank's hello may come before the agent's START event names its pid
-
-
-class _Link:
-    """One rank's connection."""
-
-    def __init__(self, r: RankState, stream: SocketStream) -> None:
-        self.r = r
-        self._stream = stream
-        self._lock = anyio.Lock()
-
-    async def send(self, kind: str, **fields: Any) -> None:
-        with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-            async with self._lock:
-                await self._stream.send(protocol.encode(kind, **fields))
 
 
 class Session:
@@ -93,9 +78,8 @@ class Session:
         self.created = time.time()
         self.attempt = 0
         self.summary: dict[str, Any] | None = None
-        self.journal: list[SessionCell] = []  # the cells that succeeded, in order
+        self.journal = Journal()
         self.cells_run = 0
-        self.replays: list[dict[str, Any]] = []  # attempt, cells, seconds, failed
         self.socket_path = socket_dir / f"session-{session_id}.sock"
         self._env, self._send, self._reap, self._orphans = env, send, reap, orphans
         self._launchers = launchers
@@ -104,9 +88,9 @@ class Session:
         self._book = RankBook(self.rd)
         self._report = Reporter(session_id, send)
         self._tailer = LogTailer(marks=NCCL_TIMEOUT_MARKS, noise=TORCH_LOG_NOISE)
-        self._links: dict[tuple[int, int], _Link] = {}
+        self._ranks = RankLinks(session_id, self._book, self._until, self._notify, self._on_ran)
         self._cells_in, self._cells = anyio.create_memory_object_stream[SessionCell](math.inf)
-        self._open: list[SessionCell] = []  # cells the kernel follows, oldest first
+        self._followed = Followed(self._tailer)
         self.cells: dict[str, SessionCell] = {}
         self._current: SessionCell | None = None  # the cell the ranks run (a replay's too)
         self._replayed = -1  # the attempt whose replay is over
@@ -149,7 +133,7 @@ class Session:
         if self._outcome is not None:
             raise RuntimeError(f"session {self.id} has ended: {self._outcome[1]}")
         self.cells[cell.id] = cell
-        self._open.append(cell)
+        self._followed.add(cell)
         self._cells_in.send_nowait(cell)
 
     def stop_cell(self, cell_id: str, reason: str) -> None:
@@ -157,7 +141,7 @@ class Session:
         if cell.running:
             cell.request_stop(reason)
             if cell is not self._current and cell.no is None:  # still waiting its turn
-                self._close_cell(cell, *_stopped(reason, cell.spec), ranks=[])
+                self._close_cell(cell, *cell.stopped(), ranks=[])
             self._notify()
 
     def down(self, reason: str = "ended with %elastic down") -> None:
@@ -170,7 +154,7 @@ class Session:
         """What ``%elastic session`` shows."""
         ranks = []
         for r in self._book.of(self.attempt):
-            linked = (r.attempt, r.rank) in self._links
+            linked = self._ranks.linked(r)
             state = "gone" if r.died_at else ("up" if linked else "starting")
             ranks.append({"rank": r.rank, "pid": r.pid, "state": state})
         return {
@@ -182,11 +166,8 @@ class Session:
             "max_restarts": self.spec.max_restarts,
             "cells_run": self.cells_run,
             "ranks": ranks,
-            "journal": [
-                {"no": c.no, "job": c.id, "line": c.first_line, "replay": c.spec.replay}
-                for c in self.journal
-            ],
-            "replays": self.replays,
+            "journal": self.journal.info(),
+            "replays": self.journal.replays,
             "run_dir": str(self.rd),
             "created": self.created,
             "reason": self._outcome[1] if self._outcome else None,
@@ -220,7 +201,7 @@ class Session:
             await anyio.to_thread.run_sync(launcher.write_assignment, line)
             async with anyio.create_task_group() as tg:
                 self._tg = tg
-                tg.start_soon(listener.serve, self._serve_rank, tg)
+                tg.start_soon(listener.serve, self._ranks.serve, tg)
                 tg.start_soon(self._read_launcher, launcher)
                 tg.start_soon(self._poll_loop)
                 tg.start_soon(self._serve_cells)
@@ -262,18 +243,22 @@ class Session:
 
     def _up(self) -> bool:
         """Every rank of the current attempt is connected and alive."""
-        links = [link for (a, _), link in self._links.items() if a == self.attempt]
-        return (
-            len(links) == self.spec.nproc
-            and self.attempt not in self._book.failed_attempts
-            and all(_alive(link.r) for link in links)
+        return self.attempt not in self._book.failed_attempts and self._ranks.up(
+            self.attempt, self.spec.nproc
         )
 
-    def _alert(self, kind: str, severity: str, title: str, rank: int | None = None) -> None:
+    # ---- what a cell needs of its session (session_cell.Host) ----------------------------------
+
+    def ended(self) -> str | None:
+        return self._outcome[1] if self._outcome is not None else None
+
+    def attempt_failed(self, attempt: int) -> bool:
+        return attempt in self._book.failed_attempts
+
+    def alert(self, kind: str, severity: str, title: str, rank: int | None = None) -> None:
         """About the session: to its own stream and to every cell the kernel follows."""
         self._report.alert(kind, severity, title, rank=rank)
-        for cell in self._open:
-            cell.report.alert(kind, severity, title, rank=rank)
+        self._followed.alert(kind, severity, title, rank=rank)
 
     # ---- ranks --------------------------------------------------------------------------------
 
@@ -319,7 +304,7 @@ class Session:
         self._rank_died(r)
 
     def _rank_died(self, r: RankState) -> None:
-        self._links.pop((r.attempt, r.rank), None)
+        self._ranks.drop(r)
         book = self._book
         if (
             self._outcome is not None
@@ -336,8 +321,8 @@ class Session:
             m = self.spec.max_restarts
             self._end("failed", f"{why}; no restarts are left ({m}/{m})")
             return
-        replays = sum(c.spec.replay for c in self.journal)
-        self._alert(
+        replays = len(self.journal.to_replay())
+        self.alert(
             "restart",
             "warning",
             f"{why}: the session restarts its ranks as attempt {r.attempt + 1} "
@@ -348,59 +333,19 @@ class Session:
         if r.kind(None) == "exit0":
             # torchelastic waits forever for the return value of a rank that exited 0
             # (multiprocessing/api.py, _poll): the others' deaths make it restart the group.
-            self._kill([x for x in book.of(r.attempt) if x.died_at is None])
+            self.kill([x for x in book.of(r.attempt) if x.died_at is None])
         self._notify()
 
-    def _kill(self, ranks: list[RankState]) -> None:
+    def kill(self, ranks: list[RankState]) -> None:
         for x in ranks:
             if x.pid is not None:
                 procs.send_signal(x.pid, x.pidfd, signal.SIGKILL)
 
-    async def _serve_rank(self, stream: SocketStream) -> None:
-        decoder = protocol.FrameDecoder()
-        link: _Link | None = None
-        try:
-            while True:
-                try:
-                    data = await stream.receive()
-                except (anyio.EndOfStream, anyio.BrokenResourceError, OSError):
-                    return
-                for msg, _ in decoder.feed(data):
-                    if link is None:
-                        link = await self._hello(stream, msg)
-                        if link is None:
-                            return
-                    elif msg["kind"] == protocol.RAN:
-                        cell = self._current
-                        if cell is not None and cell.id == msg["cell"]:
-                            cell.answer(link.r.rank, bool(msg["ok"]))
-                            self._notify()  # a replay waits on the session
-        except protocol.ProtocolError as e:
-            log.warning("session %s: dropped a rank's connection: %s", self.id, e)
-        finally:
-            with contextlib.suppress(Exception):
-                await stream.aclose()
-
-    async def _hello(self, stream: SocketStream, msg: dict[str, Any]) -> _Link | None:
-        """A rank of ours, by its pid (the kernel's word on the peer, not the message's)."""
-        if msg["kind"] != protocol.RANK_HELLO:
-            return None
-        attempt, rank = int(msg["attempt"]), int(msg["rank"])
-        await self._until(lambda: self._book.get(attempt, rank) is not None, HELLO_WAIT_S)
-        r = self._book.get(attempt, rank)
-        peer = _peer_pid(stream)
-        if r is None or r.pid != peer or r.died_at is not None:
-            log.warning(
-                "session %s: refused a connection from pid %s as rank %s", self.id, peer, rank
-            )
-            return None
-        link = _Link(r, stream)
-        self._links[(attempt, rank)] = link
-        self._notify()
-        return link
-
-    def _live_links(self) -> list[_Link]:
-        return [link for (a, _), link in sorted(self._links.items()) if a == self.attempt]
+    def _on_ran(self, link: Link, cell_id: str, ok: bool) -> None:
+        cell = self._current
+        if cell is not None and cell.id == cell_id:
+            cell.answer(link.r.rank, ok)
+            self._notify()  # a replay waits on the session
 
     # ---- cells -------------------------------------------------------------------------------
 
@@ -423,10 +368,10 @@ class Session:
             if cell.running:  # not stopped while it waited
                 await self._run(cell)
 
-    async def _send_cell(self, cell: SessionCell) -> list[_Link]:
+    async def _send_cell(self, cell: SessionCell) -> list[Link]:
         cell.answers = {}
         self._current = cell
-        links = self._live_links()
+        links = self._ranks.of(self.attempt)
         for link in links:
             await link.send(protocol.RUN, cell=cell.id, run_dir=str(cell.rd))
         self._notify()
@@ -445,16 +390,16 @@ class Session:
                 "warning",
                 f"the session restarted since its last cell ({self._restart_why}): attempt "
                 f"{self.attempt}, restarts {self.attempt}/{self.spec.max_restarts}, "
-                f"{self._replay_words() or 'nothing to replay'}",
+                f"{self.journal.words(self.attempt) or 'nothing to replay'}",
             )
         self._shown_attempt = self.attempt
         links = await self._send_cell(cell)
-        outcome, reason, teardown_at, restarts = await self._decide(cell, links)
+        outcome, reason, teardown_at, restarts = await cell.decide(links, self)
         if self._current is cell:
             self._current = None
         self._notify()
         if outcome == "succeeded":
-            self.journal.append(cell)
+            self.journal.add(cell)
         if restarts:
             # The restart and the replay (run by `_serve_cells`) show under this cell; it
             # ends when the state is back (or the kernel stops following it).
@@ -492,143 +437,36 @@ class Session:
             or (self.attempt > cell.attempt and self._up() and self._replayed == self.attempt)
         )
 
-    def _replay_words(self) -> str | None:
-        last = self.replays[-1] if self.replays else None
-        if last is None or last["attempt"] != self.attempt:
-            return None
-        if last["failed"]:
-            return "its replay failed"
-        n = last["cells"]
-        return f"replayed {n} cell{'s' if n != 1 else ''} in {last['seconds']:.2f} s"
-
     def _restart_note(self) -> str:
-        words = self._replay_words()
+        words = self.journal.words(self.attempt)
         if words is None:
             return f"; the session restarts (attempt {self.attempt + 1}) and replays its cells"
         return f"; the session restarted (attempt {self.attempt}) and {words}"
 
-    async def _decide(
-        self, cell: SessionCell, links: list[_Link]
-    ) -> tuple[str, str, float | None, bool]:
-        """(outcome, reason, when interrupting began, whether the session restarts)."""
-        attempt, grace = cell.attempt, self.spec.stop_grace
-        deadline = cell.created + cell.spec.timeout if cell.spec.timeout else math.inf
-        first_failure: float | None = None
-        interrupted: float | None = None
-        while True:
-            now = time.monotonic()
-            dead = [link.r for link in links if link.r.died_at is not None]
-            if self._outcome is not None:
-                return "failed", f"the session ended: {self._outcome[1]}", interrupted, False
-            if dead or attempt in self._book.failed_attempts:
-                r = min(dead, key=lambda x: x.died_at or 0.0) if dead else None
-                why = f"rank {r.rank} {r.failure_summary()}" if r else "a rank died"
-                return "failed", why, interrupted or time.time(), True
-            failed = sorted(rank for rank, ok in cell.answers.items() if not ok)
-            missing = [link for link in links if link.r.rank not in cell.answers]
-            if not missing:
-                if not failed:
-                    return "succeeded", "every rank finished the cell", None, False
-                if cell.stop_reason is not None:
-                    return (*_stopped(cell.stop_reason, cell.spec), interrupted, False)
-                return "failed", _failed(cell, failed), interrupted, False
-            if time.time() >= deadline:
-                cell.request_stop("timeout")
-            if failed and first_failure is None:
-                first_failure = now
-            wake = deadline - time.time() + now
-            if interrupted is None and (cell.stop_reason or failed):
-                if cell.stop_reason or now >= first_failure + SETTLE_S:  # type: ignore[operator]
-                    interrupted = time.time()
-                    cell.report.event("interrupt", ranks=[x.r.rank for x in missing])
-                    for link in missing:
-                        await link.send(protocol.INTERRUPT, cell=cell.id)
-                    wake = now + grace
-                else:
-                    wake = first_failure + SETTLE_S  # type: ignore[operator]
-            elif interrupted is not None:
-                if time.time() >= interrupted + grace:
-                    return await self._stuck(cell, missing, failed, interrupted)
-                wake = now + (interrupted + grace - time.time())
-            with anyio.move_on_after(max(0.0, min(wake - now, 1.0))):
-                await cell.changed.wait()
-
-    async def _stuck(
-        self, cell: SessionCell, missing: list[_Link], failed: list[int], interrupted: float
-    ) -> tuple[str, str, float | None, bool]:
-        """Ranks that did not come back from an interrupt: end them; torchelastic restarts."""
-        stuck = [link.r.rank for link in missing]
-        names = ", ".join(map(str, stuck))
-        note = (
-            f"rank{'s' if len(stuck) > 1 else ''} {names} could not be interrupted within "
-            f"{self.spec.stop_grace:g} s (inside a collective?) and "
-            f"{'were' if len(stuck) > 1 else 'was'} ended"
-        )
-        self._alert("stuck", "error", note)
-        self._kill([link.r for link in missing])
-        if cell.stop_reason is not None:
-            outcome, reason = _stopped(cell.stop_reason, cell.spec)
-        else:
-            outcome, reason = "failed", _failed(cell, failed)
-        return outcome, f"{reason}; {note}", interrupted, True
-
     async def _replay(self) -> None:
-        """The journal, in order, on the new ranks (minus --no-replay cells)."""
+        """The journal on the new ranks, before any other cell."""
         attempt = self.attempt
-        cells = [c for c in self.journal if c.spec.replay]
-        left_out = len(self.journal) - len(cells)
-        record: dict[str, Any] = {"attempt": attempt, "cells": 0, "seconds": 0.0, "failed": False}
-        if attempt > 0:
-            self.replays.append(record)
-        if cells:
-            self._alert(
-                "replay",
-                "info",
-                f"attempt {attempt}: replaying {len(cells)} cell{'s' if len(cells) != 1 else ''}"
-                + (f" ({left_out} left out: --no-replay)" if left_out else ""),
-            )
-        t0 = time.monotonic()
-        for c in cells:
-            t = time.monotonic()
-            links = await self._send_cell(c)
-            await self._until(
-                lambda c=c, links=links: (
-                    len(c.answers) == len(links)  # type: ignore[misc]
-                    or self.attempt != attempt
-                    or attempt in self._book.failed_attempts
-                    or self._outcome is not None
-                )
-            )
-            self._current = None
-            if len(c.answers) < len(links):
-                return  # a rank died: the next attempt replays again
-            failed = sorted(rank for rank, ok in c.answers.items() if not ok)
-            if failed:
-                record["failed"] = True
-                self._alert(
-                    "replay",
-                    "error",
-                    f"the replay stopped: cell {c.no} ({c.first_line}) failed on "
-                    f"{_replay_failure(c, attempt, failed)}; the cells after it did not run",
-                    rank=failed[0],
-                )
-                break
-            record["cells"] += 1
-            self._alert(
-                "replay",
-                "info",
-                f"replayed cell {c.no} ({c.first_line}) in {time.monotonic() - t:.2f} s",
-            )
-        record["seconds"] = time.monotonic() - t0
-        if cells and not record["failed"]:
-            self._alert(
-                "replay",
-                "info",
-                f"the session's state is back: {record['cells']} cells replayed in "
-                f"{record['seconds']:.2f} s",
-            )
+        await self.journal.replay(attempt, self)
         self._replayed = attempt
         self._notify()
+
+    # ---- what a replay needs of its session (journal.Replayer) --------------------------------
+
+    async def run_cell(self, cell: SessionCell) -> bool:
+        """Run a journal's cell on every rank of the current attempt; False if the attempt
+        ended first (a rank died: the next attempt replays again)."""
+        attempt = self.attempt
+        links = await self._send_cell(cell)
+        await self._until(
+            lambda: (
+                len(cell.answers) == len(links)
+                or self.attempt != attempt
+                or self.attempt_failed(attempt)
+                or self._outcome is not None
+            )
+        )
+        self._current = None
+        return len(cell.answers) == len(links)
 
     def _close_cell(
         self,
@@ -638,41 +476,11 @@ class Session:
         ranks: list[RankState],
         teardown_at: float | None = None,
     ) -> None:
-        logs = (
-            cell is self._logs_target()
-        )  # the lines so far are its (the rank wrote, then said ran)
-        self._conclude(cell, outcome, reason, ranks, teardown_at)
+        logs = self._followed.conclude(cell, outcome, reason, ranks, teardown_at, self._current)
         assert self._tg is not None
-        self._tg.start_soon(self._end_cell, cell, logs)
-
-    def _conclude(
-        self,
-        cell: SessionCell,
-        outcome: str,
-        reason: str,
-        ranks: list[RankState],
-        teardown_at: float | None,
-    ) -> None:
-        with contextlib.suppress(ValueError):
-            self._open.remove(cell)
-        cell.summary = cell.conclude(
-            outcome, reason, ranks, teardown_at, self._tailer.lines_total()
-        )
-
-    async def _end_cell(self, cell: SessionCell, logs: bool) -> None:
-        with anyio.CancelScope(shield=True):
-            if logs:
-                self._tailer.poll()
-                await cell.report.flush(self.attempt, self._tailer)
-            await cell.report.flush(self.attempt, None)
-            cell.report.close()
-            assert cell.summary is not None
-            await cell.report.end(cell.summary)
+        self._tg.start_soon(self._followed.end, cell, logs, self.attempt)
 
     # ---- the poll loop: logs, --hang-after --------------------------------------------------
-
-    def _logs_target(self) -> SessionCell | None:
-        return self._current if self._current in self._open else (self._open or [None])[0]
 
     async def _poll_loop(self) -> None:
         next_flush = 0.0
@@ -687,11 +495,7 @@ class Session:
                     assert self._tg is not None
                     self._tg.start_soon(self._hang_alert, cell)
             if time.monotonic() >= next_flush:
-                target = self._logs_target()
-                for c in self._open:
-                    await c.report.flush(self.attempt, self._tailer if c is target else None)
-                if target is None:
-                    self._tailer.take()  # nobody follows: the files keep them
+                await self._followed.flush(self.attempt, self._current)
                 await self._report.flush(self.attempt, None)
                 next_flush = time.monotonic() + FLUSH_S
             await anyio.sleep(POLL_S)
@@ -707,7 +511,7 @@ class Session:
     async def _teardown(self) -> None:
         assert self._outcome is not None and self._tree is not None
         if self._outcome[0] == "ended":
-            for link in self._live_links():
+            for link in self._ranks.of(self.attempt):
                 await link.send(protocol.BYE)  # the ranks return; elastic_launch returns
             await self._tree.wait_gone(self.spec.stop_grace, leftovers_too=False)
         survivors = await self._tree.stop(
@@ -722,15 +526,14 @@ class Session:
         assert self._outcome is not None
         outcome, reason = self._outcome
         self._tailer.poll(final=True)
-        for cell in list(self._open):
+        for cell in list(self._followed.cells):
             if cell.no is not None:
                 why = ("failed", f"the session ended: {reason}")
             else:
                 why = ("stopped", f"the session ended before the cell ran: {reason}")
             ranks = cell.ranks(self._book.of(cell.attempt)) if cell.no is not None else []
-            logs = cell is self._logs_target()
-            self._conclude(cell, *why, ranks, time.time())
-            await self._end_cell(cell, logs)
+            logs = self._followed.conclude(cell, *why, ranks, time.time(), self._current)
+            await self._followed.end(cell, logs, self.attempt)
         ended = time.time()
         self.summary = dict(
             protocol.summary(
@@ -750,7 +553,7 @@ class Session:
             )
         )
         with contextlib.suppress(OSError):
-            write_json(self.rd.summary, {**self.summary, "journal": self.info()["journal"]})
+            write_json(self.rd.summary, {**self.summary, "journal": self.journal.info()})
         self._report.set_state(outcome)
         await self._report.flush(self.attempt, None)
         self._report.event("end", outcome=outcome)
@@ -760,38 +563,3 @@ class Session:
         self._tailer.close()
         self._report.close()
         await self._report.end(self.summary)
-
-
-def _stopped(reason: str, spec: JobSpec) -> tuple[str, str]:
-    if reason == "timeout":
-        return "timeout", f"the --timeout of {spec.timeout:g} s passed"
-    return summary.STOPS.get(reason, ("stopped", reason))
-
-
-def _failed(cell: SessionCell, failed: list[int]) -> str:
-    return f"{_replay_failure(cell, cell.attempt, failed)}; the session keeps its ranks and state"
-
-
-def _replay_failure(cell: SessionCell, attempt: int, failed: list[int]) -> str:
-    records = [(rank, read_json(cell.rd.failure(attempt, rank))) for rank in failed]
-    records = [(rank, f) for rank, f in records if f]
-    if not records:
-        return f"rank {failed[0]}"
-    rank, f = min(records, key=lambda x: x[1]["time"])
-    line = f" (cell line {f['cell_line']})" if f.get("cell_line") else ""
-    return f"rank {rank}: {f['type']}: {f['message']}".rstrip(": ") + line
-
-
-def _alive(r: RankState) -> bool:
-    """Not dead, even if its watcher has not run yet: a cell sent now would meet a dead rank."""
-    if r.died_at is not None:
-        return False
-    return r.pidfd is None or not select.select([r.pidfd], [], [], 0)[0]
-
-
-def _peer_pid(stream: SocketStream) -> int | None:
-    sock = stream.extra(anyio.abc.SocketAttribute.raw_socket)
-    with contextlib.suppress(OSError):
-        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-        return struct.unpack("3i", creds)[0]
-    return None

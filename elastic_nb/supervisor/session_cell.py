@@ -20,11 +20,13 @@ where no Python runs) is killed: torchelastic then restarts the group and the se
 from __future__ import annotations
 
 import contextlib
+import math
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 
+from elastic_nb import protocol
 from elastic_nb.rundir import RunDir, read_json, write_atomic, write_json
 from elastic_nb.spec import JobSpec
 from elastic_nb.supervisor import summary
@@ -32,12 +34,33 @@ from elastic_nb.supervisor.diagnosis import oom_alert
 from elastic_nb.supervisor.reporter import Reporter, Send
 from elastic_nb.supervisor.verdict import RankState, Verdict, analyze
 
-__all__ = ["SessionCell"]
+if TYPE_CHECKING:
+    from elastic_nb.supervisor.session_ranks import Link
+
+__all__ = ["Decision", "Host", "SessionCell", "failure_words"]
 
 # After the first failure, how long the other ranks' own answers may take before they are
 # interrupted: a cell that raises on every rank (a typo) fails on each of them within
 # milliseconds, and each should be reported with its own error, not as interrupted.
 SETTLE_S = 0.1
+
+
+class Host(Protocol):
+    """What a cell needs of its session while it decides."""
+
+    spec: JobSpec  # the session's: its stop grace
+
+    def ended(self) -> str | None: ...  # why the session ended, once it has
+
+    def attempt_failed(self, attempt: int) -> bool: ...
+
+    def alert(self, kind: str, severity: str, title: str, rank: int | None = None) -> None: ...
+
+    def kill(self, ranks: list[RankState]) -> None: ...
+
+
+# (outcome, reason, when interrupting began, whether the session restarts)
+Decision = tuple[str, str, float | None, bool]
 
 
 class SessionCell:
@@ -99,6 +122,80 @@ class SessionCell:
     def answer(self, rank: int, ok: bool) -> None:
         self.answers[rank] = ok
         self.poke()
+
+    # ---- deciding -----------------------------------------------------------------------------
+
+    async def decide(self, links: list[Link], host: Host) -> Decision:
+        """Wait for the ranks' answers, interrupting them on a failure, a stop or --timeout."""
+        grace = host.spec.stop_grace
+        deadline = self.created + self.spec.timeout if self.spec.timeout else math.inf
+        first_failure: float | None = None
+        interrupted: float | None = None
+        while True:
+            now = time.monotonic()
+            dead = [link.r for link in links if link.r.died_at is not None]
+            ended = host.ended()
+            if ended is not None:
+                return "failed", f"the session ended: {ended}", interrupted, False
+            if dead or host.attempt_failed(self.attempt):
+                r = min(dead, key=lambda x: x.died_at or 0.0) if dead else None
+                why = f"rank {r.rank} {r.failure_summary()}" if r else "a rank died"
+                return "failed", why, interrupted or time.time(), True
+            failed = sorted(rank for rank, ok in self.answers.items() if not ok)
+            missing = [link for link in links if link.r.rank not in self.answers]
+            if not missing:
+                if not failed:
+                    return "succeeded", "every rank finished the cell", None, False
+                if self.stop_reason is not None:
+                    return (*self.stopped(), interrupted, False)
+                return "failed", self._failed(failed), interrupted, False
+            if time.time() >= deadline:
+                self.request_stop("timeout")
+            if failed and first_failure is None:
+                first_failure = now
+            wake = now + (deadline - time.time())
+            if interrupted is None and (self.stop_reason or failed):
+                if self.stop_reason or now >= first_failure + SETTLE_S:  # type: ignore[operator]
+                    interrupted = time.time()
+                    self.report.event("interrupt", ranks=[x.r.rank for x in missing])
+                    for link in missing:
+                        await link.send(protocol.INTERRUPT, cell=self.id)
+                    wake = now + grace
+                else:
+                    wake = first_failure + SETTLE_S  # type: ignore[operator]
+            elif interrupted is not None:
+                if time.time() >= interrupted + grace:
+                    return self._stuck(missing, failed, interrupted, host)
+                wake = now + (interrupted + grace - time.time())
+            with anyio.move_on_after(max(0.0, min(wake - now, 1.0))):
+                await self.changed.wait()
+
+    def _stuck(
+        self, missing: list[Link], failed: list[int], interrupted: float, host: Host
+    ) -> Decision:
+        """Ranks that did not come back from an interrupt: end them; torchelastic restarts."""
+        stuck = [link.r.rank for link in missing]
+        many = len(stuck) > 1
+        note = (
+            f"rank{'s' if many else ''} {', '.join(map(str, stuck))} could not be interrupted "
+            f"within {host.spec.stop_grace:g} s (inside a collective?) and "
+            f"{'were' if many else 'was'} ended"
+        )
+        host.alert("stuck", "error", note)
+        host.kill([link.r for link in missing])
+        outcome, reason = self.stopped() if self.stop_reason else ("failed", self._failed(failed))
+        return outcome, f"{reason}; {note}", interrupted, True
+
+    def stopped(self) -> tuple[str, str]:
+        """The outcome a stop request gives: interrupted, stopped or timeout."""
+        reason = self.stop_reason or "user"
+        if reason == "timeout":
+            return "timeout", f"the --timeout of {self.spec.timeout:g} s passed"
+        return summary.STOPS.get(reason, ("stopped", reason))
+
+    def _failed(self, failed: list[int]) -> str:
+        words = failure_words(self, self.attempt, failed)
+        return f"{words}; the session keeps its ranks and state"
 
     # ---- the verdict -------------------------------------------------------------------------
 
@@ -171,3 +268,14 @@ class SessionCell:
             write_json(self.rd.summary, result)
         self.report.event("end", outcome=outcome)
         return dict(result)
+
+
+def failure_words(cell: SessionCell, attempt: int, failed: list[int]) -> str:
+    """The first of the `failed` ranks to raise in the cell: its error and its line."""
+    records = [(rank, read_json(cell.rd.failure(attempt, rank))) for rank in failed]
+    records = [(rank, f) for rank, f in records if f]
+    if not records:
+        return f"rank {failed[0]}"
+    rank, f = min(records, key=lambda x: x[1]["time"])
+    line = f" (cell line {f['cell_line']})" if f.get("cell_line") else ""
+    return f"rank {rank}: {f['type']}: {f['message']}".rstrip(": ") + line

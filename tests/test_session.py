@@ -268,3 +268,25 @@ def test_a_dead_supervisor_takes_the_session_with_it(fresh_kernel: Kernel) -> No
     # The session is over for the kernel too: a bare cell is a one-off job on a new supervisor.
     ex = k.ok("%%elastic --nproc 1\nimport os\nos.environ['WORLD_SIZE']\n")
     assert ex.result == "'1'" and "starting 1 rank" in ex.stdout
+
+
+def test_a_desync_is_named_in_seconds_and_the_session_comes_back(session_kernel) -> None:
+    """The classic uneven step: rank 1 skips an all_reduce and finishes the cell while rank 0
+    waits in it. The desync is certain at once (the flight recorder of both live ranks), long
+    before --collective-timeout (120 s); rank 0 cannot leave the collective, so the group
+    restarts and replays."""
+    k, _session = session_kernel
+    k.ok("%%elastic\ncounter += 7\n")
+    t0 = time.monotonic()
+    ex = k.run(
+        "%%elastic\n"
+        "x = torch.ones(1)\n"
+        "dist.all_reduce(x)\n"
+        "if dist.get_rank() == 0:\n"
+        "    dist.all_reduce(x)  # rank 1 skips this one\n"
+    )
+    assert time.monotonic() - t0 < 20
+    assert ex.ename == "JobFailed"
+    assert "desync: rank 1 left the cell after" in ex.traceback, ex.traceback
+    assert "rank 0 could not be interrupted" in ex.traceback
+    assert k.ok("%%elastic\ncounter\n").result == "7"

@@ -42,12 +42,13 @@ class Evidence:
 
 class EvidenceCollector:
     def __init__(self, rd: RunDir, source: str, cell: os.PathLike[str] | None = None) -> None:
-        """`cell`: the cell's file, when it is not the run directory's own (a session's cell
-        has a run directory of its own; its ranks' stacks are in the session's)."""
+        """`cell`: the cell's file, when it is not the run directory's own: a session's cell
+        has a run directory of its own, and its ranks' stacks and probes are the session's
+        (its ranks live on after the cell)."""
         self._rd = rd
         self._cell = str(cell or rd.cell)
         self._lines = source.splitlines()
-        self._probes = Probes(rd)
+        self._probes = Probes(rd, live_done=cell is not None)
 
     async def collect(self, ranks: list[RankState]) -> Evidence:
         """Every rank's stack and flight recorder, now. `ranks` (one attempt's) carry their

@@ -24,8 +24,11 @@ PROBE_WAIT_S = 1.0  # a rank answers in milliseconds; a full dump of 2,000 entri
 
 
 class Probes:
-    def __init__(self, rd: RunDir) -> None:
+    def __init__(self, rd: RunDir, live_done: bool = False) -> None:
+        """`live_done`: a rank that finished the cell lives on and answers probes (a session's
+        rank, back in its loop); a job's rank has left its final record instead."""
         self._rd = rd
+        self._live_done = live_done
         self._cell = str(rd.cell)
         self._n = 0
         self._lock = anyio.Lock()  # one probe in a FIFO at a time: answers carry one number
@@ -52,7 +55,7 @@ class Probes:
 
     async def _history(self, r: RankState, full: bool) -> History | None:
         key = (r.attempt, r.rank)
-        ended = r.done is not None or r.failure is not None
+        ended = (r.done is not None and not self._live_done) or r.failure is not None
         nccl_path = self._rd.flight_recorder(r.attempt, r.rank)
         if ended and key in self._ended and (key in self._nccl or not nccl_path.exists()):
             return self._ended[key]  # its record will not change: read (and parse) it once

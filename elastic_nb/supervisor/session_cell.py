@@ -30,7 +30,8 @@ from elastic_nb import protocol
 from elastic_nb.rundir import RunDir, read_json, write_atomic, write_json
 from elastic_nb.spec import JobSpec
 from elastic_nb.supervisor import summary
-from elastic_nb.supervisor.diagnosis import oom_alert
+from elastic_nb.supervisor.diagnosis import LOOK_LEFT_S, Finding, oom_alert
+from elastic_nb.supervisor.evidence import EvidenceCollector
 from elastic_nb.supervisor.reporter import Reporter, Send
 from elastic_nb.supervisor.verdict import RankState, Verdict, analyze
 
@@ -49,6 +50,7 @@ class Host(Protocol):
     """What a cell needs of its session while it decides."""
 
     spec: JobSpec  # the session's: its stop grace
+    rd: RunDir  # the session's: its ranks' stacks and probes
 
     def ended(self) -> str | None: ...  # why the session ended, once it has
 
@@ -87,6 +89,7 @@ class SessionCell:
         self.changed = anyio.Event()  # an answer, a death or a stop: look again
         self.answers: dict[int, bool] = {}  # rank -> finished (True) or raised (False)
         self.attempt = 0
+        self.finding: Finding | None = None  # a desync found while it ran
 
     @property
     def running(self) -> bool:
@@ -131,6 +134,7 @@ class SessionCell:
         deadline = self.created + self.spec.timeout if self.spec.timeout else math.inf
         first_failure: float | None = None
         interrupted: float | None = None
+        watch = _DesyncWatch(self, links, EvidenceCollector(host.rd, self.source, self.rd.cell))
         while True:
             now = time.monotonic()
             dead = [link.r for link in links if link.r.died_at is not None]
@@ -154,8 +158,10 @@ class SessionCell:
             if failed and first_failure is None:
                 first_failure = now
             wake = now + (deadline - time.time())
-            if interrupted is None and (self.stop_reason or failed):
-                if self.stop_reason or now >= first_failure + SETTLE_S:  # type: ignore[operator]
+            if interrupted is None and not failed and not self.stop_reason:
+                wake = min(wake, await watch.look(now))
+            if interrupted is None and (self.stop_reason or failed or self.finding):
+                if self.stop_reason or self.finding or now >= first_failure + SETTLE_S:  # type: ignore[operator]
                     interrupted = time.time()
                     self.report.event("interrupt", ranks=[x.r.rank for x in missing])
                     for link in missing:
@@ -183,7 +189,10 @@ class SessionCell:
         )
         host.alert("stuck", "error", note)
         host.kill([link.r for link in missing])
-        outcome, reason = self.stopped() if self.stop_reason else ("failed", self._failed(failed))
+        if self.stop_reason:
+            outcome, reason = self.stopped()
+        else:
+            outcome, reason = "failed", self.finding.title if self.finding else self._failed(failed)
         return outcome, f"{reason}; {note}", interrupted, True
 
     def stopped(self) -> tuple[str, str]:
@@ -194,7 +203,7 @@ class SessionCell:
         return summary.STOPS.get(reason, ("stopped", reason))
 
     def _failed(self, failed: list[int]) -> str:
-        words = failure_words(self, self.attempt, failed)
+        words = self.finding.title if self.finding else failure_words(self, self.attempt, failed)
         return f"{words}; the session keeps its ranks and state"
 
     # ---- the verdict -------------------------------------------------------------------------
@@ -244,7 +253,8 @@ class SessionCell:
         lines: int,
     ) -> dict[str, Any]:
         """The cell's summary, written and returned (the closing alerts are queued)."""
-        verdict = analyze(ranks, teardown_at, None, self.spec.nproc) if ranks else None
+        behind = self.finding.desync.behind if self.finding and self.finding.desync else None
+        verdict = analyze(ranks, teardown_at, behind, self.spec.nproc) if ranks else None
         result = summary.summarize(
             job_id=self.id,
             spec=self.spec,
@@ -255,7 +265,7 @@ class SessionCell:
             attempt=self.attempt,
             created=self.created,
             zombie=False,
-            diagnosis=None,
+            diagnosis=self.finding.record if self.finding else None,
             leftovers=[],
             lines=lines,
         )
@@ -279,3 +289,36 @@ def failure_words(cell: SessionCell, attempt: int, failed: list[int]) -> str:
     rank, f = min(records, key=lambda x: x[1]["time"])
     line = f" (cell line {f['cell_line']})" if f.get("cell_line") else ""
     return f"rank {rank}: {f['type']}: {f['message']}".rstrip(": ") + line
+
+
+class _DesyncWatch:
+    """A desync found the moment it can no longer resolve, as a job's (diagnosis.watch_desync):
+    a rank finished the cell after collective #a of a group while another waits in #a+1 (a
+    skipped backward(), a batch fewer), or two wait in different ops at one number. Looked for
+    once a rank has finished the cell and another still runs it."""
+
+    def __init__(self, cell: SessionCell, links: list[Link], collector: EvidenceCollector) -> None:
+        self._cell, self._links, self._collector = cell, links, collector
+        self._before: dict[int, Any] = {}
+        self._next = 0.0
+
+    async def look(self, now: float) -> float:
+        """Look if it is time; returns when to look next."""
+        cell = self._cell
+        left = [rank for rank, ok in cell.answers.items() if ok]
+        if cell.finding or not left or len(self._links) < 2 or len(cell.answers) == len(self._links):
+            return math.inf
+        if now < self._next:
+            return self._next
+        self._next = now + LOOK_LEFT_S
+        ranks = cell.ranks([link.r for link in self._links])
+        self._before, certain = await self._collector.look(ranks, self._before)
+        if certain is not None:
+            ev = await self._collector.collect(ranks)
+            if ev.desync is not None and ev.desync.certain:
+                culprit = ev.desync.behind[0] if ev.desync.behind else None
+                cell.finding = Finding(f"desync: {ev.desync.text}", culprit, ev.desync, ev.stacks)
+                cell.report.alert(
+                    "desync", "error", cell.finding.title, rank=culprit, text=ev.stacks
+                )
+        return self._next

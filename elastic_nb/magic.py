@@ -125,6 +125,12 @@ class ElasticMagics(Magics):
             defaults = per_cell_options(self.session_defaults)
             options = {**session.options, **defaults, **options}
         else:
+            if options.get("replay") is False and session is None:
+                print(
+                    "[elastic_nb] --no-replay: no session is up (%elastic up starts one); "
+                    "the cell runs as a job of its own",
+                    file=sys.stderr,
+                )
             session = None
         spec = self._spec(options)
         prepared = prepare_cell(
@@ -379,7 +385,7 @@ class ElasticMagics(Magics):
                 f"%elastic up {', '.join(cell_only)}: a cell's flag; give it to the cells that "
                 "run on the session"
             )
-        launch = {k: v for k, v in options.items() if k not in ("widgets",)}
+        launch = dict(options)  # --no-widgets, --timeout, --hang-after: the cells' defaults
         if "max_restarts" not in options and "max_restarts" not in self.session_defaults:
             launch["max_restarts"] = SESSION_MAX_RESTARTS
         spec = dataclasses.replace(self._spec(launch), session=True)

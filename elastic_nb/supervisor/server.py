@@ -287,7 +287,7 @@ class Supervisor:
         """Stop jobs, or interrupt a session's cells (the session stays: %elastic down ends it)."""
         session = self._cell_session(job_id) if job_id else None
         if session is not None:
-            running = session.cells[job_id].running  # type: ignore[index]
+            running = session.runner.cells[job_id].running  # type: ignore[index]
             session.stop_cell(job_id, reason)  # type: ignore[arg-type]
             return {"stopping": [job_id] if running else []}
         if job_id is not None and job_id not in self._jobs:
@@ -299,7 +299,7 @@ class Supervisor:
                 j.request_stop(reason)
         if job_id is None:
             for s in self._sessions.values():
-                for cell in [c for c in s.cells.values() if c.running]:
+                for cell in [c for c in s.runner.cells.values() if c.running]:
                     s.stop_cell(cell.id, reason)
                     stopping.append(cell.id)
         return {"stopping": stopping}
@@ -318,7 +318,7 @@ class Supervisor:
 
     def _cell_session(self, job_id: str | None) -> Session | None:
         for s in self._sessions.values():
-            if job_id in s.cells:
+            if job_id in s.runner.cells:
                 return s
         return None
 

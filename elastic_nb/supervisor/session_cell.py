@@ -306,7 +306,12 @@ class _DesyncWatch:
         """Look if it is time; returns when to look next."""
         cell = self._cell
         left = [rank for rank, ok in cell.answers.items() if ok]
-        if cell.finding or not left or len(self._links) < 2 or len(cell.answers) == len(self._links):
+        if (
+            cell.finding
+            or not left
+            or len(self._links) < 2
+            or len(cell.answers) == len(self._links)
+        ):
             return math.inf
         if now < self._next:
             return self._next

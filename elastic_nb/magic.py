@@ -55,16 +55,10 @@ from elastic_nb.cell import explicit_timeouts, prepare_cell
 from elastic_nb.client import current_client, get_client
 from elastic_nb.errors import Refused
 from elastic_nb.handle import JobHandle, Renderer
+from elastic_nb.listings import jobs_table, print_logs
 from elastic_nb.options import OPTIONS, Option, add_arguments
 from elastic_nb.render_text import TextRenderer
-from elastic_nb.rundir import RunDir
-from elastic_nb.session import (
-    SESSION_MAX_RESTARTS,
-    SessionHandle,
-    describe,
-    launch_flags,
-    per_cell_options,
-)
+from elastic_nb.session import NO_SESSION_NO_REPLAY, SessionHandle, describe, up_options
 from elastic_nb.spec import JobSpec, SpecError, preflight
 
 __all__ = ["ElasticMagics"]
@@ -113,24 +107,13 @@ class ElasticMagics(Magics):
         options = self._options(line)
         session = self._live_session()
         if session is not None and not options.get("one_off"):
-            given = launch_flags(options)
-            if given:
-                raise UsageError(
-                    f"{', '.join(given)}: session {session.id} is up, and its ranks were launched "
-                    "with their own flags; a cell on it takes only "
-                    + ", ".join(o.flags[0] for o in OPTIONS if o.per_cell and o.dest != "one_off")
-                    + ". Run it beside the session with %%elastic --one-off ..., or end the "
-                    "session with %elastic down"
-                )
-            defaults = per_cell_options(self.session_defaults)
-            options = {**session.options, **defaults, **options}
+            try:
+                options = session.cell_options(options, self.session_defaults)
+            except ValueError as e:
+                raise UsageError(str(e)) from None
         else:
             if options.get("replay") is False and session is None:
-                print(
-                    "[elastic_nb] --no-replay: no session is up (%elastic up starts one); "
-                    "the cell runs as a job of its own",
-                    file=sys.stderr,
-                )
+                print(NO_SESSION_NO_REPLAY, file=sys.stderr)
             session = None
         spec = self._spec(options)
         prepared = prepare_cell(
@@ -245,42 +228,8 @@ class ElasticMagics(Magics):
     def _jobs(self, rest: str) -> SList:
         c = current_client()
         running = {j["job"]: j for j in c.jobs()} if c is not None else {}
-        rows = []
-        for job in self.jobs.values():
-            s = job.summary
-            if s is not None:
-                rows.append(
-                    (
-                        job.id,
-                        s["outcome"],
-                        s["world_size"],
-                        f"{s['restarts']}/{s['max_restarts']}",
-                        f"{s['wall_s']:.1f}",
-                        job.run_dir,
-                    )
-                )
-            else:
-                info = running.get(job.id, {})
-                rows.append(
-                    (
-                        job.id,
-                        info.get("state", "running"),
-                        job.spec.world_size,
-                        "-",
-                        f"{info.get('wall_s', 0):.1f}",
-                        job.run_dir,
-                    )
-                )
-        if not rows:
-            print("no jobs in this session yet")
-            return SList()
-        header = ("job", "state", "ranks", "restarts", "wall s", "run dir")
-        widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-        out = SList(
-            "  ".join(str(v).ljust(w) for v, w in zip(row, widths, strict=True)).rstrip()
-            for row in [header, *rows]
-        )
-        print("\n".join(out))
+        table = jobs_table(self.jobs.values(), running)
+        print("\n".join(table) if table else "no jobs in this session yet")
         return SList()
 
     def _logs(self, rest: str) -> None:
@@ -296,26 +245,7 @@ class ElasticMagics(Magics):
                 "usage: %elastic logs [JOB] [--rank R] [--attempt K] [--tail N]"
             ) from None
         job = self._job(args.job)
-        rd = RunDir(job.ranks_run_dir)
-        attempts = rd.attempts()
-        if not attempts:
-            print(f"job {job.id} has no logs yet ({rd})")
-            return
-        attempt = attempts[-1] if args.attempt is None else args.attempt
-        ranks = range(job.spec.nproc) if args.rank is None else [args.rank]
-        for rank in ranks:
-            paths = [(s, rd.log(attempt, rank, s)) for s in ("out", "err")]
-            paths = [(s, p) for s, p in paths if p.exists() and p.stat().st_size]
-            if not paths:
-                print(f"==> rank {rank}, attempt {attempt}: no output <==")
-            for stream, path in paths:
-                lines = path.read_text(errors="replace").splitlines()
-                shown = lines[-args.tail :] if args.tail else lines
-                print(
-                    f"==> rank {rank} std{stream}, attempt {attempt}: {path} ({len(lines)} lines) <=="
-                )
-                for text in shown:
-                    print(f"[rank {rank}] {text}")
+        print_logs(job, args.rank, args.attempt, args.tail)
 
     def _stop(self, rest: str) -> None:
         job_id = rest or None
@@ -374,20 +304,10 @@ class ElasticMagics(Magics):
         session = self._live_session()
         if session is not None:
             raise UsageError(f"session {session.id} is already up: %elastic down ends it first")
-        options = self._options(rest)
-        cell_only = [
-            o.flags[0]
-            for o in OPTIONS
-            if o.dest in options and o.dest in ("push", "pull", "pull_rank", "replay", "one_off")
-        ] + (["--bg"] if "background" in options else [])
-        if cell_only:
-            raise UsageError(
-                f"%elastic up {', '.join(cell_only)}: a cell's flag; give it to the cells that "
-                "run on the session"
-            )
-        launch = dict(options)  # --no-widgets, --timeout, --hang-after: the cells' defaults
-        if "max_restarts" not in options and "max_restarts" not in self.session_defaults:
-            launch["max_restarts"] = SESSION_MAX_RESTARTS
+        try:
+            launch = up_options(self._options(rest), self.session_defaults)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
         spec = dataclasses.replace(self._spec(launch), session=True)
         try:
             preflight(spec)
@@ -404,14 +324,7 @@ class ElasticMagics(Magics):
             return
         session.down()
         self.session = None
-        s = session.summary
-        if s is None:
-            print(f"[elastic_nb] session {session.id}: still ending (see %elastic status)")
-        else:
-            print(
-                f"[elastic_nb] session {session.id} {s['outcome']}: {s['reason']} "
-                f"(restarts {s['restarts']}/{s['max_restarts']}, {s['wall_s']:.0f} s)"
-            )
+        print(session.end_line())
 
     def _session_info(self, rest: str) -> None:
         session = self._live_session()

@@ -23,19 +23,32 @@ from elastic_nb.errors import ElasticError, SupervisorDied
 from elastic_nb.options import OPTIONS
 from elastic_nb.spec import JobSpec
 
-__all__ = ["SESSION_MAX_RESTARTS", "SessionHandle", "describe", "launch_flags", "per_cell_options"]
+__all__ = ["NO_SESSION_NO_REPLAY", "SessionHandle", "describe", "up_options"]
 
 SESSION_MAX_RESTARTS = "3"  # an interactive session is worth restarting: replay brings it back
 DOWN_WAIT_S = 10.0  # after `down`: the ranks leave their loop, or the teardown's grace ends them
 
 
-def launch_flags(options: dict[str, Any]) -> list[str]:
-    """The flags given that launch ranks (not a cell's own): refused on a session's cell."""
-    return [o.flags[0] for o in OPTIONS if o.dest in options and not o.per_cell]
+NO_SESSION_NO_REPLAY = (
+    "[elastic_nb] --no-replay: no session is up (%elastic up starts one); the cell runs as a job "
+    "of its own"
+)
+# A cell's own flags that mean nothing to the ranks a session launches.
+_CELL_ONLY = ("push", "pull", "pull_rank", "replay", "one_off", "background")
 
 
-def per_cell_options(options: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in options.items() if any(o.dest == k and o.per_cell for o in OPTIONS)}
+def up_options(options: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """%elastic up's flags: launch flags, and defaults for the session's cells (--no-widgets,
+    --timeout, --hang-after). ValueError for a cell's own flag."""
+    cell_only = [o.flags[0] for o in OPTIONS if o.dest in options and o.dest in _CELL_ONLY]
+    if cell_only:
+        raise ValueError(
+            f"%elastic up {', '.join(cell_only)}: a cell's flag; give it to the cells that run "
+            "on the session"
+        )
+    if "max_restarts" not in options and "max_restarts" not in config:
+        return {**options, "max_restarts": SESSION_MAX_RESTARTS}
+    return dict(options)
 
 
 class SessionHandle:
@@ -54,6 +67,31 @@ class SessionHandle:
     @property
     def up(self) -> bool:
         return self.summary is None and self._client.alive
+
+    def cell_options(self, options: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+        """A cell's flags on this session: its launch flags and the %elastic config defaults of
+        a cell's own flags beneath them. ValueError for a launch flag: the ranks are up."""
+        given = [o.flags[0] for o in OPTIONS if o.dest in options and not o.per_cell]
+        if given:
+            own = ", ".join(o.flags[0] for o in OPTIONS if o.per_cell and o.dest != "one_off")
+            raise ValueError(
+                f"{', '.join(given)}: session {self.id} is up, and its ranks were launched with "
+                f"their own flags; a cell on it takes only {own}. Run it beside the session "
+                "with %%elastic --one-off ..., or end the session with %elastic down"
+            )
+        defaults = {
+            k: v for k, v in config.items() if any(o.dest == k and o.per_cell for o in OPTIONS)
+        }
+        return {**self.options, **defaults, **options}
+
+    def end_line(self) -> str:
+        s = self.summary
+        if s is None:
+            return f"[elastic_nb] session {self.id}: still ending (see %elastic status)"
+        return (
+            f"[elastic_nb] session {self.id} {s['outcome']}: {s['reason']} "
+            f"(restarts {s['restarts']}/{s['max_restarts']}, {s['wall_s']:.0f} s)"
+        )
 
     def start(self) -> None:
         """Start the ranks and wait until they wait for cells (an interrupt ends the session)."""
@@ -127,11 +165,7 @@ class SessionHandle:
             self.summary = msg["summary"]
             self.state = self.summary["outcome"]
             if echo:
-                s = self.summary
-                print(
-                    f"[elastic_nb] session {self.id} {s['outcome']}: {s['reason']} "
-                    f"(restarts {s['restarts']}/{s['max_restarts']}, {s['wall_s']:.0f} s)"
-                )
+                print(self.end_line())
 
 
 def describe(info: dict[str, Any]) -> str:

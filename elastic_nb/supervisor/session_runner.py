@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import math
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import anyio
 from anyio.abc import TaskGroup
@@ -17,19 +18,36 @@ from elastic_nb import protocol
 from elastic_nb.supervisor.evidence import EvidenceCollector
 from elastic_nb.supervisor.followed import Followed
 from elastic_nb.supervisor.journal import Journal
-from elastic_nb.supervisor.session_cell import SessionCell
+from elastic_nb.supervisor.rankbook import RankBook
+from elastic_nb.supervisor.session_cell import Host, SessionCell
 from elastic_nb.supervisor.session_ranks import Link
+from elastic_nb.supervisor.tailer import LogTailer
 from elastic_nb.supervisor.verdict import RankState
 from elastic_nb.supervisor.watchdogs import Silence
 
-if TYPE_CHECKING:
-    from elastic_nb.supervisor.session import Session
+__all__ = ["CellRunner", "Ranks"]
 
-__all__ = ["CellRunner"]
+
+class Ranks(Host, Protocol):
+    """What the runner needs of its session: the ranks, where they stand, and a way to wait
+    for them to change."""
+
+    attempt: int
+    book: RankBook
+    tailer: LogTailer
+    restart_why: str  # what the last restart was for
+
+    def up(self) -> bool: ...
+
+    def links(self) -> list[Link]: ...
+
+    def notify(self) -> None: ...
+
+    async def until(self, ready: Callable[[], bool], timeout: float = math.inf) -> bool: ...
 
 
 class CellRunner:
-    def __init__(self, session: Session) -> None:
+    def __init__(self, session: Ranks) -> None:
         self._s = session
         self.journal = Journal()
         self.followed = Followed(session.tailer)

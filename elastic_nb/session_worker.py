@@ -28,12 +28,11 @@ import signal
 import socket
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
 from elastic_nb import protocol, worker
-from elastic_nb.rundir import RunDir, write_json
+from elastic_nb.rundir import RunDir
 from elastic_nb.spec import JobSpec
 
 __all__ = ["serve"]
@@ -71,43 +70,14 @@ def _run_one(
     rank: int,
     namespace: dict[str, Any],
 ) -> bool:
-    """One cell, its records in its own run directory. True if it finished."""
+    """One cell, its records in its own run directory (as a job's rank leaves them). True if it
+    finished; a cell that raised leaves the rank in the loop."""
     crd.attempt(attempt).mkdir(exist_ok=True)
     meta = json.loads(crd.cell_meta.read_text())
     spec = JobSpec.from_json(crd.spec.read_text())
     sys.argv = [str(crd.cell)]
-    phase = "restore"
-    exit_note = None
-    try:
-        with channel.running(cell):
-            worker._restore(crd, meta, namespace)
-            phase = "cell"
-            try:
-                value = worker._run_cell(crd, meta, namespace)
-                worker._synchronize()
-            except SystemExit as e:
-                if e.code not in (0, None):
-                    raise
-                value, exit_note = None, "sys.exit(0)"
-        phase = "pull"
-        if spec.pull and rank == spec.pull_rank:
-            worker._dump(crd.pulled(attempt, rank), worker._pulled(spec.pull, namespace, rank))
-        if rank == 0 and meta["display"] and value is not None:
-            worker._dump_result(crd.result(attempt), value)
-    except BaseException as e:
-        worker._record_failure(crd, attempt, rank, e, phase, meta)
-        return False
-    write_json(
-        crd.done(attempt, rank),
-        {
-            "rank": rank,
-            "attempt": attempt,
-            "pid": os.getpid(),
-            "time": time.time(),
-            "note": exit_note,
-        },
-    )
-    return True
+    around = channel.running(cell)
+    return worker.run_cell(crd, meta, spec, attempt, rank, namespace, around, final=False) is None
 
 
 class _Channel:

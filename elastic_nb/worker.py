@@ -14,26 +14,27 @@ from __future__ import annotations
 
 import ast
 import builtins
+import contextlib
 import faulthandler
 import importlib
 import io
 import json
 import os
 import pickle
-import re
 import resource
 import sys
 import time
-import traceback
 import types
+from collections.abc import Iterator
 from typing import Any
 
-from elastic_nb import pickling, procs, recorder
+from elastic_nb import procs, recorder
+from elastic_nb.outcomes import dump, dump_result, record_failure
 from elastic_nb.protocol import STACK_SIGNAL
-from elastic_nb.rundir import RunDir, write_atomic, write_json
+from elastic_nb.rundir import RunDir, write_json
 from elastic_nb.spec import MANAGED_ENV, JobSpec
 
-__all__ = ["bootstrap"]
+__all__ = ["bootstrap", "run_cell"]
 
 
 def bootstrap(run_dir: str, env: dict[str, str], start_env: dict[str, str]) -> bool:
@@ -53,31 +54,56 @@ def bootstrap(run_dir: str, env: dict[str, str], start_env: dict[str, str]) -> b
     _arm_forensics(rd, attempt, rank)
 
     namespace = _fresh_main().__dict__
+    error = run_cell(rd, meta, spec, attempt, rank, namespace, _checked_fork(), final=True)
+    if error is not None:
+        raise error
+    return True
+
+
+def run_cell(
+    rd: RunDir,
+    meta: dict[str, Any],
+    spec: JobSpec,
+    attempt: int,
+    rank: int,
+    namespace: dict[str, Any],
+    around: contextlib.AbstractContextManager[Any],
+    final: bool,
+) -> BaseException | None:
+    """Run the cell of `rd` in `namespace` and leave its outcome there: a done record (and rank
+    0's result, the --pull objects), or a failure record, whose exception is returned.
+
+    `around` wraps restoring and running the cell (a session's interruptible window); `final`:
+    the rank leaves the cell for good (a job's), so it leaves its collectives' history too.
+    """
     phase = "restore"
     exit_note = None
     try:
-        _refuse_a_bad_fork()
-        _restore(rd, meta, namespace)
-        phase = "cell"
-        try:
-            value = _run_cell(rd, meta, namespace)
-            _synchronize()
-        except SystemExit as e:
-            if e.code not in (0, None):
-                raise
-            value, exit_note = None, "sys.exit(0)"  # a script may end early; so may a cell
+        with around:
+            _restore(rd, meta, namespace)
+            phase = "cell"
+            try:
+                value = _run_cell(rd, meta, namespace)
+                _synchronize()
+            except SystemExit as e:
+                if e.code not in (0, None):
+                    raise
+                value, exit_note = None, "sys.exit(0)"  # a script may end early; so may a cell
         phase = "pull"
         if spec.pull and rank == spec.pull_rank:
-            _dump(rd.pulled(attempt, rank), _pulled(spec.pull, namespace, rank))
+            dump(rd.pulled(attempt, rank), _pulled(spec.pull, namespace, rank))
         if rank == 0 and meta["display"] and value is not None:
-            _dump_result(rd.result(attempt), value)
+            dump_result(rd.result(attempt), value)
     except BaseException as e:
-        recorder.write_final(rd.collectives(attempt, rank), str(rd.cell))
-        _record_failure(rd, attempt, rank, e, phase, meta)
-        raise
+        if final:
+            recorder.write_final(rd.collectives(attempt, rank), str(rd.cell))
+        record_failure(rd, attempt, rank, e, phase, meta)
+        return e
     # Before the done record: a rank seen as done has its history on disk (the desync watch
-    # compares it with the ranks still in a collective).
-    recorder.write_final(rd.collectives(attempt, rank), str(rd.cell))
+    # compares it with the ranks still in a collective). A session's rank lives on and answers
+    # the watch's probes instead.
+    if final:
+        recorder.write_final(rd.collectives(attempt, rank), str(rd.cell))
     write_json(
         rd.done(attempt, rank),
         {
@@ -88,7 +114,13 @@ def bootstrap(run_dir: str, env: dict[str, str], start_env: dict[str, str]) -> b
             "note": exit_note,
         },
     )
-    return True
+    return None
+
+
+@contextlib.contextmanager
+def _checked_fork() -> Iterator[None]:
+    _refuse_a_bad_fork()  # a failure of the cell's, recorded as one
+    yield
 
 
 # ---- process preparation --------------------------------------------------------------------
@@ -290,98 +322,3 @@ def _run_cell(rd: RunDir, meta: dict[str, Any], namespace: dict[str, Any]) -> An
     if last is None:
         return None
     return eval(compile(last, filename, "eval"), namespace)
-
-
-# ---- outcomes -------------------------------------------------------------------------------
-
-
-def _record_failure(
-    rd: RunDir, attempt: int, rank: int, exc: BaseException, phase: str, meta: dict[str, Any]
-) -> None:
-    """Stamp the failure with our clock (torch's error file has whole seconds) and say where."""
-    now = time.time()
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_frame.f_code.co_filename.startswith(_PACKAGE):
-        tb = tb.tb_next  # our own frames (this bootstrap, a session's loop) are noise to the user
-    frames = traceback.extract_tb(tb)
-    cell_frames = [f for f in frames if f.filename == str(rd.cell)]
-    where = cell_frames[-1] if cell_frames else None
-    hint = _name_hint(exc, meta)
-    text = "".join(traceback.format_exception(type(exc), exc, tb))
-    if hint:
-        text += f"hint: {hint}\n"
-    record = {
-        "rank": rank,
-        "attempt": attempt,
-        "pid": os.getpid(),
-        "time": now,
-        "phase": phase,
-        "type": _type_name(type(exc)),
-        "message": str(exc),
-        "hint": hint,
-        "cell_line": where.lineno if where else None,
-        "line_text": (where.line or "").strip() if where else None,
-        "traceback": text,
-        "memory": _memory_report(exc),
-    }
-    try:
-        write_json(rd.failure(attempt, rank), record)
-    finally:
-        # The rank's stderr log keeps the traceback too, as a script's would.
-        sys.stderr.write(text)
-        sys.stderr.flush()
-
-
-_PACKAGE = os.path.dirname(__file__) + os.sep
-_REQUESTED = re.compile(r"Tried to allocate ([\d.]+ [KMGT]?i?B)")
-_GPU = re.compile(r"\bGPU (\d+)\b")
-
-
-def _memory_report(exc: BaseException) -> dict[str, Any] | None:
-    """For a CUDA out-of-memory error: what was asked for and what the allocator held."""
-    if not type(exc).__name__.endswith("OutOfMemoryError"):
-        return None
-    m = _REQUESTED.search(str(exc))
-    report: dict[str, Any] = {"requested": m.group(1) if m else None}
-    # The device that ran out is in the message ("GPU 3 has a total capacity of ..."): the
-    # rank's current device need not be the one the failed allocation was for.
-    gpu = _GPU.search(str(exc))
-    report["device"] = int(gpu.group(1)) if gpu else None
-    torch = sys.modules.get("torch")
-    try:
-        if torch is not None and torch.cuda.is_initialized():
-            device = report["device"]
-            if device is None:
-                device = report["device"] = torch.cuda.current_device()
-            report["allocated"] = torch.cuda.memory_allocated(device)
-            report["reserved"] = torch.cuda.memory_reserved(device)
-            report["summary"] = torch.cuda.memory_summary(device, abbreviated=True)
-    except Exception as e:
-        report["error"] = repr(e)
-    return report
-
-
-def _name_hint(exc: BaseException, meta: dict[str, Any]) -> str | None:
-    name = getattr(exc, "name", None)
-    if isinstance(exc, NameError) and name in meta.get("notebook_names", ()):
-        return (
-            f"{name!r} exists in the notebook, but only modules, functions and classes travel "
-            f"to the ranks by themselves: add --push {name} to send its value"
-        )
-    return None
-
-
-def _type_name(t: type) -> str:
-    return t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
-
-
-def _dump(path: os.PathLike[str], obj: Any) -> None:
-    write_atomic(path, pickling.dumps(obj))  # type: ignore[arg-type]
-
-
-def _dump_result(path: os.PathLike[str], value: Any) -> None:
-    """The displayed value travels pickled; one that cannot be pickled travels as its repr."""
-    try:
-        _dump(path, ("value", value))
-    except Exception:
-        _dump(path, ("repr", repr(value)))

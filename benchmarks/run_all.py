@@ -24,6 +24,7 @@ BENCHMARKS = [
     "flood.py",
     "throughput.py",
     "quickstart.py",
+    "session.py",
 ]
 _BLOCK = re.compile(r"(<!-- results -->\n).*?(<!-- /results -->)", re.S)
 

@@ -139,6 +139,8 @@ def test_a_partial_failure_in_a_collective_restarts_and_replays(session_kernel) 
     assert "rank 0 could not be interrupted within 2 s" in ex.stderr
     assert "replaying 4 cells (1 left out: --no-replay)" in ex.stdout
     assert "the session restarted (attempt 1) and replayed 4 cells" in ex.traceback
+    assert "the session keeps its ranks" not in ex.traceback  # it did not
+    assert "restarts 1/3" in ex.stdout  # the summary line counts the restart it brought
     ex = k.ok("%%elastic\n(counter, os.environ['TORCHELASTIC_RESTART_COUNT'])\n")
     assert ex.result == "(11, '1')"  # 1 + 10 replayed; the --no-replay 100 was not
     assert not set(rank_pids(k).values()) & set(pids.values())
@@ -290,3 +292,19 @@ def test_a_desync_is_named_in_seconds_and_the_session_comes_back(session_kernel)
     assert "desync: rank 1 left the cell after" in ex.traceback, ex.traceback
     assert "rank 0 could not be interrupted" in ex.traceback
     assert k.ok("%%elastic\ncounter\n").result == "7"
+
+
+def test_a_session_has_what_it_preloads_even_after_a_warm_cell(
+    fresh_kernel: Kernel, tmp_path: Path
+) -> None:
+    """The warm launcher a one-off cell left was made without the session's --preload: the
+    session cannot be forked from it (its restarts would lack the module too)."""
+    k = fresh_kernel
+    (tmp_path / "preloaded_probe.py").write_text("LOADED = True\n")
+    k.ok(f"import sys; sys.path.append({str(tmp_path)!r})")
+    k.ok("%%elastic --nproc 1\n1\n")  # leaves a warm launcher without it
+    up(k, "--nproc 2 --preload preloaded_probe")
+    ex = k.ok(
+        "%%elastic\nimport sys\n[m in sys.modules for m in ('preloaded_probe', 'torch._dynamo')]\n"
+    )
+    assert ex.result == "[True, True]"  # and DDP's torch._dynamo, which every session preloads

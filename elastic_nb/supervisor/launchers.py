@@ -190,9 +190,20 @@ class LauncherPool:
     def take(self, spec: JobSpec, env: dict[str, str]) -> Launcher:
         """A launcher for this job: the warm one if it can serve it (and the job did not say
         --no-warm), else a new one."""
-        self._last = (env, spec)
+        if not spec.session or self._last is None:
+            self._last = (env, spec)  # what the next warm launcher is made for: a cell's
         warm, self._idle = self._idle, None
-        if spec.warm and warm is not None and warm.alive and warm.start_key == _start_key(env):
+        # A session's ranks are forked from its launcher's server for its whole life, restarts
+        # included: it must have imported what the session preloads (a job's ranks import a
+        # missing --preload module themselves; the warm start still wins for them).
+        preloaded = not spec.session or set(spec.preload) <= set(warm.preload if warm else ())
+        if (
+            spec.warm
+            and warm is not None
+            and warm.alive
+            and warm.start_key == _start_key(env)
+            and preloaded
+        ):
             return warm
         if warm is not None:
             warm.discard()

@@ -53,6 +53,10 @@ __all__ = ["Session"]
 
 log = logging.getLogger(__name__)
 
+# What a session's fork server imports besides torch: DDP imports torch._dynamo on first use
+# (about 800 modules, 2 s here), and every replay of a cell that builds a DDP model would pay
+# for it again in the new ranks (measured in benchmarks/session.py, P9: 2.9 s -> 0.3 s).
+SESSION_PRELOAD = ("torch._dynamo",)
 POLL_S = 0.05
 FLUSH_S = 0.1
 EXIT_WAIT_S = 0.5
@@ -71,7 +75,8 @@ class Session:
         socket_dir: Path,
     ) -> None:
         self.id = session_id
-        self.spec = replace(spec, session=True)
+        preload = tuple(dict.fromkeys((*spec.preload, *SESSION_PRELOAD)))
+        self.spec = replace(spec, session=True, preload=preload)
         self.rd = RunDir.of(spec.log_dir, session_id)
         self.created = time.time()
         self.attempt = 0

@@ -90,6 +90,7 @@ class SessionCell:
         self.answers: dict[int, bool] = {}  # rank -> finished (True) or raised (False)
         self.attempt = 0
         self.finding: Finding | None = None  # a desync found while it ran
+        self.restarted_to: int | None = None  # the session's attempt after the restart it brought
 
     @property
     def running(self) -> bool:
@@ -191,8 +192,10 @@ class SessionCell:
         host.kill([link.r for link in missing])
         if self.stop_reason:
             outcome, reason = self.stopped()
+        elif self.finding:
+            outcome, reason = "failed", self.finding.title
         else:
-            outcome, reason = "failed", self.finding.title if self.finding else self._failed(failed)
+            outcome, reason = "failed", failure_words(self, self.attempt, failed)
         return outcome, f"{reason}; {note}", interrupted, True
 
     def stopped(self) -> tuple[str, str]:
@@ -270,6 +273,8 @@ class SessionCell:
             lines=lines,
         )
         result["session"] = self.session_id
+        if self.restarted_to is not None:
+            result["restarts"] = self.restarted_to  # the restart this cell's failure brought
         self.chips(ranks, teardown_at)
         for alert in summary.closing_alerts(result, ranks, []):
             self.report.alert(**alert)

@@ -166,6 +166,7 @@ class CellRunner:
         ranks = cell.ranks(s.book.of(cell.attempt))
         cell.oom_alerts(ranks)
         if restarts and s.ended() is None:
+            cell.restarted_to = s.attempt
             words = self.journal.words(s.attempt)
             if words is None:
                 reason += f"; the session restarts (attempt {s.attempt + 1}) and replays its cells"

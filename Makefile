@@ -42,7 +42,8 @@ bench: $(VENV)/.installed
 FLOORS       ?= .venv-floors
 FLOORS_TESTS := tests/test_desync.py tests/test_gpus.py tests/test_spec.py tests/test_verdict.py \
                 tests/test_protocol.py tests/test_rundir.py tests/test_procs.py tests/test_watchdogs.py \
-                tests/test_success.py tests/test_failures.py tests/test_forensics.py tests/test_dashboard.py
+                tests/test_success.py tests/test_failures.py tests/test_forensics.py tests/test_dashboard.py \
+                tests/test_session.py
 
 # On torch 2.11, gloo can crash (SIGSEGV) when one rank's barrier meets another's all_reduce,
 # before the desync watch has looked (seen once in three runs here); 2.13 waits, as the test expects.

@@ -67,6 +67,8 @@ def test_state_persists_over_cells_and_down_leaves_nothing(session_kernel) -> No
     assert rank_pids(k) == pids  # the same processes ran every cell
     info = k.ok("%elastic session").stdout
     assert f"session {session}: ready, 2 ranks, attempt 0, restarts 0/3" in info
+    status = k.ok("%elastic status").stdout
+    assert f"session {session}: ready, 2 ranks, attempt 0, restarts 0/3, 5 cells run" in status
     assert "cell 1 " in info and "cell 3 " in info and "counter += 1" in info
     ex = k.ok("%elastic down")
     assert f"session {session} ended: ended with %elastic down" in ex.stdout

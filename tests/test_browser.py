@@ -182,6 +182,100 @@ def test_the_stop_button_ends_a_background_job(page: Any, lab: LabServer) -> Non
     assert wait_for(lambda: not _job_processes(job), timeout=10)
 
 
+def test_a_session_cell_shows_its_session_and_a_partial_failure(page: Any, lab: LabServer) -> None:
+    """`%elastic up`, then two bare cells on its ranks: the header names the session and the
+    cell; a cell that raises on rank 1 while rank 0 sleeps in Python fails it, and rank 0 is
+    interrupted (stopped), not restarted."""
+    nb = open_notebook(
+        page,
+        lab,
+        "session.ipynb",
+        [
+            "%elastic up --nproc 2",
+            "%%elastic\n"
+            "import os\n"
+            "print(f'hello from rank {os.environ[\"RANK\"]}', flush=True)\n"
+            "6 * 7\n",
+            "%%elastic\n"
+            "import os, time\n"
+            "if int(os.environ['RANK']) == 1:\n"
+            "    raise ValueError('x')\n"
+            "time.sleep(60)\n",
+            "%elastic down",
+        ],
+    )
+    nb.run(1)
+    nb.wait_done(1)
+    session = _match(
+        _stdout(nb, 1), re.compile(r"\[elastic_nb\] session ([0-9a-f]{8}): 2 ranks up")
+    )
+
+    # A cell on the session: each rank's line, its value, the session in the header.
+    nb.run(2)
+    nb.wait_done(2)
+    cell = _match(
+        _stdout(nb, 2),
+        re.compile(rf"\[elastic_nb\] job ([0-9a-f]{{8}}): on session {session}'s 2 ranks"),
+    )
+    dash = nb.cell(2).locator(".enb")
+    expect(dash.locator(".enb-job")).to_have_text(f"session {session} · cell {cell}")
+    expect(dash.locator(".enb-restarts")).to_have_text("session attempt 0 · restarts 0/3")
+    expect(dash.locator(".enb-state")).to_have_text("succeeded")
+    expect(dash.locator(".enb-chip")).to_have_count(2)
+    for r in (0, 1):
+        chip = dash.locator(f'.enb-chip[data-rank="{r}"]')
+        expect(chip).to_have_class(has_class("enb-s-done"))
+        expect(chip.locator(".enb-chip-label")).to_have_text("finished")
+        expect(chip.locator(".enb-chip-last")).to_have_text(f"hello from rank {r}")
+    result = nb.cell(2).locator(".jp-OutputArea-executeResult .jp-OutputArea-output")
+    expect(result).to_have_text("42")
+
+    # Rank 1 raises while rank 0 sleeps: rank 0 is interrupted, the session keeps both.
+    nb.run(3)
+    nb.wait_done(3)
+    failing = _match(
+        _stdout(nb, 3),
+        re.compile(rf"\[elastic_nb\] job ([0-9a-f]{{8}}): on session {session}'s 2 ranks"),
+    )
+    assert failing != cell
+    dash = nb.cell(3).locator(".enb")
+    expect(dash.locator(".enb-job")).to_have_text(f"session {session} · cell {failing}")
+    expect(dash.locator(".enb-restarts")).to_have_text("session attempt 0 · restarts 0/3")
+    expect(dash.locator(".enb-state")).to_have_text("failed")
+    rank1 = dash.locator('.enb-chip[data-rank="1"]')
+    expect(rank1).to_have_class(has_class("enb-s-failed"))
+    expect(rank1.locator(".enb-chip-label")).to_have_text("ValueError")
+    rank0 = dash.locator('.enb-chip[data-rank="0"]')
+    expect(rank0).to_have_class(has_class("enb-s-stopped"))
+    expect(rank0.locator(".enb-chip-label")).to_have_text("KeyboardInterrupt")
+    alert = dash.locator('.enb-alert[data-kind="failure"]')
+    expect(alert.locator(".enb-alert-title")).to_contain_text(
+        "rank 1 failed first: ValueError: x (cell line 4)", use_inner_text=True
+    )
+    nb.expect_output(3, "JobFailed: rank 1 failed first: ValueError: x (cell line 4)")
+    expect(nb.outputs(3).last).to_contain_text(
+        "; the session keeps its ranks and state", use_inner_text=True
+    )
+    shot(page, dash, "dashboard-session-failed.png")
+
+    nb.run(4)
+    nb.wait_done(4, timeout=30)
+    expect(_stdout(nb, 4)).to_contain_text([f"session {session} ended"])
+    assert wait_for(lambda: not _job_processes(session), timeout=10)
+
+
+def _stdout(nb: Any, cell: int) -> Any:
+    return nb.cell(cell).locator('[data-mime-type="application/vnd.jupyter.stdout"]')
+
+
+def _match(locator: Any, pattern: re.Pattern[str]) -> str:
+    """The first group of `pattern` in the text of `locator`, once the page shows it."""
+    expect(locator).to_contain_text([pattern], use_inner_text=True)
+    m = pattern.search("\n".join(locator.all_inner_texts()))
+    assert m, pattern
+    return m.group(1)
+
+
 def _job_processes(job: str) -> list[Any]:
     from elastic_nb import procs
 

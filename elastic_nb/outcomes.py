@@ -25,6 +25,7 @@ def record_failure(
     tb = exc.__traceback__
     while tb is not None and tb.tb_frame.f_code.co_filename.startswith(_PACKAGE):
         tb = tb.tb_next  # our own frames (this bootstrap, a session's loop) are noise to the user
+    _drop_own_innermost(tb)  # a session's interrupt is raised in our signal handler
     frames = traceback.extract_tb(tb)
     cell_frames = [f for f in frames if f.filename == str(rd.cell)]
     where = cell_frames[-1] if cell_frames else None
@@ -107,3 +108,14 @@ def dump_result(path: os.PathLike[str], value: Any) -> None:
         dump(path, ("value", value))
     except Exception:
         dump(path, ("repr", repr(value)))
+
+
+def _drop_own_innermost(tb: Any) -> None:
+    """Cut the traceback after its last frame that is not ours."""
+    last_theirs = None
+    while tb is not None:
+        if not tb.tb_frame.f_code.co_filename.startswith(_PACKAGE):
+            last_theirs = tb
+        tb = tb.tb_next
+    if last_theirs is not None:
+        last_theirs.tb_next = None

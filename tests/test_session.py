@@ -116,6 +116,12 @@ def test_a_failure_while_a_peer_runs_interrupts_the_peer(session_kernel, cache_h
     s = summary(cache_home, ex.job_id)
     assert s["failure"]["rank"] == 1 and s["session"] == session
     assert {o["rank"]: o["kind"] for o in s["others"]} == {0: "terminated"}
+    assert "rank 0: interrupted by elastic_nb (KeyboardInterrupt in the cell) after rank 1" in (
+        ex.traceback
+    )
+    rd = cache_home / "elastic_nb" / "runs" / session / "attempt-0"
+    assert "KeyboardInterrupt" in (rd / "rank-0.err").read_text()
+    assert "session_worker.py" not in (rd / "rank-0.err").read_text()  # not our handler's frame
     assert rank_pids(k) == pids  # nobody restarted
 
 

@@ -266,6 +266,9 @@ def _describe(r: RankState, kind: str, root: RankState | None) -> str:
     if kind == "collective_timeout":
         return f"timed out waiting: {r.failure_summary()}"
     if kind == "terminated":
+        if r.failure is not None and r.died_at is None:
+            # A session's rank, interrupted in the cell and back in its loop.
+            return f"interrupted by elastic_nb (KeyboardInterrupt in the cell){after}"
         how = "SIGINT" if r.failure else signal_name(-(r.exit_code or 0))
         if how == "SIGINT":
             return f"ended with its parent (torch's parent-death signal, SIGINT){after}"

@@ -10,6 +10,7 @@ import socket
 import stat
 from pathlib import Path
 
+import psutil
 import pytest
 
 from elastic_nb.client import runtime_dir
@@ -50,6 +51,125 @@ def test_the_exception_carries_rank_cause_and_run_dir(kernel: Kernel) -> None:
     assert (rank, cause, job) == ("1", "exit", ex.job_id)
     assert Path(run_dir, "summary.json").exists()
     assert_job_gone(ex.job_id)
+
+
+def _fields(kernel: Kernel) -> tuple[str, str]:
+    rank, cause = kernel.ok("import sys\ne = sys.last_value\nprint(e.rank, e.cause)").stdout.split()
+    return rank, cause
+
+
+# Every rank inside: rank 1 waits for rank 0 and rank 0 for rank 1 (a deadlock, no rank out of
+# step). Rank 1 receives on the default group (--collective-timeout 2), rank 0 on a group of its
+# own with a long timeout, so rank 1 times out first, always. Its exit would close its sockets under
+# rank 0 while the supervisor takes the stacks (rank 0 then fails on its dead peer, and if caught
+# between its exception and its record it counts as "never entered": a false desync, reported as a
+# bug); an atexit wait keeps rank 1, its record written, until the teardown. Rank 0 is live in
+# recv when its stack is taken.
+RECV_DEADLOCK = (
+    "%%elastic --nproc 2 --collective-timeout 2\n"
+    "import atexit, threading, torch, torch.distributed as dist\n"
+    "from datetime import timedelta\n"
+    "dist.init_process_group('gloo')\n"
+    "patient = dist.new_group(timeout=timedelta(seconds=300))\n"
+    "rank, t = dist.get_rank(), torch.zeros(1)\n"
+    "if rank == 1:\n"
+    "    atexit.register(threading.Event().wait)  # ends with the teardown\n"
+    "dist.recv(t, src=1 - rank, group=patient if rank == 0 else None)\n"
+)
+
+
+def test_a_collective_timeout_with_every_rank_inside_is_no_desync(
+    kernel: Kernel, cache_home: Path
+) -> None:
+    ex = kernel.run(RECV_DEADLOCK, timeout=180)
+    assert ex.ename == "JobFailed"
+    assert re.fullmatch(
+        r"rank 1 failed first: RuntimeError: \[\S*unbound_buffer\.cc:\d+\] Timed out waiting "
+        r"2000ms for recv operation to complete \(cell line 9\)",
+        ex.error["evalue"],
+    ), ex.error["evalue"]
+    assert _fields(kernel) == ("1", "collective_timeout")
+    tb = ex.traceback
+    assert "cause: collective_timeout (a collective waited longer than --collective-timeout" in tb
+    # The stacks were taken before the teardown: rank 0 still waiting, in the same call.
+    assert "rank 0 · waiting in recv · cell line 9: dist.recv(" in tb, tb
+    assert "rank 1 · raised in recv · cell line 9: dist.recv(" in tb, tb
+    assert "rank 0: stopped by elastic_nb (SIGTERM) after rank 1 failed" in tb, tb
+    assert "desync" not in tb and "never entered" not in tb
+    s = _summary(cache_home, ex.job_id)
+    assert (s["outcome"], s["cause"]) == ("failed", "collective_timeout")
+    assert (s["failure"]["rank"], s["failure"]["cause"]) == (1, "collective_timeout")
+    assert s["diagnosis"]["text"].startswith("every rank was in recv"), s["diagnosis"]
+    assert "(cell line 9): none was missing" in s["diagnosis"]["text"]
+    assert [o["rank"] for o in s["others"]] == [0]
+    assert s["others"][0]["kind"] == "terminated"
+    # Ended by rank 1's 2 s timeout, not by rank 0's own 300 s one (a liveness bound).
+    assert ex.seconds < 150
+    assert_job_gone(ex.job_id)
+
+
+# Rank 0's collective partner is no rank of the job: a helper process the cell starts itself
+# (its own TCPStore and gloo group), which exits once the group is up. Rank 0 fails with gloo's
+# "Connection closed by peer"; the one that died is no rank the supervisor could blame, and
+# rank 1, busy elsewhere, fails on nothing of its own.
+PEER_OUTSIDE_THE_JOB = (
+    "%%elastic --nproc 2\n"
+    "import os, subprocess, sys, threading, torch\n"
+    "from datetime import timedelta\n"
+    "from torch.distributed import ProcessGroupGloo, TCPStore\n"
+    "if os.environ['RANK'] == '1':\n"
+    "    threading.Event().wait()  # elsewhere until the job ends\n"
+    "store = TCPStore('127.0.0.1', 0, 2, is_master=True, wait_for_workers=False)\n"
+    "helper = (\n"
+    "    'import os, sys; from datetime import timedelta\\n'\n"
+    "    'from torch.distributed import ProcessGroupGloo, TCPStore\\n'\n"
+    "    'store = TCPStore(\"127.0.0.1\", int(sys.argv[1]), 2, is_master=False)\\n'\n"
+    "    'pg = ProcessGroupGloo(store, 1, 2, timedelta(seconds=300))\\n'\n"
+    "    'store.wait([\"go\"])\\n'\n"
+    "    'os._exit(0)\\n'\n"
+    ")\n"
+    "child = subprocess.Popen([sys.executable, '-c', helper, str(store.port)])\n"
+    "print('helper', child.pid, flush=True)\n"
+    "pg = ProcessGroupGloo(store, 0, 2, timedelta(seconds=300))\n"
+    "store.set('go', '1')  # the helper leaves; the all-reduce needs it\n"
+    "pg.allreduce([torch.ones(1)]).wait()\n"
+)
+
+
+def test_a_peer_outside_the_job_dies_under_a_rank(kernel: Kernel, cache_home: Path) -> None:
+    ex = kernel.run(PEER_OUTSIDE_THE_JOB, timeout=180)
+    assert ex.ename == "JobFailed"
+    assert re.fullmatch(
+        # gloo's words for the helper's exit: an orderly close, or a reset when the all-reduce's
+        # data reached it unread.
+        r"rank 0 failed first: RuntimeError: \[\S*pair\.cc:\d+\] (Connection closed by peer "
+        r"\[127\.0\.0\.1\]:\d+|Read error \[127\.0\.0\.1\]:\d+: Connection reset by peer)\..* "
+        r"\(cell line 20\)",
+        ex.error["evalue"],
+    ), ex.error["evalue"]
+    assert _fields(kernel) == ("0", "peer")
+    tb = ex.traceback
+    assert "cause: peer (this rank saw its peer disappear; no rank reported a failure" in tb
+    assert "pg.allreduce([torch.ones(1)]).wait()" in tb
+    assert re.search(
+        r"rank 1: stopped by (elastic_nb|the torchelastic agent) \(SIGTERM\) after rank 0 failed",
+        tb,
+    ), tb
+    s = _summary(cache_home, ex.job_id)
+    assert (s["outcome"], s["cause"]) == ("failed", "peer")
+    assert (s["failure"]["rank"], s["failure"]["cause"]) == (0, "peer")
+    assert [(o["rank"], o["kind"] in ("terminated", "agent")) for o in s["others"]] == [(1, True)]
+    assert_job_gone(ex.job_id)
+    # The helper is no rank: checked by its own pid, not by the job's marker sweep.
+    helper = int(re.search(r"\[rank 0\] helper (\d+)", ex.stdout)[1])
+    assert wait_for(lambda: _ended(helper), 10), f"the helper {helper} outlived the job"
+
+
+def _ended(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 def test_static_rendezvous_with_its_id_and_conf(kernel: Kernel) -> None:

@@ -18,12 +18,9 @@ cell (the `replay` alerts). torchrun, for context: a script that does the same 3
 rank 1 SIGKILLs itself in attempt 0 (`--max-restarts 1`); the kill -> every rank of attempt 1
 having redone the 3 steps and the forward pass.
 
-DDP's constructor imports torch._dynamo (about 1.7 s here), which the fork server does not
-preload: every replay of the model's cell pays it again. A second session row runs in a kernel
-where `%elastic config --preload torch._dynamo` was set before its first cell, so that its
-sessions' ranks are forks of a server that imported it (the ranks say so; `%elastic up --preload`
-alone does not do it: the session takes the launcher warmed for the job before it, whose fork
-server has the previous job's preloads), to show what the replay costs without that import.
+DDP's constructor imports torch._dynamo (about 1.7 s here): a session's fork server preloads it,
+so that a replay of the model's cell does not pay it again (the ranks say what they were forked
+with; this run checks it).
 """
 
 from __future__ import annotations
@@ -32,6 +29,7 @@ import json
 import os
 import re
 import signal
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -245,9 +243,8 @@ def events(cache: str, session: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def session_restart(el: Elastic, dynamo: bool) -> dict[str, float]:
-    """One P9 run on a fresh session: up, the 3 cells, the kill, the next cell, down. `dynamo`:
-    whether the ranks' fork server must have imported torch._dynamo."""
+def session_restart(el: Elastic) -> dict[str, float]:
+    """One P9 run on a fresh session: up, the 3 cells, the kill, the next cell, down."""
     k = el.kernel
     session = up(k, P9_NPROC)
     try:
@@ -260,7 +257,7 @@ def session_restart(el: Elastic, dynamo: bool) -> dict[str, float]:
         )
         pids = {int(r): int(p) for r, p in _PID.findall(ex.stdout)}
         assert sorted(pids) == list(range(P9_NPROC)), ex.stdout
-        assert ex.stdout.count("'torch._dynamo'") == (P9_NPROC if dynamo else 0), ex.stdout
+        assert ex.stdout.count("'torch._dynamo'") == P9_NPROC, ex.stdout  # the session's preload
         before = ex.result
         killed = time.time()
         os.kill(pids[1], signal.SIGKILL)
@@ -305,7 +302,10 @@ def session_restart(el: Elastic, dynamo: bool) -> dict[str, float]:
     return out
 
 
-def torchrun_restart(d: str) -> dict[str, float]:
+def torchrun_restart(d: str) -> dict[str, float] | None:
+    """None when torchrun's own run failed: its gloo ranks sometimes abort (SIGABRT) in the
+    attempt after the kill (seen in 2 of 6 runs here, as in throughput.py's baseline); the
+    table says how often, rather than retrying until it passes."""
     r = torchrun(
         TORCHRUN_P9,
         P9_NPROC,
@@ -314,7 +314,9 @@ def torchrun_restart(d: str) -> dict[str, float]:
         env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},  # as restart.py: see its docstring
         timeout=300,
     )
-    assert r.returncode == 0, r.output[-3000:]
+    if r.returncode != 0:
+        print(f"torchrun failed (exit {r.returncode}):\n{r.output[-1500:]}", file=sys.stderr)
+        return None
     m = r.marks
     assert len(m.get("back", [])) == P9_NPROC and len(m.get("kill", [])) == 1, r.output[-3000:]
     kill = m["kill"][0]
@@ -327,31 +329,18 @@ def torchrun_restart(d: str) -> dict[str, float]:
     }
 
 
-PRELOAD = "--preload torch._dynamo"
-
-
 def p9(n: int) -> None:
     d = bench_dir()
-    kernels: list[Elastic] = []
+    el = Elastic(d)
     try:
-        el = Elastic(d)
-        kernels.append(el)
-        pre = Elastic(d)
-        kernels.append(pre)
-        pre.kernel.ok(f"%elastic config {PRELOAD}")  # before its first (cold) launcher
-        for k in kernels:
-            k.run("--nproc 1", "print('warming up')\n")  # the kernel's cold cell
-            k.wait_warm()
-        xs, ps, ys = rotate(
-            n,
-            lambda: session_restart(el, dynamo=False),
-            lambda: session_restart(pre, dynamo=True),
-            lambda: torchrun_restart(d),
-        )
+        el.run("--nproc 1", "print('warming up')\n")  # the kernel's cold cell
+        el.wait_warm()
+        xs, all_ys = rotate(n, lambda: session_restart(el), lambda: torchrun_restart(d))
     finally:
-        for k in reversed(kernels):
-            k.shutdown()
-    totals_x, totals_p, totals_y = ([r["total"] for r in rs] for rs in (xs, ps, ys))
+        el.shutdown()
+    ys = [y for y in all_ys if y is not None]
+    assert ys, "torchrun failed in every run"
+    totals_x, totals_y = ([r["total"] for r in rs] for rs in (xs, ys))
     print(HEADER.replace("elastic_nb", "session"))
     what = "rank 1 SIGKILLed -> state back and the next cell shown"
     print(
@@ -363,19 +352,18 @@ def p9(n: int) -> None:
             "<= 2 s",
         )
     )
-    print(row(f"P9, the same, the fork server with `{PRELOAD}`", totals_p, totals_y, "<= 2 s"))
-    print(
-        f"\n| P9 breakdown, session | default: median (min-max) | `{PRELOAD}` |\n"
-        "| --- | --- | --- |"
-    )
+    print("\n| P9 breakdown, session | median (min-max) |\n| --- | --- |")
     for key in xs[0]:
-        print(f"| {key} | {spread([x[key] for x in xs])} | {spread([p[key] for p in ps])} |")
+        print(f"| {key} | {spread([x[key] for x in xs])} |")
     print("\n| P9 breakdown, torchrun | median (min-max) |\n| --- | --- |")
     for key in ys[0]:
         print(f"| {key} | {spread([y[key] for y in ys])} |")
-    for label, totals in (("session", totals_x), (f"session, {PRELOAD}", totals_p)):
-        ok = "meets" if median(totals) <= 2 else "misses"
-        print(f"P9: {label}: median {median(totals):.2f} s: {ok} the 2 s target")
+    if len(ys) < len(all_ys):
+        print(
+            f"torchrun's own run failed in {len(all_ys) - len(ys)} of {len(all_ys)} (not counted)"
+        )
+    ok = "meets" if median(totals_x) <= 2 else "misses"
+    print(f"P9: session: median {median(totals_x):.2f} s: {ok} the 2 s target")
 
 
 def main() -> None:

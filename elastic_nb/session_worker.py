@@ -42,42 +42,29 @@ SOCKET_ENV = "ELASTIC_NB_SESSION_SOCKET"
 
 def serve(run_dir: str, env: dict[str, str], start_env: dict[str, str]) -> bool:
     """Run the session's cells in this rank until the supervisor says bye (or goes)."""
-    worker._adopt_environment(env, start_env)
-    rd = RunDir(run_dir)
-    rank = int(os.environ["RANK"])
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    spec = JobSpec.from_json(rd.spec.read_text())
-    worker._prepare_process(spec, rd)
-    worker._arm_forensics(rd, attempt, rank)
-    worker._refuse_a_bad_fork()
-    namespace = worker._fresh_main().__dict__
+    me = worker.prepare(run_dir, env, start_env)
+    worker.refuse_a_bad_fork()  # before any cell: this rank's restarts would all fail alike
     channel = _Channel(os.environ[SOCKET_ENV])
-    channel.send(protocol.RANK_HELLO, rank=rank, attempt=attempt, pid=os.getpid())
+    channel.send(protocol.RANK_HELLO, rank=me.rank, attempt=me.attempt, pid=os.getpid())
     while True:
         msg = channel.next()
         if msg is None or msg["kind"] == protocol.BYE:
             return True
         cell = msg["cell"]
-        ok = _run_one(channel, RunDir(msg["run_dir"]), cell, attempt, rank, namespace)
+        ok = _run_one(channel, RunDir(msg["run_dir"]), cell, me)
         channel.send(protocol.RAN, cell=cell, ok=ok)
 
 
-def _run_one(
-    channel: _Channel,
-    crd: RunDir,
-    cell: str,
-    attempt: int,
-    rank: int,
-    namespace: dict[str, Any],
-) -> bool:
+def _run_one(channel: _Channel, crd: RunDir, cell: str, me: worker.Rank) -> bool:
     """One cell, its records in its own run directory (as a job's rank leaves them). True if it
     finished; a cell that raised leaves the rank in the loop."""
-    crd.attempt(attempt).mkdir(exist_ok=True)
+    crd.attempt(me.attempt).mkdir(exist_ok=True)
     meta = json.loads(crd.cell_meta.read_text())
     spec = JobSpec.from_json(crd.spec.read_text())
     sys.argv = [str(crd.cell)]
     around = channel.running(cell)
-    return worker.run_cell(crd, meta, spec, attempt, rank, namespace, around, final=False) is None
+    error = worker.run_cell(crd, meta, spec, me.attempt, me.rank, me.namespace, around, final=False)
+    return error is None
 
 
 class _Channel:

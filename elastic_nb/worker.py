@@ -26,6 +26,7 @@ import sys
 import time
 import types
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from elastic_nb import procs, recorder
@@ -34,7 +35,7 @@ from elastic_nb.protocol import STACK_SIGNAL
 from elastic_nb.rundir import RunDir, write_json
 from elastic_nb.spec import MANAGED_ENV, JobSpec
 
-__all__ = ["bootstrap", "run_cell"]
+__all__ = ["Rank", "bootstrap", "prepare", "refuse_a_bad_fork", "run_cell"]
 
 
 def bootstrap(run_dir: str, env: dict[str, str], start_env: dict[str, str]) -> bool:
@@ -44,20 +45,38 @@ def bootstrap(run_dir: str, env: dict[str, str], start_env: dict[str, str]) -> b
     launcher's fork server's, for a forked rank): what torchelastic added on top of the latter
     is this rank's own (RANK, MASTER_PORT, ...).
     """
+    me = prepare(run_dir, env, start_env)
+    meta = json.loads(me.rd.cell_meta.read_text())
+    error = run_cell(
+        me.rd, meta, me.spec, me.attempt, me.rank, me.namespace, _checked_fork(), final=True
+    )
+    if error is not None:
+        raise error
+    return True
+
+
+@dataclass
+class Rank:
+    """This process as a rank of its job (or session), prepared."""
+
+    rd: RunDir
+    rank: int
+    attempt: int
+    spec: JobSpec
+    namespace: dict[str, Any]  # the cell's __main__
+
+
+def prepare(run_dir: str, env: dict[str, str], start_env: dict[str, str]) -> Rank:
+    """Become a rank of the job: its environment and marker, its working directory, sys.path
+    and timeouts, the forensics (stack dumps, flight-recorder probes), a fresh __main__."""
     _adopt_environment(env, start_env)
     rd = RunDir(run_dir)
     rank = int(os.environ["RANK"])
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     spec = JobSpec.from_json(rd.spec.read_text())
-    meta = json.loads(rd.cell_meta.read_text())
     _prepare_process(spec, rd)
     _arm_forensics(rd, attempt, rank)
-
-    namespace = _fresh_main().__dict__
-    error = run_cell(rd, meta, spec, attempt, rank, namespace, _checked_fork(), final=True)
-    if error is not None:
-        raise error
-    return True
+    return Rank(rd, rank, attempt, spec, _fresh_main().__dict__)
 
 
 def run_cell(
@@ -119,7 +138,7 @@ def run_cell(
 
 @contextlib.contextmanager
 def _checked_fork() -> Iterator[None]:
-    _refuse_a_bad_fork()  # a failure of the cell's, recorded as one
+    refuse_a_bad_fork()  # a failure of the cell's, recorded as one
     yield
 
 
@@ -209,7 +228,7 @@ def _settle_forked_rank(failed_preloads: dict[str, str]) -> None:
             )
 
 
-def _refuse_a_bad_fork() -> None:
+def refuse_a_bad_fork() -> None:
     """A rank forked from a process that had initialised CUDA cannot use it ("Cannot
     re-initialize CUDA in forked subprocess", at its first CUDA call, deep in the cell): say
     why, and what to do, before the cell runs."""

@@ -24,6 +24,19 @@ from elastic_nb.supervisor.tailer import LogTailer
 from elastic_nb.supervisor.teardown import ProcessTree
 
 
+def test_new_failures_come_in_the_order_they_happened(tmp_path: Path) -> None:
+    """Rank 1 timed out, and its peer error then reached rank 0: one poll reads both, and the
+    job must act on rank 1's timeout first (its diagnosis takes the stacks)."""
+    rd = RunDir(str(tmp_path))
+    book = RankBook(rd)
+    r0, r1 = book.add(0, 0, pid=101, started_at=1.0), book.add(0, 1, pid=102, started_at=1.0)
+    rd.attempt(0).mkdir(parents=True)
+    write_json(rd.failure(0, 0), {"rank": 0, "time": 5.2, "type": "RuntimeError", "message": "x"})
+    write_json(rd.failure(0, 1), {"rank": 1, "time": 5.0, "type": "RuntimeError", "message": "y"})
+    assert book.new_failures(0) == [r1, r0]
+    assert book.new_failures(0) == []  # read once
+
+
 def test_the_rank_book_meets_records_exits_and_blame(tmp_path: Path) -> None:
     rd = RunDir(str(tmp_path))
     book = RankBook(rd)

@@ -262,3 +262,34 @@ def test_sys_exit_in_the_cell_is_an_exit_not_an_exception() -> None:
     r = RankState(0, 1, failure=failure(1.0, "SystemExit", "3"), died_at=1.1, exit_code=1)
     assert r.kind(None) == "exit"
     assert analyze([r], None).cause == "exit"
+
+
+def test_a_rank_whose_position_is_unknown_is_not_behind() -> None:
+    """A stack taken while the rank was raising (no cell frame yet, no record yet): it may have
+    been on its way into the collective; blaming it made a timeout a false desync."""
+    where = {
+        0: forensics.RankWhere(0, "live", note="its stack has no cell frame"),
+        1: forensics.where_from_dump(1, DUMP_IN_ALL_REDUCE, CELL, "p1"),
+    }
+    d = forensics.desync_verdict(where, CELL, [])
+    assert d is not None and d.behind == [] and d.waiting == [1]
+    assert d.text == "rank 1 waited in all_reduce (cell line 7); where rank 0 was is unknown"
+    where[2] = forensics.where_from_dump(2, DUMP_SLEEPING, CELL, "p2")  # seen elsewhere: behind
+    assert forensics.desync_verdict(where, CELL, []).behind == [2]  # type: ignore[union-attr]
+
+
+def test_a_socket_error_of_the_cells_own_is_not_a_dead_peer() -> None:
+    own = RankState(
+        0,
+        0,
+        failure=failure(
+            10.0, "urllib.error.URLError", "<urlopen error [Errno 111] Connection refused>"
+        ),
+    )
+    later = RankState(0, 1, failure=failure(12.0))
+    v = analyze([own, later], teardown_at=None)
+    assert v.root is own and v.cause == "exception"
+    store = failure(10.0, "torch.distributed.DistStoreError", "TCPStore: Connection refused")
+    gloo = failure(10.0, "RuntimeError", "[gloo/transport/tcp/pair.cc:8] Broken pipe")
+    for f in (store, gloo):
+        assert RankState(0, 0, failure=f).kind(None) == "peer"

@@ -249,9 +249,21 @@ def _from_stacks(
         groups.setdefault((op, cf.line if cf else None), []).append(r)
     (op, line), waiters = max(groups.items(), key=lambda kv: (len(kv[1]), -min(kv[1])))
     at = f" (cell line {line})" if line else ""
-    behind = sorted(r for r in where if r not in waiters)
+    others = [r for r in where if r not in waiters]
+    # Only a rank seen elsewhere is behind: one whose position is unknown (no stack, or a stack
+    # taken outside the cell while it was raising) may as well have been on its way in.
+    behind = sorted(r for r in others if _seen(where[r], cell))
+    unseen = sorted(r for r in others if r not in behind)
     seq = _waited_seq(waiters, histories)
     op_name = f"{op} #{seq}" if seq else op
+    if not behind and unseen:
+        return Desync(
+            [],
+            sorted(waiters),
+            f"rank{'s' if len(waiters) > 1 else ''} {', '.join(map(str, sorted(waiters)))} "
+            f"waited in {op_name}{at}; where rank{'s' if len(unseen) > 1 else ''} "
+            f"{', '.join(map(str, unseen))} {'were' if len(unseen) > 1 else 'was'} is unknown",
+        )
     if not behind:
         return Desync(
             [],
@@ -270,6 +282,11 @@ def _from_stacks(
     waited = ", ".join(str(r) for r in sorted(waiters))
     text = "; ".join(parts) + f"; rank{'s' if len(waiters) > 1 else ''} {waited} waited in it"
     return Desync(behind, sorted(waiters), text, notes=notes)
+
+
+def _seen(w: RankWhere, cell: str) -> bool:
+    """Where the rank is, known: it left the cell, or its stack or record is in the cell."""
+    return w.how in ("finished", "exited") or w.cell_frame(cell) is not None
 
 
 def _elsewhere(w: RankWhere, cell: str) -> str:

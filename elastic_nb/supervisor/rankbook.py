@@ -113,14 +113,16 @@ class RankBook:
                 r.exit_code = self.launcher_exits.get(r.attempt, {}).get(r.rank)
 
     def new_failures(self, attempt: int) -> list[RankState]:
-        """Live ranks of the attempt whose failure record has just appeared (read once a poll)."""
+        """Live ranks of the attempt whose failure record has just appeared (read once a poll),
+        in the order they failed: a poll that reads a timeout and the peer error it caused
+        must act on the timeout (its diagnosis takes every stack), not on the lower rank."""
         found = []
         for r in self.of(attempt):
             if r.died_at is None and r.failure is None and r.done is None:
                 self.read_records(r)
                 if r.failure is not None:
                     found.append(r)
-        return found
+        return sorted(found, key=lambda r: r.failed_at or 0.0)
 
     def read_records(self, r: RankState) -> None:
         if r.done is None:

@@ -9,6 +9,8 @@ served:
 * every rank answered and one raised                            -> failed, the session stays
 * a rank raised while others still run it                       -> the others are interrupted
                                                                    (KeyboardInterrupt); failed
+* a rank finished while another waits in a later collective     -> a desync: the waiting ones
+  (the desync watch, as a job's)                                   are interrupted; failed
 * a rank of the session died                                    -> failed; the session restarts
 * `stop` from the kernel (interrupt, %elastic stop), --timeout  -> the ranks are interrupted;
                                                                    interrupted / timeout

@@ -29,11 +29,15 @@ __all__ = [
 
 # What a rank raises when another rank of its group died under it (gloo and NCCL wordings).
 _PEER_DIED = re.compile(
-    r"connection closed by peer|connection reset by peer|broken pipe|remote process exited"
+    r"connection closed by peer|connection reset by peer|remote process exited"
     r"|communicator was aborted|NCCL.*(?:aborted|remote)"
-    r"|failed to recv|got 0 bytes|DistNetworkError|connection refused",
+    r"|failed to recv|got 0 bytes|DistNetworkError",
     re.IGNORECASE,
 )
+# Words any socket error has: a peer's death only in torch's communication layer (gloo's
+# transport, c10d's store), not in a rank's own code (an HTTP download refused is its failure).
+_SOCKET_GONE = re.compile(r"broken pipe|connection refused", re.IGNORECASE)
+_TORCH_COMM = re.compile(r"gloo|c10d|TCPStore|ProcessGroup|nccl", re.IGNORECASE)
 # A collective that waited past its timeout (gloo, NCCL's watchdog, c10d's own wording).
 _TIMED_OUT = re.compile(
     r"timed out waiting|watchdog caught collective operation timeout|DistTimeoutError"
@@ -112,7 +116,11 @@ class RankState:
                 return "oom"
             if _TIMED_OUT.search(self.failure["message"]):
                 return "collective_timeout"
-            if _PEER_DIED.search(self.failure["message"]):
+            message = self.failure["message"]
+            if _PEER_DIED.search(message) or (
+                _SOCKET_GONE.search(message)
+                and (_TORCH_COMM.search(message) or self.failure["type"].startswith("torch."))
+            ):
                 return "peer"
             return "exception"
         if self.watchdog is not None:

@@ -316,3 +316,43 @@ def test_a_session_has_what_it_preloads_even_after_a_warm_cell(
         "%%elastic\nimport sys\n[m in sys.modules for m in ('preloaded_probe', 'torch._dynamo')]\n"
     )
     assert ex.result == "[True, True]"  # and DDP's torch._dynamo, which every session preloads
+
+
+# What NCCL's watchdog prints when a collective times out (ProcessGroupNCCL.cpp); under the default
+# --async-error-handling 1 it then waits a minute for the flight recorder's dump, and aborts.
+WATCHDOG = (
+    "[rank0]:[E1123 10:00:05.123456789 ProcessGroupNCCL.cpp:632] [Rank 0] Watchdog caught "
+    "collective operation timeout: WorkNCCL(SeqNum=2, OpType=ALLREDUCE, NumelIn=1, NumelOut=1, "
+    "Timeout(ms)=1000) ran for 1003 milliseconds before timing out."
+)
+
+
+def test_nccls_watchdog_line_on_a_session_is_diagnosed_and_restarts(session_kernel) -> None:
+    """The CPU stand-in for NCCL's timeout (tests/test_forensics.py has the job's): rank 0's
+    watchdog line while rank 1 never comes. Every rank's stack is taken while both live, the
+    waiting rank's abort is not waited for, and the session restarts with its state."""
+    k, _session = session_kernel
+    k.ok("%%elastic\ncounter += 4\n")
+    t0 = time.monotonic()
+    ex = k.run(
+        "%%elastic\n"
+        "import sys, threading, time\n"
+        "dist.all_reduce(torch.ones(1))\n"
+        "def watchdog():\n"
+        "    time.sleep(1)\n"
+        f"    print({WATCHDOG!r}, file=sys.stderr, flush=True)\n"
+        "    time.sleep(60)\n"
+        "    os.abort()\n"
+        "if dist.get_rank() == 0:\n"
+        "    threading.Thread(target=watchdog, daemon=True).start()\n"
+        "    dist.all_reduce(torch.ones(1))   # rank 1 never comes\n"
+        "else:\n"
+        "    time.sleep(600)\n"
+    )
+    assert time.monotonic() - t0 < 30  # not the minute NCCL would wait before its abort
+    assert ex.ename == "JobFailed"
+    assert "rank 0 timed out in ALLREDUCE #2: rank 1 never entered all_reduce" in ex.stderr
+    assert ex.error["evalue"].startswith("desync: rank 1 never entered all_reduce")
+    assert "rank 0 · waiting in all_reduce" in ex.traceback
+    assert "the session restarted (attempt 1) and replayed" in ex.traceback
+    assert k.ok("%%elastic\ncounter\n").result == "4"

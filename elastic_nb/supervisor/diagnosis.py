@@ -24,7 +24,14 @@ from elastic_nb.supervisor.reporter import Reporter
 from elastic_nb.supervisor.verdict import RankState, watchdog_op, watchdog_summary
 from elastic_nb.supervisor.watchdogs import Silence
 
-__all__ = ["Diagnosis", "Finding", "oom_alert"]
+__all__ = [
+    "Diagnosis",
+    "Finding",
+    "oom_alert",
+    "timeout_finding",
+    "watchdog_title",
+    "where_finding",
+]
 
 LOOK_LEFT_S = 0.25
 LOOK_IDLE_S = 1.0
@@ -55,7 +62,7 @@ class Finding:
         }
 
 
-def _timed_out(r: RankState, ev: Evidence, spec: JobSpec) -> Finding:
+def timeout_finding(r: RankState, ev: Evidence, spec: JobSpec) -> Finding:
     """Rank `r` timed out in a collective: in which op, after how long, and whose fault."""
     op = ev.where[r.rank].collective() if r.rank in ev.where else None
     after = f" after {spec.collective_timeout:g} s" if spec.collective_timeout else ""
@@ -69,7 +76,7 @@ def _timed_out(r: RankState, ev: Evidence, spec: JobSpec) -> Finding:
     return Finding(title, culprit, desync, ev.stacks)
 
 
-def _where(title: str, ev: Evidence) -> Finding:
+def where_finding(title: str, ev: Evidence) -> Finding:
     """Nothing ended (a hang, stacks on request, a watchdog that keeps the rank): where
     everyone is, and what they say of a desync."""
     if ev.desync is not None:
@@ -159,7 +166,7 @@ class Diagnosis:
 
     async def report_where(self, kind: str, title: str) -> None:
         """An alert with every rank's stack and what they say of a desync; nothing ends."""
-        found = _where(title, await self.evidence())
+        found = where_finding(title, await self.evidence())
         self._report.alert(kind, "warning", found.title, rank=found.culprit, text=found.stacks)
 
     async def stacks(self) -> str:
@@ -209,7 +216,7 @@ class Diagnosis:
 
     async def _timeout(self, r: RankState, kind: str) -> None:
         try:
-            found = _timed_out(r, await self.evidence(), self._job.spec)
+            found = timeout_finding(r, await self.evidence(), self._job.spec)
             if found.desync is not None:
                 self._blame(r.attempt, found.desync)
             self.finding = found

@@ -342,6 +342,8 @@ class Session:
         next_flush = 0.0
         while True:
             self.tailer.poll()
+            for attempt, rank, _, line in self.tailer.take_marked():
+                self.runner.on_watchdog(attempt, rank, line)
             if time.monotonic() >= next_flush:
                 await self.runner.followed.flush(self.attempt, self.runner.current)
                 await self._report.flush(self.attempt, None)

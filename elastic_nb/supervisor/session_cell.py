@@ -30,9 +30,16 @@ import anyio
 
 from elastic_nb import protocol
 from elastic_nb.rundir import RunDir, read_json, write_atomic, write_json
-from elastic_nb.spec import JobSpec
+from elastic_nb.spec import TEARS_DOWN, JobSpec
 from elastic_nb.supervisor import summary
-from elastic_nb.supervisor.diagnosis import LOOK_LEFT_S, Finding, oom_alert
+from elastic_nb.supervisor.diagnosis import (
+    LOOK_LEFT_S,
+    Finding,
+    oom_alert,
+    timeout_finding,
+    watchdog_title,
+    where_finding,
+)
 from elastic_nb.supervisor.evidence import EvidenceCollector
 from elastic_nb.supervisor.reporter import Reporter, Send
 from elastic_nb.supervisor.verdict import RankState, Verdict, analyze
@@ -93,6 +100,7 @@ class SessionCell:
         self.attempt = 0
         self.finding: Finding | None = None  # a desync found while it ran
         self.restarted_to: int | None = None  # the session's attempt after the restart it brought
+        self.watchdog: tuple[int, str, float] | None = None  # NCCL's timeout line: rank, line, when
 
     @property
     def running(self) -> bool:
@@ -125,6 +133,13 @@ class SessionCell:
             self.report.event("stop", reason=reason)
             self.poke()
 
+    def on_watchdog(self, rank: int, line: str) -> None:
+        """NCCL's watchdog says this rank's collective timed out (its first such line)."""
+        if self.watchdog is None:
+            self.watchdog = (rank, line, time.time())
+            self.report.event("rank.watchdog", rank=rank, line=line)
+            self.poke()
+
     def answer(self, rank: int, ok: bool) -> None:
         self.answers[rank] = ok
         self.poke()
@@ -137,7 +152,9 @@ class SessionCell:
         deadline = self.created + self.spec.timeout if self.spec.timeout else math.inf
         first_failure: float | None = None
         interrupted: float | None = None
-        watch = _DesyncWatch(self, links, EvidenceCollector(host.rd, self.source, self.rd.cell))
+        collector = EvidenceCollector(host.rd, self.source, self.rd.cell)
+        watch = _DesyncWatch(self, links, collector)
+        watchdog_seen = False
         while True:
             now = time.monotonic()
             dead = [link.r for link in links if link.r.died_at is not None]
@@ -148,6 +165,11 @@ class SessionCell:
                 r = min(dead, key=lambda x: x.died_at or 0.0) if dead else None
                 why = f"rank {r.rank} {r.failure_summary()}" if r else "a rank died"
                 return "failed", why, interrupted or time.time(), True
+            if self.watchdog is not None and not watchdog_seen:
+                watchdog_seen = True
+                decision = await self._watchdog(links, collector, host)
+                if decision is not None:
+                    return decision
             failed = sorted(rank for rank, ok in self.answers.items() if not ok)
             missing = [link for link in links if link.r.rank not in self.answers]
             if not missing:
@@ -178,6 +200,39 @@ class SessionCell:
                 wake = now + (interrupted + grace - time.time())
             with anyio.move_on_after(max(0.0, min(wake - now, 1.0))):
                 await self.changed.wait()
+
+    async def _watchdog(
+        self, links: list[Link], collector: EvidenceCollector, host: Host
+    ) -> Decision | None:
+        """A NCCL collective timed out: where every rank is, while all still live. Where NCCL
+        ends the rank after its dump (--async-error-handling 1, 3), the session restarts now
+        (the rank would abort within a minute anyway); otherwise an alert, and the cell goes on
+        (the error may reach it)."""
+        assert self.watchdog is not None
+        rank, line, when = self.watchdog
+        views = self.ranks([link.r for link in links])
+        for r in views:
+            if r.rank == rank:
+                r.watchdog = {"time": when, "line": line}
+        ev = await collector.collect(views)
+        mode = host.spec.async_error_handling
+        if mode not in TEARS_DOWN:
+            found = where_finding(watchdog_title(rank, line, mode), ev)
+            self.report.alert(
+                "collective_timeout", "warning", found.title, rank=found.culprit, text=ev.stacks
+            )
+            return None
+        timed_out = next(r for r in views if r.rank == rank)
+        self.finding = timeout_finding(timed_out, ev, host.spec)
+        self.report.alert(
+            "collective_timeout",
+            "error",
+            self.finding.title,
+            rank=self.finding.culprit,
+            text=ev.stacks,
+        )
+        host.kill([link.r for link in links if link.r.died_at is None])
+        return "failed", self.finding.title, time.time(), True
 
     def _stuck(
         self, missing: list[Link], failed: list[int], interrupted: float, host: Host

@@ -220,6 +220,13 @@ class CellRunner:
     def alert(self, kind: str, severity: str, title: str, rank: int | None = None) -> None:
         self._s.alert(kind, severity, title, rank=rank)
 
+    def on_watchdog(self, attempt: int, rank: int, line: str) -> None:
+        """NCCL's watchdog line in a rank's log: the running cell's (a replayed cell's rank
+        aborts, and the restart replays again)."""
+        cell = self.current
+        if cell is not None and cell.no is not None and cell.attempt == attempt:
+            cell.on_watchdog(rank, line)
+
     # ---- --hang-after ------------------------------------------------------------------------
 
     async def _poll_hangs(self) -> None:

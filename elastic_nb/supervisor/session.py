@@ -82,7 +82,7 @@ class Session:
         self.attempt = 0
         self.summary: dict[str, Any] | None = None
         self.socket_path = socket_dir / f"session-{session_id}.sock"
-        self._env, self._send, self._reap, self._orphans = env, send, reap, orphans
+        self._env, self._reap, self._orphans = env, reap, orphans
         self._launchers = launchers
         self._launcher: Launcher | None = None
         self._tree: ProcessTree | None = None

@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from elastic_nb import procs, recorder
+from elastic_nb import loopback, procs, recorder
 from elastic_nb.outcomes import dump, dump_result, record_failure
 from elastic_nb.protocol import STACK_SIGNAL
 from elastic_nb.rundir import RunDir, write_json
@@ -184,6 +184,8 @@ def _prepare_process(spec: JobSpec, rd: RunDir) -> None:
     sys.argv = [str(rd.cell)]
     if spec.collective_timeout is not None:
         _patch_default_timeouts(spec.collective_timeout)
+    # Rank 0's process-group store listens on 127.0.0.1 only, not on every interface.
+    loopback.patch_process_group_store()
 
 
 def _settle_forked_rank(failed_preloads: dict[str, str]) -> None:

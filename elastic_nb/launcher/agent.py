@@ -20,7 +20,7 @@ import threading
 import time
 from typing import Any
 
-from elastic_nb import procs, protocol
+from elastic_nb import loopback, procs, protocol
 from elastic_nb.rundir import RunDir
 from elastic_nb.spec import TEARS_DOWN, JobSpec
 
@@ -84,12 +84,15 @@ def main() -> None:
     os.environ.clear()
     os.environ.update(assignment["env"])
     _apply_environment(spec, job_id, rd)
-    config = _launch_config(spec, rd, job_id)
     job_env = dict(os.environ)
     # Spawned ranks start from this process's environment; forked ones from the fork server's.
     start_env = warm_env if spec.start_method == "forkserver" else job_env
     code = 0
     try:
+        # The rendezvous store serves on a socket of ours on 127.0.0.1 (loopback.py), held for
+        # the job's life; torch's c10d or static backend finds it at the endpoint it is given.
+        rdzv_server = loopback.rendezvous_server(_endpoint_port(spec.rdzv_endpoint))
+        config = _launch_config(spec, rd, job_id, f"{loopback.HOST}:{rdzv_server.port}")
         # A session's ranks run cells until the supervisor says bye; a job's run its one cell.
         entrypoint = serve if spec.session else bootstrap
         elastic_launch(config, entrypoint)(str(rd.path), job_env, start_env)
@@ -191,6 +194,9 @@ def _die_with_parent() -> None:
 def _apply_environment(spec: JobSpec, job_id: str, rd: RunDir) -> None:
     """Ranks inherit this process's environment (torchelastic only adds its rank variables)."""
     env = os.environ
+    # gloo's and NCCL's own listening sockets on loopback too (loopback.py): over the kernel's
+    # environment, under --env.
+    env.update(loopback.interface_env())
     env.update(spec.env)
     # Failure forensics for NCCL (inert on gloo). --env and the kernel's environment win.
     for name, value in {
@@ -218,7 +224,13 @@ def _apply_environment(spec: JobSpec, job_id: str, rd: RunDir) -> None:
     os.chdir(spec.cwd)
 
 
-def _launch_config(spec: JobSpec, rd: RunDir, job_id: str) -> Any:
+def _endpoint_port(endpoint: str) -> int:
+    """The port of HOST:PORT. The host names this machine (flags.parse_endpoint refuses any
+    other): whichever name it is, the store listens on 127.0.0.1 only."""
+    return int(endpoint.rsplit(":", 1)[1])
+
+
+def _launch_config(spec: JobSpec, rd: RunDir, job_id: str, rdzv_endpoint: str) -> Any:
     from torch.distributed.launcher.api import LaunchConfig
 
     from elastic_nb.launcher.logs import RunDirLogsSpecs
@@ -232,13 +244,17 @@ def _launch_config(spec: JobSpec, rd: RunDir, job_id: str) -> Any:
         "nproc_per_node": spec.nproc,
         "run_id": spec.rdzv_id or job_id,
         "rdzv_backend": spec.rdzv_backend,
-        "rdzv_endpoint": spec.rdzv_endpoint,
+        "rdzv_endpoint": rdzv_endpoint,
         "rdzv_configs": rdzv_configs,
         "max_restarts": spec.max_restarts,
         "monitor_interval": spec.monitor_interval,
         "start_method": spec.start_method,
         "logs_specs": RunDirLogsSpecs(rd),
     }
+    # MASTER_ADDR, the address rank 0's process-group store is reached at (and, in the ranks,
+    # bound to: loopback.patch_process_group_store); torch's default is this machine's FQDN.
+    if "local_addr" in LaunchConfig.__dataclass_fields__:
+        kwargs["local_addr"] = loopback.HOST
     # Not in every torch (absent from 2.11's LaunchConfig); where it is, 30 s by default.
     if "shutdown_timeout" in LaunchConfig.__dataclass_fields__:
         kwargs["shutdown_timeout"] = max(1, round(spec.stop_grace))

@@ -1,0 +1,172 @@
+"""While a job runs, nothing of it listens beyond loopback: the launcher's rendezvous store,
+rank 0's process-group store, gloo's own listeners. Real kernel, real supervisor, real gloo
+ranks, listed while they are in the cell, after init_process_group."""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import os
+import socket
+from pathlib import Path
+
+import psutil
+import pytest
+
+from elastic_nb import loopback, procs
+from tests.kernel import Kernel, wait_for
+
+# Each rank says it is in the cell (pid, job marker, MASTER_PORT) once every rank has its
+# process group, and stays there until the test has looked.
+IN_CELL = """
+import os, time, torch.distributed as dist
+if not dist.is_initialized():
+    dist.init_process_group()
+dist.barrier()
+here = {dir!r}
+rank = dist.get_rank()
+with open(os.path.join(here, f".rank-{{rank}}"), "w") as f:
+    f.write(f"{{os.getpid()}} {{os.environ['ELASTIC_NB_JOB']}} {{os.environ['MASTER_PORT']}}")
+os.replace(os.path.join(here, f".rank-{{rank}}"), os.path.join(here, f"rank-{{rank}}"))
+while not os.path.exists(os.path.join(here, "go")):
+    time.sleep(0.05)
+dist.barrier()
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def listening(pids: set[int]) -> list[tuple[int, str, str, int]]:
+    """(pid, command, address, port) of every socket of these processes that accepts from
+    anyone who can reach its address: TCP listeners, and UDP sockets bound but not connected."""
+    out = []
+    for pid in sorted(pids):
+        with contextlib.suppress(psutil.Error):
+            p = psutil.Process(pid)
+            cmd = " ".join(p.cmdline())[:100]
+            for c in p.net_connections(kind="inet"):
+                udp = c.type == socket.SOCK_DGRAM and not c.raddr
+                if c.status == psutil.CONN_LISTEN or udp:
+                    out.append((pid, cmd, c.laddr.ip, c.laddr.port))
+    return out
+
+
+def exposed(sockets: list[tuple[int, str, str, int]]) -> list[str]:
+    return [
+        f"pid {pid} ({cmd}) listens on {ip}:{port}"
+        for pid, cmd, ip, port in sockets
+        if not _loopback(ip)
+    ]
+
+
+def _loopback(ip: str) -> bool:
+    addr = ipaddress.ip_address(ip.split("%")[0])
+    mapped = getattr(addr, "ipv4_mapped", None)
+    return (mapped or addr).is_loopback
+
+
+def in_the_cell(k: Kernel, cell: str, here: Path) -> tuple[dict[int, tuple[int, int]], int, list]:
+    """Run `cell` (IN_CELL on two ranks) and, while both ranks wait in it, list the listening
+    sockets of every process carrying the job's marker and of the kernel's whole tree (the
+    supervisor, warm launchers and their fork servers too). Returns each rank's (pid,
+    MASTER_PORT), the launcher's pid, and those sockets."""
+    msg_id, ex = k.start(cell)
+    files = [here / f"rank-{r}" for r in (0, 1)]
+    try:
+        arrived = wait_for(lambda: all(f.exists() for f in files), timeout=90)
+        if arrived:
+            ranks = {}
+            for r, f in enumerate(files):
+                pid, job, master_port = f.read_text().split()
+                ranks[r] = (int(pid), int(master_port))
+            marked = {p.pid for p in procs.job_processes([job])}
+            tree = {p.pid for p in psutil.Process(k.pid).children(recursive=True)}
+            sockets = listening(marked | tree)
+            launchers = [p for p in marked if "-m elastic_nb.launcher" in _cmd(p)]
+    finally:
+        (here / "go").touch()
+    ex = k.collect(msg_id, ex)
+    assert arrived and ex.error is None, f"{ex.ename}\n{ex.traceback}\n{ex.stdout}{ex.stderr}"
+    assert {pid for pid, _ in ranks.values()} <= marked, (ranks, marked)
+    assert len(launchers) == 1, [_cmd(p) for p in marked]
+    return ranks, launchers[0], sockets
+
+
+def _cmd(pid: int) -> str:
+    try:
+        return " ".join(psutil.Process(pid).cmdline())
+    except psutil.Error:
+        return ""
+
+
+def assert_only_loopback(
+    ranks: dict[int, tuple[int, int]], launcher: int, sockets: list, rank0_hosts: bool = True
+) -> None:
+    assert not exposed(sockets), "\n".join(exposed(sockets))
+    # Not vacuous: the stores this is about were there to be seen.
+    assert any(pid == launcher for pid, *_ in sockets), f"no rendezvous store in {sockets}"
+    pid0, master_port = ranks[0]
+    if rank0_hosts:
+        assert (pid0, master_port) in {(pid, port) for pid, _, _, port in sockets}, (
+            f"rank 0 ({pid0}) does not host its process-group store on {master_port}: {sockets}"
+        )
+
+
+@pytest.mark.parametrize(
+    "flags",
+    ["", "--start-method spawn", "--rdzv-backend static --rdzv-endpoint localhost:{port}"],
+    ids=["forkserver", "spawn", "static"],
+)
+def test_a_job_listens_on_loopback_only(kernel: Kernel, tmp_path: Path, flags: str) -> None:
+    flags = flags.format(port=free_port())
+    cell = f"%%elastic --nproc 2 {flags}\n" + IN_CELL.format(dir=str(tmp_path))
+    ranks, launcher, sockets = in_the_cell(kernel, cell, tmp_path)
+    # With the static backend every rank uses the agent's store: rank 0 hosts none.
+    assert_only_loopback(ranks, launcher, sockets, rank0_hosts="static" not in flags)
+
+
+def test_gloo_and_nccl_are_named_loopback_over_the_kernels_environment(kernel: Kernel) -> None:
+    """A kernel environment set up for a cluster (GLOO_SOCKET_IFNAME=eth0) does not take a
+    single-node job off loopback; --env, the job's own setting, still wins."""
+    lo = loopback.interface_env()
+    kernel.ok("import os\nos.environ['GLOO_SOCKET_IFNAME'] = 'eth0'")
+    try:
+        show = (
+            "import os\nprint(os.environ['GLOO_SOCKET_IFNAME'], os.environ['NCCL_SOCKET_IFNAME'])\n"
+        )
+        ex = kernel.ok("%%elastic --nproc 1\n" + show)
+        assert f"[rank 0] {lo['GLOO_SOCKET_IFNAME']} {lo['NCCL_SOCKET_IFNAME']}\n" in ex.stdout
+        ex = kernel.ok("%%elastic --nproc 1 --env NCCL_SOCKET_IFNAME=mine\n" + show)
+        assert f"[rank 0] {lo['GLOO_SOCKET_IFNAME']} mine\n" in ex.stdout
+    finally:
+        kernel.ok("os.environ.pop('GLOO_SOCKET_IFNAME', None)")
+
+
+def test_a_session_listens_on_loopback_only(fresh_kernel: Kernel, tmp_path: Path) -> None:
+    k = fresh_kernel
+    assert "2 ranks up" in k.ok("%elastic up --nproc 2").stdout
+    k.ok("%%elastic\nimport torch.distributed as dist\ndist.init_process_group()\n")
+    ranks, launcher, sockets = in_the_cell(
+        k, "%%elastic\n" + IN_CELL.format(dir=str(tmp_path)), tmp_path
+    )
+    assert_only_loopback(ranks, launcher, sockets)
+    k.ok("%elastic down")
+
+
+def test_listening_is_read_where_it_would_fail() -> None:
+    """The check itself sees a socket on every interface, and one on loopback as fine."""
+    with socket.socket(socket.AF_INET6) as wide, socket.socket() as narrow:
+        wide.bind(("::", 0))
+        wide.listen()
+        narrow.bind(("127.0.0.1", 0))
+        narrow.listen()
+        sockets = listening({os.getpid()})
+        ports = {port: ip for _, _, ip, port in sockets}
+        assert (
+            ports[wide.getsockname()[1]] == "::" and ports[narrow.getsockname()[1]] == "127.0.0.1"
+        )
+        assert exposed(sockets) and all("::" in line for line in exposed(sockets))

@@ -1,8 +1,10 @@
 """The text renderer: rank-prefixed lines, alerts and a one-line summary, on stdout/stderr.
 
 It serves every frontend without widgets (terminal IPython, nbconvert/nbclient, CI) and is what
-a saved notebook keeps. Lines arrive in batches (the supervisor bounds them); a batch that left
-lines out says how many and where the full log is.
+a saved notebook keeps. Lines arrive in batches (the supervisor bounds them: lines per update,
+characters per line); a batch that left lines out says how many and where the full log is. A cell
+prints at most `MAX_CELL_CHARS` characters of rank output, then says once that it stops and
+where the logs are; alerts and the summary line are still printed.
 """
 
 from __future__ import annotations
@@ -13,10 +15,12 @@ from typing import Any, Literal, TextIO
 
 from elastic_nb import report
 
-__all__ = ["TextRenderer"]
+__all__ = ["MAX_CELL_CHARS", "TextRenderer"]
 
 # An unfinished progress bar is re-printed at most this often per rank and stream.
 PROGRESS_EVERY_S = 5.0
+# Characters of rank output one cell prints; the run directory's logs keep everything.
+MAX_CELL_CHARS = 500_000
 
 
 class TextRenderer:
@@ -42,6 +46,7 @@ class TextRenderer:
         self._out = out or sys.stdout
         self._err = err or sys.stderr
         self._progress_at: dict[tuple[int, str], float] = {}
+        self._left = MAX_CELL_CHARS  # of rank output this cell may still print
 
     def start(
         self, nproc: int, worst_case_s: float | None = None, session: str | None = None
@@ -76,18 +81,34 @@ class TextRenderer:
             lines, skipped, progress = batch["lines"], batch["skipped"], batch["progress"]
             stream = self._out if name == "out" else self._err
             prefix = f"[rank {rank}] "
+            text = []
             if skipped:
                 log = f"{self._run_dir}/attempt-{attempt}/rank-{rank}.{name}"
-                stream.write(f"{prefix}... {skipped:,} lines not shown (full log: {log})\n")
-            if lines:
-                stream.write("".join(f"{prefix}{line}\n" for line in lines))
+                text.append(f"{prefix}... {skipped:,} lines not shown (full log: {log})\n")
+            text.extend(f"{prefix}{line}\n" for line in lines)
             if progress is not None:
                 now = time.monotonic()
                 if now - self._progress_at.get((rank, name), -PROGRESS_EVERY_S) >= PROGRESS_EVERY_S:
                     self._progress_at[(rank, name)] = now
-                    stream.write(f"{prefix}{progress}\n")
+                    text.append(f"{prefix}{progress}\n")
+            self._write(stream, "".join(text), attempt)
         self._out.flush()
         self._err.flush()
+
+    def _write(self, stream: TextIO, text: str, attempt: int) -> None:
+        """Rank output, while the cell's allowance lasts; then one line saying it stopped."""
+        if self._left <= 0 or not text:
+            return
+        if len(text) > self._left:
+            cut = text.rfind("\n", 0, self._left) + 1  # whole lines only
+            text = text[:cut] + (
+                f"[elastic_nb] {MAX_CELL_CHARS:,} characters of rank output shown: the rest is "
+                f"not printed (full logs: {self._run_dir}/attempt-{attempt}/)\n"
+            )
+            self._left = 0
+        else:
+            self._left -= len(text)
+        stream.write(text)
 
     def flush(self) -> None:
         """Lines are written as they come (IOPub batches them)."""

@@ -107,3 +107,66 @@ def test_marked_lines_are_caught_even_in_a_flood_and_noise_is_not_activity(
         f.write(WATCHDOG.replace(b"Watchdog caught", b"[PG ID 0] failure"))  # noise only
     t.poll()
     assert t.take_marked() == [] and t.activity_total() == 100_000
+
+
+def test_a_huge_line_is_cut_and_counted_the_file_keeps_it(tmp_path: Path) -> None:
+    path = tmp_path / "rank-1.out"
+    t = LogTailer(max_lines=5, max_chars=10)
+    t.follow(0, 1, {"out": path})
+    with path.open("ab") as f:
+        f.write(b"short\n" + b"x" * 100)
+        f.flush()
+        t.poll()  # the huge line is unfinished: only its head is held
+        assert len(t._streams[(0, 1, "out")].partial) <= 11
+        f.write(b"y" * 5_000_000 + b"\n\xc3\xa9" * 3 + b"\n")  # then 3 lines of "é"
+    t.poll()
+    (batch,) = t.take()
+    assert batch.lines == [
+        "short",
+        f"xxxxxxxxxx… 5,000,090 characters not shown (full log: {path})",
+        "é",
+        "é",
+        "é",
+    ]
+    assert path.stat().st_size == 6 + 5_000_100 + 1 + 9
+
+
+def test_a_huge_line_in_one_read_and_an_unfinished_one_at_the_end(tmp_path: Path) -> None:
+    path = tmp_path / "rank-1.out"
+    path.write_bytes("é".encode() * 30 + b"\n" + b"z" * 25)
+    t = LogTailer(max_chars=10)
+    t.follow(0, 1, {"out": path})
+    t.poll(final=True)
+    (batch,) = t.take()
+    assert batch.lines == [
+        f"{'é' * 10}… 20 characters not shown (full log: {path})",
+        f"{'z' * 10}… 15 characters not shown (full log: {path})",
+    ]
+
+
+def test_a_progress_bar_of_200_000_updates_is_its_last_state(tmp_path: Path) -> None:
+    path = tmp_path / "rank-1.out"
+    t = LogTailer(max_chars=50)
+    t.follow(0, 1, {"out": path})
+    with path.open("ab") as f:
+        for chunk in range(4):
+            f.write(
+                b"".join(
+                    b"\r%6d/200000 |%s" % (i, b"#" * (i // 10_000))
+                    for i in range(chunk * 50_000, (chunk + 1) * 50_000)
+                )
+            )
+            f.flush()
+            t.poll()
+            s = t._streams[(0, 1, "out")]
+            assert len(s.partial) < 100  # the bar's last state, not its history
+        (batch,) = t.take()
+        assert batch.lines == [] and batch.progress == "199999/200000 |" + "#" * 19
+        f.write(b"\r" + b"#" * 80 + b"\r")  # a state longer than the cap, then a return
+        f.flush()
+        t.poll()
+        assert t.take()[0].progress == "#" * 50 + f"… 30 characters not shown (full log: {path})"
+        f.write(b"done\n")
+    t.poll()
+    (batch,) = t.take()
+    assert batch.lines == ["done"] and batch.progress is None

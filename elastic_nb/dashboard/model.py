@@ -5,7 +5,8 @@ The supervisor sends at most ten updates a second per job, each carrying every r
 and into a pending *delta*; `take_delta` hands that delta out once, numbered, for the widget to
 send as one message. `snapshot` is the whole state, for a view that starts late (a reload) and
 for the notebook file. Memory is bounded whatever the log volume: a tail of `TAIL_LINES` per
-rank and `ALL_LINES` across ranks, the newest `MAX_ALERTS` alerts.
+rank and `ALL_LINES` across ranks, and of those no more than `TAIL_CHARS` and `ALL_CHARS`
+characters (the tailer cuts each line at a few thousand), the newest `MAX_ALERTS` alerts.
 
 The browser side (``dashboard.js``) applies the same deltas to the same structure with the same
 bounds, so a view never needs more than the snapshot and what follows it.
@@ -21,10 +22,12 @@ from elastic_nb import report
 from elastic_nb.rundir import RunDir
 from elastic_nb.spec import JobSpec
 
-__all__ = ["ALL_LINES", "MAX_ALERTS", "TAIL_LINES", "DashboardState"]
+__all__ = ["ALL_CHARS", "ALL_LINES", "MAX_ALERTS", "TAIL_CHARS", "TAIL_LINES", "DashboardState"]
 
 TAIL_LINES = 1000  # per rank, in its tab
 ALL_LINES = 2000  # the "all ranks" tab
+TAIL_CHARS = 250_000  # characters of a rank's tab: the newest lines that fit
+ALL_CHARS = 500_000  # characters of the "all ranks" tab
 MAX_ALERTS = 100
 MAX_ALERT_TEXT = 200_000  # characters of an alert's detail (stacks of many ranks fit)
 
@@ -58,9 +61,10 @@ class DashboardState:
         self.alerts: collections.deque[dict[str, Any]] = collections.deque(maxlen=MAX_ALERTS)
         self.attempts: list[dict[str, Any]] = [_attempt(0, 0.0)]
         self.tails: dict[str, collections.deque[list[str]]] = {
-            str(r): collections.deque(maxlen=TAIL_LINES) for r in range(nproc)
+            str(r): collections.deque() for r in range(nproc)
         }
-        self.all: collections.deque[list[Any]] = collections.deque(maxlen=ALL_LINES)
+        self.all: collections.deque[list[Any]] = collections.deque()
+        self._chars: dict[str | None, int] = {}  # characters held: per rank's tail, None: all
         self.progress: dict[str, list[str]] = {}
         self.summary: dict[str, Any] | None = None
         self._delta: Delta = {}
@@ -167,11 +171,23 @@ class DashboardState:
 
     def _append(self, rank: str | None, stream: str, texts: list[str]) -> None:
         """Lines for one rank's tab and the all-ranks tab (rank None: the all-ranks tab only)."""
+        texts = _newest(texts, ALL_LINES, ALL_CHARS)
         if rank is not None:
-            tail = self.tails.setdefault(rank, collections.deque(maxlen=TAIL_LINES))
-            tail.extend([stream, t] for t in texts[-TAIL_LINES:])
-        self.all.extend([rank, stream, t] for t in texts[-ALL_LINES:])
-        self._delta.setdefault("lines", []).append([rank, stream, texts[-ALL_LINES:]])
+            tail = self.tails.setdefault(rank, collections.deque())
+            tail.extend([stream, t] for t in texts)
+            self._trim(rank, tail, TAIL_LINES, TAIL_CHARS, texts)
+        self.all.extend([rank, stream, t] for t in texts)
+        self._trim(None, self.all, ALL_LINES, ALL_CHARS, texts)
+        self._delta.setdefault("lines", []).append([rank, stream, texts])
+
+    def _trim(
+        self, key: str | None, q: collections.deque[Any], lines: int, chars: int, added: list[str]
+    ) -> None:
+        """Drop the oldest lines over either bound (dashboard.js trims the same way)."""
+        size = self._chars.get(key, 0) + sum(len(t) for t in added)
+        while q and (len(q) > lines or size > chars):
+            size -= len(q.popleft()[-1])
+        self._chars[key] = size
 
     def _progress(self, rank: str, bar: list[str] | None) -> None:
         """A rank's unfinished ``\r`` line ([stream, text]), shown live under its lines."""
@@ -200,7 +216,13 @@ class DashboardState:
         return {
             "seq": self.seq,
             "now": time.time(),
-            "limits": {"tail": TAIL_LINES, "all": ALL_LINES, "alerts": MAX_ALERTS},
+            "limits": {
+                "tail": TAIL_LINES,
+                "all": ALL_LINES,
+                "tail_chars": TAIL_CHARS,
+                "all_chars": ALL_CHARS,
+                "alerts": MAX_ALERTS,
+            },
             "header": dict(self.header),
             "ranks": dict(self.ranks),
             "alerts": list(self.alerts),
@@ -210,6 +232,16 @@ class DashboardState:
             "progress": dict(self.progress),
             "summary": self.summary,
         }
+
+
+def _newest(texts: list[str], lines: int, chars: int) -> list[str]:
+    """The newest of texts within both bounds."""
+    texts = texts[-lines:]
+    size, start = 0, len(texts)
+    while start and size + len(texts[start - 1]) <= chars:
+        start -= 1
+        size += len(texts[start])
+    return texts[start:]
 
 
 def _attempt(attempt: int, started: float) -> dict[str, Any]:

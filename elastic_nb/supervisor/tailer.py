@@ -3,7 +3,11 @@
 Files are the truth for logs: ranks write them at the fd level and nothing here can slow a rank
 down. Each poll reads what is new; each batch carries at most `max_lines` lines per stream (the
 newest) and the count of lines it left out, so a rank printing 100,000 lines costs the kernel a
-few messages, not 100,000. Progress bars (``\\r`` rewrites) collapse to their last state.
+few messages, not 100,000. Progress bars (``\\r`` rewrites) collapse to their last state. Each
+line is cut at `max_chars` characters (a tensor printed whole, a JSON blob: one 5 MB line), its
+first characters kept and the rest counted: "… N characters not shown (full log: PATH)". What is
+held of an unfinished line is bounded the same way, so memory does not grow with a line's length;
+an unfinished line without ``\\r`` shows when it ends (or when the job does).
 
 Two kinds of line are told apart on the way, whatever the batch keeps: lines carrying a *mark*
 are handed out whole (`take_marked`: NCCL's watchdog announcing a timeout is evidence, and may
@@ -20,10 +24,11 @@ from pathlib import Path
 
 from elastic_nb.protocol import LogBatch
 
-__all__ = ["Batch", "LogTailer"]
+__all__ = ["MAX_LINE_CHARS", "Batch", "LogTailer"]
 
 _READ_CHUNK = 4 * 1024 * 1024
-_MAX_PARTIAL = 64 * 1024  # a "line" without a newline longer than this is flushed as is
+MAX_LINE_CHARS = 4000  # characters of one line handed out; the log file has the rest
+_CONTINUATION = bytes(range(0x80, 0xC0))  # UTF-8 bytes that do not start a character
 
 
 @dataclass
@@ -56,10 +61,13 @@ class _Stream:
     stream: str
     path: Path
     max_lines: int
+    max_chars: int = MAX_LINE_CHARS
     marks: tuple[bytes, ...] = ()
     noise: tuple[bytes, ...] = ()
     fd: int | None = None
-    partial: bytes = b""
+    partial: bytes = b""  # the unfinished line: what a terminal shows of it, at most max_chars
+    cut: int = 0  # characters of the unfinished line left out of partial
+    cr: bool = False  # the unfinished line's last byte was a \r
     lines: collections.deque[str] = field(init=False)
     skipped: int = 0
     total: int = 0
@@ -81,33 +89,70 @@ class _Stream:
             data = os.read(self.fd, _READ_CHUNK)
             if not data:
                 break
-            self._consume(self.partial + data)
-        if final and self.partial:
-            self._add([self.partial])
-            self.partial = b""
+            self._consume(data)
+        if final and (self.partial or self.cut):
+            self._add([self.partial], self.cut)
+            self.partial, self.cut, self.cr = b"", 0, False
             self.progress = None
 
     def _consume(self, data: bytes) -> None:
-        *complete, partial = data.split(b"\n")
-        self._add(complete)
-        self.progress = None
-        if b"\r" in partial:
-            self.progress = _collapse(partial)
-            if len(partial) > _MAX_PARTIAL:  # a bar rewritten 10,000 times: keep its last state
-                partial = b"\r" + self.progress.encode()
-        elif len(partial) > _MAX_PARTIAL:
-            self._add([partial])
-            partial = b""
-        self.partial = partial
+        *complete, rest = data.split(b"\n")
+        if complete:
+            self._pend(complete[0])  # the end of the unfinished line
+            first, cut = self.partial, self.cut
+            self.partial, self.cut, self.cr = b"", 0, False
+            self._add([first, *complete[1:]], cut)
+        self._pend(rest)
+        self.progress = self._render(self.partial, self.cut) if b"\r" in self.partial else None
 
-    def _add(self, raws: list[bytes]) -> None:
+    def _pend(self, data: bytes) -> None:
+        """Add bytes without a newline to the unfinished line, keeping what a terminal would show
+        (the text after the last \\r, a bar rewritten 200,000 times: its last state) and of that
+        the first max_chars characters, counting the rest."""
+        if not data:
+            return
+        body = data.rstrip(b"\r")
+        restart = body.rfind(b"\r") + 1
+        if restart == 0 and not (body and self.cr):
+            restart = -1  # no \r followed by text: the shown text goes on
+        self.cr = data.endswith(b"\r")
+        if restart >= 0:
+            self.partial, self.cut = b"\r" + data[restart:], 0
+        elif self.cut:
+            self.cut += _chars(body)  # a \r here ends data: it shows nothing
+            return
+        else:
+            self.partial += data
+        if len(self.partial) > self.max_chars + 1:
+            lead = b"\r" if self.partial.startswith(b"\r") else b""
+            shown = self.partial[len(lead) :].rstrip(b"\r")
+            n = _chars(shown)
+            if n > self.max_chars:
+                head = shown.decode("utf-8", errors="replace")[: self.max_chars]
+                self.partial, self.cut = lead + head.encode(), n - self.max_chars
+
+    def _add(self, raws: list[bytes], cut: int = 0) -> None:
+        """Finished lines; `cut`: characters already left out of the first."""
         if self.marks or self.noise:
             self._sort(raws)
         # Only the newest max_lines can survive to the next batch: decode just those.
         keep = raws[-self.max_lines :]
         self.total += len(raws)
         self.skipped += len(raws) - len(keep) + max(0, len(self.lines) + len(keep) - self.max_lines)
-        self.lines.extend(_collapse(raw) for raw in keep)
+        first = len(raws) - len(keep)  # keep[0]'s index in raws
+        self.lines.extend(
+            self._render(raw, cut if first + i == 0 else 0) for i, raw in enumerate(keep)
+        )
+
+    def _render(self, raw: bytes, cut: int = 0) -> str:
+        """A line as handed out: what a terminal shows, cut at max_chars characters."""
+        shown = _shown(raw)
+        head = shown[: 4 * self.max_chars + 4]  # decode no more than can be kept
+        text = head.decode("utf-8", errors="replace")
+        cut += _chars(shown[len(head) :]) + max(0, len(text) - self.max_chars)
+        if not cut:
+            return text
+        return f"{text[: self.max_chars]}… {cut:,} characters not shown (full log: {self.path})"
 
     def _sort(self, raws: list[bytes]) -> None:
         for raw in raws:
@@ -134,20 +179,32 @@ class _Stream:
             self.fd = None
 
 
-def _collapse(raw: bytes) -> str:
+def _shown(raw: bytes) -> bytes:
     """What a terminal would show: the text after the last carriage return."""
     raw = raw.rstrip(b"\r")
-    if b"\r" in raw:
-        segments = [s for s in raw.split(b"\r") if s]
-        raw = segments[-1] if segments else b""
-    return raw.decode("utf-8", errors="replace")
+    return raw[raw.rfind(b"\r") + 1 :]
+
+
+def _collapse(raw: bytes) -> str:
+    return _shown(raw).decode("utf-8", errors="replace")
+
+
+def _chars(raw: bytes) -> int:
+    """Characters in UTF-8 bytes, without decoding them (a character split across reads counts
+    once)."""
+    return len(raw.translate(None, _CONTINUATION))
 
 
 class LogTailer:
     def __init__(
-        self, max_lines: int = 200, marks: tuple[bytes, ...] = (), noise: tuple[bytes, ...] = ()
+        self,
+        max_lines: int = 200,
+        marks: tuple[bytes, ...] = (),
+        noise: tuple[bytes, ...] = (),
+        max_chars: int = MAX_LINE_CHARS,
     ) -> None:
         self._max_lines = max_lines
+        self._max_chars = max_chars
         self._marks = marks
         self._noise = noise
         self._streams: dict[tuple[int, int, str], _Stream] = {}
@@ -157,7 +214,14 @@ class LogTailer:
             key = (attempt, rank, stream)
             if key not in self._streams:
                 self._streams[key] = _Stream(
-                    attempt, rank, stream, path, self._max_lines, self._marks, self._noise
+                    attempt,
+                    rank,
+                    stream,
+                    path,
+                    self._max_lines,
+                    self._max_chars,
+                    self._marks,
+                    self._noise,
                 )
 
     def poll(self, final: bool = False) -> None:

@@ -21,14 +21,23 @@ function fromSnapshot(snap) {
   d.all ??= [];
   d.progress ??= {};
   d.limits ??= { tail: 1000, all: 2000, alerts: 100 };
+  d.limits.tail_chars ??= Infinity;
+  d.limits.all_chars ??= Infinity;
   d.alertsSeen = d.alerts.length; // ever received: the list itself drops the oldest
   // The kernel's clock, for the elapsed time: local time minus this offset.
   d.offset = Date.now() / 1000 - (snap?.now ?? Date.now() / 1000);
   return d;
 }
 
-function trim(list, limit) {
+function trim(list, limit, chars = Infinity) {
   if (list.length > limit) list.splice(0, list.length - limit);
+  if (chars === Infinity) return;
+  // Characters too, oldest lines first, as DashboardState._trim does (the text is last).
+  let size = 0;
+  for (const line of list) size += line.at(-1).length;
+  let drop = 0;
+  while (drop < list.length && size > chars) size -= list[drop++].at(-1).length;
+  if (drop) list.splice(0, drop);
 }
 
 // Fold one delta into the state, exactly as DashboardState does in the kernel.
@@ -48,10 +57,10 @@ function apply(d, delta) {
     if (rank !== null) {
       const tail = (d.tails[rank] ??= []);
       for (const t of texts) tail.push([stream, t]);
-      trim(tail, d.limits.tail);
+      trim(tail, d.limits.tail, d.limits.tail_chars);
     }
     for (const t of texts) d.all.push([rank, stream, t]);
-    trim(d.all, d.limits.all);
+    trim(d.all, d.limits.all, d.limits.all_chars);
   }
   for (const [rank, bar] of Object.entries(delta.progress ?? {})) {
     if (bar === null) delete d.progress[rank];

@@ -1,0 +1,111 @@
+"""Huge lines and huge outputs: what the notebook receives is bounded, the rank logs keep all.
+
+Real kernel, real ranks, text mode (what a saved notebook keeps)."""
+
+from __future__ import annotations
+
+import gc
+import io
+import json
+
+import psutil
+
+from elastic_nb.dashboard.model import ALL_CHARS, TAIL_CHARS, DashboardState
+from elastic_nb.render_text import MAX_CELL_CHARS, TextRenderer
+from elastic_nb.rundir import RunDir
+from elastic_nb.spec import JobSpec
+from tests.kernel import Execution, Kernel
+
+MB = 1024 * 1024
+
+
+def _run_dir(ex: Execution) -> RunDir:
+    return RunDir(
+        next(line.split("logs: ")[1] for line in ex.stdout.splitlines() if "logs: " in line)
+    )
+
+
+def _measured(kernel: Kernel, code: str) -> tuple[Execution, int, int]:
+    """The cell's execution, the bytes of its output and the kernel's RSS growth."""
+    kernel.ok("%%elastic --nproc 2\nprint('warm')\n")  # imports and pools are not the cell's
+    kernel.ok("import gc; gc.collect();")
+    rss = psutil.Process(kernel.pid).memory_info().rss
+    ex = kernel.ok(code)
+    kernel.ok("gc.collect();")
+    gc.collect()
+    grew = psutil.Process(kernel.pid).memory_info().rss - rss
+    size = len(ex.stdout.encode()) + len(ex.stderr.encode())
+    print(f"\ncell output {size:,} bytes, kernel RSS +{grew / MB:.1f} MB")
+    return ex, size, grew
+
+
+def test_a_5mb_line_per_rank_is_cut_and_the_log_keeps_it(kernel: Kernel) -> None:
+    ex, size, grew = _measured(
+        kernel,
+        "%%elastic --nproc 2\nimport sys\nprint('x' * 5_000_000)\nprint('after', file=sys.stderr)\n",
+    )
+    assert size < 1 * MB, size
+    assert grew < 20 * MB, grew
+    rd = _run_dir(ex)
+    for rank in (0, 1):
+        log = rd.log(0, rank, "out")
+        assert log.read_text() == "x" * 5_000_000 + "\n"  # the file keeps the whole line
+        shown = f"[rank {rank}] {'x' * 4000}… 4,996,000 characters not shown (full log: {log})\n"
+        assert shown in ex.stdout
+        assert f"[rank {rank}] after\n" in ex.stderr
+
+
+def test_a_200_000_update_progress_bar_per_rank_is_its_last_state(kernel: Kernel) -> None:
+    ex, size, grew = _measured(
+        kernel,
+        "%%elastic --nproc 2\n"
+        "import sys\n"
+        "for i in range(200_000):\n"
+        "    sys.stdout.write(f'\\r{i + 1}/200000 |' + '#' * (i // 5000))\n"
+        "sys.stdout.write('\\n')\n",
+    )
+    assert size < 1 * MB, size
+    assert grew < 20 * MB, grew
+    for rank in (0, 1):
+        assert f"[rank {rank}] 200000/200000 |{'#' * 39}\n" in ex.stdout
+    assert _run_dir(ex).log(0, 0, "out").read_bytes().count(b"\r") == 200_000
+
+
+def _flood(rank: int, n: int, width: int = 4000) -> dict:
+    lines = [f"{rank} {i} " + "y" * width for i in range(n)]
+    return {
+        "attempt": 0,
+        "rank": rank,
+        "stream": "out",
+        "lines": lines,
+        "skipped": 0,
+        "progress": None,
+    }
+
+
+def test_a_cell_prints_a_bounded_total_then_says_it_stopped() -> None:
+    out, err = io.StringIO(), io.StringIO()
+    r = TextRenderer("cafe0001", "/runs/cafe0001", out, err)
+    for _ in range(20):  # 20 updates of 200 lines of 4,000 characters from each of 2 ranks
+        r.update({"logs": [_flood(0, 200), _flood(1, 200)]})
+    r.update({"alerts": [{"kind": "slow", "severity": "warning", "title": "still shown"}]})
+    text = out.getvalue()
+    assert len(text) <= MAX_CELL_CHARS + 200 < 1 * MB and err.getvalue() == ""
+    assert text.count("characters of rank output shown") == 1
+    assert "the rest is not printed (full logs: /runs/cafe0001/attempt-0/)" in text
+    assert text.endswith("[elastic_nb] still shown\n")
+    assert all(line.startswith("[") for line in text.splitlines())  # whole lines only
+
+
+def test_the_dashboard_holds_a_bounded_number_of_characters(tmp_path) -> None:
+    state = DashboardState("cafe0001", str(tmp_path), JobSpec.from_options({"nproc": 2}))
+    for _ in range(20):
+        state.apply({"logs": [_flood(0, 200), _flood(1, 200)]})
+        delta = state.take_delta()
+        assert delta and len(json.dumps(delta)) < 2 * ALL_CHARS
+    for rank in ("0", "1"):
+        tail = state.tails[rank]
+        assert sum(len(t) for _, t in tail) <= TAIL_CHARS
+        assert tail[-1][1].startswith(f"{rank} 199 ")  # the newest lines stay
+    assert sum(len(t) for *_, t in state.all) <= ALL_CHARS
+    assert len(json.dumps(state.snapshot())) < 2 * MB

@@ -1,10 +1,8 @@
 """A session (``%elastic up``): one elastic job whose ranks stay up and run cell after cell, and
 come back after a restart with the state the cells built.
 
-The session owns a launcher whose ranks run `session_worker.serve`. Each rank connects to the
-session's Unix socket (owner-only directory; the peer's pid is checked against the pid the
-agent reported), says hello, and runs the cells it is sent. Cells are `SessionCell`s, one at a
-time, in the order they came; the journal keeps the ones that succeeded.
+The session owns a launcher whose ranks run `session_worker.serve` and connect to the session's
+Unix socket (`session_ranks`); `session_runner` gives them the cells, one at a time.
 
 When a rank of the current attempt dies (an exception outside a cell, os._exit, SIGKILL, an OOM
 kill, NCCL's abort, or our kill of a rank stuck past an interrupt), torchelastic restarts the

@@ -15,6 +15,7 @@ import psutil
 import pytest
 
 from elastic_nb import procs
+from tests.conftest import ours
 from tests.kernel import Kernel, wait_for
 
 INIT = (
@@ -356,3 +357,21 @@ def test_nccls_watchdog_line_on_a_session_is_diagnosed_and_restarts(session_kern
     assert "rank 0 · waiting in all_reduce" in ex.traceback
     assert "the session restarted (attempt 1) and replayed" in ex.traceback
     assert k.ok("%%elastic\ncounter\n").result == "4"
+
+
+def test_bad_input_to_up_launches_nothing(kernel: Kernel, cache_home: Path) -> None:
+    k = kernel
+    assert "no session is up" in k.ok("%elastic session").stdout
+    assert "no session is up" in k.ok("%elastic down").stdout
+    for flags, words in (
+        ("--nproc 2 --nnodes 2", "--nnodes"),
+        ("--nproc 2 --push x", "%elastic up --push: a cell's flag"),
+        ("--nproc 2 --bg", "%elastic up --bg: a cell's flag"),
+        ("--nproc zero", "--nproc"),
+    ):
+        ex = k.run(f"%elastic up {flags}")
+        assert ex.ename == "UsageError" and words in ex.traceback, (flags, ex.traceback)
+    assert not ours(cache_home)  # nothing launched
+    assert "no session is up" in k.ok("%elastic session").stdout
+    ex = k.run("%%elastic --no-replay --nproc 1\n'alone'\n")
+    assert ex.result == "'alone'" and "--no-replay: no session is up" in ex.stderr

@@ -17,17 +17,22 @@ from tests.kernel import wait_for
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_quickstart(tmp_path: Path) -> None:
+def run_notebook(name: str, cache: Path) -> str:
+    """Execute notebooks/NAME headlessly, as `make demo` does; its printed outputs."""
     result = subprocess.run(
-        [sys.executable, "scripts/run_notebook.py", "notebooks/quickstart.ipynb"],
+        [sys.executable, "scripts/run_notebook.py", f"notebooks/{name}"],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=600,
-        env={**os.environ, "XDG_CACHE_HOME": str(tmp_path)},
+        env={**os.environ, "XDG_CACHE_HOME": str(cache)},
     )
-    out = result.stdout
-    assert result.returncode == 0, out + result.stderr
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
+def test_quickstart(tmp_path: Path) -> None:
+    out = run_notebook("quickstart.ipynb", tmp_path)
     for rank in range(4):
         assert f"[rank {rank}] {rank} 10.0" in out
     assert "Out: 10.0" in out
@@ -43,16 +48,7 @@ def test_quickstart(tmp_path: Path) -> None:
 def test_session(tmp_path: Path) -> None:
     """The debugging loop: set up once, a failure inside a collective, the restart and the
     replay, and the next step runs on the state the replay brought back."""
-    result = subprocess.run(
-        [sys.executable, "scripts/run_notebook.py", "notebooks/session.ipynb"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "XDG_CACHE_HOME": str(tmp_path)},
-    )
-    out = result.stdout
-    assert result.returncode == 0, out + result.stderr
+    out = run_notebook("session.ipynb", tmp_path)
     session = re.search(r"session ([0-9a-f]{8}): 2 ranks up", out)
     assert session, out
     assert "Out: ('step', 1)" in out

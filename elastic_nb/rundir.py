@@ -129,6 +129,18 @@ class RunDir:
         """What NCCL dumps there on a collective timeout (pickled, torch's format)."""
         return self.flight_recorder_prefix(attempt).with_name(f"fr-rank-{rank}")
 
+    def create(
+        self, spec_json: str, source: str, meta: dict[str, Any], payload: bytes | None
+    ) -> None:
+        """A new job's (or session cell's) directory, owner only (logs, the environment), with
+        what its ranks read: the spec, the cell, how to run it, the pushed objects."""
+        self.path.mkdir(parents=True, exist_ok=False, mode=0o700)
+        self.spec.write_text(spec_json)
+        self.cell.write_text(source)
+        write_json(self.cell_meta, meta)
+        if payload:
+            write_atomic(self.payload, payload)
+
     def read_private(self, path: Path) -> bytes:
         """A file of this run directory that is about to be unpickled (unpickling runs code):
         refused unless it, and every directory from it up to this one, is the user's own and

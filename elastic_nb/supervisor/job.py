@@ -30,7 +30,7 @@ import anyio
 import psutil
 
 from elastic_nb import procs, protocol
-from elastic_nb.rundir import RunDir, write_atomic, write_json
+from elastic_nb.rundir import RunDir, write_json
 from elastic_nb.spec import JobSpec
 from elastic_nb.supervisor import summary
 from elastic_nb.supervisor.diagnosis import Diagnosis, oom_alert
@@ -39,7 +39,7 @@ from elastic_nb.supervisor.launchers import Launcher, LauncherPool
 from elastic_nb.supervisor.rankbook import RankBook
 from elastic_nb.supervisor.reporter import Reporter, Send
 from elastic_nb.supervisor.tailer import LogTailer
-from elastic_nb.supervisor.teardown import KILL_WAIT_S, ProcessTree, unkillable
+from elastic_nb.supervisor.teardown import KILL_WAIT_S, ProcessTree
 from elastic_nb.supervisor.verdict import (
     NCCL_TIMEOUT_MARKS,
     TORCH_LOG_NOISE,
@@ -164,14 +164,9 @@ class Job:
 
     def prepare(self) -> None:
         """Create the run directory; a failure here is the submitter's error, not a job's."""
-        self.rd.path.mkdir(parents=True, exist_ok=False, mode=0o700)  # logs, env: owner only
+        self.rd.create(self.spec.to_json(), self._source, self._meta, self._payload)
+        self._payload = None  # on disk now; a pushed model need not stay in our memory
         self._report.open(self.rd.events)
-        self.rd.spec.write_text(self.spec.to_json())
-        self.rd.cell.write_text(self._source)
-        write_json(self.rd.cell_meta, self._meta)
-        if self._payload:
-            write_atomic(self.rd.payload, self._payload)
-            self._payload = None  # on disk now; a pushed model need not stay in our memory
         self._report.event("created", nproc=self.spec.nproc)
 
     async def _start_launcher(self) -> None:
@@ -206,12 +201,8 @@ class Job:
             self._report.set_state("rendezvous")
         elif kind == protocol.START:
             self._on_start(int(msg["attempt"]), int(msg["rank"]), int(msg["pid"]))
-        elif kind == protocol.EXIT:
-            self._book.report_exit(int(msg["attempt"]), int(msg["rank"]), msg.get("code"))
-        elif kind == protocol.EXITS:
-            codes = {int(r): c for r, c in msg["codes"].items() if c is not None}
-            for r in self._book.record_exits(int(msg["attempt"]), codes):
-                self.evaluate(r)  # its exit was unknown when its pidfd fired
+        for r in self._book.take_exits(msg):
+            self.evaluate(r)  # its exit was unknown when its pidfd fired
 
     def _on_start(self, attempt: int, rank: int, pid: int) -> None:
         if attempt > self.attempt:
@@ -361,13 +352,7 @@ class Job:
             )
         if tree.alive() and self._teardown_at is None:
             self._teardown_at = time.time()
-        survivors = await tree.stop(
-            self.spec.stop_grace,
-            lambda sig, stray: self._report.event("teardown", signal=sig, stray=stray),
-        )
-        if survivors:
-            self._report.event("teardown_failed", pids=survivors)
-            self._report.alert(**unkillable(survivors))
+        await tree.stop_reported(self.spec.stop_grace, self._report)
         self._reap()
 
     async def _finish(self) -> None:

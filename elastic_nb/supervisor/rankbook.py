@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Any
 
 import anyio
 import psutil
 
-from elastic_nb import procs
+from elastic_nb import procs, protocol
 from elastic_nb.protocol import Chip
 from elastic_nb.rundir import RunDir, read_json
 from elastic_nb.supervisor.forensics import Desync
@@ -60,6 +61,16 @@ class RankBook:
         r.exit_code = int(code)
         self.exit_reported(r).set()
         return r
+
+    def take_exits(self, msg: dict[str, Any]) -> list[RankState]:
+        """The launcher's EXIT or EXITS message, if it is one; returns the ranks that can be
+        judged now (their pidfd fired before their exit code was known)."""
+        if msg["kind"] == protocol.EXIT:
+            self.report_exit(int(msg["attempt"]), int(msg["rank"]), msg.get("code"))
+        elif msg["kind"] == protocol.EXITS:
+            codes = {int(r): c for r, c in msg["codes"].items() if c is not None}
+            return self.record_exits(int(msg["attempt"]), codes)
+        return []
 
     def record_exits(self, attempt: int, codes: dict[int, int]) -> list[RankState]:
         """The launcher's EXITS: every rank's code as torch saw it; returns the ranks whose pidfd

@@ -44,7 +44,7 @@ from elastic_nb.supervisor.session_cell import SessionCell
 from elastic_nb.supervisor.session_ranks import Link, RankLinks
 from elastic_nb.supervisor.session_runner import CellRunner
 from elastic_nb.supervisor.tailer import LogTailer
-from elastic_nb.supervisor.teardown import KILL_WAIT_S, ProcessTree, unkillable
+from elastic_nb.supervisor.teardown import KILL_WAIT_S, ProcessTree
 from elastic_nb.supervisor.verdict import NCCL_TIMEOUT_MARKS, TORCH_LOG_NOISE, RankState
 
 __all__ = ["Session"]
@@ -251,12 +251,8 @@ class Session:
             self._report.event(f"launcher.{kind}", **{k: v for k, v in msg.items() if k != "kind"})
             if kind == protocol.START:
                 self._on_start(int(msg["attempt"]), int(msg["rank"]), int(msg["pid"]))
-            elif kind == protocol.EXIT:
-                self.book.report_exit(int(msg["attempt"]), int(msg["rank"]), msg.get("code"))
-            elif kind == protocol.EXITS:
-                codes = {int(r): c for r, c in msg["codes"].items() if c is not None}
-                for r in self.book.record_exits(int(msg["attempt"]), codes):
-                    self._rank_died(r)
+            for r in self.book.take_exits(msg):
+                self._rank_died(r)
         with anyio.move_on_after(KILL_WAIT_S):
             await launcher.exited()
         outcome, reason = launcher.outcome(self.rd.launcher_log)
@@ -356,12 +352,7 @@ class Session:
             for link in self._ranks.of(self.attempt):
                 await link.send(protocol.BYE)  # the ranks return; elastic_launch returns
             await self._tree.wait_gone(self.spec.stop_grace, leftovers_too=False)
-        survivors = await self._tree.stop(
-            self.spec.stop_grace,
-            lambda sig, stray: self._report.event("teardown", signal=sig, stray=stray),
-        )
-        if survivors:
-            self._report.alert(**unkillable(survivors))
+        await self._tree.stop_reported(self.spec.stop_grace, self._report)
         self._reap()
 
     async def _finish(self) -> None:

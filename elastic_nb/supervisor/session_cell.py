@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import anyio
 
 from elastic_nb import protocol
-from elastic_nb.rundir import RunDir, read_json, write_atomic, write_json
+from elastic_nb.rundir import RunDir, read_json, write_json
 from elastic_nb.spec import TEARS_DOWN, JobSpec
 from elastic_nb.supervisor import summary
 from elastic_nb.supervisor.diagnosis import (
@@ -113,14 +113,9 @@ class SessionCell:
 
     def prepare(self) -> None:
         """Its run directory, as a one-off job's (the kernel reads the result from it)."""
-        self.rd.path.mkdir(parents=True, exist_ok=False, mode=0o700)
+        self.rd.create(self.spec.to_json(), self.source, self._meta, self._payload)
+        self._payload = None
         self.report.open(self.rd.events)
-        self.rd.spec.write_text(self.spec.to_json())
-        self.rd.cell.write_text(self.source)
-        write_json(self.rd.cell_meta, self._meta)
-        if self._payload:
-            write_atomic(self.rd.payload, self._payload)
-            self._payload = None
         self.report.event("created", session=self.session_id)
 
     def poke(self) -> None:

@@ -21,6 +21,7 @@ import anyio
 import psutil
 
 from elastic_nb import procs
+from elastic_nb.supervisor.reporter import Reporter
 
 __all__ = ["ProcessTree", "unkillable"]
 
@@ -107,6 +108,16 @@ class ProcessTree:
         if self.launcher.poll() is None:
             survivors.insert(0, pid)
         return survivors
+
+    async def stop_reported(self, grace: float, report: Reporter) -> None:
+        """`stop`, each signal and what survived it in the job's events, the survivors also
+        as an alert (no process of a job may outlive it unsaid)."""
+        survivors = await self.stop(
+            grace, lambda sig, stray: report.event("teardown", signal=sig, stray=stray)
+        )
+        if survivors:
+            report.event("teardown_failed", pids=survivors)
+            report.alert(**unkillable(survivors))
 
 
 def _describe(p: psutil.Process) -> dict[str, Any]:

@@ -150,9 +150,10 @@ class ElasticMagics(Magics):
         return job.conclude()
 
     def _renderer(self, job: JobHandle, spec: JobSpec) -> Renderer:
-        """The dashboard where the frontend renders widgets, text everywhere else. Beside a
-        dashboard the text is a record written at the end (start line, alerts' titles, summary
-        line), so that a saved notebook and nbconvert keep the outcome."""
+        """The dashboard where the frontend renders widgets, text everywhere else. Under a
+        dashboard the cell prints only the summary line, at the end: the dashboard shows the
+        rest once, and its display's text is the start line, so that a saved notebook read
+        without widgets (GitHub, nbviewer, nbconvert) still says how the job started and ended."""
         if spec.widgets and widgets_frontend(self.shell):
             from elastic_nb.dashboard import Dashboard
 
@@ -167,9 +168,7 @@ class ElasticMagics(Magics):
             job.widget = dash.widget
             if not spec.background:
                 display(dash.widget)  # a background job is shown as the cell's result
-            text = TextRenderer(job.id, job.ranks_run_dir, mode="record")
-            text.start(spec.nproc, spec.worst_case_s, job.session)
-            return _Both(dash, text)
+            return _Both(dash, TextRenderer(job.id, job.ranks_run_dir, mode="summary"))
         mode = "quiet" if spec.background else "live"
         text = TextRenderer(job.id, job.ranks_run_dir, mode=mode)
         text.start(spec.nproc, spec.worst_case_s, job.session)
@@ -371,14 +370,13 @@ def widgets_frontend(shell: Any) -> bool:
 
 
 class _Both:
-    """The dashboard, and the text that stays in the cell's output."""
+    """The dashboard, and the summary line printed under it."""
 
     def __init__(self, dash: Renderer, text: TextRenderer) -> None:
         self._dash, self._text = dash, text
 
     def update(self, msg: dict[str, Any]) -> None:
         self._dash.update(msg)
-        self._text.update(msg)
 
     def flush(self) -> None:
         self._dash.flush()

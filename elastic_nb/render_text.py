@@ -26,9 +26,11 @@ MAX_CELL_CHARS = 500_000
 class TextRenderer:
     """``mode``: "live" writes everything as it comes (the renderer of frontends without
     widgets); "quiet" leaves the rank lines out (a background job's stay in the run directory,
-    for job.logs(), instead of landing among whatever the notebook does next); "record" writes
-    once, at the end, the start line, the alerts' titles and the summary line (the text a saved
-    notebook keeps under a dashboard that showed it all live)."""
+    for job.logs(), instead of landing among whatever the notebook does next); "summary" writes
+    only the summary line, at the end: under a dashboard, which shows everything else once and
+    whose display carries the start line as its text for readers without widgets (a saved
+    notebook on GitHub or nbviewer, nbconvert), the summary is the one line a saved notebook
+    needs besides them."""
 
     def __init__(
         self,
@@ -37,10 +39,9 @@ class TextRenderer:
         out: TextIO | None = None,
         err: TextIO | None = None,
         *,
-        mode: Literal["live", "quiet", "record"] = "live",
+        mode: Literal["live", "quiet", "summary"] = "live",
     ) -> None:
         self._mode = mode
-        self._record: list[str] = []
         self._job = job_id
         self._run_dir = run_dir
         self._out = out or sys.stdout
@@ -51,27 +52,17 @@ class TextRenderer:
     def start(
         self, nproc: int, worst_case_s: float | None = None, session: str | None = None
     ) -> None:
-        worst = (
-            f" (a stuck collective fails the cell within {worst_case_s:g} s)"
-            if worst_case_s is not None
-            else ""
-        )
-        ranks = f"{nproc} rank{'s' if nproc != 1 else ''}"
-        what = f"on session {session}'s {ranks}" if session else f"starting {ranks}"
-        line = f"[elastic_nb] job {self._job}: {what}{worst}\n"
-        if self._mode == "record":
-            self._record.append(line)
+        if self._mode == "summary":
             return
-        self._out.write(line)
+        self._out.write(report.start_line(self._job, nproc, worst_case_s, session) + "\n")
         self._out.flush()
 
     def update(self, msg: dict[str, Any]) -> None:
+        if self._mode == "summary":
+            return
         for alert in msg.get("alerts", ()):
             if alert["kind"] == "failure":
                 continue  # the error the cell raises says it, traceback and all
-            if self._mode == "record":
-                self._record.append(f"[elastic_nb] {alert['title']}\n")
-                continue
             stream = self._err if alert["severity"] == "error" else self._out
             stream.write(f"[elastic_nb] {alert['title']}\n")
             if alert.get("text"):
@@ -114,5 +105,5 @@ class TextRenderer:
         """Lines are written as they come (IOPub batches them)."""
 
     def end(self, summary: dict[str, Any]) -> None:
-        self._out.write("".join(self._record) + report.summary_line(summary) + "\n")
+        self._out.write(report.summary_line(summary) + "\n")
         self._out.flush()

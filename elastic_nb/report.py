@@ -1,14 +1,21 @@
-"""The words elastic_nb uses to report a job: the one-line summary and the failure report.
+"""The words elastic_nb uses to report a job: its start line, the one-line summary and the
+failure report.
 
 Both renderers (text and widgets) and the exception a failed cell raises say the same thing, from
-the summary the supervisor sends when a job ends.
+the spec a job starts with and the summary the supervisor sends when it ends.
 """
 
 from __future__ import annotations
 
 from elastic_nb.protocol import Summary
 
-__all__ = ["CAUSE_HINTS", "failure_headline", "failure_report", "summary_line"]
+__all__ = [
+    "CAUSE_HINTS",
+    "failure_headline",
+    "failure_report",
+    "start_line",
+    "summary_line",
+]
 
 # Every cause class a job can end with, and what to do about it.
 CAUSE_HINTS = {
@@ -31,6 +38,21 @@ CAUSE_HINTS = {
     "interrupted": "stopped from the notebook (interrupt or %elastic stop)",
     "launcher": "the launcher failed before any rank did; see launcher.log",
 }
+
+
+def start_line(
+    job: str, nproc: int, worst_case_s: float | None = None, session: str | None = None
+) -> str:
+    """What a cell says as its job starts: its id, its ranks (a session's, for a session's cell)
+    and the worst case a stuck collective can hold the cell."""
+    worst = (
+        f" (a stuck collective fails the cell within {worst_case_s:g} s)"
+        if worst_case_s is not None
+        else ""
+    )
+    ranks = f"{nproc} rank{'s' if nproc != 1 else ''}"
+    what = f"on session {session}'s {ranks}" if session else f"starting {ranks}"
+    return f"[elastic_nb] job {job}: {what}{worst}"
 
 
 def summary_line(s: Summary) -> str:

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import nbformat
 import pytest
 from playwright.sync_api import expect
 
@@ -74,20 +75,14 @@ def test_rank_chips_appear_while_the_cell_runs(page: Any, lab: LabServer) -> Non
     assert_job_gone(job)
 
 
-def test_a_failing_rank_is_named_on_its_chip_and_in_the_alert(page: Any, lab: LabServer) -> None:
-    nb = open_notebook(
-        page,
-        lab,
-        "failing.ipynb",
-        [
-            "%%elastic --nproc 2\n"
-            "import torch, torch.distributed as dist\n"
-            "dist.init_process_group()\n"
-            "if dist.get_rank() == 1:\n"
-            "    raise ValueError('rank 1 ran out of patience')\n"
-            "dist.all_reduce(torch.ones(1))   # rank 0 waits here\n"
-        ],
-    )
+def test_a_failed_cell_says_each_thing_once(page: Any, lab: LabServer) -> None:
+    """A failing cell and a succeeding one under the dashboard, as a person sees them: the
+    failing rank on its chip and in the alert; the failing rank's traceback, the summary line
+    and the verdict's headline each shown once (the headline: the alert's title and the
+    error's first line), the start line not at all (the header says it); the verdict on the
+    cell's first screen. The saved notebook carries the start line and the summary, once
+    each, for readers that draw no widgets."""
+    nb = open_notebook(page, lab, "failing.ipynb", [FAILING, "%%elastic --nproc 2\nprint('hi')\n"])
     nb.run(1)
     nb.wait_done(1)
     dash = nb.cell(1).locator(".enb")
@@ -99,16 +94,87 @@ def test_a_failing_rank_is_named_on_its_chip_and_in_the_alert(page: Any, lab: La
     expect(dash.locator('.enb-chip[data-rank="0"]')).not_to_have_class(has_class("enb-s-failed"))
     alert = dash.locator('.enb-alert[data-kind="failure"]')
     expect(alert.locator(".enb-alert-rank")).to_have_text("rank 1")
-    expect(alert.locator(".enb-alert-title")).to_contain_text(
-        "rank 1 failed first: ValueError: rank 1 ran out of patience (cell line 5)",
-        use_inner_text=True,
-    )
-    expect(alert.locator("details")).to_contain_text(
-        "raise ValueError('rank 1 ran out of patience')", use_inner_text=True
-    )
-    nb.expect_output(1, "JobFailed: rank 1 failed first")  # and the cell raised
-    shot(page, dash, "dashboard-failed.png")
-    assert_job_gone(job_of(nb, 1))
+    expect(alert.locator(".enb-alert-title")).to_contain_text(HEADLINE, use_inner_text=True)
+    nb.expect_output(1, f"JobFailed: {HEADLINE}")  # and the cell raised
+    job = job_of(nb, 1)
+    # The end has been drawn: the alert's detail and the logs are closed, the error has them.
+    expect(alert.locator("summary")).to_have_text("details (in the error below)")
+    expect(dash.locator(".enb-logs")).not_to_have_attribute("open", re.compile(".*"))
+    seen = _seen(nb, 1)
+    assert seen.count(TRACEBACK_LINE) == 1, seen
+    assert seen.count(HEADLINE) == 2, seen
+    assert seen.count(f"[elastic_nb] job {job} failed · cause: exception · 2 ranks") == 1, seen
+    assert seen.count(f"[elastic_nb] job {job}") == 1, seen  # the summary, no start line
+    assert "starting 2 ranks" not in seen, seen
+    # The verdict is on the cell's first screen: the error starts within a third of a screen
+    # of the outputs' top (under a dashboard with its logs open it started 530 px down).
+    outputs = nb.cell(1).locator(".jp-OutputArea").bounding_box()
+    error = nb.cell(1).locator(f'[data-mime-type="{STDERR}"]').bounding_box()
+    assert error["y"] - outputs["y"] < page.viewport_size["height"] / 3, (outputs, error)
+    shot(page, nb.cell(1), "dashboard-failed.png")
+    # One click away: the alert's detail, and the logs (a tab opens them).
+    alert.locator("summary").click()
+    expect(alert.locator("details")).to_contain_text(TRACEBACK_LINE, use_inner_text=True)
+    dash.locator('.enb-tab[data-tab="1"]').click()
+    expect(dash.locator(".enb-log")).to_contain_text(TRACEBACK_LINE, use_inner_text=True)
+    assert_job_gone(job)
+
+    nb.run(2)
+    nb.wait_done(2)
+    dash = nb.cell(2).locator(".enb")
+    expect(dash.locator(".enb-state")).to_have_text("succeeded")
+    expect(dash.locator(".enb-log")).to_contain_text("[rank 1] hi", use_inner_text=True)
+    ok = job_of(nb, 2)
+    seen = _seen(nb, 2)
+    assert seen.count(f"[elastic_nb] job {ok} succeeded · 2 ranks") == 1, seen
+    assert seen.count(f"[elastic_nb] job {ok}") == 1 and "starting 2 ranks" not in seen, seen
+    assert seen.count("[rank 0] hi") == 1, seen  # the log, open
+
+    # Saved (JupyterLab's own save, no widget state): each dashboard's text is its start line.
+    page.evaluate("() => window.jupyterapp.commands.execute('docmanager:save')")
+    path = lab.root / "failing.ipynb"
+    assert wait_for(lambda: len(_saved_text(path, 2)) > 0, timeout=30)
+    for cell, job_id, outcome in ((1, job, "failed"), (2, ok, "succeeded")):
+        saved = _saved_text(path, cell)
+        assert saved.count(f"[elastic_nb] job {job_id}: starting 2 ranks (") == 1, saved
+        assert saved.count(f"[elastic_nb] job {job_id} {outcome} · ") == 1, saved
+    assert _saved_text(path, 1).count(TRACEBACK_LINE) == 1
+    assert_job_gone(ok)
+
+
+FAILING = (
+    "%%elastic --nproc 2\n"
+    "import torch, torch.distributed as dist\n"
+    "dist.init_process_group()\n"
+    "if dist.get_rank() == 1:\n"
+    "    raise ValueError('rank 1 ran out of patience')\n"
+    "dist.all_reduce(torch.ones(1))   # rank 0 waits here\n"
+)
+HEADLINE = "rank 1 failed first: ValueError: rank 1 ran out of patience (cell line 5)"
+TRACEBACK_LINE = "raise ValueError('rank 1 ran out of patience')"
+STDERR = "application/vnd.jupyter.stderr"
+
+
+def _seen(nb: Any, cell: int) -> str:
+    """What a person sees in the cell's outputs: innerText leaves out what is not rendered
+    (the content of a closed <details>, hidden elements)."""
+    return nb.cell(cell).locator(".jp-OutputArea").inner_text()
+
+
+def _saved_text(path: Path, cell: int) -> str:
+    """The text a saved notebook's outputs carry for readers that draw no widgets: streams,
+    each display's text/plain, the error's traceback."""
+    nb = nbformat.read(path, as_version=4)
+    outputs = nb.cells[cell].outputs if len(nb.cells) > cell else []
+    texts = []
+    for o in outputs:
+        if o.output_type == "stream":
+            texts.append(o.text)
+        elif o.output_type in ("display_data", "execute_result"):
+            texts.append(o.data.get("text/plain", ""))
+        elif o.output_type == "error":
+            texts.extend(re.sub(r"\x1b\[[0-9;]*m", "", t) for t in o.traceback)
+    return "\n".join(texts)
 
 
 def test_a_log_flood_renders_and_the_page_stays_responsive(page: Any, lab: LabServer) -> None:
@@ -213,12 +279,11 @@ def test_a_session_cell_shows_its_session_and_a_partial_failure(page: Any, lab: 
     # A cell on the session: each rank's line, its value, the session in the header.
     nb.run(2)
     nb.wait_done(2)
-    cell = _match(
-        _stdout(nb, 2),
-        re.compile(rf"\[elastic_nb\] job ([0-9a-f]{{8}}): on session {session}'s 2 ranks"),
-    )
     dash = nb.cell(2).locator(".enb")
-    expect(dash.locator(".enb-job")).to_have_text(f"session {session} · cell {cell}")
+    cell = _match(
+        dash.locator(".enb-job"), re.compile(rf"^session {session} · cell ([0-9a-f]{{8}})$")
+    )
+    expect(_stdout(nb, 2)).to_contain_text([f"[elastic_nb] job {cell} succeeded · 2 ranks"])
     expect(dash.locator(".enb-restarts")).to_have_text("session attempt 0 · restarts 0/3")
     expect(dash.locator(".enb-state")).to_have_text("succeeded")
     expect(dash.locator(".enb-chip")).to_have_count(2)
@@ -233,13 +298,11 @@ def test_a_session_cell_shows_its_session_and_a_partial_failure(page: Any, lab: 
     # Rank 1 raises while rank 0 sleeps: rank 0 is interrupted, the session keeps both.
     nb.run(3)
     nb.wait_done(3)
+    dash = nb.cell(3).locator(".enb")
     failing = _match(
-        _stdout(nb, 3),
-        re.compile(rf"\[elastic_nb\] job ([0-9a-f]{{8}}): on session {session}'s 2 ranks"),
+        dash.locator(".enb-job"), re.compile(rf"^session {session} · cell ([0-9a-f]{{8}})$")
     )
     assert failing != cell
-    dash = nb.cell(3).locator(".enb")
-    expect(dash.locator(".enb-job")).to_have_text(f"session {session} · cell {failing}")
     expect(dash.locator(".enb-restarts")).to_have_text("session attempt 0 · restarts 0/3")
     expect(dash.locator(".enb-state")).to_have_text("failed")
     rank1 = dash.locator('.enb-chip[data-rank="1"]')

@@ -174,7 +174,14 @@ def test_a_flood_costs_one_bounded_message_per_tick(
         tail = final["tails"][str(r)]
         assert len(tail) <= TAIL_LINES and tail[-1] == ["out", f"{r} {lines_per_rank - 1}"]
     assert len(final["all"]) == ALL_LINES
-    assert final["summary"]["line"].startswith("[elastic_nb] job cafe0001 succeeded")
+    # The summary line is printed under the dashboard, not drawn in it too.
+    assert final["summary"] == {
+        "outcome": "succeeded",
+        "cause": None,
+        "headline": None,
+        "in_error": [],
+        "raised": False,
+    }
 
 
 def test_states_chips_alerts_and_the_attempts_timeline(
@@ -210,7 +217,7 @@ def test_states_chips_alerts_and_the_attempts_timeline(
     assert delta["header"] == {"state": "running"}
     assert delta["ranks"]["1"]["label"] == "ValueError"
     assert delta["ranks"]["1"]["log"] == str(tmp_path / "attempt-0" / "rank-1.out")
-    assert delta["alerts"] == [restart]
+    assert delta["alerts"] == [{**restart, "n": 0}]
     assert delta["lines"] == [["1", "err", ["Traceback ...", "ValueError: boom"]]]
 
     dash.update({"state": "restarting", "attempt": 1})  # the new attempt's first word
@@ -277,6 +284,93 @@ def test_buttons_act_only_for_a_running_background_job(
     dash.end(_summary("stopped", str(tmp_path)))
     c.click("stop")  # too late: the job has ended
     assert sorted(clicked) == ["stacks", "stop"]
+
+
+def _failed(run_dir: str) -> dict[str, Any]:
+    """A job whose rank 1 raised, as the supervisor sums it up."""
+    record = {"traceback": 'Traceback (most recent call last):\n  raise ValueError("boom")\n'}
+    failure = {
+        "rank": 1,
+        "attempt": 0,
+        "cause": "exception",
+        "summary": "ValueError: boom (cell line 2)",
+        "record": record,
+    }
+    return _summary(
+        "failed",
+        run_dir,
+        reason="rank 1 ValueError: boom (cell line 2)",
+        cause="exception",
+        failure=failure,
+        others=[{"rank": 0, "text": "stopped by elastic_nb (SIGTERM)", "delay": 0.02}],
+    )
+
+
+def _closing_alerts(summary: dict[str, Any]) -> list[dict[str, Any]]:
+    """What the supervisor sends last for it: a warning of its own, then the failure in the
+    words of the error the cell raises (supervisor/summary.py: closing_alerts)."""
+    from elastic_nb.supervisor.summary import closing_alerts
+
+    stacks = {"kind": "hang", "severity": "warning", "title": "silent", "text": "rank 0 · ..."}
+    return [stacks, *closing_alerts(summary, [], [])]
+
+
+def test_the_end_leaves_to_the_error_what_the_error_says(
+    comms: list[RecordingComm], tmp_path: Path
+) -> None:
+    """A blocking cell raises the failure report right under its dashboard: the alert whose
+    detail is that report is marked (closed in the browser), the logs close, and no headline is
+    drawn twice; the summary line is printed under the dashboard, not drawn in it."""
+    dash = Dashboard("cafe0001", str(tmp_path), JobSpec.from_options({"nproc": 2}))
+    c = _dashboard_comm(comms)
+    summary = _failed(str(tmp_path))
+    dash.update({"alerts": _closing_alerts(summary)})
+    dash.end(summary)
+    final = c.snapshots[-1]
+    silent, failure = final["alerts"]
+    assert failure["kind"] == "failure" and failure["title"] == "rank 1 failed first: " + (
+        "ValueError: boom (cell line 2)"
+    )
+    assert 'raise ValueError("boom")' in failure["text"]
+    assert final["summary"] == {
+        "outcome": "failed",
+        "cause": "exception",
+        "headline": None,  # the failure alert's title says it
+        "in_error": [failure["n"]],  # not the warning: its text is not in the error
+        "raised": True,
+    }
+    assert silent["n"] != failure["n"]
+    assert c.customs[-1]["summary"] == final["summary"]  # the live view hears it too
+
+
+def test_a_background_job_keeps_its_failure_open(
+    comms: list[RecordingComm], tmp_path: Path
+) -> None:
+    """A --bg job's error is raised by job.wait(), elsewhere: its dashboard keeps it all."""
+    spec = JobSpec.from_options({"nproc": 2, "background": True})
+    dash = Dashboard("cafe0001", str(tmp_path), spec)
+    c = _dashboard_comm(comms)
+    summary = _failed(str(tmp_path))
+    dash.update({"alerts": _closing_alerts(summary)[1:]})
+    dash.end(summary)
+    assert c.snapshots[-1]["summary"]["in_error"] == []
+    assert c.snapshots[-1]["summary"]["raised"] is False
+
+
+def test_the_dashboards_text_is_its_start_line(comms: list[RecordingComm], tmp_path: Path) -> None:
+    """What a reader that draws no widgets shows in the dashboard's place (a saved notebook on
+    GitHub or nbviewer, nbconvert): the start line, which the cell prints nowhere else."""
+    spec = JobSpec.from_options({"nproc": 2})
+    dash = Dashboard("cafe0001", str(tmp_path), spec)
+    data, _ = dash.widget._repr_mimebundle_()
+    assert data["text/plain"] == (
+        f"[elastic_nb] job cafe0001: starting 2 ranks (a stuck collective fails the cell "
+        f"within {spec.worst_case_s:g} s)"
+    )
+    assert data["application/vnd.jupyter.widget-view+json"]["model_id"] == dash.widget.model_id
+    session = Dashboard("cafe0002", str(tmp_path), spec, session="5e55102")
+    text = session.widget._repr_mimebundle_()[0]["text/plain"]
+    assert text.startswith("[elastic_nb] job cafe0002: on session 5e55102's 2 ranks")
 
 
 def _dashboard_comm(comms: list[RecordingComm]) -> RecordingComm:

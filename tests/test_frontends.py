@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -62,7 +63,7 @@ def _widget_traffic(messages: list[dict[str, Any]]) -> tuple[list[Any], list[Any
     return shown, deltas
 
 
-def test_a_widget_frontend_gets_the_dashboard_and_a_text_record(widget_kernel: Kernel) -> None:
+def test_a_widget_frontend_gets_the_dashboard_and_the_summary_line(widget_kernel: Kernel) -> None:
     ex = widget_kernel.ok(
         "%%elastic --nproc 2\nimport os\nprint('hello from', os.environ['RANK'])\n"
     )
@@ -70,12 +71,83 @@ def test_a_widget_frontend_gets_the_dashboard_and_a_text_record(widget_kernel: K
     assert len(shown) == 1
     lines = [t for d in deltas for _, stream, texts in d.get("lines", ()) for t in texts]
     assert {"hello from 0", "hello from 1"} <= set(lines)  # in the dashboard...
-    assert "[rank 0]" not in ex.stdout  # ...not as text,
-    assert f"[elastic_nb] job {ex.job_id}: starting 2 ranks" in ex.stdout  # but the record is
-    assert f"[elastic_nb] job {ex.job_id} succeeded · 2 ranks" in ex.stdout
+    assert "[rank 0]" not in ex.stdout  # ...not as text.
+    # The start line is the dashboard's text (what is shown where widgets are not), the
+    # summary line the only text printed under it: each said once.
+    start = f"[elastic_nb] job {ex.job_id}: starting 2 ranks"
+    assert shown[0]["content"]["data"]["text/plain"].startswith(start)
+    assert ex.stdout == f"{_summary_of(ex.stdout, ex.job_id, 'succeeded · 2 ranks')}\n"
     assert deltas[-1]["header"]["state"] == "succeeded"
     assert len(deltas) <= ex.seconds / SEND_EVERY_S + 2  # one message per tick at most
     assert_job_gone(ex.job_id)
+
+
+def _summary_of(stdout: str, job: str, what: str) -> str:
+    """The summary line of `job` in `stdout`, which must hold it once."""
+    lines = [line for line in stdout.splitlines() if line.startswith(f"[elastic_nb] job {job} ")]
+    assert len(lines) == 1 and lines[0].startswith(f"[elastic_nb] job {job} {what}"), stdout
+    return lines[0]
+
+
+FAILING = (
+    "%%elastic --nproc 2\n"
+    "import torch, torch.distributed as dist\n"
+    "dist.init_process_group()\n"
+    "if dist.get_rank() == 1:\n"
+    "    raise ValueError('rank 1 ran out of patience')\n"
+    "dist.all_reduce(torch.ones(1))\n"
+)
+
+
+def test_a_saved_notebook_read_without_widgets_says_each_thing_once(
+    tmp_path: Path, cache_home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A notebook run where widgets are drawn and saved without their state (JupyterLab's
+    default), then read where widgets are not drawn: nbconvert's HTML falls back to each
+    output's text, as GitHub and nbviewer do. Each cell's outputs say its start line once, its
+    summary once, and a failing rank's traceback once."""
+    import html
+
+    import nbformat
+    from nbclient import NotebookClient
+    from nbconvert import HTMLExporter
+
+    monkeypatch.setenv("ELASTIC_NB_WIDGETS", "1")
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [
+        nbformat.v4.new_code_cell(src)
+        for src in ("%load_ext elastic_nb", FAILING, "%%elastic --nproc 2\nprint('hi')\n6 * 7\n")
+    ]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3"}
+    client = NotebookClient(
+        nb,
+        timeout=180,
+        kernel_name="python3",
+        allow_errors=True,
+        store_widget_state=False,
+        resources={"metadata": {"path": str(tmp_path)}},
+    )
+    client.execute()
+    body, _ = HTMLExporter(exclude_input=True).from_notebook_node(nb)
+    text = html.unescape(re.sub(r"<[^>]+>", "", body))
+    jobs = []
+    for cell, outcome in ((nb.cells[1], "failed · cause: exception"), (nb.cells[2], "succeeded")):
+        (shown,) = [o for o in cell.outputs if o.output_type == "display_data"]
+        assert WIDGET in shown.data  # the dashboard was there
+        start = re.match(
+            r"\[elastic_nb\] job ([0-9a-f]{8}): starting 2 ranks \(", shown.data["text/plain"]
+        )
+        assert start, shown.data["text/plain"]
+        job = start.group(1)
+        jobs.append(job)
+        assert text.count(start.group(0)) == 1
+        assert text.count(f"[elastic_nb] job {job} {outcome} · 2 ranks") == 1
+        assert text.count(f"[elastic_nb] job {job}") == 2  # the start and the summary: no more
+    assert text.count("raise ValueError('rank 1 ran out of patience')") == 1  # the error's
+    assert text.count("JobFailed: rank 1 failed first: ValueError") == 1
+    assert "42" in nb.cells[2].outputs[-1].data["text/plain"]
+    for job in jobs:
+        assert_job_gone(job)
 
 
 def test_no_widgets_is_plain_text_everywhere(widget_kernel: Kernel) -> None:

@@ -59,6 +59,7 @@ class DashboardState:
             str(r): self._waiting_chip(r, 0) for r in range(nproc)
         }
         self.alerts: collections.deque[dict[str, Any]] = collections.deque(maxlen=MAX_ALERTS)
+        self._alerts_seen = 0  # numbers the alerts (`n`): the oldest fall off past MAX_ALERTS
         self.attempts: list[dict[str, Any]] = [_attempt(0, 0.0)]
         self.tails: dict[str, collections.deque[list[str]]] = {
             str(r): collections.deque() for r in range(nproc)
@@ -94,21 +95,37 @@ class DashboardState:
                 self._progress(str(rank), None)  # the bar's line finished
 
     def end(self, summary: dict[str, Any]) -> None:
-        """The job's end: the final state, its outcome in the last attempt, the summary line."""
-        self._header(state=summary["outcome"], wall_s=summary.get("wall_s"))
+        """The job's end: the final state, its outcome in the last attempt, and what the
+        dashboard leaves to the text under it.
+
+        Each thing is said once under the cell: the summary line is printed under the
+        dashboard (the header has its facts), the headline is the failure alert's title, and
+        the error a blocking cell raises carries the failure report: the alerts whose detail
+        it holds (`in_error`) close it, and the logs close (`raised`), so that the verdict is
+        on the cell's first screen, not below a second copy of the rank's traceback.
+        """
+        outcome = summary["outcome"]
+        self._header(state=outcome, wall_s=summary.get("wall_s"))
         last = self.attempts[-1]
-        last["outcome"] = summary["outcome"]
+        last["outcome"] = outcome
         last["why"] = summary.get("reason")
         self._delta["attempts"] = self.attempts
         for rank in list(self.progress):
             self._progress(rank, None)
+        headline = report.failure_headline(summary) if outcome in ("failed", "timeout") else None
+        if any(a["title"] == headline for a in self.alerts):
+            headline = None
+        in_error: list[int] = []
+        if not self.header["background"] and outcome in ("failed", "timeout", "stopped"):
+            # What JobFailed, JobTimeout and JobStopped show under their first line.
+            error = "\n".join(report.failure_report(summary))
+            in_error = [a["n"] for a in self.alerts if a.get("text") and a["text"] in error]
         self.summary = {
-            "outcome": summary["outcome"],
+            "outcome": outcome,
             "cause": summary.get("cause"),
-            "line": report.summary_line(summary),
-            "headline": report.failure_headline(summary)
-            if summary["outcome"] in ("failed", "timeout")
-            else None,
+            "headline": headline,
+            "in_error": in_error,
+            "raised": bool(in_error),
         }
         self._delta["summary"] = self.summary
 
@@ -131,12 +148,11 @@ class DashboardState:
         self._delta.setdefault("ranks", {})[rank] = chip
 
     def _alert(self, alert: dict[str, Any]) -> None:
+        alert = {**alert, "n": self._alerts_seen}
+        self._alerts_seen += 1
         text = alert.get("text")
         if text and len(text) > MAX_ALERT_TEXT:
-            alert = {
-                **alert,
-                "text": text[:MAX_ALERT_TEXT] + "\n... (cut; the run directory has all)",
-            }
+            alert["text"] = text[:MAX_ALERT_TEXT] + "\n... (cut; the run directory has all)"
         self.alerts.append(alert)
         self._delta.setdefault("alerts", []).append(alert)
         if alert.get("kind") == "restart":

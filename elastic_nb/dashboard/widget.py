@@ -25,6 +25,7 @@ from typing import Any
 import anywidget
 import traitlets
 
+from elastic_nb import report
 from elastic_nb.dashboard.model import DashboardState
 from elastic_nb.spec import JobSpec
 
@@ -43,9 +44,22 @@ class DashboardWidget(anywidget.AnyWidget):
     _css = _STATIC / "dashboard.css"
     snapshot = traitlets.Dict().tag(sync=True)
 
+    def __init__(self, *, text: str = "", **kwargs: Any) -> None:
+        """`text`: the display's text/plain, what readers that draw no widgets show in its
+        place (GitHub, nbviewer, nbconvert: they fall back to it without the widget state)."""
+        super().__init__(**kwargs)
+        self.text = text
+
     def __repr__(self) -> str:
         h = self.snapshot.get("header", {})
         return f"<elastic_nb dashboard: job {h.get('job')} {h.get('state')}>"
+
+    def _repr_mimebundle_(self, **kwargs: Any) -> Any:
+        bundle = super()._repr_mimebundle_(**kwargs)
+        if bundle is None or not self.text:
+            return bundle
+        data, metadata = bundle
+        return {**data, "text/plain": self.text}, metadata
 
 
 class Dashboard:
@@ -63,7 +77,10 @@ class Dashboard:
         """`on_stop`/`on_stacks`: what the buttons do (a background job's dashboard has them);
         `session`: the session whose ranks run the cell, if one."""
         self.state = DashboardState(job_id, run_dir, spec, session)
-        self.widget = DashboardWidget(snapshot=self.state.snapshot())
+        # The dashboard's header says what the start line says; the line itself is the
+        # display's text, for readers without widgets (the cell prints it nowhere else).
+        start = report.start_line(job_id, spec.nproc, spec.worst_case_s, session)
+        self.widget = DashboardWidget(snapshot=self.state.snapshot(), text=start)
         self._snapshot_at = self._sent_at = time.monotonic()
         self._actions = {"stop": on_stop, "stacks": on_stacks}
         self.widget.on_msg(self._on_msg)

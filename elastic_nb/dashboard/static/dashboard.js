@@ -176,9 +176,11 @@ class View {
       <div class="enb-chips"></div>
       <div class="enb-alerts"></div>
       <div class="enb-attempts"></div>
-      <div class="enb-tabs"></div>
-      <pre class="enb-log"></pre>
-      <div class="enb-logpath"></div>
+      <details class="enb-logs" open>
+        <summary class="enb-tabs" title="show or hide the logs"></summary>
+        <pre class="enb-log"></pre>
+        <div class="enb-logpath"></div>
+      </details>
       <div class="enb-summary"></div>`;
     this.q = (sel) => el.querySelector(sel);
     this.q(".enb-stop").addEventListener("click", () => this.action("stop"));
@@ -189,7 +191,9 @@ class View {
     });
     this.q(".enb-tabs").addEventListener("click", (e) => {
       const tab = e.target.closest(".enb-tab");
-      if (tab) this.select(tab.dataset.tab);
+      if (!tab) return; // the rest of the row opens or closes the logs
+      e.preventDefault(); // a tab opens its log, it never closes the logs
+      this.select(tab.dataset.tab);
     });
     this.timer = setInterval(() => this.drawHeader(), 1000);
     this.redraw = (delta) => this.draw(delta);
@@ -215,6 +219,7 @@ class View {
 
   select(tab) {
     this.tab = tab;
+    this.q(".enb-logs").open = true;
     this.drawTabs();
     this.drawLog(true);
   }
@@ -229,6 +234,10 @@ class View {
     if (all || delta.ranks) this.drawTabs();
     if (all || delta.progress || this.touches(delta.lines)) this.drawLog(false);
     if (all || delta.summary) this.drawSummary();
+    // The cell raised the failure report right under the dashboard: its logs close (the
+    // rank's traceback is in the error) and the verdict is on the cell's first screen.
+    // Once, when the end arrives: a person may open them again.
+    if ((all || delta.summary) && this.data.summary?.raised) this.q(".enb-logs").open = false;
   }
 
   touches(lines) {
@@ -305,6 +314,7 @@ class View {
     const div = document.createElement("div");
     div.className = `enb-alert enb-${a.severity}`;
     div.dataset.kind = a.kind;
+    div.dataset.n = a.n;
     const rank = a.rank === null || a.rank === undefined ? "" : `<span class="enb-alert-rank">rank ${esc(a.rank)}</span>`;
     div.innerHTML = `<div class="enb-alert-title">${rank}<span class="enb-alert-kind">${esc(a.kind)}</span> ${esc(a.title)}</div>`;
     if (a.text) {
@@ -312,8 +322,15 @@ class View {
       details.open = a.severity === "error";
       details.innerHTML = `<summary>details</summary>${this.alertText(a.text)}`;
       div.appendChild(details);
+      if (this.data.summary?.in_error?.includes(a.n)) this.inError(details);
     }
     return div;
+  }
+
+  // The error under the dashboard says what this alert's detail says: closed, and saying so.
+  inError(details) {
+    details.open = false;
+    details.querySelector("summary").textContent = "details (in the error below)";
   }
 
   // Stacks of several ranks ("rank N · ..." blocks) side by side; any other text as it is.
@@ -336,7 +353,8 @@ class View {
   drawAttempts() {
     const attempts = this.data.attempts;
     const box = this.q(".enb-attempts");
-    box.hidden = attempts.length < 2 && !attempts[0]?.why;
+    // One attempt's story is the header's and the alerts': the timeline is for restarts.
+    box.hidden = attempts.length < 2;
     box.innerHTML = attempts
       .map((a) => {
         const ranks = Object.keys(a.ranks)
@@ -392,13 +410,19 @@ class View {
         : `showing the last ${this.data.limits.tail} lines · full log: ${chip?.log ?? ""} (stderr: .err)`;
   }
 
+  // The end's own words, only where nothing else says them: the summary line is printed
+  // under the dashboard, a failure's headline is its alert's title (model.py: end).
   drawSummary() {
     const s = this.data.summary;
     const box = this.q(".enb-summary");
-    box.hidden = !s;
+    box.hidden = !s?.headline;
     if (!s) return;
     box.className = `enb-summary enb-s-${s.outcome}`;
-    box.innerHTML = `${s.headline ? `<div class="enb-headline">${esc(s.headline)}</div>` : ""}<div>${esc(s.line)}</div>`;
+    box.innerHTML = s.headline ? `<div class="enb-headline">${esc(s.headline)}</div>` : "";
+    for (const n of s.in_error ?? []) {
+      const details = this.q(`.enb-alert[data-n="${Number(n)}"] details`);
+      if (details) this.inError(details);
+    }
   }
 
   dispose() {

@@ -188,7 +188,9 @@ class Elastic:
     def wait_warm(self, timeout: float = 120) -> None:
         """Like a person between two cells: the next launcher has warmed up."""
         ok = wait_for(
-            lambda: "ready" in self.kernel.ok("%elastic status").stdout.split("warm launcher:")[-1],
+            lambda: re.search(
+                r"warm launcher: pid \d+, ready", self.kernel.ok("%elastic status").stdout
+            ),
             timeout,
             0.2,
         )

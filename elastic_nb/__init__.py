@@ -37,9 +37,11 @@ __version__ = "0.1.0"
 
 
 def load_ipython_extension(ipython: Any) -> None:
+    from elastic_nb.client import start_in_background
     from elastic_nb.magic import ElasticMagics
 
     ipython.register_magics(ElasticMagics)
+    start_in_background()  # so that the first cell finds torch imported and a launcher ready
 
 
 def unload_ipython_extension(ipython: Any) -> None:

@@ -29,7 +29,14 @@ from elastic_nb import protocol
 from elastic_nb.errors import Refused, SupervisorDied
 from elastic_nb.spec import JobSpec
 
-__all__ = ["GONE", "SupervisorClient", "current_client", "get_client", "shutdown_client"]
+__all__ = [
+    "GONE",
+    "SupervisorClient",
+    "current_client",
+    "get_client",
+    "shutdown_client",
+    "start_in_background",
+]
 
 HELLO_TIMEOUT_S = 30.0
 REQUEST_TIMEOUT_S = 30.0
@@ -349,6 +356,18 @@ def get_client() -> SupervisorClient:
         if _client is None or not _client.alive:
             _client = SupervisorClient()
         return _client
+
+
+def start_in_background() -> None:
+    """Start this kernel's supervisor now, without waiting for it: its zygote imports torch
+    and forks a warm launcher while the user writes the first cell (%load_ext). A failure is
+    left for the first cell, which starts the supervisor again and says why it cannot."""
+
+    def start() -> None:
+        with contextlib.suppress(Exception):
+            get_client()
+
+    threading.Thread(target=start, name="elastic_nb-start", daemon=True).start()
 
 
 def shutdown_client() -> None:

@@ -217,12 +217,18 @@ class ElasticMagics(Magics):
             print(
                 "  warm launcher: none (the next cell starts one; %elastic config --no-warm keeps none)"
             )
-        else:
-            print(
-                f"  warm launcher: pid {w['pid']}, {'ready' if w['ready'] else 'warming up'}, "
-                f"{w['pss_mb']:.0f} MB (PSS; RSS {w['rss_mb']:.0f} MB) with its fork server"
-                + (f", preloaded: {', '.join(w['preload'])}" if w["preload"] else "")
-            )
+            return
+        zygote = f"the zygote (pid {w['zygote']}, torch imported once for every launcher)"
+        if w["pid"] is None:
+            state = "ready" if w["zygote_ready"] else "importing torch"
+            print(f"  warm launcher: none yet; {zygote} is {state}")
+            return
+        print(
+            f"  warm launcher: pid {w['pid']}, {'ready' if w['ready'] else 'warming up'}, "
+            f"{w['pss_mb']:.0f} MB (PSS; RSS {w['rss_mb']:.0f} MB) with its fork server"
+            + (f" and {zygote}" if w["zygote"] else "")
+            + (f", preloaded: {', '.join(w['preload'])}" if w["preload"] else "")
+        )
 
     def _jobs(self, rest: str) -> SList:
         c = current_client()
@@ -282,8 +288,8 @@ class ElasticMagics(Magics):
             self._spec(options)  # reject a bad default now, not at the next cell
             self.session_defaults.update(options)
             c = current_client()
-            if options.get("warm") is False and c is not None:
-                c.keep_warm(False)  # free the warm launcher's memory now
+            if "warm" in options and c is not None:
+                c.keep_warm(options["warm"])  # --no-warm frees the warm processes' memory now
         if self.session_defaults:
             print("session defaults for %%elastic (flags on a cell override them):")
             for o in OPTIONS:

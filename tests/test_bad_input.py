@@ -19,8 +19,10 @@ def log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(autouse=True)
 def launches_nothing(kernel: Kernel, log_dir: Path) -> Iterator[None]:
     yield
-    # No supervisor was ever needed in this module's kernel, and no run directory exists.
-    assert "supervisor: not running" in kernel.ok("%elastic status").stdout
+    # No job ever ran in this module's kernel (its supervisor, started by %load_ext, only
+    # warmed up), and no run directory exists.
+    assert "running jobs: none" in kernel.ok("%elastic status").stdout
+    assert "no jobs in this session yet" in kernel.ok("%elastic jobs").stdout
     assert list(log_dir.iterdir()) == []
     assert kernel.ok("21 * 2").result == "42"
 

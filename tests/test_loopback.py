@@ -86,7 +86,7 @@ def in_the_cell(k: Kernel, cell: str, here: Path) -> tuple[dict[int, tuple[int, 
             marked = {p.pid for p in procs.job_processes([job])}
             tree = {p.pid for p in psutil.Process(k.pid).children(recursive=True)}
             sockets = listening(marked | tree)
-            launchers = [p for p in marked if "-m elastic_nb.launcher" in _cmd(p)]
+            launchers = [p for p in marked if _leads_its_group(p)]  # the job's group leader
     finally:
         (here / "go").touch()
     ex = k.collect(msg_id, ex)
@@ -94,6 +94,13 @@ def in_the_cell(k: Kernel, cell: str, here: Path) -> tuple[dict[int, tuple[int, 
     assert {pid for pid, _ in ranks.values()} <= marked, (ranks, marked)
     assert len(launchers) == 1, [_cmd(p) for p in marked]
     return ranks, launchers[0], sockets
+
+
+def _leads_its_group(pid: int) -> bool:
+    try:
+        return os.getpgid(pid) == pid
+    except OSError:
+        return False
 
 
 def _cmd(pid: int) -> str:

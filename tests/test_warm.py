@@ -51,6 +51,12 @@ def warm_status(k: Kernel) -> dict[str, str] | None:
     return {"pid": m.group(1), "state": m.group(2)} if m else None
 
 
+def warm_zygote(k: Kernel) -> int:
+    m = re.search(r"the zygote \(pid (\d+)", k.ok("%elastic status").stdout)
+    assert m, "no zygote"
+    return int(m.group(1))
+
+
 def wait_warm(k: Kernel, timeout: float = 60) -> str:
     assert wait_for(lambda: (warm_status(k) or {}).get("state") == "ready", timeout, 0.5)
     status = warm_status(k)
@@ -58,12 +64,12 @@ def wait_warm(k: Kernel, timeout: float = 60) -> str:
     return status["pid"]
 
 
-def test_a_later_cell_forks_its_ranks_from_a_server_started_before_it(
+def test_the_first_cell_after_load_ext_forks_its_ranks_from_a_server_started_before_it(
     fresh_kernel: Kernel, cache_home: Path
 ) -> None:
+    # %load_ext started the supervisor, its zygote imported torch and forked a launcher: a first
+    # cell run a few seconds later (a person writing it) is as warm as any later one.
     k = fresh_kernel
-    first = k.ok(READBACK)
-    assert not launcher_of(cache_home, first.job_id)["warm"]  # the first cell starts cold
     warm_pid = wait_warm(k)
     before = time.time()
     ex = k.ok(READBACK)
@@ -79,6 +85,24 @@ def test_a_later_cell_forks_its_ranks_from_a_server_started_before_it(
         # And it is a process of this job, for every sweep that looks for one.
         assert r["marker"] == ex.job_id and r["slot"] is None
     assert_job_gone(ex.job_id)
+
+
+def test_cells_sent_back_to_back_are_warm_too(fresh_kernel: Kernel, cache_home: Path) -> None:
+    # Run All: each cell is sent the moment the previous one returns. The next launcher is
+    # forked from the zygote while the previous cell's ranks run, so no cell waits for torch.
+    k = fresh_kernel
+    wait_warm(k)
+    zygote = warm_zygote(k)
+    jobs = []
+    for _ in range(4):
+        before = time.time()
+        ex = k.ok(READBACK)
+        ranks = readback(ex)
+        assert len(ranks) == 2 and all(r["forked"] and r["server_started"] < before for r in ranks)
+        jobs.append(ex.job_id)
+    assert warm_zygote(k) == zygote  # torch was imported once, by the zygote, for all of them
+    for job in jobs:
+        assert_job_gone(job)
 
 
 def test_nothing_of_one_job_reaches_the_next(fresh_kernel: Kernel, tmp_path: Path) -> None:
@@ -123,12 +147,24 @@ def test_a_warm_launcher_that_dies_while_idle_is_replaced(
     assert_job_gone(ex.job_id)
 
 
+def test_a_zygote_that_died_is_replaced_by_the_next_cell(fresh_kernel: Kernel) -> None:
+    k = fresh_kernel
+    wait_warm(k)
+    os.kill(warm_zygote(k), signal.SIGKILL)
+    ex = k.ok(READBACK)
+    assert [r["forked"] for r in readback(ex)] == [True, True]
+    wait_warm(k)
+    assert _alive(psutil.Process(warm_zygote(k)))
+    assert_job_gone(ex.job_id)
+
+
 def test_the_warm_processes_die_with_the_kernel(fresh_kernel: Kernel) -> None:
     k = fresh_kernel
     k.ok("%%elastic --nproc 1\nprint('one')\n")
     warm = psutil.Process(int(wait_warm(k)))
     tree = [warm, *warm.children(recursive=True)]  # the launcher and its fork server
     assert len(tree) >= 2
+    tree.append(psutil.Process(warm_zygote(k)))
     k.kill()
     assert wait_for(lambda: not any(p.is_running() and _alive(p) for p in tree), timeout=10)
 

@@ -1,6 +1,9 @@
-"""`python -m elastic_nb.launcher`: one launcher, warm until it is handed a job (agent.py)."""
+"""`python -m elastic_nb.launcher FD`: the zygote, which forks launchers (zygote.py) that run one
+job each (agent.py). A package ``__main__``, so spawn and forkserver children never re-import it."""
 
-from elastic_nb.launcher.agent import main
+import sys
+
+from elastic_nb.launcher.zygote import main
 
 if __name__ == "__main__":
-    main()
+    main(int(sys.argv[1]))

@@ -34,7 +34,7 @@ def main() -> None:
     sys.stdout = sys.stderr
 
     # Warm: everything up to READY happens before there is a job; the supervisor hands us one
-    # when a cell asks. The fork server imports torch while this process does (two cores).
+    # when a cell asks. A fork of the zygote (zygote.py): torch is imported already.
     warm_env = dict(os.environ)  # the fork server's, and so every forked rank's, to start with
     _start_fork_server()
 
@@ -95,14 +95,13 @@ def main() -> None:
 
 
 def _start_fork_server() -> None:
-    """Start multiprocessing's fork server now, with torch (and --preload) imported in it by
-    elastic_nb.warmup, so that forking a rank costs milliseconds when the job comes. torch's
-    start_processes(start_method="forkserver") uses this same server (multiprocessing.forkserver's
-    module-level instance), for every attempt of the job."""
-    import multiprocessing.forkserver
+    """Start multiprocessing's fork server now, a fork of this launcher (torch imported in the
+    zygote) that imports elastic_nb.warmup (the --preload modules), so that forking a rank costs
+    milliseconds when the job comes. torch's start_processes(start_method="forkserver") uses this
+    same server (multiprocessing.forkserver's module-level instance), for every attempt."""
+    from elastic_nb.launcher import fork_server
 
-    multiprocessing.set_forkserver_preload(["elastic_nb.warmup"])
-    multiprocessing.forkserver.ensure_running()
+    fork_server.start(["elastic_nb.warmup"])
 
 
 def _wait_fork_server() -> None:

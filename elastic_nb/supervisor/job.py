@@ -153,7 +153,9 @@ class Job:
 
     async def _deadline(self, timeout: float) -> None:
         """--timeout, counted from the job's creation on the monotonic clock."""
-        await anyio.sleep(timeout - (time.monotonic() - self._created_mono))
+        # Past already when a cell's own zygote took longer than the deadline (anyio refuses a
+        # negative delay).
+        await anyio.sleep(max(0.0, timeout - (time.monotonic() - self._created_mono)))
         self._decide("timeout", f"the --timeout of {timeout:g} s passed")
 
     async def stacks(self) -> str:
@@ -171,7 +173,7 @@ class Job:
 
     async def _start_launcher(self) -> None:
         """Take a launcher (the warm one, or a new one) and give it this job."""
-        launcher = self._launchers.take(self.spec, self._env)
+        launcher = await self._launchers.take(self.spec, self._env)
         line = launcher.assign(self.id, str(self.rd), self._env)  # before any await: ours now
         self._launcher, self._tree = launcher, ProcessTree(self.id, launcher.proc, self._orphans)
         self._report.event("launcher", pid=launcher.pid, warm=launcher.ready)

@@ -1,18 +1,18 @@
 """Launcher processes, started before their jobs, and the pool that keeps one warm.
 
-A launcher (``python -m elastic_nb.launcher``) imports torch, starts its fork server (which
-imports torch and the ``--preload`` modules once, for every rank it will fork), says ``ready``
-and waits on stdin for a job. Nothing of a job is in it until then, so it can be started
-ahead: the pool keeps one ready for the next cell, hands it to the next job that comes, and
-warms another once that job's ranks run if the machine has cores to spare for it, else once
-the job has ended (the warm-up would take CPU from the ranks). Each launcher serves one job and exits with it, so nothing of one job (its
-environment, working directory, imported modules, sys.argv) can reach the next.
+A launcher is a fork of the zygote (zygote.py; torch imported once, for every launcher): it
+forks its fork server (which imports the ``--preload`` modules, for every rank it will fork),
+says ``ready`` and waits on stdin for a job. Nothing of a job is in it until then, so it can be
+made ahead: the pool keeps one ready for the next cell, hands it to the next job that comes, and
+forks another as soon as that job's ranks run (a fork takes milliseconds of CPU from them). Each
+launcher serves one job and exits with it, so nothing of one job (its environment, working
+directory, imported modules, sys.argv) can reach the next.
 
-A launcher is started with the environment of the last job (the kernel's), a blank slot for
-the job marker (procs.mark_process), and this supervisor's pid; a job whose environment
-differs where a process cannot change it later (the dynamic loader's variables) gets a fresh
-one. A warm launcher that dies while it waits is replaced; one that fails to start three times
-running turns warming off until a job succeeds in starting one.
+A launcher gets the environment of the last job (the kernel's), a blank slot for the job marker
+(procs.mark_process: the slot is in the zygote's start environment, so in every fork's), and this
+supervisor's pid; a job whose environment differs where a process cannot change it later (the
+dynamic loader's variables) gets a zygote of its own. A warm launcher that dies while it waits is
+replaced; warming that fails three times running is turned off until a job starts.
 """
 
 from __future__ import annotations
@@ -20,23 +20,20 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import os
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-import anyio
 import psutil
 from anyio.abc import TaskGroup
 
-from elastic_nb import procs, protocol
+from elastic_nb import procs
 from elastic_nb.spec import JobSpec
+from elastic_nb.supervisor.launcher import Launcher
+from elastic_nb.supervisor.zygote import Zygote, ZygoteFailed, log_tail
 
-__all__ = ["Launcher", "LauncherPool"]
+__all__ = ["Launcher", "LauncherPool"]  # Launcher: launcher.py
 
 log = logging.getLogger(__name__)
 
@@ -44,154 +41,45 @@ log = logging.getLogger(__name__)
 # values cannot serve the job.
 _AT_START = ("LD_LIBRARY_PATH", "LD_PRELOAD", "PYTHONHOME", "PYTHONPATH", "PYTHONSAFEPATH")
 MAX_FAILED_WARMUPS = 3
-WARMUP_CORES = 2  # a warm-up imports torch in two processes (the launcher, its fork server)
-
-
-class Launcher:
-    """One launcher process, from its start to the job it is given."""
-
-    def __init__(self, env: dict[str, str], preload: tuple[str, ...], log_path: Path) -> None:
-        self.preload = preload
-        self.start_key = _start_key(env)
-        self.log_path = log_path
-        self.decoder = protocol.FrameDecoder()
-        self.ready = False
-        self.started = time.time()
-        self.job: str | None = None  # who it was handed to
-        self.last_tick: float | None = None  # its agent's monitor loop, last heard (monotonic)
-        self.result: dict[str, Any] | None = None  # what elastic_launch returned or raised
-        self.closed = anyio.Event()  # its pipe reached EOF: the launcher is exiting
-        self.discarded = False  # ended by us while idle, not died
-        # One reader of the pipe for the launcher's life (`read`); the job that takes it
-        # receives its messages from this stream.
-        self._forward, self.messages = anyio.create_memory_object_stream[dict[str, Any]](math.inf)
-        with open(log_path, "ab") as log:
-            # start_new_session: the launcher, its fork server and every rank are one process
-            # group the job's teardown signals as a whole. Started from the supervisor's main
-            # thread: the launcher's PDEATHSIG follows the thread that started it.
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "elastic_nb.launcher"],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=log,
-                env={**env, "ELASTIC_NB_LAUNCHER_LOG": str(log_path)},
-                start_new_session=True,
-            )
-        assert self.proc.stdout is not None
-        os.set_blocking(self.proc.stdout.fileno(), False)
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    @property
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    async def read(self) -> None:
-        """Read its pipe until EOF (the launcher is exiting). READY marks it ready, TICK is
-        kept as `last_tick`, RESULT as `result`; the rest, once a job has it, goes to
-        `messages`, which ends at EOF."""
-        assert self.proc.stdout is not None
-        fd = self.proc.stdout.fileno()
-        try:
-            while True:
-                await anyio.wait_readable(fd)
-                try:
-                    data = os.read(fd, 1 << 16)
-                except BlockingIOError:
-                    continue
-                if not data:
-                    return
-                for msg, _ in self.decoder.feed(data):
-                    kind = msg["kind"]
-                    if kind == protocol.TICK:
-                        self.last_tick = time.monotonic()
-                        continue
-                    if kind == protocol.RESULT:
-                        self.result = msg
-                    if kind == protocol.READY:
-                        self.ready = True
-                        if self.job is None:
-                            continue  # said while idle: nothing a job needs to hear
-                    self._forward.send_nowait(msg)
-        finally:
-            self._forward.close()
-            self.proc.stdout.close()
-            self.closed.set()
-
-    async def exited(self) -> int:
-        """Wait for the process to end (its pidfd), reap it, and return its status."""
-        fd = procs.pidfd_open(self.pid)
-        if fd is not None:
-            try:
-                await anyio.wait_readable(fd)
-            finally:
-                os.close(fd)
-        while (code := self.proc.poll()) is None:  # no pidfd: an old kernel
-            await anyio.sleep(0.02)
-        return code
-
-    def assign(self, job_id: str, run_dir: str, env: dict[str, str]) -> bytes:
-        """Make it the job's; returns the assignment for the caller to write (off the loop:
-        an environment can be larger than a pipe's buffer). The ranks get the job's
-        environment, marked with its id (procs.MARKER: how its processes are found)."""
-        self.job = job_id
-        env = {**env, procs.MARKER: job_id, "ELASTIC_NB_SUPERVISOR_PID": str(os.getpid())}
-        if "matplotlib_inline" in env.get("MPLBACKEND", ""):
-            env["MPLBACKEND"] = "Agg"  # the kernel's inline backend means nothing in a rank
-        return json.dumps({"job": job_id, "run_dir": run_dir, "env": env}).encode() + b"\n"
-
-    def outcome(self, log: Path) -> tuple[str, str]:
-        """How the job ends by the launcher's account, once it has exited."""
-        if self.result and self.result.get("ok"):
-            return "succeeded", "elastic_launch returned"
-        if self.result:
-            return "failed", f"torchelastic gave up: {self.result.get('error')}"
-        return "failed", f"the launcher {procs.describe_exit(self.proc.poll())} (see {log})"
-
-    def write_assignment(self, line: bytes) -> None:
-        assert self.proc.stdin is not None
-        with contextlib.suppress(BrokenPipeError):  # it died: its reader sees EOF and says so
-            self.proc.stdin.write(line)
-            self.proc.stdin.close()
-
-    def discard(self) -> None:
-        """End an idle launcher and its fork server (one process group), and reap it. Its pipe
-        is `read`'s to close, at the EOF this brings."""
-        self.discarded = True
-        procs.signal_group(self.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=5)
-        if self.proc.stdin is not None:
-            with contextlib.suppress(OSError):
-                self.proc.stdin.close()
-        with contextlib.suppress(OSError):
-            self.log_path.unlink()
 
 
 class LauncherPool:
+    """One zygote (torch imported, forks launchers), and one launcher forked ahead of the next
+    cell. Both start with the supervisor, made for a cell in the kernel's environment; a job
+    whose start key differs gets a zygote for its own. `--no-warm` keeps neither."""
+
     def __init__(self, log_stem: str) -> None:
         self._log_stem = log_stem
         self._count = 0
         self._idle: Launcher | None = None
+        self._zygote: Zygote | None = None
         self._tg: TaskGroup | None = None
-        self._last: tuple[dict[str, str], JobSpec] | None = None  # what the next one is made for
+        # What the next warm launcher is made for: a cell's environment, preload and sys.path.
+        self._last: tuple[dict[str, str], tuple[str, ...], tuple[str, ...]] | None = None
         self._failed_warmups = 0
+        self._warming = False
+        self._off = False  # %elastic config --no-warm
         self._closed = False
 
-    def attach(self, tg: TaskGroup) -> None:
+    def attach(self, tg: TaskGroup, env: dict[str, str]) -> None:
+        """Warm from the start, for a cell run in this environment (the kernel's)."""
         self._tg = tg
+        self._last = (env, (), ())
+        self._warm()
 
     @property
     def idle(self) -> Launcher | None:
         return self._idle
 
-    def take(self, spec: JobSpec, env: dict[str, str]) -> Launcher:
-        """A launcher for this job: the warm one if it can serve it (and the job did not say
-        --no-warm), else a new one."""
+    def pids(self) -> set[int]:
+        """Our children the pool owns: the zygote and the idle launcher."""
+        return {p.pid for p in (self._zygote, self._idle) if p is not None}
+
+    async def take(self, spec: JobSpec, env: dict[str, str]) -> Launcher:
+        """A launcher for this job: the warm one if it can serve it, else a fork of the zygote
+        (a new zygote if the job's start key differs, or the job said --no-warm)."""
         if not spec.session or self._last is None:
-            self._last = (env, spec)  # what the next warm launcher is made for: a cell's
+            self._last = (env, spec.preload, spec.sys_path)
         warm, self._idle = self._idle, None
         # A session's ranks are forked from its launcher's server for its whole life, restarts
         # included: it must have imported what the session preloads (a job's ranks import a
@@ -207,12 +95,19 @@ class LauncherPool:
             return warm
         if warm is not None:
             warm.discard()
-        return self._start(env, spec)
+        if not spec.warm:
+            self._drop_zygote()  # from scratch: a zygote of its own, not kept
+        zygote = self._zygote_for(env)
+        try:
+            return await self._fork(zygote, env, spec.preload, spec.sys_path)
+        finally:
+            if not spec.warm:
+                self._drop_zygote()
 
     def job_running(self, spec: JobSpec) -> None:
-        """Every rank of a job is up: warm the next launcher now if this machine has cores to
-        spare for it (a back-to-back cell is then warm too); else wait for the job's end."""
-        if spec.warm and _cores() - spec.nproc >= WARMUP_CORES:
+        """Every rank of a job is up: fork the next launcher now (milliseconds, from the
+        zygote), so that a cell sent the moment this one ends is warm too."""
+        if spec.warm:
             self._warm()
 
     def job_ended(self, spec: JobSpec, started: bool) -> None:
@@ -224,22 +119,37 @@ class LauncherPool:
             return
         self._warm()
 
+    def keep_warm(self, on: bool) -> None:
+        """%elastic config --no-warm ends the zygote and the idle launcher now (their memory);
+        --warm starts them again."""
+        self._off = not on
+        if on:
+            self._warm()
+        else:
+            self.drop_idle()
+            self._drop_zygote()
+
     def describe(self) -> dict[str, Any] | None:
-        """The idle launcher, for %elastic status: its pid, whether it is ready, its memory."""
-        w = self._idle
-        if w is None:
+        """The idle launcher and the zygote, for %elastic status: pids, readiness, memory."""
+        w, z = self._idle, self._zygote
+        if w is None and z is None:
             return None
         rss = pss = 0
-        with contextlib.suppress(psutil.Error):
-            tree = psutil.Process(w.pid)
-            for p in [tree, *tree.children(recursive=True)]:
-                mem = p.memory_full_info()
-                rss, pss = rss + mem.rss, pss + mem.pss
+        for root in (w, z):
+            if root is None:
+                continue
+            with contextlib.suppress(psutil.Error):
+                tree = psutil.Process(root.pid)
+                for p in [tree, *tree.children(recursive=True)]:
+                    mem = p.memory_full_info()
+                    rss, pss = rss + mem.rss, pss + mem.pss
         return {
-            "pid": w.pid,
-            "ready": w.ready,
-            "age_s": time.time() - w.started,
-            "preload": list(w.preload),
+            "pid": w.pid if w else None,
+            "ready": bool(w and w.ready),
+            "age_s": time.time() - w.started if w else 0.0,
+            "preload": list(w.preload) if w else [],
+            "zygote": z.pid if z else None,
+            "zygote_ready": bool(z and z.ready),
             "rss_mb": rss / 2**20,
             "pss_mb": pss / 2**20,
         }
@@ -252,35 +162,108 @@ class LauncherPool:
     def close(self) -> None:
         self._closed = True
         self.drop_idle()
+        self._drop_zygote()
+
+    def _zygote_for(self, env: dict[str, str]) -> Zygote:
+        key = _start_key(env)
+        z = self._zygote
+        if z is not None and z.alive and z.start_key == key:
+            return z
+        self._drop_zygote()
+        self._count += 1
+        zygote_env = {
+            **{k: v for k, v in env.items() if k != procs.MARKER},
+            # In its start environment, so in every launcher's and rank's: mark_process
+            # writes the job's marker there.
+            procs.SLOT: procs.SLOT_BLANK,
+            "ELASTIC_NB_SUPERVISOR_PID": str(os.getpid()),
+        }
+        z = Zygote(zygote_env, key, Path(f"{self._log_stem}-zygote-{self._count}.log"))
+        assert self._tg is not None
+        self._tg.start_soon(z.read_ready)
+        self._zygote = z
+        return z
+
+    def _drop_zygote(self) -> None:
+        z, self._zygote = self._zygote, None
+        if z is not None:
+            z.close()
+
+    async def _fork(
+        self,
+        zygote: Zygote,
+        env: dict[str, str],
+        preload: tuple[str, ...],
+        sys_path: tuple[str, ...],
+    ) -> Launcher:
+        await zygote.wait_ready()
+        self._count += 1
+        launcher_env = {
+            **{k: v for k, v in env.items() if k != procs.MARKER},
+            procs.SLOT: procs.SLOT_BLANK,
+            "ELASTIC_NB_SUPERVISOR_PID": str(os.getpid()),
+            "ELASTIC_NB_PRELOAD": json.dumps(list(preload)),
+            "ELASTIC_NB_SYS_PATH": json.dumps(list(sys_path)),
+        }
+        log_path = Path(f"{self._log_stem}-launcher-{self._count}.log")
+        launcher = Launcher(zygote, launcher_env, preload, log_path)
+        assert self._tg is not None
+        self._tg.start_soon(launcher.read)
+        return launcher
 
     def _warm(self) -> None:
+        if self._idle is not None and not self._fits(self._idle):
+            self.drop_idle()  # made for a cell before the last one (its --preload, its sys.path)
         if (
             self._closed
+            or self._off
+            or self._warming
             or self._idle is not None
             or self._last is None
             or self._failed_warmups >= MAX_FAILED_WARMUPS
         ):
             return
-        env, spec = self._last
-        self._idle = self._start(env, spec)
+        self._warming = True
         assert self._tg is not None
-        self._tg.start_soon(self._keep, self._idle)
+        self._tg.start_soon(self._warm_one)
 
-    def _start(self, env: dict[str, str], spec: JobSpec) -> Launcher:
-        self._count += 1
-        start_env = {
-            **{k: v for k, v in env.items() if k != procs.MARKER},
-            procs.SLOT: procs.SLOT_BLANK,
-            "ELASTIC_NB_SUPERVISOR_PID": str(os.getpid()),
-            "ELASTIC_NB_PRELOAD": json.dumps(list(spec.preload)),
-            "ELASTIC_NB_SYS_PATH": json.dumps(list(spec.sys_path)),
-        }
-        launcher = Launcher(
-            start_env, spec.preload, Path(f"{self._log_stem}-launcher-{self._count}.log")
-        )
+    async def _warm_one(self) -> None:
+        """Fork the next launcher (starting a zygote first if there is none). A failure here
+        must not take the supervisor down: it only costs the warm start."""
+        assert self._last is not None
+        env, preload, sys_path = self._last
+        zygote = None
+        try:
+            zygote = self._zygote_for(env)
+            launcher = await self._fork(zygote, env, preload, sys_path)
+        except Exception as e:
+            # A zygote ended on purpose meanwhile (--no-warm, another start key) is no failure.
+            if zygote is None or zygote is self._zygote:
+                self._failed_warmups += 1
+                log.warning(
+                    "warming a launcher failed: %s", e, exc_info=not isinstance(e, ZygoteFailed)
+                )
+            return
+        finally:
+            self._warming = False
+        if self._closed or self._off or self._idle is not None or not self._fits(launcher):
+            launcher.discard()  # --no-warm, or a cell that asked for another, came meanwhile
+            self._warm()
+            return
+        self._idle = launcher
         assert self._tg is not None
-        self._tg.start_soon(launcher.read)
-        return launcher
+        self._tg.start_soon(self._keep, launcher)
+
+    def _fits(self, launcher: Launcher) -> bool:
+        """Made for the cell the next warm launcher is for."""
+        if self._last is None:
+            return True
+        env, preload, sys_path = self._last
+        return (launcher.preload, launcher.sys_path, launcher.start_key) == (
+            preload,
+            sys_path,
+            _start_key(env),
+        )
 
     async def _keep(self, launcher: Launcher) -> None:
         """Watch a warm launcher while it waits; replace it if it dies before a job takes it.
@@ -295,7 +278,7 @@ class LauncherPool:
         if launcher.job is not None or launcher.discarded:
             return  # a job took it (and watches it now), or we ended it
         # It died waiting: say why, and warm another (not forever, if it never got ready).
-        tail = _tail(launcher.log_path)
+        tail = log_tail(launcher.log_path)
         launcher.discard()
         log.warning(
             "warm launcher %s exited (%s) before any job took it: %s",
@@ -310,15 +293,5 @@ class LauncherPool:
             self._warm()
 
 
-def _cores() -> int:
-    return len(os.sched_getaffinity(0))
-
-
 def _start_key(env: dict[str, Any]) -> tuple[str | None, ...]:
     return tuple(env.get(k) for k in _AT_START)
-
-
-def _tail(path: Path, n: int = 5) -> str:
-    with contextlib.suppress(OSError):
-        return " | ".join(path.read_text(errors="replace").splitlines()[-n:]) or "no output"
-    return "no log"

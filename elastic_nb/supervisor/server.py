@@ -90,7 +90,7 @@ class Supervisor:
         try:
             async with anyio.create_task_group() as tg:
                 self._tg = tg
-                self._launchers.attach(tg)
+                self._launchers.attach(tg, dict(os.environ))
                 tg.start_soon(self._watch_kernel)
                 tg.start_soon(self._watch_signals)
                 tg.start_soon(self._reap_periodically)
@@ -129,9 +129,7 @@ class Supervisor:
 
     def _launcher_pids(self) -> set[int]:
         keep = {j.launcher_pid for j in self._owners() if j.launcher_pid}
-        if self._launchers.idle is not None:
-            keep.add(self._launchers.idle.pid)
-        return keep
+        return keep | self._launchers.pids()
 
     def reap(self) -> None:
         procs.reap_orphans(keep=self._launcher_pids())
@@ -193,8 +191,7 @@ class Supervisor:
             elif kind == protocol.STACKS:
                 reply = {"text": await self._stacks(msg.get("job"))}
             elif kind == protocol.WARM:
-                if not msg.get("on", True):
-                    self._launchers.drop_idle()
+                self._launchers.keep_warm(bool(msg.get("on", True)))
                 reply = {}
             elif kind == protocol.JOBS:
                 reply = {"jobs": [_info(j) for j in self._jobs.values()]}

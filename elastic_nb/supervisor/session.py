@@ -176,7 +176,7 @@ class Session:
         try:
             listener = await anyio.create_unix_listener(self.socket_path)
             os.chmod(self.socket_path, 0o600)
-            launcher = self._launchers.take(self.spec, self._env)
+            launcher = await self._launchers.take(self.spec, self._env)
             env = {**self._env, SOCKET_ENV: str(self.socket_path)}
             line = launcher.assign(self.id, str(self.rd), env)
             self._launcher = launcher

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import subprocess
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +21,7 @@ import psutil
 
 from elastic_nb import procs
 from elastic_nb.supervisor.reporter import Reporter
+from elastic_nb.supervisor.zygote import ForkedProcess
 
 __all__ = ["ProcessTree", "unkillable"]
 
@@ -34,7 +34,7 @@ class ProcessTree:
     def __init__(
         self,
         job_id: str,
-        launcher: subprocess.Popen[bytes],
+        launcher: ForkedProcess,
         orphans: Callable[[], list[psutil.Process]],
     ) -> None:
         self.job_id = job_id

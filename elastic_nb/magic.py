@@ -49,7 +49,6 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, argument_group, magic_arguments, parse_argstring
 from IPython.display import display
-from IPython.utils.text import SList
 
 from elastic_nb.cell import explicit_timeouts, prepare_cell
 from elastic_nb.client import current_client, get_client
@@ -230,12 +229,11 @@ class ElasticMagics(Magics):
             + (f", preloaded: {', '.join(w['preload'])}" if w["preload"] else "")
         )
 
-    def _jobs(self, rest: str) -> SList:
+    def _jobs(self, rest: str) -> None:
         c = current_client()
         running = {j["job"]: j for j in c.jobs()} if c is not None else {}
         table = jobs_table(self.jobs.values(), running)
         print("\n".join(table) if table else "no jobs in this session yet")
-        return SList()
 
     def _logs(self, rest: str) -> None:
         parser = argparse.ArgumentParser(prog="%elastic logs", add_help=False)

@@ -7,6 +7,9 @@ the spec a job starts with and the summary the supervisor sends when it ends.
 
 from __future__ import annotations
 
+import os
+import re
+
 from elastic_nb.protocol import Summary
 
 __all__ = [
@@ -120,5 +123,9 @@ def failure_report(s: Summary) -> list[str]:
 
 
 def _cell_traceback(text: str, run_dir: str) -> str:
-    """Show the cell's frames as the cell, not as the file the ranks ran."""
-    return text.replace(f'File "{run_dir}/cell.py", line ', "%%elastic cell, line ")
+    """Show the cell's frames as the cell, not as the file the ranks ran; a frame of an earlier
+    cell (a function a session cell defined) as that cell, named by its job."""
+    text = text.replace(f'File "{run_dir}/cell.py", line ', "%%elastic cell, line ")
+    parent = re.escape(os.path.dirname(run_dir))
+    earlier = re.compile(rf'File "{parent}/([0-9a-f]{{8}})/cell\.py", line ')
+    return earlier.sub(r"%%elastic cell of job \1, line ", text)

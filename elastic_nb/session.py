@@ -184,6 +184,9 @@ def describe(info: dict[str, Any]) -> str:
         note = "" if e["replay"] else "  [--no-replay: left out]"
         out.append(f"    cell {e['no']} (job {e['job']}): {e['line']}{note}")
     for r in info["replays"]:
-        how = "failed" if r["failed"] else f"{r['cells']} cells in {r['seconds']:.2f} s"
+        n = r["cells"]
+        how = (
+            "failed" if r["failed"] else f"{n} cell{'s' if n != 1 else ''} in {r['seconds']:.2f} s"
+        )
         out.append(f"  replayed on attempt {r['attempt']}: {how}")
     return "\n".join(out)

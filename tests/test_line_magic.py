@@ -42,8 +42,9 @@ def test_status_jobs_and_logs(kernel: Kernel) -> None:
     job = ex.job_id
     status = kernel.ok("%elastic status").stdout
     assert re.search(r"supervisor: pid \d+", status) and "running jobs: none" in status
-    jobs = kernel.ok("%elastic jobs").stdout
-    assert re.search(rf"{job}\s+succeeded\s+2\s+0/0", jobs)
+    jobs = kernel.ok("%elastic jobs")
+    assert re.search(rf"{job}\s+succeeded\s+2\s+0/0", jobs.stdout)
+    assert jobs.result is None  # printed, not also shown as a value ([])
     logs = kernel.ok(f"%elastic logs {job} --rank 1 --tail 3").stdout
     assert "rank 1 stdout, attempt 0" in logs and "(100 lines)" in logs
     assert logs.strip().endswith("[rank 1] line 99 of rank 1")

@@ -1,4 +1,6 @@
-"""The notebooks in notebooks/ run, through the same command the README gives."""
+"""The notebooks in notebooks/ run, through the same command the README gives, and say what their
+prose says they say. Each runs in a kernel of its own, on CPU (gloo), with a cache home of its
+own: nothing of the notebook (a job, a session, the supervisor, the kernel) may outlive it."""
 
 from __future__ import annotations
 
@@ -9,16 +11,21 @@ import subprocess
 import sys
 from pathlib import Path
 
+import nbformat
 import psutil
 
 from elastic_nb import procs
 from tests.kernel import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = ROOT / "notebooks"
+_JOB = re.compile(r"\[elastic_nb\] (?:job|session) ([0-9a-f]{8})")
 
 
 def run_notebook(name: str, cache: Path) -> str:
-    """Execute notebooks/NAME headlessly, as `make demo` does; its printed outputs."""
+    """Execute notebooks/NAME headlessly, as `make demo` does; its printed outputs. Then insist
+    that nothing it started is left: no process of its jobs or sessions, and none carrying its
+    cache home (the kernel, its supervisor, a warm launcher)."""
     result = subprocess.run(
         [sys.executable, "scripts/run_notebook.py", f"notebooks/{name}"],
         cwd=ROOT,
@@ -28,7 +35,49 @@ def run_notebook(name: str, cache: Path) -> str:
         env={**os.environ, "XDG_CACHE_HOME": str(cache)},
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    return result.stdout
+    out = result.stdout
+    assert not procs.job_processes(sorted(set(_JOB.findall(out))))
+
+    def left() -> list[str]:
+        found = []
+        for p in psutil.process_iter():
+            with contextlib.suppress(psutil.Error):
+                if p.environ().get("XDG_CACHE_HOME") == str(cache):
+                    found.append(f"{p.pid} {' '.join(p.cmdline())[:100]}")
+        return found
+
+    # The kernel's shutdown is bounded; what it started goes with it.
+    assert wait_for(lambda: not left(), timeout=10), f"processes outlived the notebook: {left()}"
+    return out
+
+
+def cell_output(out: str, name: str, source_start: str) -> str:
+    """What run_notebook printed for the first code cell of notebooks/NAME whose source starts
+    with `source_start`."""
+    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+    index = next(
+        i
+        for i, cell in enumerate(nb.cells)
+        if cell.cell_type == "code" and cell.source.startswith(source_start)
+    )
+    start = out.index(f"\n### cell {index}: ")
+    end = out.find("\n### cell ", start + 1)
+    return out[start : end if end != -1 else len(out)]
+
+
+def test_every_notebook_is_tested_and_committed_without_outputs() -> None:
+    # Each notebook NAME.ipynb has its test_NAME below.
+    tested = {f"{name[5:]}.ipynb" for name in globals() if name.startswith("test_")}
+    found = {p.name for p in NOTEBOOKS.glob("*.ipynb")}
+    assert found <= tested, f"notebooks without a test: {found - tested}"
+    for path in sorted(NOTEBOOKS.glob("*.ipynb")):
+        nb = nbformat.read(path, as_version=4)
+        nbformat.validate(nb)
+        for cell in nb.cells:
+            if cell.cell_type == "code":
+                assert cell.outputs == [] and cell.execution_count is None, (
+                    f"{path.name}: a cell was committed with its outputs: {cell.source[:60]!r}"
+                )
 
 
 def test_quickstart(tmp_path: Path) -> None:
@@ -66,17 +115,156 @@ def test_session(tmp_path: Path) -> None:
         assert re.search(rf"\[rank {rank}\] step 2: loss [0-9.]+ \(attempt 1\)", out), out
     assert f"session {session.group(1)}: ready, 2 ranks, attempt 1, restarts 1/3" in out
     assert f"session {session.group(1)} ended: ended with %elastic down" in out
-    # Nothing of the session or the kernel is left (the kernel's shutdown is bounded).
-    assert not procs.job_processes([session.group(1)])
 
-    def left() -> list[str]:
-        found = []
-        for p in psutil.process_iter():
-            with contextlib.suppress(psutil.Error):
-                if p.environ().get("XDG_CACHE_HOME") == str(tmp_path):
-                    found.append(f"{p.pid} {' '.join(p.cmdline())[:100]}")
-        return found
 
-    assert wait_for(lambda: not left(), timeout=10), (
-        f"processes of the notebook outlived it: {left()}"
+def test_debugging_oom_hangs(tmp_path: Path) -> None:
+    """An OOM on rank 1 in DDP training (simulated on CPU), raised, then caught and skipped
+    (a desync), then the fix, on a session: what elastic_nb reports is what the prose says."""
+    nb = "debugging_oom_hangs.ipynb"
+    out = run_notebook(nb, tmp_path)
+    session = re.search(r"session ([0-9a-f]{8}): 2 ranks up", out)
+    assert session, out
+    setup = re.search(
+        r"job ([0-9a-f]{8}) succeeded", cell_output(out, nb, "%%elastic\nimport torch")
     )
+    assert setup, out
+
+    # 1. The OOM propagates: rank 1 failed first, with its error, line and memory figures; the
+    # alert comes as it happens, before the restart it brings; rank 0 was stuck in DDP's
+    # all-reduce and ended; the session restarted and replayed the setup cell.
+    oom = cell_output(
+        out, nb, "%%elastic\nfor step in range(6):\n    x, y = batch(step)\n    scratch"
+    )
+    alert = (
+        "[elastic_nb] rank 1 ran out of CUDA memory on GPU 1 at cell line 4 (requested 160.00 GiB)"
+    )
+    assert alert in oom and oom.count(alert) == 1
+    assert oom.index(alert) < oom.index("the session restarts its ranks as attempt 1")
+    assert (
+        "JobFailed: rank 1 failed first: torch.OutOfMemoryError: CUDA out of memory. Tried to "
+        "allocate 160.00 GiB. GPU 1 has a total capacity of 80.00 GiB (simulated on CPU by this "
+        "notebook) (cell line 4)"
+    ) in oom
+    assert "cause: cuda_oom" in oom
+    assert "  %%elastic cell, line 4, in <module>\n    scratch = workspace(" in oom
+    # The frame in workspace() is the setup cell's, named by its job.
+    assert f"  %%elastic cell of job {setup.group(1)}, line 31, in workspace" in oom
+    assert "rank 0: stopped by elastic_nb (SIGKILL) after rank 1 failed" in oom
+    assert "rank 0 could not be interrupted within 2 s" in oom
+    assert "the session's state is back: 1 cell replayed in" in oom
+
+    # 2. Caught and skipped: a desync naming rank 1, found while rank 0 waited in its last
+    # gradient all-reduce (its stack shows it), long before --collective-timeout 30.
+    desync = cell_output(
+        out, nb, "%%elastic\nfor step in range(6):\n    x, y = batch(step)\n    try:"
+    )
+    assert "[rank 1] rank 1: out of memory at step 3, skipping this batch" in desync
+    m = re.search(
+        r"JobFailed: desync: rank 1 left the cell after (\d+) collectives \(its last: "
+        r"all_reduce #(\d+)\); rank 0 waits in all_reduce #(\d+) \(cell line 10: "
+        r"loss\.backward\(\): DDP's gradient all-reduce\)",
+        desync,
+    )
+    assert m and m[1] == m[2] and int(m[3]) == int(m[1]) + 1, desync
+    assert "cause: desync" in desync and "must skip it on every rank together" in desync
+    stacks = desync[desync.index("--- where every rank was") :]
+    assert "rank 0 · cell line 10: loss.backward()" in stacks
+    assert "rank 1 · finished the cell" in stacks
+    assert "rank 0: stopped by elastic_nb (SIGKILL) after rank 1 left the cell" in desync
+    assert "restarts 2/3" in desync
+    took = re.search(
+        r"job [0-9a-f]{8} failed · cause: desync · 2 ranks · restarts 2/3 · ([0-9.]+) s", desync
+    )
+    assert took and float(took[1]) < 30, desync  # the grace, the restart and the replay included
+
+    # 3. The fix: both ranks skip step 3 together and train the other 5, on the replayed state.
+    fix = cell_output(out, nb, "%%elastic\nsteps = 0")
+    for rank in range(2):
+        assert f"[rank {rank}] rank {rank}: step 3 skipped on every rank" in fix
+        assert f"[rank {rank}] rank {rank}: 5 steps trained" in fix
+    assert "Out: 5" in fix
+    assert f"session {session[1]}: ready, 2 ranks, attempt 2, restarts 2/3" in out
+    assert "replayed on attempt 1: 1 cell in" in out and "replayed on attempt 2: 1 cell in" in out
+    assert f"session {session[1]} ended: ended with %elastic down" in out
+
+
+def test_elastic_restarts_and_checkpoints(tmp_path: Path) -> None:
+    nb = "elastic_restarts_and_checkpoints.ipynb"
+    out = run_notebook(nb, tmp_path)
+    # A rank that fails once: one restart, and attempt 1's result.
+    once = cell_output(out, nb, "%%elastic --nproc 2 --max-restarts 2\nimport os, torch")
+    assert (
+        "[elastic_nb] attempt 0 failed: rank 1 ConnectionError: rank 1 lost its connection to the "
+        "data server (once) (cell line 6); restarting as attempt 1 (restart 1/2)"
+    ) in once
+    for rank in range(2):
+        assert f"[rank {rank}] attempt 1: the all_reduce gives 2.0" in once
+    assert re.search(r"job [0-9a-f]{8} succeeded · 2 ranks · restarts 1/2", once)
+    assert "Out: 1" in once
+    # The checkpoint: attempt 1 resumes from step 9's, and the history is whole.
+    ckpt = cell_output(out, nb, "%%elastic --nproc 2 --max-restarts 1 --push ckpt_dir")
+    assert "attempt 0 failed: rank 1 RuntimeError: rank 1 lost its device at step 12 (once)" in ckpt
+    for rank in range(2):
+        assert f"[rank {rank}] attempt 1: resumed from the checkpoint of step 9" in ckpt
+        assert f"[rank {rank}] rank {rank}: attempt 1 trained steps 10 to 19" in ckpt
+    assert re.search(r"job [0-9a-f]{8} succeeded · 2 ranks · restarts 1/1", ckpt)
+    assert re.search(r"20 losses, from [0-9.]+ at step 0 to [0-9.]+ at step 19", out)
+    # The failed attempt's log is kept.
+    logs = cell_output(out, nb, "%elastic logs --attempt 0 --rank 1")
+    assert "rank 1 stderr, attempt 0" in logs
+    assert "[rank 1] RuntimeError: rank 1 lost its device at step 12 (once)" in logs
+    # A failure no restart fixes: the budget is spent, the error names rank 1 in attempt 2.
+    always = cell_output(out, nb, "%%elastic --nproc 2 --max-restarts 2\nimport os\n")
+    assert "restarting as attempt 1 (restart 1/2)" in always
+    assert "restarting as attempt 2 (restart 2/2)" in always
+    assert (
+        "JobFailed: rank 1 failed first: FileNotFoundError: /data/shard-1.bin is missing "
+        "(attempt 2) (cell line 5)"
+    ) in always
+    assert "--- rank 1 (attempt 2) ---" in always
+    assert re.search(r"job [0-9a-f]{8} failed · cause: exception · 2 ranks · restarts 2/2", always)
+
+
+def test_background_jobs(tmp_path: Path) -> None:
+    nb = "background_jobs.ipynb"
+    out = run_notebook(nb, tmp_path)
+    started = re.search(
+        r"Out: <elastic_nb job ([0-9a-f]{8}) (starting|rendezvous|running) run_dir=", out
+    )
+    assert started, out
+    job = started[1]
+    # While it runs: its state, the supervisor's list, a rank's last lines, every stack.
+    assert "Out: 'running'" in cell_output(out, nb, "import time\nwhile")
+    assert f"  running jobs: {job}" in cell_output(out, nb, "%elastic status")
+    logs = cell_output(out, nb, "%elastic logs --rank 1 --tail 3")
+    assert (
+        f"==> rank 1 stdout, attempt 0: {tmp_path}/elastic_nb/runs/{job}/attempt-0/rank-1.out"
+        in logs
+    )
+    assert len(re.findall(r"\[rank 1\] step \d+: loss [0-9.]+", logs)) == 3
+    stacks = cell_output(out, nb, "%elastic stacks")
+    assert "stacks of every rank, attempt 0" in stacks
+    for rank in range(2):
+        assert re.search(rf"rank {rank} · .*cell line \d+: ", stacks), stacks
+    # Its result, and the pulled losses.
+    assert re.search(r"Out: 0\.0[0-9]+", cell_output(out, nb, "job.wait(timeout=300)"))
+    assert re.search(r"succeeded: 40 losses pulled, from [0-9.]+ to 0\.0", out)
+    # The stuck job: where each rank was, then stopped.
+    stuck = re.findall(r"Out: <elastic_nb job ([0-9a-f]{8}) ", out)[1]
+    where = cell_output(out, nb, "stuck = _")
+    assert (
+        "stacks of every rank, attempt 0: rank 1 never entered all_reduce #1 (cell line 9): "
+        "it was at cell line 7; rank 0 waited in it"
+    ) in where
+    assert "rank 0 · waiting in all_reduce · cell line 9: dist.all_reduce(torch.ones(1))" in where
+    assert "rank 1 · cell line 7: time.sleep(0.5)" in where
+    assert f"stopping: {stuck}" in out
+    wait = cell_output(out, nb, "stuck.wait(timeout=60)")
+    assert f"JobStopped: job {stuck} was stopped: stopped with %elastic stop" in wait
+    for rank in range(2):
+        assert f"rank {rank}: stopped by elastic_nb (SIGTERM)" in wait
+    assert "Out: 'stopped'" in cell_output(out, nb, "stuck.state")
+    jobs = cell_output(out, nb, "%elastic jobs")
+    assert re.search(rf"{job}\s+succeeded\s+2\s+0/0", jobs)
+    assert re.search(rf"{stuck}\s+stopped\s+2\s+0/0", jobs)
+    assert "Out:" not in jobs  # the table is printed, not returned as a value

@@ -303,6 +303,30 @@ def test_a_desync_is_named_in_seconds_and_the_session_comes_back(session_kernel)
     assert k.ok("%%elastic\ncounter\n").result == "7"
 
 
+def test_a_cuda_oom_in_a_collective_is_told_before_the_restart_it_brings(session_kernel) -> None:
+    """Rank 1 runs out of CUDA memory (raised as CUDA would) in a function an earlier cell
+    defined, while rank 0 waits for it in an all_reduce: the OOM alert comes as it happens,
+    once, before the restart; the report names the earlier cell's frame by its job."""
+    k, _session = session_kernel
+    setup = k.ok(
+        "%%elastic\n"
+        "def grab(gib):\n"
+        "    if dist.get_rank() == 1:\n"
+        "        raise torch.OutOfMemoryError(\n"
+        "            f'CUDA out of memory. Tried to allocate {gib} GiB. GPU 1 has a total capacity of 80 GiB')\n"
+    )
+    ex = k.run("%%elastic\ngrab(160)\ndist.all_reduce(torch.ones(1))\n")
+    assert ex.ename == "JobFailed"
+    told = "".join(m["content"]["text"] for m in ex.messages if m["msg_type"] == "stream")
+    alert = "rank 1 ran out of CUDA memory on GPU 1 at cell line 2 (requested 160 GiB)"
+    assert told.count(alert) == 1, told
+    assert told.index(alert) < told.index("the session restarts its ranks as attempt 1")
+    assert "cause: cuda_oom" in ex.traceback
+    assert "  %%elastic cell, line 2, in <module>\n    grab(160)" in ex.traceback
+    assert f"  %%elastic cell of job {setup.job_id}, line 4, in grab" in ex.traceback
+    assert "the session restarted (attempt 1) and replayed 2 cells" in ex.traceback
+
+
 def test_a_session_has_what_it_preloads_even_after_a_warm_cell(
     fresh_kernel: Kernel, tmp_path: Path
 ) -> None:

@@ -49,7 +49,7 @@ class Journal:
             session.alert(
                 "replay",
                 "info",
-                f"attempt {attempt}: replaying {len(cells)} cell{'s' if len(cells) != 1 else ''}"
+                f"attempt {attempt}: replaying {_cells(len(cells))}"
                 + (f" ({left_out} left out: --no-replay)" if left_out else ""),
             )
         t0 = time.monotonic()
@@ -78,7 +78,7 @@ class Journal:
             session.alert(
                 "replay",
                 "info",
-                f"the session's state is back: {record['cells']} cells replayed in "
+                f"the session's state is back: {_cells(record['cells'])} replayed in "
                 f"{record['seconds']:.2f} s",
             )
 
@@ -89,11 +89,14 @@ class Journal:
             return None
         if last["failed"]:
             return "its replay failed"
-        n = last["cells"]
-        return f"replayed {n} cell{'s' if n != 1 else ''} in {last['seconds']:.2f} s"
+        return f"replayed {_cells(last['cells'])} in {last['seconds']:.2f} s"
 
     def info(self) -> list[dict[str, Any]]:
         return [
             {"no": c.no, "job": c.id, "line": c.first_line, "replay": c.spec.replay}
             for c in self.cells
         ]
+
+
+def _cells(n: int) -> str:
+    return f"{n} cell{'s' if n != 1 else ''}"

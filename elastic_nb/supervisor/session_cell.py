@@ -101,6 +101,7 @@ class SessionCell:
         self.finding: Finding | None = None  # a desync found while it ran
         self.restarted_to: int | None = None  # the session's attempt after the restart it brought
         self.watchdog: tuple[int, str, float] | None = None  # NCCL's timeout line: rank, line, when
+        self._oom_told: set[int] = set()  # ranks whose CUDA OOM has had its alert
 
     @property
     def running(self) -> bool:
@@ -150,6 +151,7 @@ class SessionCell:
         collector = EvidenceCollector(host.rd, self.source, self.rd.cell)
         watch = _DesyncWatch(self, links, collector)
         watchdog_seen = False
+        told: set[int] = set()  # failed ranks whose records were read for an OOM alert
         while True:
             now = time.monotonic()
             dead = [link.r for link in links if link.r.died_at is not None]
@@ -177,6 +179,11 @@ class SessionCell:
                 self.request_stop("timeout")
             if failed and first_failure is None:
                 first_failure = now
+            new = set(failed) - told
+            if new:
+                # A CUDA OOM is told as it happens, not after the restart and replay it brings.
+                self.oom_alerts(self.ranks([x.r for x in links if x.r.rank in new]))
+                told |= new
             wake = now + (deadline - time.time())
             if interrupted is None and not failed and not self.stop_reason:
                 wake = min(wake, await watch.look(now))
@@ -294,8 +301,12 @@ class SessionCell:
             self.report.chip(r.rank, chip)  # type: ignore[arg-type]
 
     def oom_alerts(self, ranks: list[RankState]) -> None:
+        """An alert for each rank that ran out of CUDA memory, once per rank."""
         for r in ranks:
+            if r.rank in self._oom_told:
+                continue
             if r.failure is not None and r.kind(None) == "oom":
+                self._oom_told.add(r.rank)
                 title, text = oom_alert(r)
                 self.report.alert("oom", "error", title, rank=r.rank, text=text)
 

@@ -109,6 +109,10 @@ class Job:
         return self._report.state
 
     @property
+    def report(self) -> Reporter:
+        return self._report
+
+    @property
     def decided(self) -> bool:
         return self._outcome is not None
 

@@ -98,6 +98,10 @@ class Session:
     # ---- for the server -------------------------------------------------------------------
 
     @property
+    def report(self) -> Reporter:
+        return self._report
+
+    @property
     def running(self) -> bool:
         return self.summary is None
 

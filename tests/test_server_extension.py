@@ -93,20 +93,20 @@ async def test_the_panel_lists_follows_dumps_and_stops_a_running_job(
 
     async def has_lines() -> bool:
         first.update(await get(jp_fetch, job, "logs", params={"rank": "1", "tail": "5"}))
-        return "rank 1 line 2" in first["streams"]["out"]["text"]
+        return "rank 1 line 2" in first["text"]
 
     for _ in range(150):
         if await has_lines():
             break
         await asyncio.sleep(0.2)
-    out = first["streams"]["out"]
+    out = first
     assert out["text"].count("\n") <= 5 and out["path"].endswith("rank-1.out")
     more = ""
     for _ in range(100):
         nxt = await get(
-            jp_fetch, job, "logs", params={"rank": "1", "offset_out": str(out["offset"])}
+            jp_fetch, job, "logs", params={"rank": "1", "offset": str(out["offset"])}
         )
-        more += nxt["streams"]["out"]["text"]
+        more += nxt["text"]
         if more.count("\n") >= 2:
             break
         await asyncio.sleep(0.2)
@@ -175,7 +175,7 @@ async def test_a_session_and_its_cells_are_listed_and_stopped(
     assert entry["kind"] == "cell" and entry["session"] == session["id"]
     assert not entry["running"] and entry["outcome"] == "succeeded"
     logs = await get(jp_fetch, cell.job_id, "logs", params={"rank": "0"})
-    assert Path(logs["streams"]["out"]["path"]).parent.parent.name == session["id"]
+    assert Path(logs["path"]).parent.parent.name == session["id"]
 
     # Stop on a session takes it down: its ranks are gone.
     assert (await post(jp_fetch, session["id"], "stop"))["stopping"] == [session["id"]]

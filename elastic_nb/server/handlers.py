@@ -120,23 +120,26 @@ class LogsHandler(_Handler):
     @web.authenticated
     @authorized
     async def get(self, job_id: str) -> None:
+        """A rank's log of the latest attempt (``stream=out``, its stdout, or ``err``): with
+        ``offset``, what follows it (a chunk); without, the last ``tail`` lines."""
         _, entry = await self.owner(job_id)
         try:
             rank = int(self.get_argument("rank", "0"))
             tail = int(self.get_argument("tail", str(DEFAULT_TAIL)))
-            offsets = {s: self.get_argument(f"offset_{s}", None) for s in ("out", "err")}
+            offset = self.get_argument("offset", None)
+            start = None if offset is None else int(offset)
         except ValueError:
-            raise web.HTTPError(400, "rank, tail and offsets are numbers") from None
+            raise web.HTTPError(400, "rank, tail and offset are numbers") from None
+        stream = self.get_argument("stream", "out")
+        if stream not in ("out", "err"):
+            raise web.HTTPError(400, "stream is out or err")
         if not 0 <= rank < entry["world_size"]:
             raise web.HTTPError(400, f"job {job_id} has ranks 0-{entry['world_size'] - 1}")
         rd = RunDir(entry["logs_dir"])
         attempts = rd.attempts()
         attempt = attempts[-1] if attempts else 0
-        streams = {
-            s: await self.blocking(_read_log, rd.log(attempt, rank, s), offsets[s], tail)
-            for s in ("out", "err")
-        }
-        self.finish(json.dumps({"rank": rank, "attempt": attempt, "streams": streams}))
+        chunk = await self.blocking(_read_log, rd.log(attempt, rank, stream), start, tail)
+        self.finish(json.dumps({"rank": rank, "attempt": attempt, "stream": stream, **chunk}))
 
 
 class EventsHandler(_Handler):
@@ -159,13 +162,13 @@ def split_stacks(text: str) -> list[dict[str, Any]]:
     for line in text.splitlines():
         m = re.match(r"rank (\d+)\b", line)
         if m:
-            ranks.append({"rank": int(m.group(1)), "text": line})
+            ranks.append({"rank": int(m.group(1)), "pid": None, "text": line})
         elif ranks:
             ranks[-1]["text"] += "\n" + line
     return ranks
 
 
-def _read_log(path: Any, offset: str | None, tail: int) -> dict[str, Any]:
+def _read_log(path: Any, offset: int | None, tail: int) -> dict[str, Any]:
     """From `offset` (a chunk, to follow the file), or its last `tail` lines; with the offset to
     ask from next."""
     try:
@@ -180,7 +183,7 @@ def _read_log(path: Any, offset: str | None, tail: int) -> dict[str, Any]:
                     lines = lines[1:]  # a partial first line
                 data = b"".join(lines[-tail:] if tail > 0 else lines)
                 return _chunk(path, data, size, size)
-            start = min(int(offset), size)
+            start = min(max(0, offset), size)
             f.seek(start)
             data = f.read(LOG_CHUNK)
             return _chunk(path, data, start + len(data), size)

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from tornado.httpclient import HTTPClientError
 
+from elastic_nb import registry
 from elastic_nb.client import runtime_dir
 from tests.kernel import Kernel, assert_job_gone, wait_for
 from tests.lab import LabServer
@@ -103,9 +104,7 @@ async def test_the_panel_lists_follows_dumps_and_stops_a_running_job(
     assert out["text"].count("\n") <= 5 and out["path"].endswith("rank-1.out")
     more = ""
     for _ in range(100):
-        nxt = await get(
-            jp_fetch, job, "logs", params={"rank": "1", "offset": str(out["offset"])}
-        )
+        nxt = await get(jp_fetch, job, "logs", params={"rank": "1", "offset": str(out["offset"])})
         more += nxt["text"]
         if more.count("\n") >= 2:
             break
@@ -195,15 +194,9 @@ async def test_a_session_and_its_cells_are_listed_and_stopped(
 async def test_a_stale_registration_is_removed(jp_fetch: Any) -> None:
     dead = subprocess.Popen(["true"])
     dead.wait()
-    stale = runtime_dir() / f"sup-{dead.pid}-000000.json"
-    stale.write_text(
-        json.dumps(
-            {
-                "pid": dead.pid,
-                "kernel_pid": dead.pid,
-                "kernel_id": None,
-                "socket": str(stale.with_suffix(".sock")),
-            }
+    stale = registry.register(
+        registry.Registration(
+            dead.pid, dead.pid, None, str(runtime_dir() / f"sup-{dead.pid}-000000.sock"), 0.0
         )
     )
     jobs = (await get(jp_fetch))["jobs"]

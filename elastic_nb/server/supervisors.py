@@ -1,25 +1,17 @@
-"""Finding this user's supervisors and asking them things, for the server extension.
-
-Every supervisor registers itself beside its socket in the owner-only runtime directory
-(`sup-KERNELPID-HEX.json`: its pid, its kernel's pid and Jupyter id, its socket) and removes the
-file when it exits; a file whose pid is gone (a SIGKILLed supervisor) is stale and removed here.
-Requests go over the supervisor's private Unix socket, as a non-kernel client: a connection that
-ends is nothing to the supervisor (only its kernel's is its lifeline). Blocking calls: the
-handlers run them in a thread.
+"""Finding this user's supervisors (elastic_nb.registry) and asking them things, for the server
+extension. Requests go over the supervisor's private Unix socket, as a non-kernel client: a
+connection that ends is nothing to the supervisor (only its kernel's is its lifeline). Blocking
+calls: the handlers run them in a thread.
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-import json
-import os
 import socket
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from elastic_nb import protocol
+from elastic_nb import protocol, registry
 from elastic_nb.client import runtime_dir
 
 __all__ = ["Supervisor", "SupervisorError", "find"]
@@ -38,7 +30,6 @@ class SupervisorError(RuntimeError):
 @dataclass(frozen=True)
 class Supervisor:
     pid: int
-    kernel_pid: int
     kernel_id: str | None
     socket: str
 
@@ -73,36 +64,6 @@ class Supervisor:
 _REQ = itertools.count(1)
 
 
-def find(directory: Path | None = None) -> list[Supervisor]:
-    """Every live supervisor of this user; stale registrations are removed."""
-    directory = directory or runtime_dir()
-    found = []
-    for path in sorted(directory.glob("sup-*.json")):
-        try:
-            info = json.loads(path.read_text())
-            sup = Supervisor(
-                int(info["pid"]), int(info["kernel_pid"]), info.get("kernel_id"), info["socket"]
-            )
-        except (OSError, ValueError, KeyError, TypeError):
-            continue  # being written, or not ours to judge
-        if not _alive(sup.pid) or not Path(sup.socket).exists():
-            with contextlib.suppress(OSError):
-                path.unlink()
-            continue
-        found.append(sup)
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie (exited, not yet reaped by its kernel) is gone too.
-    with contextlib.suppress(OSError):
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-        return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] != b"Z"
-    return True
+def find() -> list[Supervisor]:
+    """Every live supervisor of this user (registry.find drops the stale)."""
+    return [Supervisor(r.pid, r.kernel_id, r.socket) for r in registry.find(runtime_dir())]

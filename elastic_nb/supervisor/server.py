@@ -9,7 +9,6 @@ exactly as long as its kernel: when the kernel's connection closes or the kernel
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import secrets
@@ -23,7 +22,7 @@ import anyio
 import psutil
 from anyio.abc import SocketListener, SocketStream, TaskGroup
 
-from elastic_nb import procs, protocol
+from elastic_nb import procs, protocol, registry
 from elastic_nb.spec import JobSpec
 from elastic_nb.supervisor import overview
 from elastic_nb.supervisor.job import Job
@@ -78,7 +77,6 @@ class Supervisor:
         self._listen_fd = listen_fd
         self._kernel_pid = kernel_pid
         self._kernel_id = kernel_id
-        self._log_path = log_path
         # Launchers log beside us until they have a job (then into its run directory).
         self._launchers = LauncherPool(log_path.removesuffix(".log"))
         self._jobs: dict[str, Job] = {}
@@ -93,7 +91,12 @@ class Supervisor:
         path = sock.getsockname()
         self._socket_dir = Path(path).parent  # owner-only: sessions' sockets go there too
         listener = await SocketListener.from_socket(sock)
-        registration = self._register(path)
+        # For the JupyterLab panel (elastic_nb.server) to find us; removed when we exit.
+        registration = registry.register(
+            registry.Registration(
+                os.getpid(), self._kernel_pid, self._kernel_id, path, self._started
+            )
+        )
         try:
             async with anyio.create_task_group() as tg:
                 self._tg = tg
@@ -110,28 +113,6 @@ class Supervisor:
                 os.unlink(path)
             with contextlib.suppress(OSError):
                 registration.unlink()
-
-    def _register(self, socket_path: str) -> Path:
-        """Say who we are beside our socket, for the JupyterLab panel (elastic_nb.server) to
-        find every supervisor of this user; removed when we exit (a stale one, left by a
-        SIGKILL, names a dead pid and is dropped by whoever reads it)."""
-        registration = Path(socket_path).with_suffix(".json")
-        tmp = registration.with_suffix(".tmp")
-        tmp.write_text(
-            json.dumps(
-                {
-                    "pid": os.getpid(),
-                    "kernel_pid": self._kernel_pid,
-                    "kernel_id": self._kernel_id,
-                    "socket": socket_path,
-                    "log": self._log_path,
-                    "started": self._started,
-                }
-            )
-        )
-        tmp.chmod(0o600)
-        tmp.replace(registration)
-        return registration
 
     # ---- lifeline ---------------------------------------------------------------------------
 

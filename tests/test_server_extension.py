@@ -84,6 +84,17 @@ async def poll(fn: Any, timeout: float = 60) -> Any:
     return found
 
 
+async def sent_running(jp_fetch: Any, job: str) -> bool:
+    """Whether the job's renderer is sent its "running" state: at its next flush (0.1 s), which
+    may come after the listing, read from the supervisor's memory, already says so."""
+
+    async def sent() -> bool:
+        events = (await get(jp_fetch, job, "events"))["events"]
+        return any(e.get("state") == "running" for e in events)
+
+    return bool(await poll(sent, timeout=30))
+
+
 async def listed(jp_fetch: Any, pick: Any, timeout: float = 60) -> dict[str, Any]:
     """The one entry of GET jobs that `pick` accepts, once there is one."""
 
@@ -172,7 +183,7 @@ async def test_a_blocking_job_is_listed_followed_dumped_and_stopped_from_the_pan
     seqs = [e["seq"] for e in events["events"]]
     assert seqs and seqs == sorted(seqs) and events["seq"] == seqs[-1]
     assert all(isinstance(e["t"], float) for e in events["events"])
-    assert any(e.get("state") == "running" for e in events["events"])
+    assert await sent_running(jp_fetch, job)
 
     async def stacks_alert() -> bool:
         sent = (await get(jp_fetch, job, "events"))["events"]
@@ -249,8 +260,7 @@ async def test_a_session_and_its_cells_are_listed_interrupted_and_taken_down(
     stacks = await post(jp_fetch, cell["id"], "stacks")
     assert all("time.sleep(0.2)" in r["text"] for r in stacks["ranks"]), stacks["text"]
     pids = {r["rank"]: r["pid"] for r in stacks["ranks"]}
-    events = await get(jp_fetch, cell["id"], "events")
-    assert any(e.get("state") == "running" for e in events["events"])
+    assert await sent_running(jp_fetch, cell["id"])
     assert (await post(jp_fetch, cell["id"], "stop"))["stopping"] == [cell["id"]]
     ended = await blocking(k.collect, msg_id, ex, 60)
     assert ended.ename == "JobStopped" and "stopped from the JupyterLab panel" in ended.traceback

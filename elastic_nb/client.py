@@ -44,6 +44,20 @@ GONE = object()  # put on every queue when the supervisor's connection breaks
 SLOW_DISK_BYTES_PER_S = 20e6  # a --push payload's write, at a slow disk's pace, adds to SUBMIT's
 
 
+def _kernel_id() -> str | None:
+    """This kernel's id as Jupyter knows it (its connection file is kernel-ID.json), so that the
+    JupyterLab panel can name the notebook a supervisor's jobs run for."""
+    try:
+        from ipykernel.connect import get_connection_file
+
+        name = Path(get_connection_file()).name
+    except Exception:  # not an ipykernel, or not started by a connection file
+        return None
+    if name.startswith("kernel-") and name.endswith(".json"):
+        return name[len("kernel-") : -len(".json")]
+    return None
+
+
 def runtime_dir() -> Path:
     """Owner-only directory for sockets: $XDG_RUNTIME_DIR/elastic_nb or /tmp/elastic_nb-UID."""
     base = os.environ.get("XDG_RUNTIME_DIR")
@@ -109,6 +123,7 @@ class SupervisorClient:
                         str(os.getpid()),
                         "--log",
                         self.log_path,
+                        *(["--kernel-id", kid] if (kid := _kernel_id()) else []),
                     ],
                     pass_fds=[listener.fileno()],
                     stdin=subprocess.DEVNULL,

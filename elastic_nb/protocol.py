@@ -84,6 +84,9 @@ WARM = "warm"
 UP = "up"
 DOWN = "down"
 SESSION = "session"
+# the JupyterLab panel (the server extension) -> supervisor; any other request above works too
+OVERVIEW = "overview"  # every job, session and session cell, as the panel lists them
+EVENTS = "events"  # what a job's renderer was sent, since a sequence number
 # supervisor -> kernel
 REPLY = "reply"
 UPDATE = "update"

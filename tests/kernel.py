@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import psutil
+from jupyter_client.blocking import BlockingKernelClient
 from jupyter_client.manager import KernelManager
 
 from elastic_nb import procs
@@ -111,8 +112,25 @@ class Kernel:
         # background job's thread prints goes under the cell that started it).
         self.late: dict[str, list[dict[str, Any]]] = {}
 
+    @classmethod
+    def attach(cls, connection_file: str, pid: int) -> Kernel:
+        """A kernel someone else started (a Jupyter server's), driven like one of ours; its
+        starter shuts it down."""
+        k = cls.__new__(cls)
+        k.km = None  # type: ignore[assignment]
+        k._pid = pid
+        k.kc = BlockingKernelClient(connection_file=connection_file)
+        k.kc.load_connection_file()
+        k.kc.start_channels()
+        k.kc.wait_for_ready(timeout=60)
+        k.tree = TreeWatch(pid)
+        k.late = {}
+        return k
+
     @property
     def pid(self) -> int:
+        if self.km is None:
+            return self._pid
         return self.km.provisioner.process.pid  # type: ignore[union-attr]
 
     def start(self, code: str) -> tuple[str, Execution]:

@@ -68,6 +68,8 @@ c.JupyterNotebookApp.expose_app_in_browser = True
 c.JupyterNotebookApp.workspaces_dir = {workspaces!r}
 """
 
+_ROOT = Path(__file__).resolve().parent.parent
+
 # What each app is started as, and where it opens a notebook.
 APPS = {
     "lab": ("jupyterlab", "/lab/tree/"),
@@ -121,7 +123,14 @@ class LabServer:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", module, f"--config={config}"],
                 cwd=self.root,
-                env={**os.environ, **env, "JUPYTER_CONFIG_DIR": str(workdir / "config")},
+                env={
+                    **os.environ,
+                    **env,
+                    "JUPYTER_CONFIG_DIR": str(workdir / "config"),
+                    # The server extension, enabled by the file a pip install puts in
+                    # etc/jupyter (read from the source tree: the suite may run from it).
+                    "JUPYTER_CONFIG_PATH": str(_ROOT / "jupyter-config"),
+                },
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,

@@ -23,6 +23,7 @@ def main() -> None:
         "--kernel-pid", type=int, required=True, help="exit when this process exits"
     )
     parser.add_argument("--log", required=True, help="our own log file: removed after a clean exit")
+    parser.add_argument("--kernel-id", help="the kernel's id (Jupyter's), for the JupyterLab panel")
     args = parser.parse_args()
     # The kernel's interrupt never reaches us (we run in a session of our own), and a job is
     # stopped by request, not by Ctrl-C: ignore SIGINT.
@@ -33,7 +34,7 @@ def main() -> None:
         level=logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    anyio.run(Supervisor(args.listen_fd, args.kernel_pid, args.log).run)
+    anyio.run(Supervisor(args.listen_fd, args.kernel_pid, args.log, args.kernel_id).run)
     with contextlib.suppress(OSError):
         os.unlink(args.log)
 

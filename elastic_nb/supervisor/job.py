@@ -89,7 +89,7 @@ class Job:
         self._launcher: Launcher | None = None
         self._tree: ProcessTree | None = None  # the launcher's, once it has the job
         self._book = RankBook(self.rd)
-        self._report = Reporter(job_id, send)
+        self.report = Reporter(job_id, send)
         self._tailer = LogTailer(marks=NCCL_TIMEOUT_MARKS, noise=TORCH_LOG_NOISE)
         self._outcome: tuple[str, str] | None = None
         self._decided = anyio.Event()
@@ -99,14 +99,14 @@ class Job:
         self._oom_base = procs.oom_kills()
         self._watchdog_fired = False  # the zombie watchdog stopped the agent
         self._diagnosis = Diagnosis(
-            self, self._book, self._report, EvidenceCollector(self.rd, source)
+            self, self._book, self.report, EvidenceCollector(self.rd, source)
         )
 
     # ---- for the server -----------------------------------------------------------------
 
     @property
     def state(self) -> str:
-        return self._report.state
+        return self.report.state
 
     @property
     def decided(self) -> bool:
@@ -143,7 +143,7 @@ class Job:
         except Exception as e:  # a bug of ours must still end the job cleanly
             log.exception("job %s: supervisor error", self.id)
             self._decide("failed", f"elastic_nb supervisor error: {type(e).__name__}: {e}")
-            self._report.event("internal_error", error=repr(e))
+            self.report.event("internal_error", error=repr(e))
         finally:
             with anyio.CancelScope(shield=True):
                 self._decide(*summary.STOPS["shutdown"])
@@ -168,17 +168,17 @@ class Job:
         """Create the run directory; a failure here is the submitter's error, not a job's."""
         self.rd.create(self.spec.to_json(), self._source, self._meta, self._payload)
         self._payload = None  # on disk now; a pushed model need not stay in our memory
-        self._report.open(self.rd.events)
-        self._report.event("created", nproc=self.spec.nproc)
+        self.report.open(self.rd.events)
+        self.report.event("created", nproc=self.spec.nproc)
 
     async def _start_launcher(self) -> None:
         """Take a launcher (the warm one, or a new one) and give it this job."""
         launcher = await self._launchers.take(self.spec, self._env)
         line = launcher.assign(self.id, str(self.rd), self._env)  # before any await: ours now
         self._launcher, self._tree = launcher, ProcessTree(self.id, launcher.proc, self._orphans)
-        self._report.event("launcher", pid=launcher.pid, warm=launcher.ready)
+        self.report.event("launcher", pid=launcher.pid, warm=launcher.ready)
         if launcher.ready:
-            self._report.set_state("rendezvous")
+            self.report.set_state("rendezvous")
         await anyio.to_thread.run_sync(launcher.write_assignment, line)
 
     # ---- observing ------------------------------------------------------------------------
@@ -198,9 +198,9 @@ class Job:
 
     def _on_launcher(self, msg: dict[str, Any]) -> None:
         kind = msg["kind"]
-        self._report.event(f"launcher.{kind}", **{k: v for k, v in msg.items() if k != "kind"})
+        self.report.event(f"launcher.{kind}", **{k: v for k, v in msg.items() if k != "kind"})
         if kind == protocol.READY:
-            self._report.set_state("rendezvous")
+            self.report.set_state("rendezvous")
         elif kind == protocol.START:
             self._on_start(int(msg["attempt"]), int(msg["rank"]), int(msg["pid"]))
         for r in self._book.take_exits(msg):
@@ -210,7 +210,7 @@ class Job:
         if attempt > self.attempt:
             found = self._diagnosis.finding
             desync = found.desync.text if found and found.desync else None
-            self._report.alert(**summary.restart_alert(self._book, attempt - 1, desync, self.spec))
+            self.report.alert(**summary.restart_alert(self._book, attempt - 1, desync, self.spec))
             self.attempt = attempt
         r = self._book.add(attempt, rank, pid, time.time())
         assert self._launcher is not None
@@ -220,7 +220,7 @@ class Job:
             attempt, rank, {s: self.rd.log(attempt, rank, s) for s in ("out", "err")}
         )
         self.show(r)
-        self._report.set_state("running")
+        self.report.set_state("running")
         assert self._tg is not None
         self._tg.start_soon(self._watch_rank, r)
         if attempt == 0 and len(self._book.of(0)) == self.spec.nproc:
@@ -236,12 +236,12 @@ class Job:
         kills, base = procs.oom_kills(), self._oom_base  # None: no cgroup memory events here
         r.oom_killed = kills is not None and base is not None and kills > base
         self._book.read_records(r)
-        self._report.event("rank.exit", attempt=r.attempt, rank=r.rank, code=r.exit_code)
+        self.report.event("rank.exit", attempt=r.attempt, rank=r.rank, code=r.exit_code)
         self.evaluate(r)
 
     def show(self, r: RankState) -> None:
         if r.attempt == self.attempt:
-            self._report.chip(r.rank, self._book.chip(r, self._teardown_at))
+            self.report.chip(r.rank, self._book.chip(r, self._teardown_at))
 
     def evaluate(self, r: RankState) -> None:
         self.show(r)
@@ -249,7 +249,7 @@ class Job:
         if kind in _FAILURES:
             if kind == "oom" and r.failure is not None:
                 title, text = oom_alert(r)
-                self._report.alert("oom", "error", title, rank=r.rank, text=text)
+                self.report.alert("oom", "error", title, rank=r.rank, text=text)
             self.decide_rank_failed(r, kind)
         elif kind == "done":
             ranks = self._book.of(r.attempt)
@@ -269,13 +269,13 @@ class Job:
 
     def fail_attempt(self, r: RankState, kind: str, reason: str | None = None) -> None:
         self._book.failed_attempts.add(r.attempt)
-        self._report.event("attempt.failed", attempt=r.attempt, rank=r.rank, kind=kind)
+        self.report.event("attempt.failed", attempt=r.attempt, rank=r.rank, kind=kind)
         # An exit(0) without finishing leaves torchelastic waiting forever for a return value
         # (multiprocessing/api.py, _poll): no restart would come, so it ends the job.
         if r.attempt >= self.spec.max_restarts or kind == "exit0":
             self._decide("failed", reason or f"rank {r.rank} {r.failure_summary()}")
             return
-        self._report.set_state("restarting")
+        self.report.set_state("restarting")
         if kind == "desync":
             # In torch's eyes nothing has failed: the waiting ranks would sit in their
             # collective until its timeout. Ending them makes the agent restart the group now.
@@ -299,7 +299,7 @@ class Job:
             self._watch_agent()
             self._diagnosis.watch_silence(self._tailer.activity_total(), self._tg)
             if time.monotonic() >= next_flush:
-                await self._report.flush(self.attempt, self._tailer)
+                await self.report.flush(self.attempt, self._tailer)
                 next_flush = time.monotonic() + FLUSH_S
             await anyio.sleep(POLL_S)
 
@@ -329,7 +329,7 @@ class Job:
         if stuck.zombie is not None:
             self._book.zombies.add((stuck.zombie.attempt, stuck.zombie.rank))
             self.show(stuck.zombie)
-        self._report.alert("zombie", "error", stuck.title)
+        self.report.alert("zombie", "error", stuck.title)
         self._decide(stuck.outcome, stuck.reason)
 
     # ---- ending ---------------------------------------------------------------------------
@@ -340,7 +340,7 @@ class Job:
         self._outcome = (outcome, reason)
         if outcome != "succeeded":
             self._teardown_at = time.time()
-        self._report.event("decided", outcome=outcome, reason=reason)
+        self.report.event("decided", outcome=outcome, reason=reason)
         self._decided.set()
 
     async def _teardown(self) -> None:
@@ -354,7 +354,7 @@ class Job:
             )
         if tree.alive() and self._teardown_at is None:
             self._teardown_at = time.time()
-        await tree.stop_reported(self.spec.stop_grace, self._report)
+        await tree.stop_reported(self.spec.stop_grace, self.report)
         self._reap()
 
     async def _finish(self) -> None:
@@ -364,19 +364,19 @@ class Job:
             self.summary = await self._final_summary(outcome, reason)
         except Exception as e:  # the kernel must hear the end whatever broke here
             log.exception("job %s: could not analyse its end", self.id)
-            self._report.event("internal_error", error=repr(e))
+            self.report.event("internal_error", error=repr(e))
             self.summary = self._summarize(outcome, reason, Verdict(None, None, []))
             self.summary["reason"] += f" (elastic_nb could not analyse it: {e!r})"
         with contextlib.suppress(OSError):
             write_json(self.rd.summary, self.summary)
-        self._report.event("end", outcome=outcome)
+        self.report.event("end", outcome=outcome)
         launcher = self._launcher
         if launcher is not None:
             summary.keep_launcher_log(self.rd, launcher.log_path)
             self._launchers.job_ended(self.spec, started=launcher.ready)
         self._tailer.close()
-        self._report.close()
-        await self._report.end(self.summary)
+        self.report.close()
+        await self.report.end(self.summary)
 
     async def _final_summary(self, outcome: str, reason: str) -> dict[str, Any]:
         self._tailer.poll(final=True)
@@ -385,12 +385,12 @@ class Job:
         behind = self._book.behind.get(self.attempt)
         verdict = analyze(current, self._teardown_at, behind, self.spec.nproc)
         for r in current:
-            self._report.chip(r.rank, self._book.chip(r, self._teardown_at, verdict.root))
+            self.report.chip(r.rank, self._book.chip(r, self._teardown_at, verdict.root))
         result = self._summarize(outcome, reason, verdict)
         for alert in summary.closing_alerts(result, current, self._leftovers):
-            self._report.alert(**alert)
-        self._report.set_state(outcome)
-        await self._report.flush(self.attempt, self._tailer)
+            self.report.alert(**alert)
+        self.report.set_state(outcome)
+        await self.report.flush(self.attempt, self._tailer)
         return result
 
     def _summarize(self, outcome: str, reason: str, verdict: Verdict) -> dict[str, Any]:

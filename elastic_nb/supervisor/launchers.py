@@ -106,8 +106,10 @@ class LauncherPool:
 
     def job_running(self, spec: JobSpec) -> None:
         """Every rank of a job is up: fork the next launcher now (milliseconds, from the
-        zygote), so that a cell sent the moment this one ends is warm too."""
-        if spec.warm:
+        zygote), so that a cell sent the moment this one ends is warm too. Its fork server
+        imports the --preload modules (seconds, for heavy ones): with those, only on a machine
+        with a core to spare beside the ranks; else once the job has ended."""
+        if spec.warm and (not spec.preload or _cores() > spec.nproc):
             self._warm()
 
     def job_ended(self, spec: JobSpec, started: bool) -> None:
@@ -291,6 +293,10 @@ class LauncherPool:
             if not launcher.ready:
                 self._failed_warmups += 1
             self._warm()
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0))
 
 
 def _start_key(env: dict[str, Any]) -> tuple[str | None, ...]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TextIO
@@ -22,6 +23,11 @@ __all__ = ["Reporter", "Send"]
 
 Send = Callable[..., Awaitable[None]]
 
+# What the JupyterLab panel can read back (EVENTS): the latest messages a job's renderer was sent,
+# and its latest alerts (OVERVIEW).
+HISTORY = 1000
+RECENT_ALERTS = 20
+
 
 class Reporter:
     def __init__(self, job_id: str, send: Send) -> None:
@@ -32,6 +38,9 @@ class Reporter:
         self._ranks: dict[int, protocol.Chip] = {}
         self._alerts: list[protocol.Alert] = []
         self._state_dirty = True
+        self.seq = 0  # of the latest message in `history`
+        self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY)
+        self.recent_alerts: deque[protocol.Alert] = deque(maxlen=RECENT_ALERTS)
 
     def open(self, events: Path) -> None:
         self._events = open(events, "a", buffering=1)  # noqa: SIM115 (closed by close())
@@ -65,6 +74,7 @@ class Reporter:
             kind=kind, severity=severity, title=title, rank=rank, text=text, time=time.time()
         )
         self._alerts.append(alert)
+        self.recent_alerts.append(alert)
         self.event("alert", **alert)
 
     async def flush(self, attempt: int, tailer: LogTailer | None) -> None:
@@ -83,8 +93,18 @@ class Reporter:
             update["logs"] = logs
         if update:
             # Taken from the pending lists above: a cancellation mid-send would lose it.
+            self._remember(protocol.UPDATE, update)
             with anyio.CancelScope(shield=True):
                 await self._send(protocol.UPDATE, job=self.job_id, **update)
 
     async def end(self, summary: dict[str, Any]) -> None:
+        self._remember(protocol.END, {"summary": summary})
         await self._send(protocol.END, job=self.job_id, summary=summary)
+
+    def events_since(self, seq: int) -> list[dict[str, Any]]:
+        """The messages sent after `seq` that the history still holds (the panel's refresh)."""
+        return [e for e in self.history if e["seq"] > seq]
+
+    def _remember(self, kind: str, fields: dict[str, Any]) -> None:
+        self.seq += 1
+        self.history.append({"seq": self.seq, "t": time.time(), "kind": kind, **fields})

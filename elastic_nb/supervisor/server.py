@@ -22,8 +22,9 @@ import anyio
 import psutil
 from anyio.abc import SocketListener, SocketStream, TaskGroup
 
-from elastic_nb import procs, protocol
+from elastic_nb import procs, protocol, registry
 from elastic_nb.spec import JobSpec
+from elastic_nb.supervisor import overview
 from elastic_nb.supervisor.job import Job
 from elastic_nb.supervisor.launchers import LauncherPool
 from elastic_nb.supervisor.session import Session
@@ -70,9 +71,12 @@ class Connection:
 
 
 class Supervisor:
-    def __init__(self, listen_fd: int, kernel_pid: int, log_path: str) -> None:
+    def __init__(
+        self, listen_fd: int, kernel_pid: int, log_path: str, kernel_id: str | None = None
+    ) -> None:
         self._listen_fd = listen_fd
         self._kernel_pid = kernel_pid
+        self._kernel_id = kernel_id
         # Launchers log beside us until they have a job (then into its run directory).
         self._launchers = LauncherPool(log_path.removesuffix(".log"))
         self._jobs: dict[str, Job] = {}
@@ -87,6 +91,12 @@ class Supervisor:
         path = sock.getsockname()
         self._socket_dir = Path(path).parent  # owner-only: sessions' sockets go there too
         listener = await SocketListener.from_socket(sock)
+        # For the JupyterLab panel (elastic_nb.server) to find us; removed when we exit.
+        registration = registry.register(
+            registry.Registration(
+                os.getpid(), self._kernel_pid, self._kernel_id, path, self._started
+            )
+        )
         try:
             async with anyio.create_task_group() as tg:
                 self._tg = tg
@@ -101,6 +111,8 @@ class Supervisor:
                 await listener.aclose()
             with contextlib.suppress(OSError):
                 os.unlink(path)
+            with contextlib.suppress(OSError):
+                registration.unlink()
 
     # ---- lifeline ---------------------------------------------------------------------------
 
@@ -210,6 +222,12 @@ class Supervisor:
                 reply = {}
             elif kind == protocol.SESSION:
                 reply = self._session(msg.get("session")).info()
+            elif kind == protocol.OVERVIEW:
+                reply = {"jobs": overview.entries(self._jobs.values(), self._sessions.values())}
+            elif kind == protocol.EVENTS:
+                report = overview.reporter_of(str(msg.get("job")), self._jobs, self._sessions)
+                since = int(msg.get("since") or 0)
+                reply = {"events": report.events_since(since), "seq": report.seq}
             else:
                 raise protocol.ProtocolError(f"unknown request {kind!r}")
         except Exception as e:  # a bad request fails alone; the supervisor serves on

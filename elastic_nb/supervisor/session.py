@@ -85,7 +85,7 @@ class Session:
         self._launcher: Launcher | None = None
         self._tree: ProcessTree | None = None
         self.book = RankBook(self.rd)
-        self._report = Reporter(session_id, send)
+        self.report = Reporter(session_id, send)
         self.tailer = LogTailer(marks=NCCL_TIMEOUT_MARKS, noise=TORCH_LOG_NOISE)
         self._ranks = RankLinks(session_id, self.book, self.until, self.notify, self._on_ran)
         self._outcome: tuple[str, str] | None = None
@@ -117,9 +117,9 @@ class Session:
 
     def prepare(self) -> None:
         self.rd.path.mkdir(parents=True, exist_ok=False, mode=0o700)
-        self._report.open(self.rd.events)
+        self.report.open(self.rd.events)
         self.rd.spec.write_text(self.spec.to_json())
-        self._report.event("created", nproc=self.spec.nproc)
+        self.report.event("created", nproc=self.spec.nproc)
 
     def submit(self, cell: SessionCell) -> None:
         """Queue a cell (its run directory is ready); it runs once the ones before it have."""
@@ -181,7 +181,7 @@ class Session:
             line = launcher.assign(self.id, str(self.rd), env)
             self._launcher = launcher
             self._tree = ProcessTree(self.id, launcher.proc, self._orphans)
-            self._report.event("launcher", pid=launcher.pid, warm=launcher.ready)
+            self.report.event("launcher", pid=launcher.pid, warm=launcher.ready)
             await anyio.to_thread.run_sync(launcher.write_assignment, line)
             async with anyio.create_task_group() as tg:
                 self._tg = tg
@@ -207,7 +207,7 @@ class Session:
     def _end(self, outcome: str, reason: str) -> None:
         if self._outcome is None:
             self._outcome = (outcome, reason)
-            self._report.event("decided", outcome=outcome, reason=reason)
+            self.report.event("decided", outcome=outcome, reason=reason)
             self._ended.set()
             self.notify()
 
@@ -215,7 +215,7 @@ class Session:
         """Something changed (a rank, a cell, the attempt): waiters look again."""
         self._changed.set()
         self._changed = anyio.Event()
-        self._report.set_state(self.state)
+        self.report.set_state(self.state)
 
     async def until(self, ready: Callable[[], bool], timeout: float = math.inf) -> bool:
         with anyio.move_on_after(timeout):
@@ -240,7 +240,7 @@ class Session:
 
     def alert(self, kind: str, severity: str, title: str, rank: int | None = None) -> None:
         """About the session: to its own stream and to every cell the kernel follows."""
-        self._report.alert(kind, severity, title, rank=rank)
+        self.report.alert(kind, severity, title, rank=rank)
         self.runner.followed.alert(kind, severity, title, rank=rank)
 
     # ---- ranks --------------------------------------------------------------------------------
@@ -248,7 +248,7 @@ class Session:
     async def _read_launcher(self, launcher: Launcher) -> None:
         async for msg in launcher.messages:
             kind = msg["kind"]
-            self._report.event(f"launcher.{kind}", **{k: v for k, v in msg.items() if k != "kind"})
+            self.report.event(f"launcher.{kind}", **{k: v for k, v in msg.items() if k != "kind"})
             if kind == protocol.START:
                 self._on_start(int(msg["attempt"]), int(msg["rank"]), int(msg["pid"]))
             for r in self.book.take_exits(msg):
@@ -279,7 +279,7 @@ class Session:
         await self.book.wait_exit(r, self.spec.start_method == "forkserver", EXIT_WAIT_S)
         r.died_at, r.gone_at = time.time(), time.monotonic()
         self.book.read_records(r)  # a rank that failed before its loop (session run dir)
-        self._report.event("rank.exit", attempt=r.attempt, rank=r.rank, code=r.exit_code)
+        self.report.event("rank.exit", attempt=r.attempt, rank=r.rank, code=r.exit_code)
         self._rank_died(r)
 
     def _rank_died(self, r: RankState) -> None:
@@ -340,7 +340,7 @@ class Session:
                 self.runner.on_watchdog(attempt, rank, line)
             if time.monotonic() >= next_flush:
                 await self.runner.followed.flush(self.attempt, self.runner.current)
-                await self._report.flush(self.attempt, None)
+                await self.report.flush(self.attempt, None)
                 next_flush = time.monotonic() + FLUSH_S
             await anyio.sleep(POLL_S)
 
@@ -352,7 +352,7 @@ class Session:
             for link in self._ranks.of(self.attempt):
                 await link.send(protocol.BYE)  # the ranks return; elastic_launch returns
             await self._tree.wait_gone(self.spec.stop_grace, leftovers_too=False)
-        await self._tree.stop_reported(self.spec.stop_grace, self._report)
+        await self._tree.stop_reported(self.spec.stop_grace, self.report)
         self._reap()
 
     async def _finish(self) -> None:
@@ -380,12 +380,12 @@ class Session:
         )
         with contextlib.suppress(OSError):
             write_json(self.rd.summary, {**self.summary, "journal": self.runner.journal.info()})
-        self._report.set_state(outcome)
-        await self._report.flush(self.attempt, None)
-        self._report.event("end", outcome=outcome)
+        self.report.set_state(outcome)
+        await self.report.flush(self.attempt, None)
+        self.report.event("end", outcome=outcome)
         if self._launcher is not None:
             summary.keep_launcher_log(self.rd, self._launcher.log_path)
             self._launchers.job_ended(self.spec, started=self._launcher.ready)
         self.tailer.close()
-        self._report.close()
-        await self._report.end(self.summary)
+        self.report.close()
+        await self.report.end(self.summary)

@@ -1,0 +1,215 @@
+"""The REST endpoints under ``{base_url}elastic-nb/api/``, for the JupyterLab panel.
+
+Every handler requires jupyter_server's authentication and authorization (an unauthenticated
+call gets 403 and nothing of a job), and reaches supervisors only over their private Unix
+sockets (supervisors.py), in a worker thread: the server's event loop never waits on one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from jupyter_server.auth.decorator import authorized
+from jupyter_server.base.handlers import APIHandler
+from jupyter_server.utils import url_path_join
+from tornado import web
+
+from elastic_nb import protocol
+from elastic_nb.rundir import RunDir
+from elastic_nb.server import supervisors
+from elastic_nb.server.supervisors import Supervisor, SupervisorError
+
+__all__ = ["setup_handlers"]
+
+AUTH_RESOURCE = "elastic-nb"
+LOG_CHUNK = 256 * 1024  # bytes of a log per call, following it
+DEFAULT_TAIL = 200
+T = TypeVar("T")
+
+
+class _Handler(APIHandler):
+    auth_resource = AUTH_RESOURCE
+
+    async def blocking(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(None, lambda: fn(*args, **kwargs))
+
+    async def overview(self) -> list[tuple[Supervisor, dict[str, Any]]]:
+        """(supervisor, entry) for every job, session and cell of every live supervisor."""
+
+        def collect() -> list[tuple[Supervisor, dict[str, Any]]]:
+            out = []
+            for sup in supervisors.find():
+                try:
+                    jobs = sup.request(protocol.OVERVIEW)["jobs"]
+                except SupervisorError:
+                    continue  # exiting as we asked: its jobs are gone with it
+                out.extend((sup, entry) for entry in jobs)
+            return out
+
+        return await self.blocking(collect)
+
+    async def owner(self, job_id: str) -> tuple[Supervisor, dict[str, Any]]:
+        for sup, entry in await self.overview():
+            if entry["id"] == job_id:
+                return sup, entry
+        raise web.HTTPError(404, f"no job {job_id}")
+
+    async def ask(self, sup: Supervisor, kind: str, **fields: Any) -> dict[str, Any]:
+        try:
+            return await self.blocking(sup.request, kind, **fields)
+        except SupervisorError as e:
+            raise web.HTTPError(404 if e.missing else 409, str(e)) from None
+
+
+class JobsHandler(_Handler):
+    @web.authenticated
+    @authorized
+    async def get(self) -> None:
+        notebooks = await self._notebooks()
+        jobs = []
+        for sup, entry in await self.overview():
+            jobs.append(
+                {
+                    **entry,
+                    "supervisor_pid": sup.pid,
+                    "kernel_id": sup.kernel_id,
+                    "notebook": notebooks.get(sup.kernel_id or ""),
+                }
+            )
+        self.finish(json.dumps({"jobs": jobs}))
+
+    async def _notebooks(self) -> dict[str, str]:
+        """kernel id -> the path (relative to the server's root) of the notebook using it."""
+        found = {}
+        for s in await self.serverapp.session_manager.list_sessions():
+            kernel = (s.get("kernel") or {}).get("id")
+            if kernel:
+                found[kernel] = s.get("path") or s.get("name")
+        return found
+
+
+class StopHandler(_Handler):
+    @web.authenticated
+    @authorized
+    async def post(self, job_id: str) -> None:
+        sup, entry = await self.owner(job_id)
+        if entry["kind"] == "session":
+            await self.ask(sup, protocol.DOWN, session=job_id)
+            stopping = [job_id] if entry["running"] else []
+        else:
+            stopping = (await self.ask(sup, protocol.STOP, job=job_id, reason="user"))["stopping"]
+        self.finish(json.dumps({"stopping": stopping}))
+
+
+class StacksHandler(_Handler):
+    @web.authenticated
+    @authorized
+    async def post(self, job_id: str) -> None:
+        sup, entry = await self.owner(job_id)
+        if not entry["running"]:
+            raise web.HTTPError(409, f"job {job_id} is not running")
+        text = (await self.ask(sup, protocol.STACKS, job=job_id))["text"]
+        self.finish(json.dumps({"text": text, "ranks": split_stacks(text)}))
+
+
+class LogsHandler(_Handler):
+    @web.authenticated
+    @authorized
+    async def get(self, job_id: str) -> None:
+        """A rank's log of the latest attempt (``stream=out``, its stdout, or ``err``): with
+        ``offset``, what follows it (a chunk); without, the last ``tail`` lines."""
+        _, entry = await self.owner(job_id)
+        try:
+            rank = int(self.get_argument("rank", "0"))
+            tail = int(self.get_argument("tail", str(DEFAULT_TAIL)))
+            offset = self.get_argument("offset", None)
+            start = None if offset is None else int(offset)
+        except ValueError:
+            raise web.HTTPError(400, "rank, tail and offset are numbers") from None
+        stream = self.get_argument("stream", "out")
+        if stream not in ("out", "err"):
+            raise web.HTTPError(400, "stream is out or err")
+        if not 0 <= rank < entry["world_size"]:
+            raise web.HTTPError(400, f"job {job_id} has ranks 0-{entry['world_size'] - 1}")
+        rd = RunDir(entry["logs_dir"])
+        attempts = rd.attempts()
+        attempt = attempts[-1] if attempts else 0
+        chunk = await self.blocking(_read_log, rd.log(attempt, rank, stream), start, tail)
+        self.finish(json.dumps({"rank": rank, "attempt": attempt, "stream": stream, **chunk}))
+
+
+class EventsHandler(_Handler):
+    @web.authenticated
+    @authorized
+    async def get(self, job_id: str) -> None:
+        sup, _ = await self.owner(job_id)
+        try:
+            since = int(self.get_argument("since", "0"))
+        except ValueError:
+            raise web.HTTPError(400, "since is a number") from None
+        reply = await self.ask(sup, protocol.EVENTS, job=job_id, since=since)
+        self.finish(json.dumps({"events": reply["events"], "seq": reply["seq"]}))
+
+
+def split_stacks(text: str) -> list[dict[str, Any]]:
+    """The per-rank blocks of a stacks report ("rank N · ..." and its frames), as the dashboard
+    shows them side by side; the title line above them is the report's."""
+    ranks: list[dict[str, Any]] = []
+    for line in text.splitlines():
+        m = re.match(r"rank (\d+)\b", line)
+        if m:
+            ranks.append({"rank": int(m.group(1)), "pid": None, "text": line})
+        elif ranks:
+            ranks[-1]["text"] += "\n" + line
+    return ranks
+
+
+def _read_log(path: Any, offset: int | None, tail: int) -> dict[str, Any]:
+    """From `offset` (a chunk, to follow the file), or its last `tail` lines; with the offset to
+    ask from next."""
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, 2)
+            if offset is None:
+                start = max(0, size - LOG_CHUNK)
+                f.seek(start)
+                data = f.read()
+                lines = data.splitlines(keepends=True)
+                if start and lines:
+                    lines = lines[1:]  # a partial first line
+                data = b"".join(lines[-tail:] if tail > 0 else lines)
+                return _chunk(path, data, size, size)
+            start = min(max(0, offset), size)
+            f.seek(start)
+            data = f.read(LOG_CHUNK)
+            return _chunk(path, data, start + len(data), size)
+    except FileNotFoundError:
+        return _chunk(path, b"", 0, 0)
+
+
+def _chunk(path: Any, data: bytes, offset: int, size: int) -> dict[str, Any]:
+    return {
+        "path": str(path),
+        "text": data.decode(errors="replace"),
+        "offset": offset,
+        "size": size,
+    }
+
+
+def setup_handlers(web_app: Any) -> None:
+    base = url_path_join(web_app.settings["base_url"], "elastic-nb", "api", "jobs")
+    job = r"(?P<job_id>[0-9a-zA-Z]+)"
+    web_app.add_handlers(
+        ".*$",
+        [
+            (base, JobsHandler),
+            (url_path_join(base, job, "stop"), StopHandler),
+            (url_path_join(base, job, "stacks"), StacksHandler),
+            (url_path_join(base, job, "logs"), LogsHandler),
+            (url_path_join(base, job, "events"), EventsHandler),
+        ],
+    )

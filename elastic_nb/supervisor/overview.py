@@ -1,0 +1,139 @@
+"""What the JupyterLab panel (the server extension) asks a supervisor: every job, session and
+session cell it owns, one entry each (OVERVIEW), and the messages a job's renderer was sent
+(EVENTS). Read-only views of the owners' state; nothing here decides."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from elastic_nb.report import summary_line
+
+if TYPE_CHECKING:
+    from elastic_nb.supervisor.job import Job
+    from elastic_nb.supervisor.reporter import Reporter
+    from elastic_nb.supervisor.session import Session
+    from elastic_nb.supervisor.session_cell import SessionCell
+
+__all__ = ["entries", "reporter_of"]
+
+
+def entries(jobs: Iterable[Job], sessions: Iterable[Session]) -> list[dict[str, Any]]:
+    """One entry per job, session and session cell, oldest first."""
+    out = [_job(j) for j in jobs]
+    for s in sessions:
+        out.append(_session(s))
+        out.extend(_cell(s, c) for c in s.runner.cells.values())
+    return sorted(out, key=lambda e: e["created"])
+
+
+def reporter_of(owner_id: str, jobs: dict[str, Job], sessions: dict[str, Session]) -> Reporter:
+    if owner_id in jobs:
+        return jobs[owner_id].report
+    if owner_id in sessions:
+        return sessions[owner_id].report
+    for s in sessions.values():
+        if owner_id in s.runner.cells:
+            return s.runner.cells[owner_id].report
+    raise KeyError(f"no job {owner_id!r}")
+
+
+def _job(j: Job) -> dict[str, Any]:
+    return _entry(
+        j.id,
+        "job",
+        None,
+        state=j.state,
+        running=j.running,
+        world_size=j.spec.world_size,
+        attempt=j.attempt,
+        max_restarts=j.spec.max_restarts,
+        created=j.created,
+        summary=j.summary,
+        report=j.report,
+        run_dir=str(j.rd),
+        logs_dir=str(j.rd),
+    )
+
+
+def _session(s: Session) -> dict[str, Any]:
+    return _entry(
+        s.id,
+        "session",
+        None,
+        state=s.state,
+        running=s.running,
+        world_size=s.spec.world_size,
+        attempt=s.attempt,
+        max_restarts=s.spec.max_restarts,
+        created=s.created,
+        summary=s.summary,
+        report=s.report,
+        run_dir=str(s.rd),
+        logs_dir=str(s.rd),
+    )
+
+
+def _cell(s: Session, c: SessionCell) -> dict[str, Any]:
+    return _entry(
+        c.id,
+        "cell",
+        s.id,
+        state=c.report.state if c.running else (c.summary or {}).get("outcome", "ended"),
+        running=c.running,
+        world_size=s.spec.world_size,
+        attempt=s.attempt,
+        max_restarts=s.spec.max_restarts,
+        created=c.created,
+        summary=c.summary,
+        report=c.report,
+        run_dir=str(c.rd),
+        logs_dir=str(s.rd),  # a cell's ranks are its session's
+    )
+
+
+def _entry(
+    owner_id: str,
+    kind: str,
+    session: str | None,
+    *,
+    state: str,
+    running: bool,
+    world_size: int,
+    attempt: int,
+    max_restarts: int,
+    created: float,
+    summary: dict[str, Any] | None,
+    report: Reporter,
+    run_dir: str,
+    logs_dir: str,
+) -> dict[str, Any]:
+    line = None
+    if summary is not None:
+        with contextlib.suppress(KeyError, TypeError, ValueError):
+            line = summary_line(summary)  # type: ignore[arg-type]
+    return {
+        "id": owner_id,
+        "kind": kind,
+        "session": session,
+        "supervisor_pid": os.getpid(),
+        "state": state,
+        "running": running,
+        "world_size": world_size,
+        "attempt": attempt,
+        "restarts": attempt,
+        "max_restarts": max_restarts,
+        "created": created,
+        "elapsed_s": (summary or {}).get("wall_s") or time.time() - created,
+        "alerts": [
+            {"kind": a["kind"], "severity": a["severity"], "rank": a["rank"], "text": a["title"]}
+            for a in report.recent_alerts
+        ],
+        "outcome": (summary or {}).get("outcome"),
+        "summary": line,
+        "run_dir": run_dir,
+        "logs_dir": logs_dir,
+    }

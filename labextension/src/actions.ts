@@ -55,7 +55,7 @@ export class JobActions {
       tab.title.label = `Stacks · ${title(job)}`;
       tab.title.closable = true;
       tab.toolbar.addItem('dump', view.dumpButton());
-      this._app.shell.add(tab, 'main', { mode: 'split-right' });
+      this._app.shell.add(tab, 'main', { mode: 'split-bottom' });
     }
     this._app.shell.activateById(id);
     try {
@@ -69,7 +69,9 @@ export class JobActions {
   logs(job: IJob, rank: number): void {
     const id = `elastic-nb-log-${job.id}-${rank}`;
     if (!this._find(id)) {
-      const tab = new MainAreaWidget({ content: new LogView(job, rank) });
+      const view = new LogView(job, rank);
+      const tab = new MainAreaWidget({ content: view });
+      tab.toolbar.addItem('stream', view.streamPicker());
       tab.id = id;
       tab.title.label = `Log · ${title(job)} · rank ${rank}`;
       tab.title.closable = true;

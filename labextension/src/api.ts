@@ -48,8 +48,13 @@ export interface IStacks {
   text: string;
 }
 
+/** A rank's stdout ("out") or stderr ("err"), each a file of the run directory. */
+export type Stream = 'out' | 'err';
+
 export interface ILogChunk {
   rank: number;
+  attempt: number;
+  stream: Stream;
   path: string;
   text: string;
   offset: number;
@@ -60,6 +65,7 @@ export interface ILogChunk {
 export interface IJobEvent {
   seq: number;
   t: number;
+  kind: string;
   state?: string;
   attempt?: number;
   ranks?: { [rank: string]: { state: string; label?: string; pid?: number | null } };
@@ -120,15 +126,15 @@ export function dumpStacks(id: string): Promise<IStacks> {
   return call(job(id, 'stacks'), { method: 'POST', body: '{}' });
 }
 
-/** A rank's log: from `offset` on, or without one its last `tail` lines. */
+/** A rank's log (its latest attempt's): from `offset` on, or without one its last `tail` lines. */
 export function readLog(
   id: string,
   rank: number,
+  stream: Stream,
   from: { offset: number } | { tail: number }
 ): Promise<ILogChunk> {
-  const query =
-    'offset' in from ? `offset=${from.offset}` : `tail=${encodeURIComponent(from.tail)}`;
-  return call(`${job(id, 'logs')}?rank=${rank}&${query}`);
+  const query = 'offset' in from ? `offset=${from.offset}` : `tail=${from.tail}`;
+  return call(`${job(id, 'logs')}?rank=${rank}&stream=${stream}&${query}`);
 }
 
 export function jobEvents(id: string, since: number): Promise<IEvents> {

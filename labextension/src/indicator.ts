@@ -13,14 +13,20 @@ import { elapsed } from './format';
 import { JobsModel } from './jobs';
 
 export class JobIndicator extends Widget {
+  private _pill: HTMLButtonElement;
+
   constructor(
     private readonly _panel: NotebookPanel,
     private readonly _model: JobsModel,
     private readonly _openPanel: () => void
   ) {
-    super({ node: document.createElement('button') });
-    this.addClass('enb-indicator');
-    this.node.addEventListener('click', () => this._openPanel());
+    super();
+    this.addClass('enb-indicator-item');
+    // A pill inside the toolbar item: the item takes the toolbar's height, the pill its own.
+    this._pill = document.createElement('button');
+    this._pill.className = 'enb-indicator';
+    this._pill.addEventListener('click', () => this._openPanel());
+    this.node.append(this._pill);
     _model.changed.connect(this._render, this);
     _model.watch(this);
     this._render();
@@ -35,10 +41,11 @@ export class JobIndicator extends Widget {
   private _render(): void {
     const jobs = this._model.ofKernel(this._panel.sessionContext.session?.kernel?.id);
     const said = whatToSay(jobs, this._model);
-    this.node.hidden = said === null;
-    this.node.dataset.state = said?.state ?? '';
-    this.node.textContent = said?.text ?? '';
-    this.node.title = said ? `${said.title} · click for the Elastic jobs panel` : '';
+    const pill = this._pill;
+    this.node.hidden = pill.hidden = said === null;
+    pill.dataset.state = said?.state ?? '';
+    pill.textContent = said?.text ?? '';
+    pill.title = said ? `${said.title} · click for the Elastic jobs panel` : '';
   }
 }
 

@@ -33,6 +33,7 @@ export class JobCard {
   private _ranksNode: HTMLElement;
   private _events: Poll | null = null;
   private _seq = 0;
+  private _attempt = 0;
   private _ranks = new Map<number, IRankView>();
 
   constructor(
@@ -50,6 +51,7 @@ export class JobCard {
     this.node = el('li', 'enb-panel-job');
     this.node.dataset.job = job.id;
     this.node.dataset.kind = job.kind;
+    this.node.dataset.session = job.session ?? '';
     const head = el('div', 'enb-panel-head');
     head.title = 'Show each rank';
     head.append(el('span', 'enb-panel-title', title(job)));
@@ -68,7 +70,7 @@ export class JobCard {
       this._actions.logs(this._job, Number(this._rank.value))
     );
     logs.title = "Follow the rank's log in a tab";
-    this._rank = el('select', 'enb-panel-rank jp-mod-styled');
+    this._rank = el('select', 'enb-panel-rank');
     this._rank.title = 'Which rank';
     actions.append(this._stop, this._stacks, logs, this._rank);
     this._ranksNode = el('ul', 'enb-panel-ranks');
@@ -160,6 +162,10 @@ export class JobCard {
   }
 
   private _fold(ev: IJobEvent): void {
+    if (ev.attempt !== undefined && ev.attempt > this._attempt) {
+      this._attempt = ev.attempt; // a restart: every rank starts over
+      this._ranks.clear();
+    }
     for (const [rank, chip] of Object.entries(ev.ranks ?? {})) {
       const r = Number(rank);
       const was = this._ranks.get(r);

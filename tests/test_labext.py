@@ -166,6 +166,21 @@ def test_dump_stacks_of_a_hanging_job_then_stop_it_by_its_shortcut(
     assert boxes[0]["y"] == boxes[1]["y"] and boxes[0]["x"] < boxes[1]["x"], boxes  # side by side
     page.screenshot(path=str(_shot("labext-stacks.png")))
 
+    # The palette's command does it too, for the notebook's running job.
+    page.locator(".lm-DockPanel-tabBar .lm-TabBar-tab", has_text=f"Stacks · job {job}").locator(
+        ".lm-TabBar-tabCloseIcon"
+    ).click()
+    expect(view).to_have_count(0)
+    nb.cell(1).locator(".jp-InputPrompt").click()  # the notebook is the current widget
+    page.keyboard.press("Control+Shift+c")
+    palette = page.locator(".lm-CommandPalette-input")
+    palette.fill("Elastic: dump stacks of this notebook")
+    palette.press("Enter")
+    for r in (0, 1):
+        expect(view.locator(f'.enb-stacks-rank[data-rank="{r}"] pre')).to_contain_text(
+            f"rank {r} · cell line 4: time.sleep(600)", use_inner_text=True
+        )
+
     # The stop shortcut, in the busy notebook (its editor has the focus).
     nb.expect_running(1)
     nb.cell(1).locator(".cm-content").click()

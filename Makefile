@@ -12,9 +12,9 @@ CHROMIUM ?= /usr/bin/chromium
 BIN      := $(VENV)/bin
 SUDO     := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: demo test bench floors
+.PHONY: demo test bench floors node
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml labextension/package.json labextension/yarn.lock | node
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH)"
@@ -27,6 +27,14 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed $(CHROMIUM)
 	$(BIN)/ruff check elastic_nb tests scripts benchmarks
 	ELASTIC_NB_CHROMIUM=$(CHROMIUM) $(BIN)/python -m pytest
+
+# pip builds the JupyterLab extension (labextension/, with jupyter-builder's jlpm) and needs node for
+# it: Debian's nodejs when there is none. (A wheel carries the built extension: installing one
+# needs no node.)
+node:
+	@command -v node >/dev/null 2>&1 || { \
+		$(SUDO) apt-get update -qq && \
+		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nodejs; }
 
 # The browser tests drive Debian's Chromium (Playwright's own download does not work here).
 $(CHROMIUM):
@@ -53,7 +61,7 @@ FLOORS_SKIP  := tests/test_forensics.py::test_a_rank_that_skipped_into_a_barrier
 floors: $(FLOORS)/.installed
 	$(FLOORS)/bin/python -m pytest -p no:cacheprovider $(FLOORS_TESTS) $(FLOORS_SKIP:%=--deselect %)
 
-$(FLOORS)/.installed: pyproject.toml scripts/floors.py
+$(FLOORS)/.installed: pyproject.toml scripts/floors.py | node
 	$(PYTHON) -m venv $(FLOORS)
 	$(FLOORS)/bin/python -m pip install -q --upgrade pip
 	$(FLOORS)/bin/python scripts/floors.py > $(FLOORS)/constraints.txt

@@ -44,6 +44,11 @@ def load_ipython_extension(ipython: Any) -> None:
     start_in_background()  # so that the first cell finds torch imported and a launcher ready
 
 
+def _jupyter_labextension_paths() -> list[dict[str, str]]:
+    """Where the built JupyterLab extension is, for `jupyter labextension develop`."""
+    return [{"src": "labextension", "dest": "elastic-nb"}]
+
+
 def unload_ipython_extension(ipython: Any) -> None:
     from elastic_nb.client import shutdown_client
 

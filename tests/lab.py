@@ -66,9 +66,23 @@ c.LabApp.workspaces_dir = {workspaces!r}
 c.LabApp.check_for_updates_class = "jupyterlab.NeverCheckForUpdate"
 c.JupyterNotebookApp.expose_app_in_browser = True
 c.JupyterNotebookApp.workspaces_dir = {workspaces!r}
+c.LabServerApp.extra_labextensions_path = {labextensions!r}
 """
 
 _ROOT = Path(__file__).resolve().parent.parent
+
+
+def _tree_labextensions(workdir: Path) -> list[str]:
+    """The JupyterLab extension as built in this tree (`jlpm build` or pip's build), ahead of
+    the copy a `pip install -e .` made when it ran: the pages test the extension's source. The
+    server finds an extension's files under a folder named as its package: a link gives it one."""
+    built = _ROOT / "elastic_nb" / "labextension"
+    if not (built / "package.json").exists():
+        return []
+    (workdir / "labextensions").mkdir()
+    (workdir / "labextensions" / "elastic-nb").symlink_to(built)
+    return [str(workdir / "labextensions")]
+
 
 # What each app is started as, and where it opens a notebook.
 APPS = {
@@ -115,7 +129,10 @@ class LabServer:
         config = workdir / "jupyter_lab_config.py"
         config.write_text(
             _CONFIG.format(
-                port=self.port, root=str(self.root), workspaces=str(workdir / "workspaces")
+                port=self.port,
+                root=str(self.root),
+                workspaces=str(workdir / "workspaces"),
+                labextensions=_tree_labextensions(workdir),
             )
         )
         self.log_path = workdir / f"jupyter-{app}.log"

@@ -139,7 +139,10 @@ class SupervisorClient:
         self._sock.connect(self.socket_path)  # queued in the backlog until the supervisor accepts
         self._sock.settimeout(HELLO_TIMEOUT_S)
         hello_msg = protocol.encode(
-            protocol.HELLO, version=protocol.VERSION, role="kernel", kernel_pid=os.getpid()
+            protocol.HELLO,
+            version=protocol.VERSION,
+            role=protocol.ROLE_KERNEL,
+            kernel_pid=os.getpid(),
         )
         self._sock.sendall(hello_msg)
         decoder = protocol.FrameDecoder()

@@ -15,14 +15,24 @@ Kernel -> supervisor                      Supervisor -> kernel
   stop {req, job, reason}                   update {job, ...}      (<= 10 per second per job)
   jobs {req}                                end {job, summary}     (once per job, last)
   status {req}
-  stacks {req, job}                         (reply carries every live rank's stack)
+  stacks {req, job}                         (reply: text, every rank's stack; pids, the
+                                            attempt's live ranks' {rank: pid})
   warm {req, on}                            (off: end the idle warm launcher now)
   up {req, session, spec, env}              start a session: ranks that stay up across cells
                                             (its updates and end come as a job's, id session)
   submit {..., session}                     a cell run on the session's ranks (a job of its own
                                             for the kernel: updates, end)
-  down {req, session}                       end the session
+  down {req, session, reason?}              end the session (reason: who asked, as stop's)
   session {req, session}                    the session: ranks, attempt, restarts, journal
+
+The JupyterLab panel's server extension -> supervisor (elastic_nb.server), one connection per
+request: hello {version, role: "panel"}, then one of stop {req, job, reason: "panel"},
+stacks {req, job}, down {req, session, reason: "panel"} (above), or
+  overview {req}                            every job, session and session cell, one entry each
+  events {req, job, since}                  the update/end messages a job, session or session
+                                            cell was last sent (a bounded history), after since
+Only the connection whose hello says role "kernel" is the kernel's lifeline: its end ends the
+supervisor; any other connection may come and go.
 
 Launcher -> supervisor
   ready {pid}                               launcher is up, torch imported
@@ -75,6 +85,8 @@ VERSION = 3  # 2: log batches are records; 3: sessions
 
 # kernel -> supervisor
 HELLO = "hello"
+ROLE_KERNEL = "kernel"  # hello's role: the kernel's lifeline
+ROLE_PANEL = "panel"  # hello's role: the server extension, a request at a time
 SUBMIT = "submit"
 STOP = "stop"
 JOBS = "jobs"

@@ -1,17 +1,26 @@
 """Where this user's supervisors are: each registers itself beside its socket in the owner-only
 runtime directory (`sup-KERNELPID-HEX.json`) and removes the file when it exits; the server
-extension (elastic_nb.server) reads them. A registration whose pid is gone (a SIGKILLed
-supervisor) is stale, and removed by whoever finds it."""
+extension (elastic_nb.server) reads them.
+
+A registration is stale when its supervisor is gone without removing it (SIGKILL): its pid is
+gone, a zombie, or now another process's (started after the registration was written), or its
+socket refuses connections. Whoever finds one removes it, with the socket left beside it.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import json
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-__all__ = ["Registration", "find", "register"]
+import psutil
+
+__all__ = ["Registration", "find", "forget", "register"]
+
+# psutil's create_time has a whole-second boot time under it: a process created this much after
+# the registration was written cannot be the supervisor that wrote it.
+_CLOCK_SLACK_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -20,45 +29,53 @@ class Registration:
     kernel_pid: int
     kernel_id: str | None  # Jupyter's id of the kernel: which notebook the jobs run for
     socket: str
-    started: float
+    started: float  # time.time() when the supervisor started, after its process was created
+
+    @property
+    def path(self) -> Path:
+        return Path(self.socket).with_suffix(".json")
 
 
 def register(reg: Registration) -> Path:
     """Write it beside its socket (atomically, owner-only); returns the file to remove at exit."""
-    path = Path(reg.socket).with_suffix(".json")
-    tmp = path.with_suffix(".tmp")
+    tmp = reg.path.with_suffix(".tmp")
     tmp.write_text(json.dumps(asdict(reg)))
     tmp.chmod(0o600)
-    tmp.replace(path)
-    return path
+    tmp.replace(reg.path)
+    return reg.path
 
 
 def find(directory: Path) -> list[Registration]:
-    """Every live supervisor registered in `directory`; stale registrations are removed."""
+    """Every supervisor registered in `directory` whose process lives; the stale are removed."""
     found = []
     for path in sorted(directory.glob("sup-*.json")):
         try:
             reg = Registration(**json.loads(path.read_text()))
         except (OSError, ValueError, TypeError):
             continue  # not one of ours, or from another version: not ours to judge
-        if not _alive(reg.pid) or not Path(reg.socket).exists():
-            with contextlib.suppress(OSError):
-                path.unlink()
+        if reg.path != path:
+            continue
+        if not _alive(reg) or not Path(reg.socket).exists():
+            forget(reg)
             continue
         found.append(reg)
     return found
 
 
-def _alive(pid: int) -> bool:
+def forget(reg: Registration) -> None:
+    """Remove a stale registration and its socket: nothing listens on it any more."""
+    for path in (reg.path, Path(reg.socket)):
+        with contextlib.suppress(OSError):
+            path.unlink()
+
+
+def _alive(reg: Registration) -> bool:
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        p = psutil.Process(reg.pid)
+        if p.status() == psutil.STATUS_ZOMBIE:  # exited, not yet reaped by its kernel
+            return False
+        return p.create_time() <= reg.started + _CLOCK_SLACK_S
+    except psutil.NoSuchProcess:
         return False
-    except PermissionError:
+    except psutil.AccessDenied:
         return True
-    # A zombie (exited, not yet reaped by its kernel) is gone too.
-    with contextlib.suppress(OSError):
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-        return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] != b"Z"
-    return True

@@ -38,19 +38,13 @@ class _Handler(APIHandler):
         return await asyncio.get_running_loop().run_in_executor(None, lambda: fn(*args, **kwargs))
 
     async def overview(self) -> list[tuple[Supervisor, dict[str, Any]]]:
-        """(supervisor, entry) for every job, session and cell of every live supervisor."""
-
-        def collect() -> list[tuple[Supervisor, dict[str, Any]]]:
-            out = []
-            for sup in supervisors.find():
-                try:
-                    jobs = sup.request(protocol.OVERVIEW)["jobs"]
-                except SupervisorError:
-                    continue  # exiting as we asked: its jobs are gone with it
-                out.extend((sup, entry) for entry in jobs)
-            return out
-
-        return await self.blocking(collect)
+        """(supervisor, entry) for every job, session and cell of every live supervisor, asked
+        all at once: one slow supervisor delays the listing by its own time only."""
+        found = await self.blocking(supervisors.find)
+        replies = await asyncio.gather(*(self.blocking(_overview_of, sup) for sup in found))
+        return [
+            (sup, entry) for sup, entries in zip(found, replies, strict=True) for entry in entries
+        ]
 
     async def owner(self, job_id: str) -> tuple[Supervisor, dict[str, Any]]:
         for sup, entry in await self.overview():
@@ -80,7 +74,7 @@ class JobsHandler(_Handler):
                     "notebook": notebooks.get(sup.kernel_id or ""),
                 }
             )
-        self.finish(json.dumps({"jobs": jobs}))
+        self.finish(json.dumps({"jobs": sorted(jobs, key=lambda j: j["created"])}))
 
     async def _notebooks(self) -> dict[str, str]:
         """kernel id -> the path (relative to the server's root) of the notebook using it."""
@@ -98,10 +92,11 @@ class StopHandler(_Handler):
     async def post(self, job_id: str) -> None:
         sup, entry = await self.owner(job_id)
         if entry["kind"] == "session":
-            await self.ask(sup, protocol.DOWN, session=job_id)
+            await self.ask(sup, protocol.DOWN, session=job_id, reason="panel")
             stopping = [job_id] if entry["running"] else []
         else:
-            stopping = (await self.ask(sup, protocol.STOP, job=job_id, reason="user"))["stopping"]
+            reply = await self.ask(sup, protocol.STOP, job=job_id, reason="panel")
+            stopping = reply["stopping"]
         self.finish(json.dumps({"stopping": stopping}))
 
 
@@ -112,32 +107,40 @@ class StacksHandler(_Handler):
         sup, entry = await self.owner(job_id)
         if not entry["running"]:
             raise web.HTTPError(409, f"job {job_id} is not running")
-        text = (await self.ask(sup, protocol.STACKS, job=job_id))["text"]
-        self.finish(json.dumps({"text": text, "ranks": split_stacks(text)}))
+        reply = await self.ask(sup, protocol.STACKS, job=job_id)
+        ranks = split_stacks(reply["text"])
+        for r in ranks:
+            r["pid"] = reply.get("pids", {}).get(str(r["rank"]))
+        self.finish(json.dumps({"text": reply["text"], "ranks": ranks}))
 
 
 class LogsHandler(_Handler):
     @web.authenticated
     @authorized
     async def get(self, job_id: str) -> None:
-        """A rank's log of the latest attempt (``stream=out``, its stdout, or ``err``): with
-        ``offset``, what follows it (a chunk); without, the last ``tail`` lines."""
+        """A rank's log (``stream=out``, its stdout, or ``err``) of an attempt (the latest, or
+        ``attempt``): with ``offset``, what follows it (a chunk); without, the last ``tail``
+        lines. A session cell's ranks are its session's: their logs are the session's."""
         _, entry = await self.owner(job_id)
         try:
             rank = int(self.get_argument("rank", "0"))
             tail = int(self.get_argument("tail", str(DEFAULT_TAIL)))
             offset = self.get_argument("offset", None)
             start = None if offset is None else int(offset)
+            asked = self.get_argument("attempt", None)
+            attempt = None if asked is None else int(asked)
         except ValueError:
-            raise web.HTTPError(400, "rank, tail and offset are numbers") from None
+            raise web.HTTPError(400, "rank, tail, offset and attempt are numbers") from None
         stream = self.get_argument("stream", "out")
         if stream not in ("out", "err"):
             raise web.HTTPError(400, "stream is out or err")
         if not 0 <= rank < entry["world_size"]:
             raise web.HTTPError(400, f"job {job_id} has ranks 0-{entry['world_size'] - 1}")
         rd = RunDir(entry["logs_dir"])
-        attempts = rd.attempts()
-        attempt = attempts[-1] if attempts else 0
+        if attempt is None:
+            attempt = max(rd.attempts(), default=0)
+        elif not 0 <= attempt <= entry["attempt"]:
+            raise web.HTTPError(400, f"job {job_id} has attempts 0-{entry['attempt']}")
         chunk = await self.blocking(_read_log, rd.log(attempt, rank, stream), start, tail)
         self.finish(json.dumps({"rank": rank, "attempt": attempt, "stream": stream, **chunk}))
 
@@ -153,6 +156,13 @@ class EventsHandler(_Handler):
             raise web.HTTPError(400, "since is a number") from None
         reply = await self.ask(sup, protocol.EVENTS, job=job_id, since=since)
         self.finish(json.dumps({"events": reply["events"], "seq": reply["seq"]}))
+
+
+def _overview_of(sup: Supervisor) -> list[dict[str, Any]]:
+    try:
+        return sup.request(protocol.OVERVIEW)["jobs"]
+    except SupervisorError:
+        return []  # gone or going (its jobs with it), or of another elastic_nb version
 
 
 def split_stacks(text: str) -> list[dict[str, Any]]:

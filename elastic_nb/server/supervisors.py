@@ -1,11 +1,12 @@
 """Finding this user's supervisors (elastic_nb.registry) and asking them things, for the server
-extension. Requests go over the supervisor's private Unix socket, as a non-kernel client: a
-connection that ends is nothing to the supervisor (only its kernel's is its lifeline). Blocking
-calls: the handlers run them in a thread.
+extension. Requests go over the supervisor's private Unix socket, as a non-kernel client
+(`protocol.ROLE_PANEL`): a connection that ends is nothing to the supervisor (only its kernel's
+is its lifeline). Blocking calls: the handlers run them in a thread.
 """
 
 from __future__ import annotations
 
+import errno
 import itertools
 import socket
 from dataclasses import dataclass
@@ -17,6 +18,8 @@ from elastic_nb.client import runtime_dir
 __all__ = ["Supervisor", "SupervisorError", "find"]
 
 TIMEOUT_S = 10.0  # a request the supervisor answers from memory; stacks take a probe round
+# connect() on a socket file nobody listens on: the supervisor is gone, its registration stale.
+_DEAD = (errno.ECONNREFUSED, errno.ENOENT)
 
 
 class SupervisorError(RuntimeError):
@@ -29,36 +32,54 @@ class SupervisorError(RuntimeError):
 
 @dataclass(frozen=True)
 class Supervisor:
-    pid: int
-    kernel_id: str | None
-    socket: str
+    registration: registry.Registration
+
+    @property
+    def pid(self) -> int:
+        return self.registration.pid
+
+    @property
+    def kernel_id(self) -> str | None:
+        return self.registration.kernel_id
 
     def request(self, kind: str, timeout: float = TIMEOUT_S, **fields: Any) -> dict[str, Any]:
         """One request, its reply's fields; SupervisorError if refused or unreachable."""
         req = next(_REQ)
-        try:
-            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-                sock.settimeout(timeout)
-                sock.connect(self.socket)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(timeout)
+            try:
+                sock.connect(self.registration.socket)
+            except OSError as e:
+                if e.errno in _DEAD:
+                    registry.forget(self.registration)
+                raise SupervisorError(f"supervisor {self.pid} cannot be reached: {e}") from e
+            try:
                 sock.sendall(
-                    protocol.encode(protocol.HELLO, version=protocol.VERSION, role="panel")
+                    protocol.encode(
+                        protocol.HELLO, version=protocol.VERSION, role=protocol.ROLE_PANEL
+                    )
                     + protocol.encode(kind, req=req, **fields)
                 )
-                decoder = protocol.FrameDecoder()
-                while True:
-                    data = sock.recv(1 << 16)
-                    if not data:
-                        raise SupervisorError(f"supervisor {self.pid} closed the connection")
-                    for msg, _ in decoder.feed(data):
-                        if msg["kind"] == protocol.HELLO and msg.get("error"):
-                            raise SupervisorError(msg["error"])
-                        if msg["kind"] == protocol.REPLY and msg.get("req") == req:
-                            if not msg.get("ok"):
-                                error = str(msg.get("error"))
-                                raise SupervisorError(error, missing=error.startswith("KeyError"))
-                            return {k: v for k, v in msg.items() if k not in ("kind", "req", "ok")}
-        except OSError as e:
-            raise SupervisorError(f"supervisor {self.pid} cannot be reached: {e}") from e
+                return _reply(sock, req, self.pid)
+            except OSError as e:
+                raise SupervisorError(f"supervisor {self.pid} did not answer: {e}") from e
+
+
+def _reply(sock: socket.socket, req: int, pid: int) -> dict[str, Any]:
+    decoder = protocol.FrameDecoder()
+    while True:
+        data = sock.recv(1 << 16)
+        if not data:
+            raise SupervisorError(f"supervisor {pid} closed the connection")
+        for msg, _ in decoder.feed(data):
+            if msg["kind"] == protocol.HELLO and msg.get("error"):
+                raise SupervisorError(msg["error"])  # another version of elastic_nb
+            if msg["kind"] == protocol.REPLY and msg.get("req") == req:
+                if not msg.get("ok"):
+                    error = str(msg.get("error"))
+                    # The supervisor's refusal of an id it does not know: a KeyError.
+                    raise SupervisorError(error, missing=error.startswith("KeyError"))
+                return {k: v for k, v in msg.items() if k not in ("kind", "req", "ok")}
 
 
 _REQ = itertools.count(1)
@@ -66,4 +87,4 @@ _REQ = itertools.count(1)
 
 def find() -> list[Supervisor]:
     """Every live supervisor of this user (registry.find drops the stale)."""
-    return [Supervisor(r.pid, r.kernel_id, r.socket) for r in registry.find(runtime_dir())]
+    return [Supervisor(r) for r in registry.find(runtime_dir())]

@@ -88,7 +88,7 @@ class Job:
         self._launchers = launchers
         self._launcher: Launcher | None = None
         self._tree: ProcessTree | None = None  # the launcher's, once it has the job
-        self._book = RankBook(self.rd)
+        self.book = RankBook(self.rd)
         self.report = Reporter(job_id, send)
         self._tailer = LogTailer(marks=NCCL_TIMEOUT_MARKS, noise=TORCH_LOG_NOISE)
         self._outcome: tuple[str, str] | None = None
@@ -99,7 +99,7 @@ class Job:
         self._oom_base = procs.oom_kills()
         self._watchdog_fired = False  # the zombie watchdog stopped the agent
         self._diagnosis = Diagnosis(
-            self, self._book, self.report, EvidenceCollector(self.rd, source)
+            self, self.book, self.report, EvidenceCollector(self.rd, source)
         )
 
     # ---- for the server -----------------------------------------------------------------
@@ -203,16 +203,16 @@ class Job:
             self.report.set_state("rendezvous")
         elif kind == protocol.START:
             self._on_start(int(msg["attempt"]), int(msg["rank"]), int(msg["pid"]))
-        for r in self._book.take_exits(msg):
+        for r in self.book.take_exits(msg):
             self.evaluate(r)  # its exit was unknown when its pidfd fired
 
     def _on_start(self, attempt: int, rank: int, pid: int) -> None:
         if attempt > self.attempt:
             found = self._diagnosis.finding
             desync = found.desync.text if found and found.desync else None
-            self.report.alert(**summary.restart_alert(self._book, attempt - 1, desync, self.spec))
+            self.report.alert(**summary.restart_alert(self.book, attempt - 1, desync, self.spec))
             self.attempt = attempt
-        r = self._book.add(attempt, rank, pid, time.time())
+        r = self.book.add(attempt, rank, pid, time.time())
         assert self._launcher is not None
         self._launcher.last_tick = time.monotonic()  # a start is a sign of life
         self._diagnosis.silence.activity(time.monotonic())
@@ -223,25 +223,25 @@ class Job:
         self.report.set_state("running")
         assert self._tg is not None
         self._tg.start_soon(self._watch_rank, r)
-        if attempt == 0 and len(self._book.of(0)) == self.spec.nproc:
+        if attempt == 0 and len(self.book.of(0)) == self.spec.nproc:
             self._launchers.job_running(self.spec)
 
     async def _watch_rank(self, r: RankState) -> None:
         forked = self.spec.start_method == "forkserver"
-        await self._book.wait_exit(r, forked, EXIT_WAIT_S)
+        await self.book.wait_exit(r, forked, EXIT_WAIT_S)
         # Until now the rank counted as alive (died_at unset): nothing judged it without its
         # exit status.
         r.died_at, r.gone_at = time.time(), time.monotonic()
         self._diagnosis.silence.activity(r.gone_at)
         kills, base = procs.oom_kills(), self._oom_base  # None: no cgroup memory events here
         r.oom_killed = kills is not None and base is not None and kills > base
-        self._book.read_records(r)
+        self.book.read_records(r)
         self.report.event("rank.exit", attempt=r.attempt, rank=r.rank, code=r.exit_code)
         self.evaluate(r)
 
     def show(self, r: RankState) -> None:
         if r.attempt == self.attempt:
-            self.report.chip(r.rank, self._book.chip(r, self._teardown_at))
+            self.report.chip(r.rank, self.book.chip(r, self._teardown_at))
 
     def evaluate(self, r: RankState) -> None:
         self.show(r)
@@ -252,12 +252,12 @@ class Job:
                 self.report.alert("oom", "error", title, rank=r.rank, text=text)
             self.decide_rank_failed(r, kind)
         elif kind == "done":
-            ranks = self._book.of(r.attempt)
+            ranks = self.book.of(r.attempt)
             if len(ranks) == self.spec.nproc and all(x.done and x.died_at for x in ranks):
                 self._decide("succeeded", "every rank finished the cell")
 
     def decide_rank_failed(self, r: RankState, kind: str) -> None:
-        if r.attempt in self._book.failed_attempts:
+        if r.attempt in self.book.failed_attempts:
             return
         if self._diagnosis.holds(r, kind):
             return  # decided once the diagnosis under way has ended
@@ -268,7 +268,7 @@ class Job:
         self.fail_attempt(r, kind)
 
     def fail_attempt(self, r: RankState, kind: str, reason: str | None = None) -> None:
-        self._book.failed_attempts.add(r.attempt)
+        self.book.failed_attempts.add(r.attempt)
         self.report.event("attempt.failed", attempt=r.attempt, rank=r.rank, kind=kind)
         # An exit(0) without finishing leaves torchelastic waiting forever for a return value
         # (multiprocessing/api.py, _poll): no restart would come, so it ends the job.
@@ -279,7 +279,7 @@ class Job:
         if kind == "desync":
             # In torch's eyes nothing has failed: the waiting ranks would sit in their
             # collective until its timeout. Ending them makes the agent restart the group now.
-            for x in self._book.of(r.attempt):
+            for x in self.book.of(r.attempt):
                 if x.pid is not None and x.died_at is None and x.done is None:
                     procs.send_signal(x.pid, x.pidfd, signal.SIGTERM)
 
@@ -289,12 +289,12 @@ class Job:
             self._tailer.poll()
             assert self._tg is not None
             for attempt, rank, _, line in self._tailer.take_marked():
-                r = self._book.get(attempt, rank)
+                r = self.book.get(attempt, rank)
                 if r is not None:
                     self._diagnosis.on_watchdog(r, line, self._tg)
             # Records land before the process exits (torch and Python teardown can take a
             # while): act on a failure at once.
-            for r in self._book.new_failures(self.attempt):
+            for r in self.book.new_failures(self.attempt):
                 self.evaluate(r)
             self._watch_agent()
             self._diagnosis.watch_silence(self._tailer.activity_total(), self._tg)
@@ -312,9 +312,9 @@ class Job:
         if self._watchdog_fired or launcher is None or not launcher.alive:
             return
         ticking = self._outcome is None and self.state == "running"
-        current = self._book.of(self.attempt)
+        current = self.book.of(self.attempt)
         stuck = agent_stuck(
-            self._book.all(),
+            self.book.all(),
             current,
             self.spec.nproc,
             self.spec.monitor_interval,
@@ -327,7 +327,7 @@ class Job:
             return
         self._watchdog_fired = True
         if stuck.zombie is not None:
-            self._book.zombies.add((stuck.zombie.attempt, stuck.zombie.rank))
+            self.book.zombies.add((stuck.zombie.attempt, stuck.zombie.rank))
             self.show(stuck.zombie)
         self.report.alert("zombie", "error", stuck.title)
         self._decide(stuck.outcome, stuck.reason)
@@ -380,12 +380,12 @@ class Job:
 
     async def _final_summary(self, outcome: str, reason: str) -> dict[str, Any]:
         self._tailer.poll(final=True)
-        self._book.settle()
-        current = self._book.of(self.attempt)
-        behind = self._book.behind.get(self.attempt)
+        self.book.settle()
+        current = self.book.of(self.attempt)
+        behind = self.book.behind.get(self.attempt)
         verdict = analyze(current, self._teardown_at, behind, self.spec.nproc)
         for r in current:
-            self.report.chip(r.rank, self._book.chip(r, self._teardown_at, verdict.root))
+            self.report.chip(r.rank, self.book.chip(r, self._teardown_at, verdict.root))
         result = self._summarize(outcome, reason, verdict)
         for alert in summary.closing_alerts(result, current, self._leftovers):
             self.report.alert(**alert)

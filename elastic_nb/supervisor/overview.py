@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from elastic_nb.supervisor.session import Session
     from elastic_nb.supervisor.session_cell import SessionCell
 
-__all__ = ["entries", "reporter_of"]
+__all__ = ["entries", "rank_pids", "reporter_of"]
 
 
 def entries(jobs: Iterable[Job], sessions: Iterable[Session]) -> list[dict[str, Any]]:
@@ -39,6 +39,15 @@ def reporter_of(owner_id: str, jobs: dict[str, Job], sessions: dict[str, Session
         if owner_id in s.runner.cells:
             return s.runner.cells[owner_id].report
     raise KeyError(f"no job {owner_id!r}")
+
+
+def rank_pids(owner: Job | Session) -> dict[str, int]:
+    """The live ranks of the current attempt: {rank: pid} (string keys: it travels as JSON)."""
+    return {
+        str(r.rank): r.pid
+        for r in owner.book.of(owner.attempt)
+        if r.pid is not None and r.died_at is None
+    }
 
 
 def _job(j: Job) -> dict[str, Any]:
@@ -127,7 +136,7 @@ def _entry(
         "restarts": attempt,
         "max_restarts": max_restarts,
         "created": created,
-        "elapsed_s": (summary or {}).get("wall_s") or time.time() - created,
+        "elapsed_s": summary["wall_s"] if summary else time.time() - created,
         "alerts": [
             {"kind": a["kind"], "severity": a["severity"], "rank": a["rank"], "text": a["title"]}
             for a in report.recent_alerts

@@ -179,7 +179,7 @@ class Supervisor:
                     except protocol.ProtocolError as e:
                         await conn.send(protocol.HELLO, version=protocol.VERSION, error=str(e))
                         return
-                    is_kernel, greeted = msg.get("role") == "kernel", True
+                    is_kernel, greeted = msg.get("role") == protocol.ROLE_KERNEL, True
                     await conn.send(protocol.HELLO, version=protocol.VERSION, pid=os.getpid())
                     continue
                 await self._handle(conn, msg, blob)
@@ -201,7 +201,8 @@ class Supervisor:
             elif kind == protocol.STOP:
                 reply = self._stop(msg.get("job"), msg.get("reason", "user"))
             elif kind == protocol.STACKS:
-                reply = {"text": await self._stacks(msg.get("job"))}
+                text, owner = await self._stacks(msg.get("job"))
+                reply = {"text": text, "pids": overview.rank_pids(owner)}
             elif kind == protocol.WARM:
                 self._launchers.keep_warm(bool(msg.get("on", True)))
                 reply = {}
@@ -218,7 +219,7 @@ class Supervisor:
             elif kind == protocol.UP:
                 reply = await self._up(conn, msg)
             elif kind == protocol.DOWN:
-                self._session(msg.get("session")).down()
+                self._session(msg.get("session")).down(msg.get("reason", "user"))
                 reply = {}
             elif kind == protocol.SESSION:
                 reply = self._session(msg.get("session")).info()
@@ -287,16 +288,17 @@ class Supervisor:
         for job_id in done[: max(0, len(done) - KEEP_FINISHED)]:
             del self._jobs[job_id]
 
-    async def _stacks(self, job_id: str | None) -> str:
+    async def _stacks(self, job_id: str | None) -> tuple[str, Job | Session]:
+        """Every rank's stack now, and whose ranks they are."""
         session = self._cell_session(job_id) if job_id else None
         if session is not None and session.running:
-            return await session.stacks()
+            return await session.stacks(), session
         running: list[Job | Session] = [j for j in self._owners() if j.running]
         if job_id is not None:
             running = [j for j in running if j.id == job_id]
         if not running:
             raise KeyError(f"no running job {job_id}" if job_id else "no running job")
-        return await running[-1].stacks()
+        return await running[-1].stacks(), running[-1]
 
     def _stop(self, job_id: str | None, reason: str) -> dict[str, Any]:
         """Stop jobs, or interrupt a session's cells (the session stays: %elastic down ends it)."""

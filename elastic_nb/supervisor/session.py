@@ -130,8 +130,8 @@ class Session:
     def stop_cell(self, cell_id: str, reason: str) -> None:
         self.runner.stop(cell_id, reason)
 
-    def down(self, reason: str = "ended with %elastic down") -> None:
-        self._end("ended", reason)
+    def down(self, reason: str = "user") -> None:
+        self._end("ended", summary.DOWNS.get(reason, reason))
 
     def request_stop(self, reason: str) -> None:
         self._end(*summary.STOPS.get(reason, ("stopped", reason)))

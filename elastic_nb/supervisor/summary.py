@@ -18,7 +18,15 @@ from elastic_nb.spec import JobSpec
 from elastic_nb.supervisor.rankbook import RankBook
 from elastic_nb.supervisor.verdict import RankState, Verdict, analyze
 
-__all__ = ["STOPS", "cause", "closing_alerts", "keep_launcher_log", "restart_alert", "summarize"]
+__all__ = [
+    "DOWNS",
+    "STOPS",
+    "cause",
+    "closing_alerts",
+    "keep_launcher_log",
+    "restart_alert",
+    "summarize",
+]
 
 
 # How a stop request ends a job, by who asked: (outcome, reason).
@@ -27,7 +35,13 @@ STOPS = {
     "user": ("stopped", "stopped with %elastic stop"),
     "handle": ("stopped", "stopped with job.stop()"),
     "button": ("stopped", "stopped with the dashboard's Stop button"),
+    "panel": ("stopped", "stopped from the JupyterLab panel"),
     "shutdown": ("stopped", "the supervisor shut down (its kernel exited)"),
+}
+# How a down request ends a session, by who asked.
+DOWNS = {
+    "user": "ended with %elastic down",
+    "panel": "ended from the JupyterLab panel",
 }
 
 

@@ -130,7 +130,11 @@ def test_the_panel_follows_and_stops_a_busy_cell(page: Any, lab: LabServer) -> N
     nb.expect_running(1)  # the kernel is still busy in the cell
     card.locator(".enb-panel-stop").click()
     nb.wait_done(1, timeout=30)
-    nb.expect_output(1, f"[elastic_nb] job {job} stopped", "JobStopped")
+    nb.expect_output(
+        1,
+        f"[elastic_nb] job {job} stopped",
+        f"JobStopped: job {job} was stopped: stopped from the JupyterLab panel",
+    )
     assert_job_gone(job)
     expect(card.locator(".enb-panel-state")).to_have_text("stopped")
     expect(card.locator(".enb-panel-stop")).to_be_hidden()
@@ -186,7 +190,11 @@ def test_dump_stacks_of_a_hanging_job_then_stop_it_by_its_shortcut(
     nb.cell(1).locator(".cm-content").click()
     page.keyboard.press("Control+Alt+s")
     nb.wait_done(1, timeout=30)
-    nb.expect_output(1, f"[elastic_nb] job {job} stopped", "JobStopped")
+    nb.expect_output(
+        1,
+        f"[elastic_nb] job {job} stopped",
+        f"JobStopped: job {job} was stopped: stopped from the JupyterLab panel",
+    )
     assert_job_gone(job)
 
 

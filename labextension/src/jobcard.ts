@@ -113,6 +113,7 @@ export class JobCard {
       })
     );
     this._summary.textContent = job.running ? '' : job.summary ?? '';
+    this._summary.title = this._summary.textContent;
     this._stop.hidden = this._stacks.hidden = !job.running;
     this._stop.title = {
       job: 'Stop the job: every rank ends',

@@ -59,7 +59,6 @@ FLUSH_S = 0.1  # one update per job per flush: at most 10 messages a second
 _FAILURES = frozenset(
     ["exception", "oom", "host_oom", "collective_timeout", "peer", "exit", "exit0", "signal"]
 )
-EXIT_WAIT_S = 0.5  # how long a forked rank's exit status may take to come from its launcher
 
 
 class Job:
@@ -228,7 +227,7 @@ class Job:
 
     async def _watch_rank(self, r: RankState) -> None:
         forked = self.spec.start_method == "forkserver"
-        await self.book.wait_exit(r, forked, EXIT_WAIT_S)
+        await self.book.wait_exit(r, forked)
         # Until now the rank counted as alive (died_at unset): nothing judged it without its
         # exit status.
         r.died_at, r.gone_at = time.time(), time.monotonic()

@@ -25,6 +25,11 @@ __all__ = ["RankBook"]
 POLL_S = 0.05  # how often a rank without a pidfd is looked at
 
 
+# How long a forked rank's exit status may take to come from its launcher: milliseconds as a
+# rule; 0.5 s was passed once on a 2-core machine running two test suites (its rank was then
+# described with no exit status).
+EXIT_WAIT_S = 2.0
+
 class RankBook:
     def __init__(self, rd: RunDir) -> None:
         self.rd = rd
@@ -79,12 +84,13 @@ class RankBook:
         news = [self.report_exit(attempt, rank, code) for rank, code in codes.items()]
         return [r for r in news if r is not None and r.died_at is not None]
 
-    async def wait_exit(self, r: RankState, forked: bool, wait_s: float) -> None:
+    async def wait_exit(self, r: RankState, forked: bool, wait_s: float = EXIT_WAIT_S) -> None:
         """Until the rank's process has ended, with its exit code when it can be had.
 
         A spawned rank is the agent's child: read its status the moment it dies, before
         torchelastic reaps it at its next monitor tick. A forked one is its fork server's, reaped
-        at once: the launcher says how it ended (protocol.EXIT), within milliseconds."""
+        at once: the launcher says how it ended (protocol.EXIT), within milliseconds, or up to
+        `wait_s` on a loaded machine."""
         assert r.pid is not None
         fd = procs.pidfd_open(r.pid)
         if fd is None:  # no pidfd (old kernel) or already gone

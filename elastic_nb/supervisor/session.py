@@ -57,7 +57,6 @@ log = logging.getLogger(__name__)
 SESSION_PRELOAD = ("torch._dynamo",)
 POLL_S = 0.05
 FLUSH_S = 0.1
-EXIT_WAIT_S = 0.5
 
 
 class Session:
@@ -276,7 +275,7 @@ class Session:
         self.notify()
 
     async def _watch_rank(self, r: RankState) -> None:
-        await self.book.wait_exit(r, self.spec.start_method == "forkserver", EXIT_WAIT_S)
+        await self.book.wait_exit(r, self.spec.start_method == "forkserver")
         r.died_at, r.gone_at = time.time(), time.monotonic()
         self.book.read_records(r)  # a rank that failed before its loop (session run dir)
         self.report.event("rank.exit", attempt=r.attempt, rank=r.rank, code=r.exit_code)

@@ -277,7 +277,9 @@ def _describe(r: RankState, kind: str, root: RankState | None) -> str:
         if r.failure is not None and r.died_at is None:
             # A session's rank, interrupted in the cell and back in its loop.
             return f"interrupted by elastic_nb (KeyboardInterrupt in the cell){after}"
-        how = "SIGINT" if r.failure else signal_name(-(r.exit_code or 0))
+        if r.exit_code is None and not r.failure:
+            return f"stopped by elastic_nb (its exit status never came){after}"
+        how = "SIGINT" if r.failure else signal_name(-r.exit_code)  # type: ignore[operator]
         if how == "SIGINT":
             return f"ended with its parent (torch's parent-death signal, SIGINT){after}"
         return f"stopped by elastic_nb ({how}){after}"

@@ -24,7 +24,6 @@ from tornado.httpclient import HTTPClientError
 from elastic_nb import protocol, registry
 from elastic_nb.client import runtime_dir
 from tests.kernel import Execution, Kernel, assert_job_gone, wait_for
-from tests.lab import LabServer
 
 pytest_plugins = ["pytest_jupyter.jupyter_server"]
 
@@ -330,6 +329,8 @@ async def test_stale_registrations_are_removed(jp_fetch: Any) -> None:
 
 
 def test_the_config_file_enables_the_extension(tmp_path: Path, cache_home: Path) -> None:
+    from tests.lab import LabServer  # here: the floors venv runs this module without a browser
+
     # jupyter-config/jupyter_server_config.d/elastic_nb.json, what a pip install puts in
     # etc/jupyter, is all a `jupyter lab` needs to serve the API (LabServer puts the source
     # tree's jupyter-config on JUPYTER_CONFIG_PATH and enables nothing itself).

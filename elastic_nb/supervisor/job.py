@@ -227,10 +227,9 @@ class Job:
 
     async def _watch_rank(self, r: RankState) -> None:
         forked = self.spec.start_method == "forkserver"
-        await self.book.wait_exit(r, forked)
-        # Until now the rank counted as alive (died_at unset): nothing judged it without its
-        # exit status.
-        r.died_at, r.gone_at = time.time(), time.monotonic()
+        # Until its exit status came (or its bound passed) the rank counted as alive (died_at
+        # unset): nothing judged it without it; it died when it was seen gone.
+        r.died_at, r.gone_at = await self.book.wait_exit(r, forked)
         self._diagnosis.silence.activity(r.gone_at)
         kills, base = procs.oom_kills(), self._oom_base  # None: no cgroup memory events here
         r.oom_killed = kills is not None and base is not None and kills > base

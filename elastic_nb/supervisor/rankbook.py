@@ -84,8 +84,12 @@ class RankBook:
         news = [self.report_exit(attempt, rank, code) for rank, code in codes.items()]
         return [r for r in news if r is not None and r.died_at is not None]
 
-    async def wait_exit(self, r: RankState, forked: bool, wait_s: float = EXIT_WAIT_S) -> None:
-        """Until the rank's process has ended, with its exit code when it can be had.
+    async def wait_exit(
+        self, r: RankState, forked: bool, wait_s: float = EXIT_WAIT_S
+    ) -> tuple[float, float]:
+        """Until the rank's process has ended, with its exit code when it can be had; returns
+        when it was seen gone (time.time(), time.monotonic()), before its status was awaited:
+        who failed first is judged by that moment, not by how long the status took.
 
         A spawned rank is the agent's child: read its status the moment it dies, before
         torchelastic reaps it at its next monitor tick. A forked one is its fork server's, reaped
@@ -103,11 +107,13 @@ class RankBook:
             finally:
                 r.pidfd = None
                 os.close(fd)
+        gone = time.time(), time.monotonic()
         if r.exit_code is None:
             r.exit_code = procs.zombie_exit_code(r.pid)
         if r.exit_code is None and forked:
             with anyio.move_on_after(wait_s):
                 await self.exit_reported(r).wait()
+        return gone
 
     def in_the_cell(self, attempt: int) -> bool:
         """Every live rank of the attempt runs our bootstrap (it arms its stack dump first

@@ -275,8 +275,8 @@ class Session:
         self.notify()
 
     async def _watch_rank(self, r: RankState) -> None:
-        await self.book.wait_exit(r, self.spec.start_method == "forkserver")
-        r.died_at, r.gone_at = time.time(), time.monotonic()
+        forked = self.spec.start_method == "forkserver"
+        r.died_at, r.gone_at = await self.book.wait_exit(r, forked)
         self.book.read_records(r)  # a rank that failed before its loop (session run dir)
         self.report.event("rank.exit", attempt=r.attempt, rank=r.rank, code=r.exit_code)
         self._rank_died(r)

@@ -23,9 +23,9 @@ __all__ = ["entries", "rank_pids", "reporter_of"]
 
 def entries(jobs: Iterable[Job], sessions: Iterable[Session]) -> list[dict[str, Any]]:
     """One entry per job, session and session cell, oldest first."""
-    out = [_job(j) for j in jobs]
+    out = [_owner(j, "job") for j in jobs]
     for s in sessions:
-        out.append(_session(s))
+        out.append(_owner(s, "session"))
         out.extend(_cell(s, c) for c in s.runner.cells.values())
     return sorted(out, key=lambda e: e["created"])
 
@@ -50,39 +50,22 @@ def rank_pids(owner: Job | Session) -> dict[str, int]:
     }
 
 
-def _job(j: Job) -> dict[str, Any]:
+def _owner(o: Job | Session, kind: str) -> dict[str, Any]:
+    """A job or a session: each owns its ranks and run directory."""
     return _entry(
-        j.id,
-        "job",
+        o.id,
+        kind,
         None,
-        state=j.state,
-        running=j.running,
-        world_size=j.spec.world_size,
-        attempt=j.attempt,
-        max_restarts=j.spec.max_restarts,
-        created=j.created,
-        summary=j.summary,
-        report=j.report,
-        run_dir=str(j.rd),
-        logs_dir=str(j.rd),
-    )
-
-
-def _session(s: Session) -> dict[str, Any]:
-    return _entry(
-        s.id,
-        "session",
-        None,
-        state=s.state,
-        running=s.running,
-        world_size=s.spec.world_size,
-        attempt=s.attempt,
-        max_restarts=s.spec.max_restarts,
-        created=s.created,
-        summary=s.summary,
-        report=s.report,
-        run_dir=str(s.rd),
-        logs_dir=str(s.rd),
+        state=o.state,
+        running=o.running,
+        world_size=o.spec.world_size,
+        attempt=o.attempt,
+        max_restarts=o.spec.max_restarts,
+        created=o.created,
+        summary=o.summary,
+        report=o.report,
+        run_dir=str(o.rd),
+        logs_dir=str(o.rd),
     )
 
 

@@ -13,6 +13,7 @@ import contextlib
 import ctypes
 import os
 import signal
+import time
 from collections.abc import Iterable
 
 import psutil
@@ -38,6 +39,7 @@ SLOT = "ELASTIC_NB_SLOT"
 SLOT_BLANK = "_" * 64
 _PAD = b"ELASTIC_NB_PAD="
 _PR_SET_CHILD_SUBREAPER = 36
+_KILL_POLL_S = 0.02
 
 
 def job_processes(job_ids: Iterable[str] | None = None) -> list[psutil.Process]:
@@ -110,14 +112,26 @@ def mark_process(job_id: str) -> None:
         raise RuntimeError("the job marker did not show in /proc/self/environ")
 
 
-def kill_job(job_ids: Iterable[str], sig: int = signal.SIGKILL) -> list[int]:
-    """Signal every process of the given jobs; returns the pids signalled."""
-    pids = []
-    for p in job_processes(job_ids):
-        with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
-            p.send_signal(sig)
-            pids.append(p.pid)
-    return pids
+def kill_job(job_ids: Iterable[str], sig: int = signal.SIGKILL, wait_s: float = 0.0) -> list[int]:
+    """Signal every process of the given jobs; returns the pids signalled.
+
+    With ``wait_s``, also wait (that long at most) until none is left: a signalled process is
+    alive until it is scheduled to exit, which on a loaded machine is not at once, and one may
+    have forked meanwhile (it is signalled too).
+    """
+    job_ids = list(job_ids)
+    pids: list[int] = []
+    deadline = time.monotonic() + wait_s
+    while True:
+        left = job_processes(job_ids)
+        for p in left:
+            with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
+                if p.pid not in pids:
+                    p.send_signal(sig)
+                    pids.append(p.pid)
+        if not left or time.monotonic() >= deadline:
+            return pids
+        time.sleep(_KILL_POLL_S)
 
 
 def signal_group(pgid: int, sig: int) -> bool:

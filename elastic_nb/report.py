@@ -38,7 +38,7 @@ CAUSE_HINTS = {
     "zombie": "torchelastic's agent got stuck (a rank died while the agent woke it, or the "
     "launcher froze); elastic_nb stopped it",
     "deadline": "the job ran past --timeout",
-    "interrupted": "stopped from the notebook (interrupt or %elastic stop)",
+    "interrupted": "stopped on request before the ranks finished",
     "launcher": "the launcher failed before any rank did; see launcher.log",
 }
 

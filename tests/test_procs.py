@@ -72,3 +72,26 @@ def test_oom_kills_come_from_our_cgroup_never_the_whole_machine(
 
     monkeypatch.setattr(builtins, "open", no_cgroup_files)
     assert procs.oom_kills() is None  # unknown, not a guess
+
+
+def test_killing_a_job_waits_until_none_of_it_is_left_even_what_forked_meanwhile() -> None:
+    job = "f0rk5000"
+    forker = (
+        "import os, time\n"
+        "for _ in range(3000):\n"
+        "    if os.fork() == 0:\n"
+        "        time.sleep(60)\n"
+        "        os._exit(0)\n"
+        "    time.sleep(0.002)\n"
+    )
+    env = dict(os.environ, **{procs.MARKER: job})
+    parent = subprocess.Popen([sys.executable, "-c", forker], env=env)
+    try:
+        while len(procs.job_processes([job])) < 5:  # forking by now
+            assert parent.poll() is None
+        killed = procs.kill_job([job], signal.SIGKILL, wait_s=10)
+        assert parent.pid in killed
+        assert procs.job_processes([job]) == []  # at once: kill_job waited for every one
+    finally:
+        procs.kill_job([job], signal.SIGKILL)
+        parent.wait()

@@ -3,6 +3,7 @@ summary's cause, and the teardown of a real process tree."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -62,6 +63,59 @@ def test_the_rank_book_meets_records_exits_and_blame(tmp_path: Path) -> None:
     assert (chip["state"], chip["label"]) == ("failed", "left the cell after 3 collectives")
     book.zombies.add((0, 1))
     assert book.chip(r1, None)["state"] == "zombie"
+
+
+def test_the_end_waits_for_the_launchers_last_word_on_how_its_ranks_ended(tmp_path: Path) -> None:
+    """The teardown can see the launcher gone while what it said last (each forked rank's exit
+    status) is still in its pipe: hear_out holds the end until that is taken in and every rank
+    watcher has seen its rank gone; without it the verdict said "its exit status never came"."""
+    book = RankBook(RunDir(str(tmp_path)))
+    # A fork server stand-in: it reaps its child at once, so only its word says how it ended.
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import subprocess; p = subprocess.Popen(['sleep', '60']); print(p.pid, flush=True);"
+            " p.wait(); input()",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert server.stdout is not None
+    pid = int(server.stdout.readline())
+    r = book.add(0, 0, pid=pid, started_at=time.time())
+    heard = anyio.Event()
+
+    async def main() -> None:
+        async def watch() -> None:
+            r.died_at, r.gone_at = await book.wait_exit(r, forked=True)
+
+        async def launcher_speaks_late() -> None:
+            os.kill(pid, signal.SIGKILL)
+            await anyio.sleep(0.3)  # the word arrives after the rank is gone
+            book.report_exit(0, 0, -signal.SIGKILL)
+            heard.set()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(watch)
+            tg.start_soon(launcher_speaks_late)
+            await book.hear_out(heard)
+            assert r.died_at is not None and r.exit_code == -signal.SIGKILL
+            tg.cancel_scope.cancel()
+        # Never heard (a launcher that survived): bounded.
+        started = time.monotonic()
+        await book.hear_out(anyio.Event(), wait_s=0.2)
+        assert time.monotonic() - started < 5
+
+    try:
+        anyio.run(main)
+        assert r.gone_at is not None and r.died_at < r.started_at + 60
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        server.kill()
+        server.wait()
 
 
 def test_the_reporter_sends_one_update_per_flush_and_keeps_a_diary(tmp_path: Path) -> None:

@@ -92,6 +92,7 @@ class Job:
         self._tailer = LogTailer(marks=NCCL_TIMEOUT_MARKS, noise=TORCH_LOG_NOISE)
         self._outcome: tuple[str, str] | None = None
         self._decided = anyio.Event()
+        self._heard = anyio.Event()  # every message of the launcher taken in (book.hear_out)
         self._teardown_at: float | None = None
         self._leftovers: list[dict[str, Any]] = []
         self._tg: anyio.abc.TaskGroup | None = None
@@ -135,9 +136,11 @@ class Job:
                 if self.spec.timeout is not None:
                     tg.start_soon(self._deadline, self.spec.timeout)
                 await self._decided.wait()
-                # Rank watchers and the launcher reader keep running through the teardown:
-                # they record how and when each process ended.
+                # Rank watchers and the launcher reader keep running through the teardown, and
+                # until the launcher's last word is heard: they record how and when each ended.
                 await self._teardown()
+                if self._launcher is not None and not self._launcher.alive:
+                    await self.book.hear_out(self._heard)
                 tg.cancel_scope.cancel()
         except Exception as e:  # a bug of ours must still end the job cleanly
             log.exception("job %s: supervisor error", self.id)
@@ -187,6 +190,7 @@ class Job:
         assert launcher is not None
         async for msg in launcher.messages:
             self._on_launcher(msg)
+        self._heard.set()
         # The pipe's write end lives only in the launcher: EOF means it is exiting.
         with anyio.move_on_after(KILL_WAIT_S):
             await launcher.exited()

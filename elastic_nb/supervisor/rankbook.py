@@ -29,6 +29,7 @@ POLL_S = 0.05  # how often a rank without a pidfd is looked at
 # rule; 0.5 s was passed once on a 2-core machine running two test suites (its rank was then
 # described with no exit status).
 EXIT_WAIT_S = 2.0
+HEAR_OUT_POLL_S = 0.005  # a rank watcher woken by the launcher's word runs within a loop turn
 
 class RankBook:
     def __init__(self, rd: RunDir) -> None:
@@ -114,6 +115,16 @@ class RankBook:
             with anyio.move_on_after(wait_s):
                 await self.exit_reported(r).wait()
         return gone
+
+    async def hear_out(self, heard: anyio.Event, wait_s: float = EXIT_WAIT_S) -> None:
+        """After the teardown, before the end is judged. A launcher that dies at once says how
+        its ranks ended (and its result) just before: when the teardown sees it gone, that can
+        still be in its pipe, and the rank watchers not yet woken by it. Wait until the job has
+        taken in every message (`heard`) and seen every rank gone, `wait_s` at most."""
+        with anyio.move_on_after(wait_s):
+            await heard.wait()
+            while any(r.died_at is None for r in self.ranks.values()):
+                await anyio.sleep(HEAR_OUT_POLL_S)
 
     def in_the_cell(self, attempt: int) -> bool:
         """Every live rank of the attempt runs our bootstrap (it arms its stack dump first

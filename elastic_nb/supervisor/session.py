@@ -89,6 +89,7 @@ class Session:
         self._ranks = RankLinks(session_id, self.book, self.until, self.notify, self._on_ran)
         self._outcome: tuple[str, str] | None = None
         self._ended = anyio.Event()
+        self._heard = anyio.Event()  # every message of the launcher taken in (book.hear_out)
         self._changed = anyio.Event()
         self._tg: TaskGroup | None = None
         self.restart_why = "torchelastic restarted the group"  # the last restart's cause
@@ -190,6 +191,8 @@ class Session:
                 tg.start_soon(self.runner.run, tg)
                 await self._ended.wait()
                 await self._teardown()
+                if not launcher.alive:
+                    await self.book.hear_out(self._heard)
                 tg.cancel_scope.cancel()
         except Exception as e:
             log.exception("session %s: supervisor error", self.id)
@@ -252,6 +255,7 @@ class Session:
                 self._on_start(int(msg["attempt"]), int(msg["rank"]), int(msg["pid"]))
             for r in self.book.take_exits(msg):
                 self._rank_died(r)
+        self._heard.set()
         with anyio.move_on_after(KILL_WAIT_S):
             await launcher.exited()
         outcome, reason = launcher.outcome(self.rd.launcher_log)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 import pickle
 import queue
 import secrets
@@ -34,6 +35,7 @@ STOP_TIMEOUT_S = 4.0
 # When the kernel kills them itself it gives the cell back only once they are gone (or after this).
 KILL_WAIT_S = 5.0
 
+WAKE_S = 0.1  # how long the kernel's main thread waits in one go, so that it sees an interrupt
 FLUSH_WAIT_S = 0.1  # a quiet queue still gets the renderer's held-back changes out this soon
 
 
@@ -126,8 +128,12 @@ class JobHandle:
         """Block until the job ends; return the cell's result or raise what the cell would
         (JobFailed, JobTimeout, JobStopped). --pull objects land in the notebook now.
         An interrupt stops waiting, not the job (job.stop() does that)."""
-        if not self._ended.wait(timeout):
-            raise TimeoutError(f"job {self.id} is still running after {timeout:g} s")
+        deadline = math.inf if timeout is None else time.monotonic() + timeout
+        # In slices, so that the main thread runs Python at least every WAKE_S: a SIGINT that
+        # another thread of the kernel took only sets a flag the main thread acts on then.
+        while not self._ended.wait(max(0.0, min(WAKE_S, deadline - time.monotonic()))):
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"job {self.id} is still running after {timeout:g} s")
         return self.conclude()
 
     def __await__(self) -> Any:

@@ -20,6 +20,7 @@ from typing import Any
 from elastic_nb import protocol
 from elastic_nb.client import GONE, SupervisorClient
 from elastic_nb.errors import ElasticError, SupervisorDied
+from elastic_nb.handle import WAKE_S
 from elastic_nb.options import OPTIONS
 from elastic_nb.spec import JobSpec
 
@@ -99,7 +100,8 @@ class SessionHandle:
         try:
             self.run_dir = self._client.up(self.id, self.spec)["run_dir"]
             while self.state != "ready":
-                self._take(self._queue.get())
+                with contextlib.suppress(queue.Empty):  # in slices: see handle.WAKE_S
+                    self._take(self._queue.get(timeout=WAKE_S))
                 if self.summary is not None:
                     raise ElasticError(
                         f"session {self.id} did not come up: {self.summary['reason']} "

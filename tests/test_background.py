@@ -102,6 +102,29 @@ def test_an_interrupted_wait_leaves_the_job_running(fresh_kernel: Kernel) -> Non
     assert_job_gone(job)
 
 
+def test_an_interrupt_another_thread_of_the_kernel_took_still_ends_the_wait(
+    fresh_kernel: Kernel,
+) -> None:
+    """A process-wide SIGINT may be taken by any thread of the kernel; Python then only flags
+    it for the main thread, which a wait must wake up to see (a thread takes one here)."""
+    k = fresh_kernel
+    job = k.ok("%%elastic --bg --nproc 1\nimport time\ntime.sleep(600)\n").result.split()[2]
+    k.ok("job = _")
+    k.ok(
+        "import signal, threading, time\n"
+        "def _poke():\n"
+        "    time.sleep(0.5)\n"
+        "    signal.pthread_kill(threading.get_ident(), signal.SIGINT)  # to this thread\n"
+    )
+    ex = k.run("threading.Thread(target=_poke, daemon=True).start()\njob.wait()", timeout=30)
+    assert ex.ename == "KeyboardInterrupt"
+    # Waiting stopped, not the job.
+    assert wait_for(lambda: k.ok("job.state").result == "'running'", 60)
+    k.ok("job.stop()")
+    assert k.run("job.wait(timeout=30)").ename == "JobStopped"
+    assert_job_gone(job)
+
+
 def test_the_handle_says_the_jobs_state_as_it_goes(fresh_kernel: Kernel) -> None:
     k = fresh_kernel
     k.ok(

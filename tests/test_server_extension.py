@@ -200,7 +200,7 @@ async def test_a_blocking_job_is_listed_followed_dumped_and_stopped_from_the_pan
     assert (await post(jp_fetch, job, "stop"))["stopping"] == [job]
     ended: Execution = await blocking(k.collect, msg_id, ex, 60)
     assert ended.ename == "JobStopped" and "stopped from the JupyterLab panel" in ended.traceback
-    assert "from the notebook" not in ended.traceback  # the cause says the panel asked, not the cell
+    assert "from the notebook" not in ended.traceback  # the cause line does not contradict it
     entry = job_of((await get(jp_fetch))["jobs"], job)
     assert not entry["running"] and entry["state"] == entry["outcome"] == "stopped"
     assert job in entry["summary"] and "stopped" in entry["summary"]

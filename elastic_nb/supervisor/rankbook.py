@@ -31,6 +31,7 @@ POLL_S = 0.05  # how often a rank without a pidfd is looked at
 EXIT_WAIT_S = 2.0
 HEAR_OUT_POLL_S = 0.005  # a rank watcher woken by the launcher's word runs within a loop turn
 
+
 class RankBook:
     def __init__(self, rd: RunDir) -> None:
         self.rd = rd

@@ -125,6 +125,9 @@ TICK_EVERY_S = 0.25
 # The supervisor asks a rank for every thread's Python stack with this signal; the worker's
 # faulthandler answers into the rank's .stacks file (no GIL needed: it works mid-collective).
 STACK_SIGNAL = signal.SIGUSR1
+# The .stacks file's first line: how every dump in it ends (the main thread, the oldest, is
+# dumped last, and its outermost frame stays put), so that a dump is read whole, not as written.
+STACKS_END_MARK = "# elastic_nb: each dump below ends with: "
 
 # What a probe asks a rank's flight recorder for (elastic_nb/recorder.py answers).
 PROBE_STATUS = "status"

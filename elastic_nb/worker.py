@@ -31,7 +31,7 @@ from typing import Any
 
 from elastic_nb import loopback, procs, recorder
 from elastic_nb.outcomes import dump, dump_result, record_failure
-from elastic_nb.protocol import STACK_SIGNAL
+from elastic_nb.protocol import STACK_SIGNAL, STACKS_END_MARK
 from elastic_nb.rundir import RunDir, write_json
 from elastic_nb.spec import MANAGED_ENV, JobSpec
 
@@ -270,8 +270,23 @@ def _arm_forensics(rd: RunDir, attempt: int, rank: int) -> None:
     final = rd.stacks(attempt, rank)
     tmp = final.with_name(f".{final.name}.tmp")
     stacks = open(tmp, "a", buffering=1)  # noqa: SIM115 - held for the process's life
+    end = _last_line_of_a_dump()
+    if end is not None:
+        stacks.write(f"{STACKS_END_MARK}{end}\n")
     faulthandler.register(STACK_SIGNAL, file=stacks, all_threads=True, chain=False)
     os.replace(tmp, final)
+
+
+def _last_line_of_a_dump() -> str | None:
+    """What faulthandler writes last in a dump of every thread: the main thread's outermost
+    frame (called here, in the main thread; that frame runs until the process ends)."""
+    frame = sys._getframe()
+    while frame.f_back is not None:
+        frame = frame.f_back
+    code = frame.f_code
+    line = f'  File "{code.co_filename}", line {frame.f_lineno} in {code.co_name}'
+    # faulthandler escapes what is not ASCII and cuts long names: no exact line to expect then
+    return line if line.isascii() and len(line) < 400 else None
 
 
 def _patch_default_timeouts(seconds: float) -> None:

@@ -208,3 +208,47 @@ def test_the_process_tree_goes_sigterm_grace_sigkill_and_leaves_nothing() -> Non
     assert not procs.job_processes([job_id])
     state = procs.proc_state(child)
     assert state is None or state[0] == "Z"  # gone, or dead awaiting its new parent's reaping
+
+
+def test_a_stack_dump_is_read_whole_when_its_rank_pauses_in_the_middle(tmp_path: Path) -> None:
+    """faulthandler writes a dump thread by thread; a rank descheduled between two (a loaded
+    machine) left the file still for a poll, and the supervisor took the first thread alone
+    (a helper's) for the rank's stack. The dump is whole when it ends as the file says."""
+    from elastic_nb.supervisor.evidence import EvidenceCollector
+    from elastic_nb.supervisor.verdict import RankState
+
+    rd = RunDir(str(tmp_path))
+    rd.attempt(0).mkdir(parents=True)
+    path, cell = rd.stacks(0, 0), str(rd.cell)
+    end = '  File "<string>", line 1 in <module>'
+    path.write_text(f"{protocol.STACKS_END_MARK}{end}\n")
+    rank = subprocess.Popen(
+        [sys.executable, "-c", _PAUSING_DUMPER.format(path=str(path), cell=cell, end=end)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert rank.stdout is not None and rank.stdout.readline() == "armed\n"
+        r = RankState(0, 0, pid=rank.pid, started_at=time.time())
+        where = anyio.run(EvidenceCollector(rd, "x = 1\n")._where, [r])[0]
+        assert where.how == "live" and where.frames[0].file == cell, where
+    finally:
+        rank.kill()
+        rank.wait()
+
+
+_PAUSING_DUMPER = """
+import signal, time
+def dump(*_):
+    with open({path!r}, "a") as f:
+        f.write("Thread 0x00007f0000000001 (most recent call first):\\n")
+        f.write('  File "/x/recorder.py", line 75 in _read\\n\\n')
+        f.flush()
+        time.sleep(0.3)  # descheduled between two threads
+        f.write("Current thread 0x00007f0000000002 (most recent call first):\\n")
+        f.write('  File "{cell}", line 9 in <module>\\n{end}\\n')
+signal.signal(signal.SIGUSR1, dump)
+print("armed", flush=True)
+while True:
+    time.sleep(0.05)
+"""

@@ -8,6 +8,7 @@ collective number. The job decides what to make of the answers; nothing here end
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 
@@ -107,6 +108,7 @@ class EvidenceCollector:
                     asked[r.rank] = (path, size, state)
                 else:
                     where[r.rank] = RankWhere(r.rank, "unknown", note="gone")
+        ends = {rank: _dump_end(path) for rank, (path, _, _) in asked.items()}
         last: dict[int, int] = {}
         answered: set[int] = set()
         with anyio.move_on_after(STACKS_WAIT_S):
@@ -114,13 +116,20 @@ class EvidenceCollector:
                 await anyio.sleep(0.02)
                 for rank, (path, size, _) in asked.items():
                     now = os.stat(path).st_size
-                    if now > size and last.get(rank) == now:
-                        answered.add(rank)  # grew, then held still for a poll: complete
+                    if rank not in answered and now > size:
+                        # Whole once it ends as every dump of the rank ends (a rank descheduled
+                        # mid-dump holds still too); held still for a poll where that line is
+                        # unknown, or cut ("...": a stack deeper than faulthandler writes).
+                        tail = _read_from(path, max(size, now - _TAIL)).rstrip("\n")
+                        end = ends[rank]
+                        still = last.get(rank) == now
+                        if (end and tail.endswith(end)) or (
+                            still and (not end or tail.endswith("..."))
+                        ):
+                            answered.add(rank)
                     last[rank] = now
         for rank, (path, size, state) in asked.items():
-            with open(path, "rb") as f:
-                f.seek(size)
-                dump = f.read().decode(errors="replace")
+            dump = _read_from(path, size)
             w = where_from_dump(rank, dump, self._cell, str(path))
             if not dump:
                 w.note = f"no answer to the stack request: the process is {state[1]}"
@@ -128,3 +137,21 @@ class EvidenceCollector:
                 w.note = state[1]
             where[rank] = w
         return where
+
+
+_TAIL = 1024  # bytes: enough for a dump's last line
+
+
+def _dump_end(path: os.PathLike[str]) -> str | None:
+    """How every dump of this .stacks file ends (its first line says, protocol.STACKS_END_MARK)."""
+    with contextlib.suppress(OSError), open(path, encoding="utf-8", errors="replace") as f:
+        first = f.readline().rstrip("\n")
+        if first.startswith(protocol.STACKS_END_MARK):
+            return first[len(protocol.STACKS_END_MARK) :]
+    return None
+
+
+def _read_from(path: os.PathLike[str], offset: int) -> str:
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return f.read().decode(errors="replace")

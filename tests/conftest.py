@@ -1,15 +1,54 @@
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
 
 from elastic_nb import procs
 from tests.kernel import Kernel, wait_for
+
+# test_server_extension loads pytest-jupyter, and a plugin's autouse fixtures run for every
+# test of the suite: its loop fixture then took the current loop for its own and closed it after
+# each test (in a browser test run after a server test, Playwright's running loop: the browser
+# tests broke), and its cleanup made and tore down a ServerApp after each one. These two
+# overrides keep both to the tests that start its server.
+
+
+def _serves(request: pytest.FixtureRequest) -> bool:
+    return "jp_serverapp" in request.fixturenames
+
+
+@pytest.fixture(autouse=True)
+def jp_asyncio_loop(request: pytest.FixtureRequest) -> Iterator[asyncio.AbstractEventLoop | None]:
+    if not _serves(request):
+        yield None
+        return
+    from jupyter_core.utils import ensure_event_loop
+
+    loop = ensure_event_loop(prefer_selector_loop=True)
+    yield loop
+    loop.close()
+
+
+@pytest.fixture(autouse=True)
+def jp_server_cleanup(request: pytest.FixtureRequest, jp_asyncio_loop: Any) -> Iterator[None]:
+    yield
+    if not _serves(request):
+        return
+    from jupyter_server.serverapp import ServerApp
+
+    app = ServerApp.instance()
+    with contextlib.suppress(RuntimeError, SystemExit):  # as pytest-jupyter's does
+        jp_asyncio_loop.run_until_complete(app._cleanup())
+    if hasattr(app, "kernel_manager"):
+        app.kernel_manager.context.destroy()
+    ServerApp.clear_instance()
 
 
 @pytest.fixture(scope="session")

@@ -314,17 +314,8 @@ class Job:
         if self._watchdog_fired or launcher is None or not launcher.alive:
             return
         ticking = self._outcome is None and self.state == "running"
-        current = self.book.of(self.attempt)
-        stuck = agent_stuck(
-            self.book.all(),
-            current,
-            self.spec.nproc,
-            self.spec.monitor_interval,
-            launcher.pid,
-            launcher.last_tick,
-            self._teardown_at,
-            ticking,
-        )
+        current, teardown_at = self.book.of(self.attempt), self._teardown_at
+        stuck = agent_stuck(self.book.all(), current, self.spec, launcher, teardown_at, ticking)
         if stuck is None:
             return
         self._watchdog_fired = True

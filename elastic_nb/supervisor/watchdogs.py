@@ -16,9 +16,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from elastic_nb import procs, protocol
+from elastic_nb.spec import JobSpec
 from elastic_nb.supervisor.verdict import RankState
+
+if TYPE_CHECKING:
+    from elastic_nb.supervisor.launcher import Launcher
 
 __all__ = ["AgentStuck", "Silence", "agent_stuck", "stuck_agent", "zombie_bound", "zombie_title"]
 
@@ -95,23 +100,22 @@ class AgentStuck:
 def agent_stuck(
     ranks: Iterable[RankState],
     current: list[RankState],
-    nproc: int,
-    monitor_interval: float,
-    launcher_pid: int,
-    last_tick: float | None,
+    spec: JobSpec,
+    launcher: Launcher,
     teardown_at: float | None,
     ticking: bool,
 ) -> AgentStuck | None:
     """`stuck_agent` on what this machine shows now (the launcher's state, zombies), worded."""
+    nproc, launcher_pid = spec.nproc, launcher.pid
     state = procs.proc_state(launcher_pid)
     stuck = stuck_agent(
         ranks,
         current,
         nproc,
         time.monotonic(),
-        zombie_bound(monitor_interval),
+        zombie_bound(spec.monitor_interval),
         teardown_at,
-        last_tick,
+        launcher.last_tick,
         ticking=ticking,
         launcher_stopped=state is not None and state[0] in "Tt",
         unreaped=lambda pid: procs.zombie_exit_code(pid) is not None,

@@ -255,11 +255,11 @@ def test_a_killed_kernel_takes_the_session_with_it(fresh_kernel: Kernel) -> None
 def test_a_cells_timeout_and_hang_after_keep_the_session(session_kernel) -> None:
     k, _session = session_kernel
     ex = k.run(
-        "%%elastic --timeout 1.5 --hang-after 0.5\nimport time\ncounter += 1\ntime.sleep(60)\n"
+        "%%elastic --timeout 3 --hang-after 0.5\nimport time\ncounter += 1\ntime.sleep(60)\n"
     )
     assert ex.ename == "JobTimeout"
     assert "no output from any rank for 0.5 s (--hang-after)" in ex.stdout
-    assert "the --timeout of 1.5 s passed" in ex.traceback
+    assert "the --timeout of 3 s passed" in ex.traceback
     assert k.ok("%%elastic\ncounter\n").result == "1"  # interrupted, not restarted
     assert "attempt 0, restarts 0/3" in k.ok("%elastic session").stdout
 

@@ -31,6 +31,7 @@ from elastic_nb.supervisor.verdict import RankState
 __all__ = ["Evidence", "EvidenceCollector"]
 
 STACKS_WAIT_S = 1.0  # how long live ranks get to answer a stack dump request
+_TAIL = 1024  # bytes: enough for a dump's last line
 
 
 @dataclass
@@ -138,8 +139,6 @@ class EvidenceCollector:
             where[rank] = w
         return where
 
-
-_TAIL = 1024  # bytes: enough for a dump's last line
 
 
 def _dump_end(path: os.PathLike[str]) -> str | None:

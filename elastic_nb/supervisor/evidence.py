@@ -140,7 +140,6 @@ class EvidenceCollector:
         return where
 
 
-
 def _dump_end(path: os.PathLike[str]) -> str | None:
     """How every dump of this .stacks file ends (its first line says, protocol.STACKS_END_MARK)."""
     with contextlib.suppress(OSError), open(path, encoding="utf-8", errors="replace") as f:

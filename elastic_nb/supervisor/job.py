@@ -41,6 +41,7 @@ from elastic_nb.supervisor.reporter import Reporter, Send
 from elastic_nb.supervisor.tailer import LogTailer
 from elastic_nb.supervisor.teardown import KILL_WAIT_S, ProcessTree
 from elastic_nb.supervisor.verdict import (
+    FAILED,
     NCCL_TIMEOUT_MARKS,
     TORCH_LOG_NOISE,
     RankState,
@@ -55,10 +56,6 @@ log = logging.getLogger(__name__)
 
 POLL_S = 0.05  # log tail and record polling
 FLUSH_S = 0.1  # one update per job per flush: at most 10 messages a second
-
-_FAILURES = frozenset(
-    ["exception", "oom", "host_oom", "collective_timeout", "peer", "exit", "exit0", "signal"]
-)
 
 
 class Job:
@@ -248,7 +245,7 @@ class Job:
     def evaluate(self, r: RankState) -> None:
         self.show(r)
         kind = r.kind(self._teardown_at)
-        if kind in _FAILURES:
+        if kind in FAILED:
             if kind == "oom" and r.failure is not None:
                 title, text = oom_alert(r)
                 self.report.alert("oom", "error", title, rank=r.rank, text=text)

@@ -18,6 +18,7 @@ from typing import Any
 from elastic_nb.procs import describe_exit, signal_name
 
 __all__ = [
+    "FAILED",
     "NCCL_TIMEOUT_MARKS",
     "TORCH_LOG_NOISE",
     "RankState",
@@ -64,6 +65,8 @@ _TIMEOUT_MS = re.compile(r"Timeout\(ms\)=(\d+)")
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGKILL)
 # A rank's own failure, as opposed to a consequence of another rank's.
 _REAL = ("exception", "oom", "host_oom", "exit", "exit0", "signal")
+# The kinds (`RankState.kind`) of a rank that failed, on its own or as a consequence.
+FAILED = frozenset((*_REAL, "collective_timeout", "peer"))
 # The cause class of a job's failure, by the root rank's kind.
 CAUSES = {
     "exception": "exception",

@@ -32,8 +32,6 @@ __all__ = ["JobHandle", "Renderer"]
 # After an interrupt the supervisor normally ends the job in well under a second (SIGTERM to the
 # whole group, 2 s grace at most); past this the kernel kills the job's processes itself.
 STOP_TIMEOUT_S = 4.0
-# When the kernel kills them itself it gives the cell back only once they are gone (or after this).
-KILL_WAIT_S = 5.0
 
 WAKE_S = 0.1  # how long the kernel's main thread waits in one go, so that it sees an interrupt
 FLUSH_WAIT_S = 0.1  # a quiet queue still gets the renderer's held-back changes out this soon
@@ -302,8 +300,9 @@ class JobHandle:
             self._kill_here(outcome, reason)
 
     def _kill_here(self, outcome: str, reason: str) -> None:
-        """Last resort from the kernel itself: kill every process carrying this job's marker."""
-        procs.kill_job([self.session or self.id], signal.SIGKILL, wait_s=KILL_WAIT_S)
+        """Last resort from the kernel itself: kill every process carrying this job's marker,
+        and give the cell back once they are gone."""
+        procs.kill_job([self.session or self.id], signal.SIGKILL, wait_s=procs.KILL_WAIT_S)
         self.summary = protocol.summary(
             self.id,
             outcome,

@@ -39,6 +39,8 @@ SLOT = "ELASTIC_NB_SLOT"
 SLOT_BLANK = "_" * 64
 _PAD = b"ELASTIC_NB_PAD="
 _PR_SET_CHILD_SUBREAPER = 36
+# After SIGKILL, how long processes may take to vanish (a process in D state, or not yet scheduled).
+KILL_WAIT_S = 5.0
 _KILL_POLL_S = 0.02
 
 

@@ -39,7 +39,7 @@ from elastic_nb.supervisor.launchers import Launcher, LauncherPool
 from elastic_nb.supervisor.rankbook import RankBook
 from elastic_nb.supervisor.reporter import Reporter, Send
 from elastic_nb.supervisor.tailer import LogTailer
-from elastic_nb.supervisor.teardown import KILL_WAIT_S, ProcessTree
+from elastic_nb.supervisor.teardown import ProcessTree
 from elastic_nb.supervisor.verdict import (
     FAILED,
     NCCL_TIMEOUT_MARKS,
@@ -189,7 +189,7 @@ class Job:
             self._on_launcher(msg)
         self._heard.set()
         # The pipe's write end lives only in the launcher: EOF means it is exiting.
-        with anyio.move_on_after(KILL_WAIT_S):
+        with anyio.move_on_after(procs.KILL_WAIT_S):
             await launcher.exited()
         # torchelastic gives up the moment a rank fails; a diagnosis under way (stacks taken
         # while the others were still alive) decides first, or its verdict would be lost.

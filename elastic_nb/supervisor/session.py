@@ -44,7 +44,7 @@ from elastic_nb.supervisor.session_cell import SessionCell
 from elastic_nb.supervisor.session_ranks import Link, RankLinks
 from elastic_nb.supervisor.session_runner import CellRunner
 from elastic_nb.supervisor.tailer import LogTailer
-from elastic_nb.supervisor.teardown import KILL_WAIT_S, ProcessTree
+from elastic_nb.supervisor.teardown import ProcessTree
 from elastic_nb.supervisor.verdict import NCCL_TIMEOUT_MARKS, TORCH_LOG_NOISE, RankState
 
 __all__ = ["Session"]
@@ -256,7 +256,7 @@ class Session:
             for r in self.book.take_exits(msg):
                 self._rank_died(r)
         self._heard.set()
-        with anyio.move_on_after(KILL_WAIT_S):
+        with anyio.move_on_after(procs.KILL_WAIT_S):
             await launcher.exited()
         outcome, reason = launcher.outcome(self.rd.launcher_log)
         if outcome == "failed" and self.attempt >= self.spec.max_restarts:

@@ -26,7 +26,6 @@ from elastic_nb.supervisor.zygote import ForkedProcess
 __all__ = ["ProcessTree", "unkillable"]
 
 POLL_S = 0.05
-KILL_WAIT_S = 5.0  # after SIGKILL, how long processes may take to vanish (D state)
 LEFTOVER_GRACE_S = 0.5  # after a successful launcher exits, its helpers' time to follow it
 
 
@@ -81,7 +80,7 @@ class ProcessTree:
     async def stop(self, grace: float, on_signal: Callable[[str, int], None]) -> list[int]:
         """SIGTERM, `grace`, SIGKILL; returns the pids that survived it all."""
         pid = self.launcher.pid
-        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, KILL_WAIT_S)):
+        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, procs.KILL_WAIT_S)):
             if not self.alive():
                 break
             if sig == signal.SIGTERM:

@@ -119,14 +119,16 @@ class EvidenceCollector:
                     now = os.stat(path).st_size
                     if rank not in answered and now > size:
                         # Whole once it ends as every dump of the rank ends (a rank descheduled
-                        # mid-dump holds still too); held still for a poll where that line is
-                        # unknown, or cut ("...": a stack deeper than faulthandler writes).
+                        # mid-dump holds still too). Where that line is unknown, or the dump is
+                        # cut ("...": a stack deeper than faulthandler writes): once it held
+                        # still for a poll.
                         tail = _read_from(path, max(size, now - _TAIL)).rstrip("\n")
                         end = ends[rank]
-                        still = last.get(rank) == now
-                        if (end and tail.endswith(end)) or (
-                            still and (not end or tail.endswith("..."))
-                        ):
+                        if end and not tail.endswith("..."):
+                            whole = tail.endswith(end)
+                        else:
+                            whole = last.get(rank) == now
+                        if whole:
                             answered.add(rank)
                     last[rank] = now
         for rank, (path, size, state) in asked.items():

@@ -106,17 +106,30 @@ def test_an_interrupt_another_thread_of_the_kernel_took_still_ends_the_wait(
     fresh_kernel: Kernel,
 ) -> None:
     """A process-wide SIGINT may be taken by any thread of the kernel; Python then only flags
-    it for the main thread, which a wait must wake up to see (a thread takes one here)."""
+    it for the main thread, which a wait must wake up to see (a thread takes one here, once the
+    cell's thread waits in job.wait())."""
     k = fresh_kernel
     job = k.ok("%%elastic --bg --nproc 1\nimport time\ntime.sleep(600)\n").result.split()[2]
     k.ok("job = _")
     k.ok(
-        "import signal, threading, time\n"
-        "def _poke():\n"
-        "    time.sleep(0.5)\n"
+        "import signal, sys, threading, time\n"
+        "def _in_job_wait(ident):\n"
+        "    f = sys._current_frames().get(ident)\n"
+        "    while f is not None:\n"
+        "        if f.f_code.co_name == 'wait' and f.f_code.co_filename.endswith('handle.py'):\n"
+        "            return True\n"
+        "        f = f.f_back\n"
+        "    return False\n"
+        "def _poke(waiter):\n"
+        "    while not _in_job_wait(waiter):\n"
+        "        time.sleep(0.01)\n"
         "    signal.pthread_kill(threading.get_ident(), signal.SIGINT)  # to this thread\n"
     )
-    ex = k.run("threading.Thread(target=_poke, daemon=True).start()\njob.wait()", timeout=30)
+    ex = k.run(
+        "threading.Thread(target=_poke, args=(threading.get_ident(),), daemon=True).start()\n"
+        "job.wait()",
+        timeout=30,
+    )
     assert ex.ename == "KeyboardInterrupt"
     # Waiting stopped, not the job.
     assert wait_for(lambda: k.ok("job.state").result == "'running'", 60)

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from elastic_nb import procs
+from tests.kernel import wait_for
 
 
 def test_a_reaped_process_is_not_signalled_by_its_old_pid() -> None:
@@ -87,8 +88,8 @@ def test_killing_a_job_waits_until_none_of_it_is_left_even_what_forked_meanwhile
     env = dict(os.environ, **{procs.MARKER: job})
     parent = subprocess.Popen([sys.executable, "-c", forker], env=env)
     try:
-        while len(procs.job_processes([job])) < 5:  # forking by now
-            assert parent.poll() is None
+        assert wait_for(lambda: len(procs.job_processes([job])) >= 5, 30)  # forking by now
+        assert parent.poll() is None
         killed = procs.kill_job([job], signal.SIGKILL, wait_s=10)
         assert parent.pid in killed
         assert procs.job_processes([job]) == []  # at once: kill_job waited for every one

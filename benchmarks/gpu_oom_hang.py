@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 from common import Elastic, bench_dir, median, spread
 
-from elastic_nb import procs
+from elastic_nb.common import procs
 from tests.kernel import wait_for
 
 BODY = """import os, torch, torch.distributed as dist

@@ -251,8 +251,8 @@ def session_restart(el: Elastic) -> dict[str, float]:
         for cell in (INIT, MODEL, STEP):
             k.ok(f"%%elastic\n{cell}", timeout=180)
         ex = k.ok(
-            "%%elastic --no-replay\nimport os, elastic_nb.warmup\n"
-            "print('pid', os.getpid(), 'preloaded', elastic_nb.warmup.IMPORTED, flush=True)\n"
+            "%%elastic --no-replay\nimport os, elastic_nb.launcher.warmup\n"
+            "print('pid', os.getpid(), 'preloaded', elastic_nb.launcher.warmup.IMPORTED, flush=True)\n"
             f"{PROBE}probe\n"
         )
         pids = {int(r): int(p) for r, p in _PID.findall(ex.stdout)}

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from elastic_nb.errors import (
+from elastic_nb.common.errors import (
     CellError,
     ElasticError,
     JobFailed,
@@ -37,8 +37,8 @@ __version__ = "0.1.0"
 
 
 def load_ipython_extension(ipython: Any) -> None:
-    from elastic_nb.client import start_in_background
-    from elastic_nb.magic import ElasticMagics
+    from elastic_nb.kernel.client import start_in_background
+    from elastic_nb.kernel.magic import ElasticMagics
 
     ipython.register_magics(ElasticMagics)
     start_in_background()  # so that the first cell finds torch imported and a launcher ready
@@ -50,6 +50,6 @@ def _jupyter_labextension_paths() -> list[dict[str, str]]:
 
 
 def unload_ipython_extension(ipython: Any) -> None:
-    from elastic_nb.client import shutdown_client
+    from elastic_nb.kernel.client import shutdown_client
 
     shutdown_client()

@@ -10,7 +10,7 @@ from typing import Any
 import psutil
 import pytest
 
-from elastic_nb import procs
+from elastic_nb.common import procs
 from tests.kernel import Kernel, wait_for
 
 # test_server_extension loads pytest-jupyter, and a plugin's autouse fixtures run for every

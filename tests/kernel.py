@@ -14,7 +14,7 @@ import psutil
 from jupyter_client.blocking import BlockingKernelClient
 from jupyter_client.manager import KernelManager
 
-from elastic_nb import procs
+from elastic_nb.common import procs
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _CALLERS = ("ELASTIC_NB_", "JPY_", "VSCODE_")

@@ -340,6 +340,6 @@ def _match(locator: Any, pattern: re.Pattern[str]) -> str:
 
 
 def _job_processes(job: str) -> list[Any]:
-    from elastic_nb import procs
+    from elastic_nb.common import procs
 
     return procs.job_processes([job])

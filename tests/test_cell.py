@@ -8,8 +8,8 @@ import types
 
 import pytest
 
-from elastic_nb.cell import prepare_cell
-from elastic_nb.errors import CellError
+from elastic_nb.common.errors import CellError
+from elastic_nb.kernel.cell import prepare_cell
 
 
 def helper(v: int) -> int:

@@ -12,11 +12,11 @@ from typing import Any
 import comm
 import pytest
 
-from elastic_nb import protocol
-from elastic_nb.dashboard import Dashboard, widget
-from elastic_nb.dashboard.model import ALL_LINES, TAIL_LINES
-from elastic_nb.spec import JobSpec
-from elastic_nb.supervisor.tailer import LogTailer
+from elastic_nb.common import protocol
+from elastic_nb.common.spec import JobSpec
+from elastic_nb.kernel.dashboard import Dashboard, widget
+from elastic_nb.kernel.dashboard.model import ALL_LINES, TAIL_LINES
+from elastic_nb.supervisor.ranks.log_tailer import LogTailer
 
 
 class RecordingComm:
@@ -309,7 +309,7 @@ def _failed(run_dir: str) -> dict[str, Any]:
 def _closing_alerts(summary: dict[str, Any]) -> list[dict[str, Any]]:
     """What the supervisor sends last for it: a warning of its own, then the failure in the
     words of the error the cell raises (supervisor/summary.py: closing_alerts)."""
-    from elastic_nb.supervisor.summary import closing_alerts
+    from elastic_nb.supervisor.runs.summary import closing_alerts
 
     stacks = {"kind": "hang", "severity": "warning", "title": "silent", "text": "rank 0 · ..."}
     return [stacks, *closing_alerts(summary, [], [])]

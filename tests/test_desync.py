@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from elastic_nb.rundir import RunDir
-from elastic_nb.supervisor import forensics
-from elastic_nb.supervisor.desync import (
+from elastic_nb.common.rundir import RunDir
+from elastic_nb.supervisor.forensics import stacks as forensics
+from elastic_nb.supervisor.forensics.collectives import (
     History,
     Op,
     find_certain,
@@ -19,7 +19,7 @@ from elastic_nb.supervisor.desync import (
     read_nccl_dump,
     stalled,
 )
-from elastic_nb.supervisor.forensics import desync_verdict
+from elastic_nb.supervisor.forensics.stacks import desync_verdict
 
 DATA = Path(__file__).parent / "data" / "fr"
 _spec = importlib.util.spec_from_file_location("record", DATA / "record.py")
@@ -330,7 +330,7 @@ def test_a_rank_that_timed_out_waiting_for_the_leaver_still_points_at_it() -> No
 def test_a_rank_without_a_fifo_runs_on_without_probes(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from elastic_nb import recorder
+    from elastic_nb.rank import recorder
 
     taken = tmp_path / "rank-0.probe"
     taken.write_text("not a fifo")  # mkfifo fails here as on a file system without FIFOs

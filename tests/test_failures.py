@@ -11,8 +11,8 @@ from pathlib import Path
 
 import psutil
 
-from elastic_nb import procs
-from elastic_nb.rundir import RunDir
+from elastic_nb.common import procs
+from elastic_nb.common.rundir import RunDir
 from tests.kernel import Kernel, assert_job_gone, wait_for
 
 # Rank 1 raises only once rank 0's all_reduce is provably under way: rank 0 issues it

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from elastic_nb.client import SupervisorClient
-from elastic_nb.supervisor.watchdogs import zombie_bound
+from elastic_nb.kernel.client import SupervisorClient
+from elastic_nb.supervisor.forensics.watchdogs import zombie_bound
 from tests.kernel import Kernel, assert_job_gone, wait_for
 from tests.test_supervisor import Recorder, submit
 

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from elastic_nb.dashboard.widget import SEND_EVERY_S
-from elastic_nb.magic import widgets_frontend
+from elastic_nb.kernel.dashboard.widget import SEND_EVERY_S
+from elastic_nb.kernel.magic import widgets_frontend
 from tests.kernel import Kernel, assert_job_gone
 
 WIDGET = "application/vnd.jupyter.widget-view+json"

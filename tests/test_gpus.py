@@ -6,8 +6,8 @@ import os
 import pytest
 import torch.cuda
 
-from elastic_nb import gpus
-from elastic_nb.gpus import Gpu, parse_visible_devices, visible_gpu_count
+from elastic_nb.kernel import gpus
+from elastic_nb.kernel.gpus import Gpu, parse_visible_devices, visible_gpu_count
 
 UUIDS = ["GPU-1a2b3c4d-0000", "GPU-1a2b9999-0000", "GPU-77aa0000-0000", "GPU-88bb0000-0000"]
 

@@ -73,8 +73,11 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_the_package_has_no_import_cycle() -> None:
     graph = import_graph()
-    assert "elastic_nb.supervisor.job" in graph and "elastic_nb.magic" in graph
-    assert graph["elastic_nb.handle"] >= {"elastic_nb.client", "elastic_nb.protocol"}
+    assert "elastic_nb.supervisor.runs.job" in graph and "elastic_nb.kernel.magic" in graph
+    assert graph["elastic_nb.kernel.job_handle"] >= {
+        "elastic_nb.kernel.client",
+        "elastic_nb.common.protocol",
+    }
     cycle = find_cycle(graph)
     assert cycle is None, " -> ".join(cycle)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import re
 import socket
 
-from elastic_nb import protocol
-from elastic_nb.options import OPTIONS, shown_default
+from elastic_nb.common import protocol
+from elastic_nb.kernel.options import OPTIONS, shown_default
 from tests.kernel import Kernel, assert_job_gone
 
 

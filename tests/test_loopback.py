@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from elastic_nb import loopback, procs
+from elastic_nb.common import loopback, procs
 from tests.kernel import Kernel, wait_for
 
 # Each rank says it is in the cell (pid, job marker, MASTER_PORT) once every rank has its

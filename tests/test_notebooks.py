@@ -14,7 +14,7 @@ from pathlib import Path
 import nbformat
 import psutil
 
-from elastic_nb import procs
+from elastic_nb.common import procs
 from tests.kernel import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent

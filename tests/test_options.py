@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from IPython.core.magic_arguments import parse_argstring
 
-from elastic_nb.magic import ElasticMagics
-from elastic_nb.options import DEFAULTS, OPTIONS, shown_default
-from elastic_nb.spec import JobSpec
+from elastic_nb.common.spec import JobSpec
+from elastic_nb.kernel.magic import ElasticMagics
+from elastic_nb.kernel.options import DEFAULTS, OPTIONS, shown_default
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 

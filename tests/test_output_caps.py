@@ -10,10 +10,10 @@ import json
 
 import psutil
 
-from elastic_nb.dashboard.model import ALL_CHARS, TAIL_CHARS, DashboardState
-from elastic_nb.render_text import MAX_CELL_CHARS, TextRenderer
-from elastic_nb.rundir import RunDir
-from elastic_nb.spec import JobSpec
+from elastic_nb.common.rundir import RunDir
+from elastic_nb.common.spec import JobSpec
+from elastic_nb.kernel.dashboard.model import ALL_CHARS, TAIL_CHARS, DashboardState
+from elastic_nb.kernel.render_text import MAX_CELL_CHARS, TextRenderer
 from tests.kernel import Execution, Kernel
 
 MB = 1024 * 1024

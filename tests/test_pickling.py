@@ -7,7 +7,7 @@ import pickle
 import pytest
 import torch
 
-from elastic_nb import pickling
+from elastic_nb.common import pickling
 
 
 def test_cpu_tensors_and_parameters_travel_as_they_are() -> None:

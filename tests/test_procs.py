@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from elastic_nb import procs
+from elastic_nb.common import procs
 from tests.kernel import wait_for
 
 
@@ -43,13 +43,13 @@ def test_without_a_pidfd_the_pid_is_used() -> None:
 def test_a_rank_that_cannot_write_its_marker_runs_on_with_a_warning(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from elastic_nb import worker
+    from elastic_nb.rank import bootstrap
 
     def fail(job_id: str) -> None:
         raise RuntimeError("no ELASTIC_NB_SLOT in this process's environment")
 
     monkeypatch.setattr(procs, "mark_process", fail)
-    worker._mark("cafe0001")
+    bootstrap._mark("cafe0001")
     assert "could not write the job marker into this rank's environment" in capsys.readouterr().err
 
 

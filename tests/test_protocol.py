@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from elastic_nb import protocol
+from elastic_nb.common import protocol
 
 
 def test_frames_with_and_without_blobs_survive_any_split() -> None:

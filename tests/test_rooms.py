@@ -15,14 +15,14 @@ from typing import Any
 import anyio
 import pytest
 
-from elastic_nb import procs, protocol
-from elastic_nb.rundir import RunDir, write_json
-from elastic_nb.supervisor.forensics import Desync
-from elastic_nb.supervisor.rankbook import RankBook
-from elastic_nb.supervisor.reporter import Reporter
-from elastic_nb.supervisor.summary import cause, closing_alerts
-from elastic_nb.supervisor.tailer import LogTailer
-from elastic_nb.supervisor.teardown import ProcessTree
+from elastic_nb.common import procs, protocol
+from elastic_nb.common.rundir import RunDir, write_json
+from elastic_nb.supervisor.forensics.stacks import Desync
+from elastic_nb.supervisor.processes.process_tree import ProcessTree
+from elastic_nb.supervisor.ranks.log_tailer import LogTailer
+from elastic_nb.supervisor.ranks.rank_book import RankBook
+from elastic_nb.supervisor.runs.reporter import Reporter
+from elastic_nb.supervisor.runs.summary import cause, closing_alerts
 
 
 def test_new_failures_come_in_the_order_they_happened(tmp_path: Path) -> None:
@@ -161,7 +161,7 @@ def test_every_cause_class(outcome: str, failure: Any, zombie: bool, expected: A
 
 
 def test_closing_alerts_name_leftovers_and_a_rank_that_broke_after_finishing() -> None:
-    from elastic_nb.supervisor.verdict import RankState
+    from elastic_nb.supervisor.forensics.verdict import RankState
 
     ok, bad = RankState(0, 0, exit_code=-signal.SIGTERM), RankState(0, 1, exit_code=-11)
     summary = {"outcome": "succeeded", "failure": None}
@@ -214,8 +214,8 @@ def test_a_stack_dump_is_read_whole_when_its_rank_pauses_in_the_middle(tmp_path:
     """faulthandler writes a dump thread by thread; a rank descheduled between two (a loaded
     machine) left the file still for a poll, and the supervisor took the first thread alone
     (a helper's) for the rank's stack. The dump is whole when it ends as the file says."""
-    from elastic_nb.supervisor.evidence import EvidenceCollector
-    from elastic_nb.supervisor.verdict import RankState
+    from elastic_nb.supervisor.forensics.verdict import RankState
+    from elastic_nb.supervisor.ranks.evidence import EvidenceCollector
 
     rd = RunDir(str(tmp_path))
     rd.attempt(0).mkdir(parents=True)

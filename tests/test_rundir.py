@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic_nb.rundir import RunDir
+from elastic_nb.common.rundir import RunDir
 
 
 @pytest.fixture

@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 from tornado.httpclient import HTTPClientError
 
-from elastic_nb import protocol, registry
-from elastic_nb.client import runtime_dir
+from elastic_nb.common import protocol, registry
+from elastic_nb.kernel.client import runtime_dir
 from tests.kernel import Execution, Kernel, assert_job_gone, wait_for
 
 pytest_plugins = ["pytest_jupyter.jupyter_server"]

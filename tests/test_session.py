@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from elastic_nb import procs
+from elastic_nb.common import procs
 from tests.conftest import ours
 from tests.kernel import Kernel, wait_for
 

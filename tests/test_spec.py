@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from elastic_nb import gpus
-from elastic_nb.spec import JobSpec, SpecError, preflight
+from elastic_nb.common.spec import JobSpec, SpecError, preflight
+from elastic_nb.kernel import gpus
 
 
 def spec(**options: object) -> JobSpec:

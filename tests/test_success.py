@@ -8,7 +8,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from elastic_nb.rundir import RunDir
+from elastic_nb.common.rundir import RunDir
 from tests.kernel import Kernel, assert_job_gone
 
 ALL_REDUCE = """%%elastic --nproc 4
@@ -189,7 +189,7 @@ def test_a_large_push_is_not_cut_short_by_the_request_timeout(fresh_kernel: Kern
     # SUBMIT's reply comes once the payload is on disk: with a 10 ms budget for the reply itself,
     # 200 MB can only arrive if the write's own time is allowed for.
     fresh_kernel.ok(
-        "import elastic_nb.client as c\nc.REQUEST_TIMEOUT_S = 0.01\nbig = bytes(200_000_000)\n"
+        "import elastic_nb.kernel.client as c\nc.REQUEST_TIMEOUT_S = 0.01\nbig = bytes(200_000_000)\n"
     )
     ex = fresh_kernel.ok("%%elastic --nproc 1 --push big\nprint(len(big))\n")
     assert "[rank 0] 200000000" in ex.stdout

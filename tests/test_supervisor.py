@@ -15,12 +15,12 @@ from typing import Any
 
 import pytest
 
-from elastic_nb import protocol
-from elastic_nb.cell import prepare_cell
-from elastic_nb.client import GONE, SupervisorClient
-from elastic_nb.errors import SupervisorDied
-from elastic_nb.handle import JobHandle
-from elastic_nb.spec import JobSpec
+from elastic_nb.common import protocol
+from elastic_nb.common.errors import SupervisorDied
+from elastic_nb.common.spec import JobSpec
+from elastic_nb.kernel.cell import prepare_cell
+from elastic_nb.kernel.client import GONE, SupervisorClient
+from elastic_nb.kernel.job_handle import JobHandle
 from tests.kernel import assert_job_gone, wait_for
 
 
@@ -118,7 +118,7 @@ def test_a_bad_connection_is_dropped_and_the_supervisor_serves_on(
     # Said in the supervisor's log, with what was wrong: not a silent disconnect.
     said = Path(client.log_path).read_text()
     assert (
-        "WARNING elastic_nb.supervisor.server: dropped a client connection: 'jobs' before hello"
+        "WARNING elastic_nb.supervisor.service: dropped a client connection: 'jobs' before hello"
         in said
     )
     assert said.count("dropped a client connection") == 3
@@ -187,16 +187,16 @@ def test_a_rank_that_crashes_after_finishing_is_reported(
 def test_a_long_session_keeps_a_bounded_history_of_finished_jobs(tmp_path: Path) -> None:
     from types import SimpleNamespace
 
-    from elastic_nb.supervisor import server
+    from elastic_nb.supervisor import service
 
-    sup = server.Supervisor(listen_fd=-1, kernel_pid=os.getpid(), log_path=str(tmp_path / "s.log"))
-    jobs = {f"j{i}": SimpleNamespace(running=False) for i in range(server.KEEP_FINISHED + 5)}
+    sup = service.Supervisor(listen_fd=-1, kernel_pid=os.getpid(), log_path=str(tmp_path / "s.log"))
+    jobs = {f"j{i}": SimpleNamespace(running=False) for i in range(service.KEEP_FINISHED + 5)}
     jobs["live"] = SimpleNamespace(running=True)
     sup._jobs.update(jobs)  # type: ignore[arg-type]
     sup._forget_old_jobs()
     assert "live" in sup._jobs and "j0" not in sup._jobs and "j4" not in sup._jobs
     assert (
-        len(sup._jobs) == server.KEEP_FINISHED + 1 and f"j{server.KEEP_FINISHED + 4}" in sup._jobs
+        len(sup._jobs) == service.KEEP_FINISHED + 1 and f"j{service.KEEP_FINISHED + 4}" in sup._jobs
     )
 
 

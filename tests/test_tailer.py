@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from elastic_nb.supervisor.tailer import LogTailer
+from elastic_nb.supervisor.ranks.log_tailer import LogTailer
 
 
 def tailer_for(path: Path, max_lines: int = 5) -> LogTailer:

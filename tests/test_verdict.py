@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import signal
 
-from elastic_nb.supervisor import forensics
-from elastic_nb.supervisor.desync import History, Op
-from elastic_nb.supervisor.verdict import RankState, analyze
+from elastic_nb.supervisor.forensics import stacks as forensics
+from elastic_nb.supervisor.forensics.collectives import History, Op
+from elastic_nb.supervisor.forensics.verdict import RankState, analyze
 
 
 def failure(

@@ -20,8 +20,8 @@ from tests.kernel import Kernel, assert_job_gone, wait_for
 
 READBACK = """%%elastic --nproc 2
 import os, sys, json, psutil
-import elastic_nb.warmup as w
-from elastic_nb import procs
+import elastic_nb.launcher.warmup as w
+from elastic_nb.common import procs
 server = psutil.Process(w.PID).create_time() if w.PID != os.getpid() else None
 print('readback', json.dumps({
     'forked': w.PID != os.getpid(), 'server_started': server, 'imported': w.IMPORTED,
@@ -81,7 +81,7 @@ def test_the_first_cell_after_load_ext_forks_its_ranks_from_a_server_started_bef
         # Forked from a server that had imported torch before this cell was submitted: the
         # rank imported neither torch nor the bootstrap itself.
         assert r["forked"] and r["server_started"] < before
-        assert {"torch", "torch.distributed", "elastic_nb.worker"} <= set(r["imported"])
+        assert {"torch", "torch.distributed", "elastic_nb.rank.bootstrap"} <= set(r["imported"])
         # And it is a process of this job, for every sweep that looks for one.
         assert r["marker"] == ex.job_id and r["slot"] is None
     assert_job_gone(ex.job_id)
@@ -212,7 +212,7 @@ def test_a_restart_forks_from_the_same_server(kernel: Kernel) -> None:
     ex = kernel.ok(
         "%%elastic --nproc 2 --max-restarts 1\n"
         "import os\n"
-        "import elastic_nb.warmup as w\n"
+        "import elastic_nb.launcher.warmup as w\n"
         "attempt = int(os.environ['TORCHELASTIC_RESTART_COUNT'])\n"
         "print('server', attempt, w.PID)\n"
         "if attempt == 0 and os.environ['RANK'] == '1':\n"

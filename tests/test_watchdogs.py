@@ -3,8 +3,8 @@ test_forensics.py)."""
 
 from __future__ import annotations
 
-from elastic_nb.supervisor.verdict import RankState
-from elastic_nb.supervisor.watchdogs import stuck_agent
+from elastic_nb.supervisor.forensics.verdict import RankState
+from elastic_nb.supervisor.forensics.watchdogs import stuck_agent
 
 BOUND = 1.5
 

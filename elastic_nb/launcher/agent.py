@@ -18,11 +18,11 @@ import signal
 import sys
 from typing import Any
 
-from elastic_nb import loopback, procs, protocol
-from elastic_nb.launcher.channel import Channel
+from elastic_nb.common import loopback, modules, procs, protocol
+from elastic_nb.common.rundir import RunDir
+from elastic_nb.common.spec import TEARS_DOWN, JobSpec
 from elastic_nb.launcher.observe import observe_agent
-from elastic_nb.rundir import RunDir
-from elastic_nb.spec import TEARS_DOWN, JobSpec
+from elastic_nb.launcher.pipe import Channel
 
 _PR_SET_PDEATHSIG = 1
 
@@ -42,8 +42,8 @@ def main() -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
-    from elastic_nb.session_worker import serve
-    from elastic_nb.worker import bootstrap
+    from elastic_nb.rank.bootstrap import bootstrap
+    from elastic_nb.rank.session_loop import serve
 
     observe_agent(channel)
     _quicken_rendezvous()
@@ -96,12 +96,12 @@ def main() -> None:
 
 def _start_fork_server() -> None:
     """Start multiprocessing's fork server now, a fork of this launcher (torch imported in the
-    zygote) that imports elastic_nb.warmup (the --preload modules), so that forking a rank costs
+    zygote) that imports elastic_nb.launcher.warmup (the --preload modules), so that forking a rank costs
     milliseconds when the job comes. torch's start_processes(start_method="forkserver") uses this
     same server (multiprocessing.forkserver's module-level instance), for every attempt."""
     from elastic_nb.launcher import fork_server
 
-    fork_server.start(["elastic_nb.warmup"])
+    fork_server.start([modules.WARMUP])
 
 
 def _wait_fork_server() -> None:
@@ -208,7 +208,7 @@ def _endpoint_port(endpoint: str) -> int:
 def _launch_config(spec: JobSpec, rd: RunDir, job_id: str, rdzv_endpoint: str) -> Any:
     from torch.distributed.launcher.api import LaunchConfig
 
-    from elastic_nb.launcher.logs import RunDirLogsSpecs
+    from elastic_nb.launcher.run_logs import RunDirLogsSpecs
 
     rdzv_configs: dict[str, Any] = dict(spec.rdzv_conf)
     if spec.rdzv_backend == "static":

@@ -14,8 +14,8 @@ import threading
 import time
 from typing import Any
 
-from elastic_nb import protocol
-from elastic_nb.launcher.channel import Channel
+from elastic_nb.common import protocol
+from elastic_nb.launcher.pipe import Channel
 
 __all__ = ["observe_agent"]
 

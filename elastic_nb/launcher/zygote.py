@@ -31,6 +31,8 @@ import sys
 import time
 import traceback
 
+from elastic_nb.common import modules
+
 _PR_SET_PDEATHSIG = 1
 _FDS = 3  # the launcher's stdin, stdout (the protocol pipe) and stderr (its log)
 _MAX_REQUEST = 1 << 22  # an environment, as JSON
@@ -48,9 +50,9 @@ PRELOAD = (
     "torch.distributed.elastic.rendezvous.c10d_rendezvous_backend",
     "torch.distributed.elastic.rendezvous.static_tcp_rendezvous",
     "torch.distributed.elastic.agent.server.local_elastic_agent",
-    "elastic_nb.launcher.agent",
-    "elastic_nb.worker",
-    "elastic_nb.session_worker",
+    modules.LAUNCHER_AGENT,
+    modules.RANK_BOOTSTRAP,
+    modules.RANK_SESSION_LOOP,
 )
 
 

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from elastic_nb.common import modules
+
 __all__ = ["_jupyter_server_extension_points"]
 
 
 def _jupyter_server_extension_points() -> list[dict[str, str]]:
-    return [{"module": "elastic_nb.server"}]
+    return [{"module": modules.SERVER_EXTENSION}]
 
 
 def _load_jupyter_server_extension(serverapp: Any) -> None:

@@ -18,8 +18,8 @@ from jupyter_server.base.handlers import APIHandler
 from jupyter_server.utils import url_path_join
 from tornado import web
 
-from elastic_nb import protocol
-from elastic_nb.rundir import RunDir
+from elastic_nb.common import protocol
+from elastic_nb.common.rundir import RunDir
 from elastic_nb.server import supervisors
 from elastic_nb.server.supervisors import Supervisor, SupervisorError
 

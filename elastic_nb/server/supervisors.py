@@ -1,4 +1,4 @@
-"""Finding this user's supervisors (elastic_nb.registry) and asking them things, for the server
+"""Finding this user's supervisors (elastic_nb.common.registry) and asking them things, for the server
 extension. Requests go over the supervisor's private Unix socket, as a non-kernel client
 (`protocol.ROLE_PANEL`): a connection that ends is nothing to the supervisor (only its kernel's
 is its lifeline). Blocking calls: the handlers run them in a thread.
@@ -12,8 +12,8 @@ import socket
 from dataclasses import dataclass
 from typing import Any
 
-from elastic_nb import protocol, registry
-from elastic_nb.client import runtime_dir
+from elastic_nb.common import protocol, registry
+from elastic_nb.kernel.client import runtime_dir
 
 __all__ = ["Supervisor", "SupervisorError", "find"]
 

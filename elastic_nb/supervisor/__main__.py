@@ -11,7 +11,7 @@ import sys
 
 import anyio
 
-from elastic_nb.supervisor.server import Supervisor
+from elastic_nb.supervisor.service import Supervisor
 
 
 def main() -> None:

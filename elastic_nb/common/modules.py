@@ -1,0 +1,34 @@
+"""Module names that travel as strings: started with ``python -m``, preloaded by name before the
+job exists, or looked up in ``sys.modules``. One place, so that moving a module means changing a
+line here, and `tests/test_imports.py` imports every one of them."""
+
+from __future__ import annotations
+
+__all__ = [
+    "LAUNCHER",
+    "LAUNCHER_AGENT",
+    "NAMED",
+    "RANK_BOOTSTRAP",
+    "RANK_SESSION_LOOP",
+    "SERVER_EXTENSION",
+    "SUPERVISOR",
+    "WARMUP",
+]
+
+SUPERVISOR = "elastic_nb.supervisor"  # python -m: the kernel's client starts it
+LAUNCHER = "elastic_nb.launcher"  # python -m: the supervisor starts the zygote
+LAUNCHER_AGENT = "elastic_nb.launcher.agent"  # what every launcher (a fork of the zygote) runs
+RANK_BOOTSTRAP = "elastic_nb.rank.bootstrap"  # a one-off job's rank
+RANK_SESSION_LOOP = "elastic_nb.rank.session_loop"  # a session's rank
+WARMUP = "elastic_nb.launcher.warmup"  # what a fork server imports for every rank it forks
+SERVER_EXTENSION = "elastic_nb.server"  # the Jupyter server extension (jupyter-config/ names it)
+
+NAMED = (
+    SUPERVISOR,
+    LAUNCHER,
+    LAUNCHER_AGENT,
+    RANK_BOOTSTRAP,
+    RANK_SESSION_LOOP,
+    WARMUP,
+    SERVER_EXTENSION,
+)

@@ -1,0 +1,131 @@
+"""The words elastic_nb uses to report a job: its start line, the one-line summary and the
+failure report.
+
+Both renderers (text and widgets) and the exception a failed cell raises say the same thing, from
+the spec a job starts with and the summary the supervisor sends when it ends.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from elastic_nb.common.protocol import Summary
+
+__all__ = [
+    "CAUSE_HINTS",
+    "failure_headline",
+    "failure_report",
+    "start_line",
+    "summary_line",
+]
+
+# Every cause class a job can end with, and what to do about it.
+CAUSE_HINTS = {
+    "exception": "the cell raised on this rank; its traceback is below",
+    "cuda_oom": "CUDA ran out of memory on this rank: smaller batches, activation "
+    "checkpointing or mixed precision, or torch.cuda.empty_cache() between steps",
+    "host_oom": "the kernel's OOM killer ended this rank (host memory): fewer ranks, fewer "
+    "DataLoader workers or smaller batches",
+    "collective_timeout": "a collective waited longer than --collective-timeout with every rank "
+    "in it: a slow rank, the network or the driver; the stacks show where each rank was",
+    "desync": "the ranks ran different collectives (e.g. one caught an error and skipped "
+    "backward()): every rank must run the same collectives in the same order",
+    "peer": "this rank saw its peer disappear; no rank reported a failure of its own",
+    "signal": "killed by a signal: from outside (a user, the OOM killer) or a native crash "
+    "(NCCL's watchdog aborts with SIGABRT after a collective timeout)",
+    "exit": "the rank called exit() (or os._exit) before the cell finished",
+    "zombie": "torchelastic's agent got stuck (a rank died while the agent woke it, or the "
+    "launcher froze); elastic_nb stopped it",
+    "deadline": "the job ran past --timeout",
+    "interrupted": "stopped on request before the ranks finished",
+    "launcher": "the launcher failed before any rank did; see launcher.log",
+}
+
+
+def start_line(
+    job: str, nproc: int, worst_case_s: float | None = None, session: str | None = None
+) -> str:
+    """What a cell says as its job starts: its id, its ranks (a session's, for a session's cell)
+    and the worst case a stuck collective can hold the cell."""
+    worst = (
+        f" (a stuck collective fails the cell within {worst_case_s:g} s)"
+        if worst_case_s is not None
+        else ""
+    )
+    ranks = f"{nproc} rank{'s' if nproc != 1 else ''}"
+    what = f"on session {session}'s {ranks}" if session else f"starting {ranks}"
+    return f"[elastic_nb] job {job}: {what}{worst}"
+
+
+def summary_line(s: Summary) -> str:
+    restarts = f"restarts {s['restarts']}/{s['max_restarts']}"
+    parts = [
+        f"job {s['job']} {s['outcome']}",
+        f"{s['world_size']} rank{'s' if s['world_size'] != 1 else ''}",
+        restarts,
+        f"{s['wall_s']:.1f} s",
+        f"logs: {s['run_dir']}",
+    ]
+    if s["outcome"] != "succeeded" and s.get("cause"):
+        parts.insert(1, f"cause: {s['cause']}")
+    return "[elastic_nb] " + " · ".join(parts)
+
+
+def failure_headline(s: Summary) -> str:
+    f = s.get("failure")
+    if s["outcome"] == "timeout":
+        return f"job {s['job']} ran past its deadline: {s['reason']}; every rank was stopped"
+    if f is None:
+        return f"job {s['job']} failed: {s['reason']}"
+    if f["cause"] == "desync":
+        return f"desync: {f['summary']}"
+    first = "failed first" if s["world_size"] > 1 else "failed"
+    return f"rank {f['rank']} {first}: {f['summary']}"
+
+
+def failure_report(s: Summary) -> list[str]:
+    """The lines under the headline: the root rank's traceback, then every other rank."""
+    lines: list[str] = []
+    f = s.get("failure")
+    hint = (f or {}).get("hint") or CAUSE_HINTS.get(s.get("cause") or "")
+    if hint:
+        lines.append(f"cause: {s['cause']} ({hint})")
+    record = f.get("record") if f else None
+    if record:
+        lines.append("")
+        lines.append(f"--- rank {f['rank']} (attempt {f['attempt']}) ---")
+        lines.extend(_cell_traceback(record["traceback"], s["run_dir"]).rstrip("\n").splitlines())
+    elif s.get("launcher_log_tail"):
+        lines.append("")
+        lines.append("--- launcher.log (last lines) ---")
+        lines.extend(s["launcher_log_tail"].splitlines())
+    diagnosis = s.get("diagnosis") or {}
+    if diagnosis.get("stacks"):
+        lines.append("")
+        lines.append("--- where every rank was (stacks taken before the teardown) ---")
+        lines.extend(diagnosis["stacks"].splitlines())
+    others = s.get("others") or []
+    if others:
+        lines.append("")
+        lines.append("--- the other ranks ---" if f else "--- ranks ---")
+        for o in others:
+            delay = (
+                f" (+{o['delay']:.2f} s)" if o.get("delay") is not None and o["delay"] >= 0 else ""
+            )
+            lines.append(f"rank {o['rank']}: {o['text']}{delay}")
+    if s.get("session"):
+        # What the failure did to the session's ranks: kept, restarted and replayed, or ended.
+        lines.append("")
+        lines.append(f"--- session {s['session']} ---")
+        lines.append(s["reason"])
+    return lines
+
+
+def _cell_traceback(text: str, run_dir: str) -> str:
+    """Show the cell's frames as the cell, not as the file the ranks ran; a frame of an earlier
+    cell (a function a session cell defined) as that cell, named by its job."""
+    text = text.replace(f'File "{run_dir}/cell.py", line ', "%%elastic cell, line ")
+    parent = re.escape(os.path.dirname(run_dir))
+    earlier = re.compile(rf'File "{parent}/([0-9a-f]{{8}})/cell\.py", line ')
+    return earlier.sub(r"%%elastic cell of job \1, line ", text)

@@ -1,0 +1,396 @@
+"""The kernel's side of the supervisor: a transport. Start it, send it requests, and hand each
+job's messages to whoever subscribed to that job.
+
+The supervisor is started on first use, in its own session (so the kernel's interrupt never
+reaches it), with a listening socket the kernel created in an owner-only directory. The kernel
+keeps one connection open for its whole life: that connection is the supervisor's lifeline.
+A reader thread turns frames into replies and per-job queues (`subscribe`); the cell's thread
+waits on its job's queue (handle.JobHandle follows it), so an interrupt lands in the cell, which
+forwards it as a stop. When the connection breaks, every queue gets `GONE`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import queue
+import secrets
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+from elastic_nb.common import modules, protocol
+from elastic_nb.common.errors import Refused, SupervisorDied
+from elastic_nb.common.spec import JobSpec
+
+__all__ = [
+    "GONE",
+    "SupervisorClient",
+    "current_client",
+    "get_client",
+    "shutdown_client",
+    "start_in_background",
+]
+
+HELLO_TIMEOUT_S = 30.0
+REQUEST_TIMEOUT_S = 30.0
+GONE = object()  # put on every queue when the supervisor's connection breaks
+SLOW_DISK_BYTES_PER_S = 20e6  # a --push payload's write, at a slow disk's pace, adds to SUBMIT's
+
+
+def _kernel_id() -> str | None:
+    """This kernel's id as Jupyter knows it (its connection file is kernel-ID.json), so that the
+    JupyterLab panel can name the notebook a supervisor's jobs run for."""
+    try:
+        from ipykernel.connect import get_connection_file
+
+        name = Path(get_connection_file()).name
+    except Exception:  # not an ipykernel, or not started by a connection file
+        return None
+    if name.startswith("kernel-") and name.endswith(".json"):
+        return name[len("kernel-") : -len(".json")]
+    return None
+
+
+def runtime_dir() -> Path:
+    """Owner-only directory for sockets: $XDG_RUNTIME_DIR/elastic_nb or /tmp/elastic_nb-UID."""
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    if base and os.path.isdir(base) and os.access(base, os.W_OK):
+        path = Path(base) / "elastic_nb"
+    else:
+        path = Path(tempfile.gettempdir()) / f"elastic_nb-{os.getuid()}"
+    with contextlib.suppress(FileExistsError):
+        path.mkdir(mode=0o700)
+    st = path.lstat()
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        raise RuntimeError(f"{path} is not a directory owned by this user; refusing to use it")
+    if st.st_mode & 0o077:
+        path.chmod(0o700)
+    return path
+
+
+class SupervisorClient:
+    def __init__(self) -> None:
+        self._send_lock = threading.Lock()
+        self._pending: dict[int, queue.Queue[Any]] = {}
+        self._subscribers: dict[str, queue.Queue[Any]] = {}  # job id -> its messages
+        self._req = itertools.count(1)
+        self._alive = True
+        self.gone_reason = "it exited"  # what broke the connection, once it has broken
+        self._start()
+
+    # ---- lifecycle --------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        stem = runtime_dir() / f"sup-{os.getpid()}-{secrets.token_hex(3)}"
+        self.socket_path = f"{stem}.sock"
+        self.log_path = f"{stem}.log"
+        self._proc: subprocess.Popen[bytes] | None = None
+        try:
+            self._spawn()
+            self._connect()
+        except BaseException:
+            # An interrupt or a failure half-way must not leave a supervisor without its kernel
+            # connection: it would live as long as the kernel.
+            self._alive = False
+            if self._proc is not None and self._proc.poll() is None:
+                self._proc.kill()
+                self._proc.wait()
+            raise
+
+    def _spawn(self) -> None:
+        """The kernel binds the socket and hands the listening fd over: no race to connect."""
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            listener.bind(self.socket_path)
+            os.chmod(self.socket_path, 0o600)
+            listener.listen(16)
+            with open(self.log_path, "ab") as log:
+                self._proc = subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        modules.SUPERVISOR,
+                        "--listen-fd",
+                        str(listener.fileno()),
+                        "--kernel-pid",
+                        str(os.getpid()),
+                        "--log",
+                        self.log_path,
+                        *(["--kernel-id", kid] if (kid := _kernel_id()) else []),
+                    ],
+                    pass_fds=[listener.fileno()],
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=log,
+                    start_new_session=True,
+                )
+        finally:
+            listener.close()
+
+    def _connect(self) -> None:
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.connect(self.socket_path)  # queued in the backlog until the supervisor accepts
+        self._sock.settimeout(HELLO_TIMEOUT_S)
+        hello_msg = protocol.encode(
+            protocol.HELLO,
+            version=protocol.VERSION,
+            role=protocol.ROLE_KERNEL,
+            kernel_pid=os.getpid(),
+        )
+        self._sock.sendall(hello_msg)
+        decoder = protocol.FrameDecoder()
+        hello = None
+        with contextlib.suppress(OSError):
+            while hello is None:
+                data = self._sock.recv(1 << 16)
+                if not data:
+                    break
+                hello = next((msg for msg, _ in decoder.feed(data)), None)
+        if hello is None:
+            raise SupervisorDied(
+                f"the elastic_nb supervisor did not start; its log says:\n{self._log_tail()}"
+            )
+        if hello.get("error"):
+            raise SupervisorDied(hello["error"])
+        protocol.check_hello(hello)
+        self.pid = int(hello["pid"])
+        self._sock.settimeout(None)
+        self._reader = threading.Thread(
+            target=self._read, args=(decoder,), name="elastic_nb-client", daemon=True
+        )
+        self._reader.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._alive
+
+    def close(self) -> None:
+        """Closing the lifeline makes the supervisor stop every job and exit."""
+        self._break()
+        with contextlib.suppress(OSError):
+            self._sock.close()
+        if self._proc is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._proc.wait(timeout=10)
+
+    def _log_tail(self, n: int = 20) -> str:
+        with contextlib.suppress(OSError):
+            return "\n".join(Path(self.log_path).read_text(errors="replace").splitlines()[-n:])
+        return ""
+
+    # ---- frames -----------------------------------------------------------------------------
+
+    def _read(self, decoder: protocol.FrameDecoder) -> None:
+        try:
+            while True:
+                data = self._sock.recv(1 << 16)
+                if not data:
+                    break
+                for msg, _ in decoder.feed(data):
+                    self._dispatch(msg)
+        except protocol.ProtocolError as e:
+            # The stream cannot be trusted past this point: drop it (the supervisor then stops
+            # this kernel's jobs and exits) and say why, rather than go silent.
+            self.gone_reason = f"it sent a frame the kernel could not read ({e})"
+            self._break()
+        except OSError as e:
+            self.gone_reason = f"its connection failed ({e})"
+        finally:
+            self._alive = False
+            if self._proc is not None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self._proc.wait(timeout=1)  # reap it
+            for q in [*self._pending.values(), *self._subscribers.values()]:
+                q.put(GONE)
+
+    def _dispatch(self, msg: dict[str, Any]) -> None:
+        kind = msg["kind"]
+        if kind == protocol.REPLY:
+            q = self._pending.pop(msg.get("req", -1), None)
+            if q is not None:
+                q.put(msg)
+        elif kind in (protocol.UPDATE, protocol.END):
+            q = self._subscribers.get(msg.get("job", ""))
+            if q is not None:
+                q.put(msg)
+
+    def _write(self, data: bytes) -> None:
+        with self._send_lock:
+            if not self._alive:
+                raise SupervisorDied(f"the elastic_nb supervisor is gone: {self.gone_reason}")
+            try:
+                self._sock.sendall(data)
+            except OSError as e:
+                self._break()
+                raise SupervisorDied(f"the elastic_nb supervisor is gone ({e})") from None
+            except BaseException:
+                # Interrupted half-way through a frame: the stream is corrupt from here on.
+                # Dropping the connection makes the supervisor stop this kernel's jobs and
+                # exit; the next %%elastic cell starts a new one.
+                self._break()
+                raise
+
+    def _break(self) -> None:
+        """Give up on this supervisor without waiting for it (see close)."""
+        self._alive = False
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+
+    def send(self, kind: str, blob: bytes | None = None, **fields: Any) -> None:
+        """Fire and forget (a stop while the cell is being interrupted)."""
+        self._write(protocol.encode(kind, blob, req=next(self._req), **fields))
+
+    def request(
+        self,
+        kind: str,
+        blob: bytes | None = None,
+        timeout: float = REQUEST_TIMEOUT_S,
+        **fields: Any,
+    ) -> dict[str, Any]:
+        req = next(self._req)
+        q: queue.Queue[Any] = queue.Queue(1)
+        self._pending[req] = q
+        try:
+            self._write(protocol.encode(kind, blob, req=req, **fields))
+            reply = q.get(timeout=timeout)
+        except queue.Empty:
+            # A supervisor that does not answer cannot be trusted with the next job either.
+            self._break()
+            raise SupervisorDied(
+                f"the elastic_nb supervisor did not answer {kind!r} in {timeout:g} s; it was "
+                "told to stop its jobs and a new one starts with the next %%elastic cell"
+            ) from None
+        finally:
+            self._pending.pop(req, None)
+        if reply is GONE:
+            raise SupervisorDied(
+                f"the elastic_nb supervisor is gone: {self.gone_reason}; its log says:\n"
+                f"{self._log_tail()}"
+            )
+        if not reply.get("ok"):
+            raise Refused(kind, str(reply.get("error")))
+        return reply
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    def subscribe(self, job_id: str) -> queue.Queue[Any]:
+        """The queue that gets every UPDATE and END of the job (and GONE if the connection
+        breaks); subscribe before submitting, so that no message can come first."""
+        q: queue.Queue[Any] = queue.Queue()
+        self._subscribers[job_id] = q
+        if not self._alive:
+            q.put(GONE)
+        return q
+
+    def unsubscribe(self, job_id: str) -> None:
+        self._subscribers.pop(job_id, None)
+
+    def submit(
+        self,
+        job_id: str,
+        spec: JobSpec,
+        source: str,
+        meta: dict[str, Any],
+        payload: bytes | None,
+        session: str | None = None,
+    ) -> None:
+        """Start a job (or run a cell on `session`'s ranks). An interrupt that lands before the
+        reply still stops it."""
+        try:
+            # Writing a large --push payload to disk is part of the request: its time is not
+            # the supervisor's slowness (about 200 MB/s here; a minute more per 10 GB).
+            timeout = REQUEST_TIMEOUT_S + len(payload or b"") / SLOW_DISK_BYTES_PER_S
+            self.request(
+                protocol.SUBMIT,
+                payload,
+                timeout=timeout,
+                job=job_id,
+                spec=spec.to_dict(),
+                cell={"source": source, "meta": meta},
+                env=dict(os.environ),
+                session=session,
+            )
+        except KeyboardInterrupt:
+            with contextlib.suppress(SupervisorDied):
+                self.send(protocol.STOP, job=job_id, reason="interrupt")
+            raise
+
+    def up(self, session_id: str, spec: JobSpec) -> dict[str, Any]:
+        """Start a session (subscribe to `session_id` first: its updates and end come as a
+        job's). An interrupt that lands before the reply still ends it."""
+        try:
+            return self.request(
+                protocol.UP, session=session_id, spec=spec.to_dict(), env=dict(os.environ)
+            )
+        except KeyboardInterrupt:
+            with contextlib.suppress(SupervisorDied):
+                self.send(protocol.DOWN, session=session_id)
+            raise
+
+    def down(self, session_id: str) -> None:
+        self.request(protocol.DOWN, session=session_id)
+
+    def session(self, session_id: str) -> dict[str, Any]:
+        return self.request(protocol.SESSION, session=session_id)
+
+    def stop(self, job_id: str | None = None, reason: str = "user") -> list[str]:
+        return self.request(protocol.STOP, job=job_id, reason=reason)["stopping"]
+
+    def stacks(self, job_id: str | None = None) -> str:
+        """Every rank's stack, now, of the job (the latest running one by default)."""
+        return self.request(protocol.STACKS, job=job_id)["text"]
+
+    def keep_warm(self, on: bool) -> None:
+        self.request(protocol.WARM, on=on)
+
+    def jobs(self) -> list[dict[str, Any]]:
+        return self.request(protocol.JOBS)["jobs"]
+
+    def status(self) -> dict[str, Any]:
+        return self.request(protocol.STATUS)
+
+
+_client: SupervisorClient | None = None
+_client_lock = threading.Lock()
+
+
+def current_client() -> SupervisorClient | None:
+    """This kernel's supervisor if it is running; never starts one."""
+    with _client_lock:
+        return _client if _client is not None and _client.alive else None
+
+
+def get_client() -> SupervisorClient:
+    """This kernel's supervisor, started on first use and again if it died."""
+    global _client
+    with _client_lock:
+        if _client is None or not _client.alive:
+            _client = SupervisorClient()
+        return _client
+
+
+def start_in_background() -> None:
+    """Start this kernel's supervisor now, without waiting for it: its zygote imports torch
+    and forks a warm launcher while the user writes the first cell (%load_ext). A failure is
+    left for the first cell, which starts the supervisor again and says why it cannot."""
+
+    def start() -> None:
+        with contextlib.suppress(Exception):
+            get_client()
+
+    threading.Thread(target=start, name="elastic_nb-start", daemon=True).start()
+
+
+def shutdown_client() -> None:
+    global _client
+    with _client_lock:
+        if _client is not None:
+            _client.close()
+            _client = None

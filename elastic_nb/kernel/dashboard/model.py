@@ -1,0 +1,264 @@
+"""What a job's dashboard shows, folded from the supervisor's updates: plain data, no widgets.
+
+The supervisor sends at most ten updates a second per job, each carrying every rank's changes
+(and at most a few hundred lines per stream). `DashboardState.apply` folds one into the state
+and into a pending *delta*; `take_delta` hands that delta out once, numbered, for the widget to
+send as one message. `snapshot` is the whole state, for a view that starts late (a reload) and
+for the notebook file. Memory is bounded whatever the log volume: a tail of `TAIL_LINES` per
+rank and `ALL_LINES` across ranks, and of those no more than `TAIL_CHARS` and `ALL_CHARS`
+characters (the tailer cuts each line at a few thousand), the newest `MAX_ALERTS` alerts.
+
+The browser side (``dashboard.js``) applies the same deltas to the same structure with the same
+bounds, so a view never needs more than the snapshot and what follows it.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from typing import Any
+
+from elastic_nb.common import report
+from elastic_nb.common.rundir import RunDir
+from elastic_nb.common.spec import JobSpec
+
+__all__ = ["ALL_CHARS", "ALL_LINES", "MAX_ALERTS", "TAIL_CHARS", "TAIL_LINES", "DashboardState"]
+
+TAIL_LINES = 1000  # per rank, in its tab
+ALL_LINES = 2000  # the "all ranks" tab
+TAIL_CHARS = 250_000  # characters of a rank's tab: the newest lines that fit
+ALL_CHARS = 500_000  # characters of the "all ranks" tab
+MAX_ALERTS = 100
+MAX_ALERT_TEXT = 200_000  # characters of an alert's detail (stacks of many ranks fit)
+
+Delta = dict[str, Any]
+
+
+class DashboardState:
+    def __init__(
+        self, job_id: str, run_dir: str, spec: JobSpec, session: str | None = None
+    ) -> None:
+        """`run_dir`: where the ranks' logs are (a session's cell: the session's)."""
+        nproc = spec.nproc
+        self._rd = RunDir(run_dir)
+        self.seq = 0
+        self.header: dict[str, Any] = {
+            "job": job_id,
+            "session": session,
+            "run_dir": run_dir,
+            "world_size": nproc,
+            "max_restarts": spec.max_restarts,
+            "worst_case_s": spec.worst_case_s,
+            "background": spec.background,
+            "state": "starting",
+            "attempt": 0,
+            "started": time.time(),
+            "wall_s": None,
+        }
+        self.ranks: dict[str, dict[str, Any]] = {
+            str(r): self._waiting_chip(r, 0) for r in range(nproc)
+        }
+        self.alerts: collections.deque[dict[str, Any]] = collections.deque(maxlen=MAX_ALERTS)
+        self._alerts_seen = 0  # numbers the alerts (`n`): the oldest fall off past MAX_ALERTS
+        self.attempts: list[dict[str, Any]] = [_attempt(0, 0.0)]
+        self.tails: dict[str, collections.deque[list[str]]] = {
+            str(r): collections.deque() for r in range(nproc)
+        }
+        self.all: collections.deque[list[Any]] = collections.deque()
+        self._chars: dict[str | None, int] = {}  # characters held: per rank's tail, None: all
+        self.progress: dict[str, list[str]] = {}
+        self.summary: dict[str, Any] | None = None
+        self._delta: Delta = {}
+
+    # ---- folding ----------------------------------------------------------------------------
+
+    def apply(self, msg: dict[str, Any]) -> None:
+        """Fold one supervisor update (protocol.UPDATE) in."""
+        attempt = msg.get("attempt")
+        if attempt is not None and attempt > self.header["attempt"]:
+            self._new_attempt(int(attempt))
+        if "state" in msg:
+            self._header(state=msg["state"])
+        for rank, chip in msg.get("ranks", {}).items():
+            self._chip(rank, chip)
+        for alert in msg.get("alerts", ()):
+            self._alert(alert)
+        for batch in msg.get("logs", ()):
+            attempt_, rank, stream = batch["attempt"], batch["rank"], batch["stream"]
+            lines, skipped, progress = batch["lines"], batch["skipped"], batch["progress"]
+            if attempt_ != self.header["attempt"]:
+                continue  # the last lines of an attempt that has been replaced
+            self._lines(str(rank), stream, lines, skipped, self._rd.log(attempt_, rank, stream))
+            if progress is not None:
+                self._progress(str(rank), [stream, progress])
+            elif lines and self.progress.get(str(rank), [stream])[0] == stream:
+                self._progress(str(rank), None)  # the bar's line finished
+
+    def end(self, summary: dict[str, Any]) -> None:
+        """The job's end: the final state, its outcome in the last attempt, and what the
+        dashboard leaves to the text under it.
+
+        Each thing is said once under the cell: the summary line is printed under the
+        dashboard (the header has its facts), the headline is the failure alert's title, and
+        the error a blocking cell raises carries the failure report: the alerts whose detail
+        it holds (`in_error`) close it, and the logs close (`raised`), so that the verdict is
+        on the cell's first screen, not below a second copy of the rank's traceback.
+        """
+        outcome = summary["outcome"]
+        self._header(state=outcome, wall_s=summary.get("wall_s"))
+        last = self.attempts[-1]
+        last["outcome"] = outcome
+        last["why"] = summary.get("reason")
+        self._delta["attempts"] = self.attempts
+        for rank in list(self.progress):
+            self._progress(rank, None)
+        headline = report.failure_headline(summary) if outcome in ("failed", "timeout") else None
+        if any(a["title"] == headline for a in self.alerts):
+            headline = None
+        in_error: list[int] = []
+        if not self.header["background"] and outcome in ("failed", "timeout", "stopped"):
+            # What JobFailed, JobTimeout and JobStopped show under their first line.
+            error = "\n".join(report.failure_report(summary))
+            in_error = [a["n"] for a in self.alerts if a.get("text") and a["text"] in error]
+        self.summary = {
+            "outcome": outcome,
+            "cause": summary.get("cause"),
+            "headline": headline,
+            "in_error": in_error,
+            "raised": bool(in_error),
+        }
+        self._delta["summary"] = self.summary
+
+    def _header(self, **fields: Any) -> None:
+        self.header.update(fields)
+        self._delta.setdefault("header", {}).update(fields)
+
+    def _chip(self, rank: str, chip: dict[str, Any]) -> None:
+        attempt = int(chip.get("attempt", self.header["attempt"]))
+        if attempt < len(self.attempts):
+            self.attempts[attempt]["ranks"][rank] = {
+                "state": chip["state"],
+                "label": chip.get("label", chip["state"]),
+            }
+            self._delta["attempts"] = self.attempts
+        if attempt != self.header["attempt"]:
+            return  # a late word about a replaced attempt: the timeline has it
+        chip = {**chip, "log": str(self._rd.log(attempt, int(rank), "out"))}
+        self.ranks[rank] = chip
+        self._delta.setdefault("ranks", {})[rank] = chip
+
+    def _alert(self, alert: dict[str, Any]) -> None:
+        alert = {**alert, "n": self._alerts_seen}
+        self._alerts_seen += 1
+        text = alert.get("text")
+        if text and len(text) > MAX_ALERT_TEXT:
+            alert["text"] = text[:MAX_ALERT_TEXT] + "\n... (cut; the run directory has all)"
+        self.alerts.append(alert)
+        self._delta.setdefault("alerts", []).append(alert)
+        if alert.get("kind") == "restart":
+            # The restart alert arrives before the new attempt's first start.
+            self.attempts[-1]["why"] = alert["title"]
+            self._delta["attempts"] = self.attempts
+
+    def _new_attempt(self, attempt: int) -> None:
+        while len(self.attempts) <= attempt:
+            self.attempts.append(_attempt(len(self.attempts), time.time() - self.header["started"]))
+        self._delta["attempts"] = self.attempts
+        self._header(attempt=attempt)
+        for rank in self.ranks:
+            self._chip(rank, self._waiting_chip(int(rank), attempt))
+            self._progress(rank, None)
+            self._append(rank, "note", [f"── attempt {attempt} ──"])
+        self._append(None, "note", [f"── attempt {attempt} ──"])
+
+    def _waiting_chip(self, rank: int, attempt: int) -> dict[str, Any]:
+        return {
+            "state": "starting",
+            "label": "starting",
+            "attempt": attempt,
+            "log": str(self._rd.log(attempt, rank, "out")),
+        }
+
+    def _lines(self, rank: str, stream: str, lines: list[str], skipped: int, path: Any) -> None:
+        if skipped:
+            self._append(rank, "note", [f"... {skipped:,} lines not shown (full log: {path})"])
+        if lines:
+            self._append(rank, stream, lines)
+
+    def _append(self, rank: str | None, stream: str, texts: list[str]) -> None:
+        """Lines for one rank's tab and the all-ranks tab (rank None: the all-ranks tab only)."""
+        texts = _newest(texts, ALL_LINES, ALL_CHARS)
+        if rank is not None:
+            tail = self.tails.setdefault(rank, collections.deque())
+            tail.extend([stream, t] for t in texts)
+            self._trim(rank, tail, TAIL_LINES, TAIL_CHARS, texts)
+        self.all.extend([rank, stream, t] for t in texts)
+        self._trim(None, self.all, ALL_LINES, ALL_CHARS, texts)
+        self._delta.setdefault("lines", []).append([rank, stream, texts])
+
+    def _trim(
+        self, key: str | None, q: collections.deque[Any], lines: int, chars: int, added: list[str]
+    ) -> None:
+        """Drop the oldest lines over either bound (dashboard.js trims the same way)."""
+        size = self._chars.get(key, 0) + sum(len(t) for t in added)
+        while q and (len(q) > lines or size > chars):
+            size -= len(q.popleft()[-1])
+        self._chars[key] = size
+
+    def _progress(self, rank: str, bar: list[str] | None) -> None:
+        """A rank's unfinished ``\r`` line ([stream, text]), shown live under its lines."""
+        if bar is None and rank not in self.progress:
+            return
+        if bar is None:
+            del self.progress[rank]
+        else:
+            self.progress[rank] = bar
+        self._delta.setdefault("progress", {})[rank] = bar
+
+    # ---- what goes out ------------------------------------------------------------------------
+
+    def take_delta(self) -> Delta | None:
+        """Everything that changed since the last delta, once, numbered; None if nothing did."""
+        if not self._delta:
+            return None
+        self.seq += 1
+        delta, self._delta = {"seq": self.seq, "now": time.time(), **self._delta}, {}
+        return delta
+
+    def snapshot(self) -> dict[str, Any]:
+        """The whole state, as of the last delta taken: take it only with nothing pending, or a
+        view would apply the next delta on top of changes the snapshot already holds."""
+        assert not self._delta, "take_delta() first"
+        return {
+            "seq": self.seq,
+            "now": time.time(),
+            "limits": {
+                "tail": TAIL_LINES,
+                "all": ALL_LINES,
+                "tail_chars": TAIL_CHARS,
+                "all_chars": ALL_CHARS,
+                "alerts": MAX_ALERTS,
+            },
+            "header": dict(self.header),
+            "ranks": dict(self.ranks),
+            "alerts": list(self.alerts),
+            "attempts": self.attempts,
+            "tails": {r: list(t) for r, t in self.tails.items()},
+            "all": list(self.all),
+            "progress": dict(self.progress),
+            "summary": self.summary,
+        }
+
+
+def _newest(texts: list[str], lines: int, chars: int) -> list[str]:
+    """The newest of texts within both bounds."""
+    texts = texts[-lines:]
+    size, start = 0, len(texts)
+    while start and size + len(texts[start - 1]) <= chars:
+        start -= 1
+        size += len(texts[start])
+    return texts[start:]
+
+
+def _attempt(attempt: int, started: float) -> dict[str, Any]:
+    return {"attempt": attempt, "started": started, "ranks": {}, "outcome": None, "why": None}

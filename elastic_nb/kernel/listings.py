@@ -1,0 +1,57 @@
+"""What ``%elastic jobs`` and ``%elastic logs`` print: this kernel's jobs as a table, and a job's
+rank logs from its run directory."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from elastic_nb.common.rundir import RunDir
+from elastic_nb.kernel.job_handle import JobHandle
+
+__all__ = ["jobs_table", "print_logs"]
+
+
+def jobs_table(jobs: Iterable[JobHandle], running: dict[str, dict[str, Any]]) -> list[str]:
+    """One row per job: its outcome once it has ended, else what the supervisor says now."""
+    rows = []
+    for job in jobs:
+        s = job.summary
+        if s is not None:
+            restarts = f"{s['restarts']}/{s['max_restarts']}"
+            row = (job.id, s["outcome"], s["world_size"], restarts, f"{s['wall_s']:.1f}")
+        else:
+            info = running.get(job.id, {})
+            state, wall = info.get("state", "running"), f"{info.get('wall_s', 0):.1f}"
+            row = (job.id, state, job.spec.world_size, "-", wall)
+        rows.append((*row, job.run_dir))
+    if not rows:
+        return []
+    header = ("job", "state", "ranks", "restarts", "wall s", "run dir")
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    return [
+        "  ".join(str(v).ljust(w) for v, w in zip(row, widths, strict=True)).rstrip()
+        for row in [header, *rows]
+    ]
+
+
+def print_logs(job: JobHandle, rank: int | None, attempt: int | None, tail: int) -> None:
+    """Every rank's (or one rank's) stdout and stderr of an attempt (the last by default); a
+    session's cell reads its session's logs."""
+    rd = RunDir(job.ranks_run_dir)
+    attempts = rd.attempts()
+    if not attempts:
+        print(f"job {job.id} has no logs yet ({rd})")
+        return
+    attempt = attempts[-1] if attempt is None else attempt
+    for r in range(job.spec.nproc) if rank is None else [rank]:
+        paths = [(s, rd.log(attempt, r, s)) for s in ("out", "err")]
+        paths = [(s, p) for s, p in paths if p.exists() and p.stat().st_size]
+        if not paths:
+            print(f"==> rank {r}, attempt {attempt}: no output <==")
+        for stream, path in paths:
+            lines = path.read_text(errors="replace").splitlines()
+            shown = lines[-tail:] if tail else lines
+            print(f"==> rank {r} std{stream}, attempt {attempt}: {path} ({len(lines)} lines) <==")
+            for text in shown:
+                print(f"[rank {r}] {text}")

@@ -1,0 +1,153 @@
+"""The watchdogs' judgements, as functions of what the supervisor observed: the zombie watchdog
+(is torchelastic's agent stuck?) and --hang-after (has every rank been silent too long?).
+
+torchelastic's agent is stuck when it leaves a dead rank unreaped (spawned ranks are its
+children), when it does not return after every rank finished and exited (forked ranks are
+reaped by their fork server, so torch's Event.set() deadlock leaves no zombie), or when its
+monitor loop stops ticking while ranks still run the cell. The job acts on the reason.
+
+Silence is no new line and no start or exit from any rank while they run the cell. A rank still
+starting its interpreter is busy, not silent (and has no stack to show yet); ranks that all
+finished the cell are the agent's to reap (the zombie watchdog's business).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from elastic_nb.common import procs, protocol
+from elastic_nb.common.spec import JobSpec
+from elastic_nb.supervisor.forensics.verdict import RankState
+
+if TYPE_CHECKING:
+    from elastic_nb.supervisor.processes.launcher_process import Launcher
+
+__all__ = ["AgentStuck", "Silence", "agent_stuck", "stuck_agent", "zombie_bound", "zombie_title"]
+
+
+def zombie_bound(monitor_interval: float) -> float:
+    """How long a dead rank may stay unreaped, or the agent's loop silent, before the watchdog
+    calls the agent stuck: a few monitor passes and one tick period past 1 s."""
+    return 1.0 + 3 * monitor_interval + protocol.TICK_EVERY_S
+
+
+def stuck_agent(
+    ranks: Iterable[RankState],
+    current: list[RankState],
+    nproc: int,
+    now: float,
+    bound: float,
+    teardown_at: float | None,
+    last_tick: float | None,
+    ticking: bool,
+    launcher_stopped: bool,
+    unreaped: Callable[[int], bool],
+) -> tuple[str, RankState | None] | None:
+    """Why the agent is stuck, and the rank left a zombie if that is why; None if it is not.
+    Intervals are on the monotonic clock (`now`, `RankState.gone_at`, `last_tick`): a step of
+    the wall clock must never make a healthy agent look stuck.
+
+    `ranks`: every rank of every attempt; `current`: the running attempt's; `ticking`: the job
+    runs undecided, so the monitor loop should tick; `unreaped(pid)`: the pid is a zombie."""
+    for r in ranks:
+        if r.gone_at is None or now - r.gone_at < bound or r.pid is None:
+            continue
+        if teardown_at is not None and r.died_at is not None and r.died_at >= teardown_at:
+            continue  # dying because we stop the job: the agent is busy with that
+        if unreaped(r.pid):
+            return f"rank {r.rank} died {now - r.gone_at:.1f} s ago and is still unreaped", r
+    if len(current) == nproc and all(r.done and r.gone_at for r in current):
+        gone = now - max(r.gone_at or now for r in current)
+        if gone > bound:
+            return (
+                f"every rank finished the cell and exited {gone:.1f} s ago; it has not returned",
+                None,
+            )
+    if ticking and last_tick:
+        # Once every rank has finished the cell the agent legitimately sits in join() while
+        # they exit (no ticks then); a loop silent while ranks still run is stuck.
+        busy = any(r.done is None for r in current)
+        if now - last_tick > bound and (busy or launcher_stopped):
+            return f"its monitor loop has not run for {now - last_tick:.1f} s", None
+    return None
+
+
+def zombie_title(
+    why: str, launcher_pid: int, state: tuple[str, str] | None, finished: list[int]
+) -> str:
+    title = f"torchelastic's agent is stuck (zombie): {why}"
+    if state is not None:
+        title += f"; the launcher (pid {launcher_pid}) is {state[1]}"
+    if finished:
+        title += f"; rank{'s' if len(finished) > 1 else ''} "
+        title += ", ".join(map(str, finished)) + " had finished the cell"
+    return title + "; stopping it"
+
+
+@dataclass(frozen=True)
+class AgentStuck:
+    """What the zombie watchdog found, and how the job ends because of it."""
+
+    title: str  # the alert's
+    zombie: RankState | None  # the rank it left unreaped, if that is why
+    outcome: str  # succeeded when every rank had finished the cell before the agent stuck
+    reason: str
+
+
+def agent_stuck(
+    ranks: Iterable[RankState],
+    current: list[RankState],
+    spec: JobSpec,
+    launcher: Launcher,
+    teardown_at: float | None,
+    ticking: bool,
+) -> AgentStuck | None:
+    """`stuck_agent` on what this machine shows now (the launcher's state, zombies), worded."""
+    nproc, launcher_pid = spec.nproc, launcher.pid
+    state = procs.proc_state(launcher_pid)
+    stuck = stuck_agent(
+        ranks,
+        current,
+        nproc,
+        time.monotonic(),
+        zombie_bound(spec.monitor_interval),
+        teardown_at,
+        launcher.last_tick,
+        ticking=ticking,
+        launcher_stopped=state is not None and state[0] in "Tt",
+        unreaped=lambda pid: procs.zombie_exit_code(pid) is not None,
+    )
+    if stuck is None:
+        return None
+    why, zombie = stuck
+    finished = [r.rank for r in current if r.done is not None]
+    title = zombie_title(why, launcher_pid, state, finished)
+    if len(finished) == nproc:
+        return AgentStuck(
+            title, zombie, "succeeded", "every rank finished the cell; the agent then got stuck"
+        )
+    return AgentStuck(title, zombie, "failed", f"torchelastic's agent got stuck: {why}")
+
+
+@dataclass
+class Silence:
+    """--hang-after: how long every rank has said nothing, one alert per silence."""
+
+    last_activity: float  # output, a start or an exit, by any rank (monotonic clock)
+    lines_seen: int = 0
+    reported: bool = False
+
+    def activity(self, now: float) -> None:
+        self.last_activity = now
+
+    def due(self, now: float, lines: int, in_the_cell: bool, hang_after: float | None) -> bool:
+        """Observe the line count; True once, when the silence has lasted `hang_after`."""
+        if lines != self.lines_seen or not in_the_cell:
+            self.lines_seen, self.last_activity, self.reported = lines, now, False
+        if hang_after is None or self.reported or now - self.last_activity < hang_after:
+            return False
+        self.reported = True  # once per silence; output re-arms it
+        return True

@@ -1,0 +1,199 @@
+"""The rank book: every rank of every attempt of a job, what each left on disk, how it ended,
+and the few words a dashboard chip shows for it.
+
+The supervisor learns a rank's end from several places (its pidfd, its failure or done record,
+the launcher's EXIT and EXITS messages); the book is where they meet.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import anyio
+import psutil
+
+from elastic_nb.common import procs, protocol
+from elastic_nb.common.protocol import Chip
+from elastic_nb.common.rundir import RunDir, read_json
+from elastic_nb.supervisor.forensics.stacks import Desync
+from elastic_nb.supervisor.forensics.verdict import RankState
+
+__all__ = ["RankBook"]
+
+POLL_S = 0.05  # how often a rank without a pidfd is looked at
+
+
+# How long a forked rank's exit status may take to come from its launcher: milliseconds as a
+# rule; 0.5 s was passed once on a 2-core machine running two test suites (its rank was then
+# described with no exit status).
+EXIT_WAIT_S = 2.0
+HEAR_OUT_POLL_S = 0.005  # a rank watcher woken by the launcher's word runs within a loop turn
+
+
+class RankBook:
+    def __init__(self, rd: RunDir) -> None:
+        self.rd = rd
+        self.ranks: dict[tuple[int, int], RankState] = {}
+        self.failed_attempts: set[int] = set()
+        self.zombies: set[tuple[int, int]] = set()  # (attempt, rank) dead and left unreaped
+        self.behind: dict[int, list[int]] = {}  # attempt -> ranks a desync verdict blamed
+        self.launcher_exits: dict[int, dict[int, int]] = {}  # attempt -> rank -> code (EXITS)
+        self._exits: dict[tuple[int, int], anyio.Event] = {}  # forked ranks' reported ends
+
+    def add(self, attempt: int, rank: int, pid: int, started_at: float) -> RankState:
+        r = RankState(attempt, rank, pid=pid, started_at=started_at)
+        self.ranks[(attempt, rank)] = r
+        return r
+
+    def get(self, attempt: int, rank: int) -> RankState | None:
+        return self.ranks.get((attempt, rank))
+
+    def of(self, attempt: int) -> list[RankState]:
+        return [r for (a, _), r in sorted(self.ranks.items()) if a == attempt]
+
+    def all(self) -> list[RankState]:
+        return list(self.ranks.values())
+
+    def exit_reported(self, r: RankState) -> anyio.Event:
+        """Set once the launcher has said how a forked rank ended (its fork server reaps it)."""
+        return self._exits.setdefault((r.attempt, r.rank), anyio.Event())
+
+    def report_exit(self, attempt: int, rank: int, code: int | None) -> RankState | None:
+        """The launcher's word on a rank's exit code; returns the rank if that was news."""
+        r = self.ranks.get((attempt, rank))
+        if r is None or r.exit_code is not None or code is None:
+            return None
+        r.exit_code = int(code)
+        self.exit_reported(r).set()
+        return r
+
+    def take_exits(self, msg: dict[str, Any]) -> list[RankState]:
+        """The launcher's EXIT or EXITS message, if it is one; returns the ranks that can be
+        judged now (their pidfd fired before their exit code was known)."""
+        if msg["kind"] == protocol.EXIT:
+            self.report_exit(int(msg["attempt"]), int(msg["rank"]), msg.get("code"))
+        elif msg["kind"] == protocol.EXITS:
+            codes = {int(r): c for r, c in msg["codes"].items() if c is not None}
+            return self.record_exits(int(msg["attempt"]), codes)
+        return []
+
+    def record_exits(self, attempt: int, codes: dict[int, int]) -> list[RankState]:
+        """The launcher's EXITS: every rank's code as torch saw it; returns the ranks whose pidfd
+        had already fired without a status (they can be judged now)."""
+        self.launcher_exits[attempt] = codes
+        news = [self.report_exit(attempt, rank, code) for rank, code in codes.items()]
+        return [r for r in news if r is not None and r.died_at is not None]
+
+    async def wait_exit(
+        self, r: RankState, forked: bool, wait_s: float = EXIT_WAIT_S
+    ) -> tuple[float, float]:
+        """Until the rank's process has ended, with its exit code when it can be had; returns
+        when it was seen gone (time.time(), time.monotonic()), before its status was awaited:
+        who failed first is judged by that moment, not by how long the status took.
+
+        A spawned rank is the agent's child: read its status the moment it dies, before
+        torchelastic reaps it at its next monitor tick. A forked one is its fork server's, reaped
+        at once: the launcher says how it ended (protocol.EXIT), within milliseconds, or up to
+        `wait_s` on a loaded machine."""
+        assert r.pid is not None
+        fd = procs.pidfd_open(r.pid)
+        if fd is None:  # no pidfd (old kernel) or already gone
+            while procs.zombie_exit_code(r.pid) is None and psutil.pid_exists(r.pid):
+                await anyio.sleep(POLL_S)
+        else:
+            r.pidfd = fd
+            try:
+                await anyio.wait_readable(fd)
+            finally:
+                r.pidfd = None
+                os.close(fd)
+        gone = time.time(), time.monotonic()
+        if r.exit_code is None:
+            r.exit_code = procs.zombie_exit_code(r.pid)
+        if r.exit_code is None and forked:
+            with anyio.move_on_after(wait_s):
+                await self.exit_reported(r).wait()
+        return gone
+
+    async def hear_out(self, heard: anyio.Event, wait_s: float = EXIT_WAIT_S) -> None:
+        """After the teardown, before the end is judged. A launcher that dies at once says how
+        its ranks ended (and its result) just before: when the teardown sees it gone, that can
+        still be in its pipe, and the rank watchers not yet woken by it. Wait until the job has
+        taken in every message (`heard`) and seen every rank gone, `wait_s` at most."""
+        with anyio.move_on_after(wait_s):
+            await heard.wait()
+            while any(r.died_at is None for r in self.ranks.values()):
+                await anyio.sleep(HEAR_OUT_POLL_S)
+
+    def in_the_cell(self, attempt: int) -> bool:
+        """Every live rank of the attempt runs our bootstrap (it arms its stack dump first
+        thing) and one of them has yet to finish the cell."""
+        live = [r for r in self.of(attempt) if r.died_at is None]
+        for r in live:
+            if not r.armed:
+                r.armed = self.rd.stacks(r.attempt, r.rank).exists()
+                if not r.armed:
+                    return False
+        return any(r.done is None and r.failure is None for r in live)
+
+    def settle(self) -> None:
+        """At the end: every rank is gone (the teardown saw to it); fill in what is missing."""
+        for r in self.ranks.values():
+            self.read_records(r)
+            if r.died_at is None:
+                r.died_at = time.time()
+            if r.exit_code is None:
+                r.exit_code = self.launcher_exits.get(r.attempt, {}).get(r.rank)
+
+    def new_failures(self, attempt: int) -> list[RankState]:
+        """Live ranks of the attempt whose failure record has just appeared (read once a poll),
+        in the order they failed: a poll that reads a timeout and the peer error it caused
+        must act on the timeout (its diagnosis takes every stack), not on the lower rank."""
+        found = []
+        for r in self.of(attempt):
+            if r.died_at is None and r.failure is None and r.done is None:
+                self.read_records(r)
+                if r.failure is not None:
+                    found.append(r)
+        return sorted(found, key=lambda r: r.failed_at or 0.0)
+
+    def read_records(self, r: RankState) -> None:
+        if r.done is None:
+            r.done = read_json(self.rd.done(r.attempt, r.rank))
+        if r.failure is None and r.done is None:
+            r.failure = read_json(self.rd.failure(r.attempt, r.rank))
+
+    def blame(self, attempt: int, desync: Desync) -> list[RankState]:
+        """Write on each culprit what it did (a rank that left early exited 0, but it is the one
+        that broke the group); returns the ranks whose chip changed."""
+        self.behind[attempt] = desync.behind
+        changed = []
+        for rank, note in desync.notes.items():
+            r = self.ranks.get((attempt, rank))
+            if r is not None:
+                r.blame = note
+                changed.append(r)
+        return changed
+
+    def chip(self, r: RankState, teardown_at: float | None, root: RankState | None = None) -> Chip:
+        """What a dashboard shows for one rank: a state to colour it by, a few words, and the
+        whole story for a failed or stopped one. A rank that only saw its peer go is a victim
+        (stopped), unless the verdict (`root`, at the end) finds no one else to blame."""
+        kind = r.kind(teardown_at)
+        if kind == "running" or (kind == "done" and r.died_at is None):
+            state = "running"
+        else:
+            state = {"done": "done", "terminated": "stopped", "peer": "stopped"}.get(kind, "failed")
+            if r is root:
+                state = "failed"
+        label = r.label(teardown_at)
+        if r.blame is not None:
+            state, label = "failed", r.blame
+        if (r.attempt, r.rank) in self.zombies:
+            state, label = "zombie", f"zombie · {label}"
+        chip = Chip(state=state, label=label, attempt=r.attempt, pid=r.pid)
+        if state in ("failed", "stopped", "zombie"):
+            chip["detail"] = r.failure_summary()
+        return chip

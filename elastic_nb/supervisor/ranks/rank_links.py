@@ -1,0 +1,127 @@
+"""A session's ranks on the line: each rank's connection to the session's Unix socket, who may
+connect (a rank the agent started, by the pid the kernel reports for the peer), and whether every
+rank of an attempt is connected and alive.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import select
+import socket
+import struct
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import anyio
+from anyio.abc import SocketStream
+
+from elastic_nb.common import protocol
+from elastic_nb.supervisor.forensics.verdict import RankState
+from elastic_nb.supervisor.ranks.rank_book import RankBook
+
+__all__ = ["Link", "RankLinks"]
+
+log = logging.getLogger(__name__)
+
+HELLO_WAIT_S = 5.0  # a rank's hello may come before the agent's START event names its pid
+
+
+class Link:
+    """One rank's connection."""
+
+    def __init__(self, r: RankState, stream: SocketStream) -> None:
+        self.r = r
+        self._stream = stream
+        self._lock = anyio.Lock()
+
+    async def send(self, kind: str, **fields: Any) -> None:
+        with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+            async with self._lock:
+                await self._stream.send(protocol.encode(kind, **fields))
+
+
+class RankLinks:
+    def __init__(
+        self,
+        session_id: str,
+        book: RankBook,
+        until: Callable[[Callable[[], bool], float], Awaitable[bool]],
+        changed: Callable[[], None],
+        ran: Callable[[Link, str, bool], None],
+    ) -> None:
+        """`until`: the session's wait for a condition; `changed`: tell the session;
+        `ran`: a rank's answer for a cell."""
+        self._session, self._book = session_id, book
+        self._until, self._changed, self._ran = until, changed, ran
+        self._links: dict[tuple[int, int], Link] = {}
+
+    def of(self, attempt: int) -> list[Link]:
+        return [link for (a, _), link in sorted(self._links.items()) if a == attempt]
+
+    def linked(self, r: RankState) -> bool:
+        return (r.attempt, r.rank) in self._links
+
+    def drop(self, r: RankState) -> None:
+        self._links.pop((r.attempt, r.rank), None)
+
+    def up(self, attempt: int, nproc: int) -> bool:
+        """Every rank of the attempt is connected and alive."""
+        links = self.of(attempt)
+        return len(links) == nproc and all(_alive(link.r) for link in links)
+
+    async def serve(self, stream: SocketStream) -> None:
+        """One connection (the listener's handler): a hello, then the rank's answers."""
+        decoder = protocol.FrameDecoder()
+        link: Link | None = None
+        try:
+            while True:
+                try:
+                    data = await stream.receive()
+                except (anyio.EndOfStream, anyio.BrokenResourceError, OSError):
+                    return
+                for msg, _ in decoder.feed(data):
+                    if link is None:
+                        link = await self._hello(stream, msg)
+                        if link is None:
+                            return
+                    elif msg["kind"] == protocol.RAN:
+                        self._ran(link, str(msg["cell"]), bool(msg["ok"]))
+        except protocol.ProtocolError as e:
+            log.warning("session %s: dropped a rank's connection: %s", self._session, e)
+        finally:
+            with contextlib.suppress(Exception):
+                await stream.aclose()
+
+    async def _hello(self, stream: SocketStream, msg: dict[str, Any]) -> Link | None:
+        """A rank of ours, by its pid (the kernel's word on the peer, not the message's)."""
+        if msg["kind"] != protocol.RANK_HELLO:
+            return None
+        attempt, rank = int(msg["attempt"]), int(msg["rank"])
+        await self._until(lambda: self._book.get(attempt, rank) is not None, HELLO_WAIT_S)
+        r = self._book.get(attempt, rank)
+        peer = _peer_pid(stream)
+        if r is None or r.pid != peer or r.died_at is not None:
+            log.warning(
+                "session %s: refused a connection from pid %s as rank %s", self._session, peer, rank
+            )
+            return None
+        link = Link(r, stream)
+        self._links[(attempt, rank)] = link
+        self._changed()
+        return link
+
+
+def _alive(r: RankState) -> bool:
+    """Not dead, even if its watcher has not run yet: a cell sent now would meet a dead rank."""
+    if r.died_at is not None:
+        return False
+    return r.pidfd is None or not select.select([r.pidfd], [], [], 0)[0]
+
+
+def _peer_pid(stream: SocketStream) -> int | None:
+    sock = stream.extra(anyio.abc.SocketAttribute.raw_socket)
+    with contextlib.suppress(OSError):
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        return struct.unpack("3i", creds)[0]
+    return None

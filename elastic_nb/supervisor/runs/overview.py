@@ -1,0 +1,131 @@
+"""What the JupyterLab panel (the server extension) asks a supervisor: every job, session and
+session cell it owns, one entry each (OVERVIEW), and the messages a job's renderer was sent
+(EVENTS). Read-only views of the owners' state; nothing here decides."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from elastic_nb.common.report import summary_line
+
+if TYPE_CHECKING:
+    from elastic_nb.supervisor.runs.job import Job
+    from elastic_nb.supervisor.runs.reporter import Reporter
+    from elastic_nb.supervisor.sessions.session import Session
+    from elastic_nb.supervisor.sessions.session_cell import SessionCell
+
+__all__ = ["entries", "rank_pids", "reporter_of"]
+
+
+def entries(jobs: Iterable[Job], sessions: Iterable[Session]) -> list[dict[str, Any]]:
+    """One entry per job, session and session cell, oldest first."""
+    out = [_owner(j, "job") for j in jobs]
+    for s in sessions:
+        out.append(_owner(s, "session"))
+        out.extend(_cell(s, c) for c in s.runner.cells.values())
+    return sorted(out, key=lambda e: e["created"])
+
+
+def reporter_of(owner_id: str, jobs: dict[str, Job], sessions: dict[str, Session]) -> Reporter:
+    if owner_id in jobs:
+        return jobs[owner_id].report
+    if owner_id in sessions:
+        return sessions[owner_id].report
+    for s in sessions.values():
+        if owner_id in s.runner.cells:
+            return s.runner.cells[owner_id].report
+    raise KeyError(f"no job {owner_id!r}")
+
+
+def rank_pids(owner: Job | Session) -> dict[str, int]:
+    """The live ranks of the current attempt: {rank: pid} (string keys: it travels as JSON)."""
+    return {
+        str(r.rank): r.pid
+        for r in owner.book.of(owner.attempt)
+        if r.pid is not None and r.died_at is None
+    }
+
+
+def _owner(o: Job | Session, kind: str) -> dict[str, Any]:
+    """A job or a session: each owns its ranks and run directory."""
+    return _entry(
+        o.id,
+        kind,
+        None,
+        state=o.state,
+        running=o.running,
+        world_size=o.spec.world_size,
+        attempt=o.attempt,
+        max_restarts=o.spec.max_restarts,
+        created=o.created,
+        summary=o.summary,
+        report=o.report,
+        run_dir=str(o.rd),
+        logs_dir=str(o.rd),
+    )
+
+
+def _cell(s: Session, c: SessionCell) -> dict[str, Any]:
+    return _entry(
+        c.id,
+        "cell",
+        s.id,
+        state=c.report.state if c.running else (c.summary or {}).get("outcome", "ended"),
+        running=c.running,
+        world_size=s.spec.world_size,
+        attempt=s.attempt,
+        max_restarts=s.spec.max_restarts,
+        created=c.created,
+        summary=c.summary,
+        report=c.report,
+        run_dir=str(c.rd),
+        logs_dir=str(s.rd),  # a cell's ranks are its session's
+    )
+
+
+def _entry(
+    owner_id: str,
+    kind: str,
+    session: str | None,
+    *,
+    state: str,
+    running: bool,
+    world_size: int,
+    attempt: int,
+    max_restarts: int,
+    created: float,
+    summary: dict[str, Any] | None,
+    report: Reporter,
+    run_dir: str,
+    logs_dir: str,
+) -> dict[str, Any]:
+    line = None
+    if summary is not None:
+        with contextlib.suppress(KeyError, TypeError, ValueError):
+            line = summary_line(summary)  # type: ignore[arg-type]
+    return {
+        "id": owner_id,
+        "kind": kind,
+        "session": session,
+        "supervisor_pid": os.getpid(),
+        "state": state,
+        "running": running,
+        "world_size": world_size,
+        "attempt": attempt,
+        "restarts": attempt,
+        "max_restarts": max_restarts,
+        "created": created,
+        "elapsed_s": summary["wall_s"] if summary else time.time() - created,
+        "alerts": [
+            {"kind": a["kind"], "severity": a["severity"], "rank": a["rank"], "text": a["title"]}
+            for a in report.recent_alerts
+        ],
+        "outcome": (summary or {}).get("outcome"),
+        "summary": line,
+        "run_dir": run_dir,
+        "logs_dir": logs_dir,
+    }

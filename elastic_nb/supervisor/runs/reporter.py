@@ -1,0 +1,110 @@
+"""What a job says: its state, each rank's chip, alerts and log lines to the kernel, every event
+to the run directory's events.jsonl.
+
+Changes gather between flushes and leave as one UPDATE message per flush (at most ten a second
+per job, whatever the ranks print); events.jsonl is the job's diary, written as things happen.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, TextIO
+
+import anyio
+
+from elastic_nb.common import protocol
+from elastic_nb.supervisor.ranks.log_tailer import LogTailer
+
+__all__ = ["Reporter", "Send"]
+
+Send = Callable[..., Awaitable[None]]
+
+# What the JupyterLab panel can read back (EVENTS): the latest messages a job's renderer was sent,
+# and its latest alerts (OVERVIEW).
+HISTORY = 1000
+RECENT_ALERTS = 20
+
+
+class Reporter:
+    def __init__(self, job_id: str, send: Send) -> None:
+        self.job_id = job_id
+        self.state = "starting"
+        self._send = send
+        self._events: TextIO | None = None
+        self._ranks: dict[int, protocol.Chip] = {}
+        self._alerts: list[protocol.Alert] = []
+        self._state_dirty = True
+        self.seq = 0  # of the latest message in `history`
+        self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY)
+        self.recent_alerts: deque[protocol.Alert] = deque(maxlen=RECENT_ALERTS)
+
+    def open(self, events: Path) -> None:
+        self._events = open(events, "a", buffering=1)  # noqa: SIM115 (closed by close())
+
+    def close(self) -> None:
+        if self._events is not None:
+            self._events.close()
+            self._events = None
+
+    def event(self, event: str, **fields: Any) -> None:
+        if self._events is not None:
+            self._events.write(
+                json.dumps({"t": time.time(), "event": event, **fields}, default=str) + "\n"
+            )
+
+    def set_state(self, state: str) -> None:
+        if state != self.state:
+            self.state = state
+            self._state_dirty = True
+            self.event("state", state=state)
+
+    def chip(self, rank: int, chip: protocol.Chip) -> None:
+        """What the dashboard shows for a rank of the current attempt (the latest wins)."""
+        self._ranks[rank] = chip
+
+    def alert(
+        self, kind: str, severity: str, title: str, rank: int | None = None, text: str | None = None
+    ) -> None:
+        """A typed event any renderer can show: what, how bad, which rank, optional detail."""
+        alert = protocol.Alert(
+            kind=kind, severity=severity, title=title, rank=rank, text=text, time=time.time()
+        )
+        self._alerts.append(alert)
+        self.recent_alerts.append(alert)
+        self.event("alert", **alert)
+
+    async def flush(self, attempt: int, tailer: LogTailer | None) -> None:
+        """One UPDATE with what changed; the tailer's new lines too, if given one."""
+        update: dict[str, Any] = {}
+        if self._state_dirty:
+            update.update(state=self.state, attempt=attempt)
+            self._state_dirty = False
+        if self._ranks:
+            update["ranks"] = {str(k): v for k, v in self._ranks.items()}
+            self._ranks = {}
+        if self._alerts:
+            update["alerts"], self._alerts = self._alerts, []
+        logs = [b.record() for b in tailer.take()] if tailer is not None else []
+        if logs:
+            update["logs"] = logs
+        if update:
+            # Taken from the pending lists above: a cancellation mid-send would lose it.
+            self._remember(protocol.UPDATE, update)
+            with anyio.CancelScope(shield=True):
+                await self._send(protocol.UPDATE, job=self.job_id, **update)
+
+    async def end(self, summary: dict[str, Any]) -> None:
+        self._remember(protocol.END, {"summary": summary})
+        await self._send(protocol.END, job=self.job_id, summary=summary)
+
+    def events_since(self, seq: int) -> list[dict[str, Any]]:
+        """The messages sent after `seq` that the history still holds (the panel's refresh)."""
+        return [e for e in self.history if e["seq"] > seq]
+
+    def _remember(self, kind: str, fields: dict[str, Any]) -> None:
+        self.seq += 1
+        self.history.append({"seq": self.seq, "t": time.time(), "kind": kind, **fields})

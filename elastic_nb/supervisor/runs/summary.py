@@ -1,0 +1,193 @@
+"""A finished job's summary (summary.json, and the END message the kernel turns into the cell's
+result or error), its cause class, and the alerts that close it.
+
+Every key the kernel side reads is written here: `report` words the failure from it, the handle
+and the dashboard show it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import time
+from typing import Any
+
+from elastic_nb.common import procs, protocol, report
+from elastic_nb.common.rundir import RunDir
+from elastic_nb.common.spec import JobSpec
+from elastic_nb.supervisor.forensics.verdict import RankState, Verdict, analyze
+from elastic_nb.supervisor.ranks.rank_book import RankBook
+
+__all__ = [
+    "DOWNS",
+    "STOPS",
+    "cause",
+    "closing_alerts",
+    "keep_launcher_log",
+    "restart_alert",
+    "summarize",
+]
+
+
+# How a stop request ends a job, by who asked: (outcome, reason).
+STOPS = {
+    "interrupt": ("interrupted", "interrupted from the kernel"),
+    "user": ("stopped", "stopped with %elastic stop"),
+    "handle": ("stopped", "stopped with job.stop()"),
+    "button": ("stopped", "stopped with the dashboard's Stop button"),
+    "panel": ("stopped", "stopped from the JupyterLab panel"),
+    "shutdown": ("stopped", "the supervisor shut down (its kernel exited)"),
+}
+# How a down request ends a session, by who asked.
+DOWNS = {
+    "user": "ended with %elastic down",
+    "panel": "ended from the JupyterLab panel",
+}
+
+
+def summarize(
+    *,
+    job_id: str,
+    spec: JobSpec,
+    rd: RunDir,
+    outcome: str,
+    reason: str,
+    verdict: Verdict,
+    attempt: int,
+    created: float,
+    zombie: bool,
+    diagnosis: dict[str, Any] | None,
+    leftovers: list[dict[str, Any]],
+    lines: int,
+) -> protocol.Summary:
+    root = verdict.root
+    failure = None
+    if outcome == "failed" and root is not None:
+        kind = "zombie" if zombie else verdict.cause
+        desync = kind == "desync" and diagnosis is not None
+        failure = {
+            "rank": root.rank,
+            "attempt": root.attempt,
+            "cause": kind,
+            "summary": diagnosis["text"]
+            if desync and diagnosis["text"]
+            else root.failure_summary(),
+            "hint": diagnosis.get("hint") if desync else None,
+            "record": root.failure,
+            "exit_code": root.exit_code,
+        }
+    ended = time.time()
+    return protocol.summary(
+        job_id,
+        outcome,
+        reason,
+        cause=cause(outcome, failure, zombie),
+        world_size=spec.world_size,
+        attempt=attempt,
+        restarts=attempt,
+        max_restarts=spec.max_restarts,
+        worst_case_s=spec.worst_case_s,
+        started=created,
+        ended=ended,
+        wall_s=ended - created,
+        run_dir=str(rd),
+        failure=failure,
+        diagnosis=diagnosis if outcome == "failed" else None,
+        others=verdict.others if outcome != "succeeded" else [],
+        launcher_log_tail=_log_tail(rd) if outcome == "failed" and failure is None else None,
+        leftovers=leftovers,
+        result=rd.result(attempt).exists(),
+        lines=lines,
+    )
+
+
+def cause(outcome: str, failure: dict[str, Any] | None, zombie: bool) -> str | None:
+    """The job's cause class (report.CAUSE_HINTS explains each)."""
+    if failure is not None:
+        return failure["cause"]
+    if outcome == "timeout":
+        return "deadline"
+    if outcome in ("interrupted", "stopped"):
+        return "interrupted"
+    if outcome == "failed":
+        return "zombie" if zombie else "launcher"
+    return None
+
+
+def closing_alerts(
+    summary: dict[str, Any], current: list[RankState], leftovers: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """What the end adds to the alerts: processes the cell left running, a rank that broke
+    after finishing, and the failure itself in the words of the error the cell raises."""
+    alerts = []
+    if leftovers:
+        pids = ", ".join(f"{p['pid']} ({p['cmd']})" for p in leftovers)
+        alerts.append(
+            dict(
+                kind="leftovers",
+                severity="warning",
+                title=f"stopped {len(leftovers)} process(es) the cell left running: {pids}",
+            )
+        )
+    outcome = summary["outcome"]
+    if outcome == "succeeded":
+        # SIGTERM/SIGKILL after finishing is the agent closing the group, nothing more.
+        stops = (0, None, -signal.SIGTERM, -signal.SIGKILL)
+        for r in current:
+            if r.exit_code not in stops:
+                how = procs.describe_exit(r.exit_code)
+                alerts.append(
+                    dict(
+                        kind="exit_after_done",
+                        severity="warning",
+                        title=f"rank {r.rank} finished the cell, then {how} while exiting",
+                        rank=r.rank,
+                    )
+                )
+    if outcome in ("failed", "timeout"):
+        f = summary["failure"]
+        alerts.append(
+            dict(
+                kind="failure",
+                severity="error",
+                title=report.failure_headline(summary),
+                rank=f["rank"] if f else None,
+                text="\n".join(report.failure_report(summary)).strip("\n"),
+            )
+        )
+    return alerts
+
+
+def restart_alert(
+    book: RankBook, attempt: int, desync: str | None, spec: JobSpec
+) -> dict[str, Any]:
+    """`attempt` failed and the next starts: who broke it (`desync`: the verdict's words, if a
+    desync did)."""
+    verdict = analyze(book.of(attempt), None, book.behind.get(attempt))
+    root = verdict.root
+    if verdict.cause == "desync" and desync:
+        why = f"desync: {desync}"
+    else:
+        why = f"rank {root.rank} {root.failure_summary()}" if root else "it failed"
+    return dict(
+        kind="restart",
+        severity="warning",
+        title=f"attempt {attempt} failed: {why}; restarting as attempt {attempt + 1} "
+        f"(restart {attempt + 1}/{spec.max_restarts})",
+        rank=root.rank if root else None,
+    )
+
+
+def keep_launcher_log(rd: RunDir, log_path: Any) -> None:
+    """A launcher that died before it took the job left its log where it was started."""
+    with contextlib.suppress(OSError):
+        text = log_path.read_bytes()
+        with open(rd.launcher_log, "ab") as f:
+            f.write(text)
+        log_path.unlink()
+
+
+def _log_tail(rd: RunDir, n: int = 15) -> str:
+    with contextlib.suppress(OSError):
+        return "\n".join(rd.launcher_log.read_text(errors="replace").splitlines()[-n:])
+    return ""

@@ -1,0 +1,391 @@
+"""The supervisor: one process per kernel, owning every job that kernel starts.
+
+It listens on a Unix socket the kernel created in an owner-only directory (the kernel hands the
+listening descriptor over, so there is no race to connect), runs each job as a task, and lives
+exactly as long as its kernel: when the kernel's connection closes or the kernel's pid exits
+(SIGKILL included), every job is torn down and the supervisor exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import signal
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import psutil
+from anyio.abc import SocketListener, SocketStream, TaskGroup
+
+from elastic_nb.common import procs, protocol, registry
+from elastic_nb.common.spec import JobSpec
+from elastic_nb.supervisor.processes.launcher_pool import LauncherPool
+from elastic_nb.supervisor.runs import overview
+from elastic_nb.supervisor.runs.job import Job
+from elastic_nb.supervisor.sessions.session import Session
+from elastic_nb.supervisor.sessions.session_cell import SessionCell
+
+__all__ = ["Supervisor"]
+
+log = logging.getLogger(__name__)
+
+KEEP_FINISHED = 200  # finished jobs `%elastic jobs` lists; older ones live on disk only
+
+
+class Connection:
+    def __init__(self, stream: SocketStream) -> None:
+        self._stream = stream
+        self._lock = anyio.Lock()
+        self._decoder = protocol.FrameDecoder()
+        self.closed = False
+
+    async def send(self, kind: str, blob: bytes | None = None, **fields: Any) -> None:
+        if self.closed:
+            return
+        data = protocol.encode(kind, blob, **fields)
+        async with self._lock:
+            try:
+                await self._stream.send(data)
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+                self.closed = True
+
+    async def messages(self):  # type: ignore[no-untyped-def]
+        while True:
+            try:
+                data = await self._stream.receive()
+            except (
+                anyio.EndOfStream,
+                anyio.BrokenResourceError,
+                anyio.ClosedResourceError,
+                OSError,
+            ):
+                self.closed = True
+                return
+            for item in self._decoder.feed(data):
+                yield item
+
+
+class Supervisor:
+    def __init__(
+        self, listen_fd: int, kernel_pid: int, log_path: str, kernel_id: str | None = None
+    ) -> None:
+        self._listen_fd = listen_fd
+        self._kernel_pid = kernel_pid
+        self._kernel_id = kernel_id
+        # Launchers log beside us until they have a job (then into its run directory).
+        self._launchers = LauncherPool(log_path.removesuffix(".log"))
+        self._jobs: dict[str, Job] = {}
+        self._sessions: dict[str, Session] = {}
+        self._socket_dir: Path | None = None
+        self._started = time.time()
+        self._tg: TaskGroup | None = None
+
+    async def run(self) -> None:
+        procs.set_child_subreaper()
+        sock = socket.socket(fileno=self._listen_fd)
+        path = sock.getsockname()
+        self._socket_dir = Path(path).parent  # owner-only: sessions' sockets go there too
+        listener = await SocketListener.from_socket(sock)
+        # For the JupyterLab panel (elastic_nb.server) to find us; removed when we exit.
+        registration = registry.register(
+            registry.Registration(
+                os.getpid(), self._kernel_pid, self._kernel_id, path, self._started
+            )
+        )
+        try:
+            async with anyio.create_task_group() as tg:
+                self._tg = tg
+                self._launchers.attach(tg, dict(os.environ))
+                tg.start_soon(self._watch_kernel)
+                tg.start_soon(self._watch_signals)
+                tg.start_soon(self._reap_periodically)
+                await listener.serve(self._serve_connection, task_group=tg)
+        finally:
+            self._launchers.close()
+            with anyio.CancelScope(shield=True):
+                await listener.aclose()
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            with contextlib.suppress(OSError):
+                registration.unlink()
+
+    # ---- lifeline ---------------------------------------------------------------------------
+
+    async def _watch_kernel(self) -> None:
+        fd = procs.pidfd_open(self._kernel_pid)
+        if fd is None:
+            while procs.zombie_exit_code(self._kernel_pid) is None and _pid_alive(self._kernel_pid):
+                await anyio.sleep(0.2)
+        else:
+            try:
+                await anyio.wait_readable(fd)
+            finally:
+                os.close(fd)
+        self._shutdown()
+
+    async def _watch_signals(self) -> None:
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGHUP) as signals:
+            async for _ in signals:
+                self._shutdown()
+                return
+
+    async def _reap_periodically(self) -> None:
+        while True:
+            await anyio.sleep(1.0)
+            self.reap()
+
+    def _launcher_pids(self) -> set[int]:
+        keep = {j.launcher_pid for j in self._owners() if j.launcher_pid}
+        return keep | self._launchers.pids()
+
+    def reap(self) -> None:
+        procs.reap_orphans(keep=self._launcher_pids())
+
+    def orphans(self) -> list[psutil.Process]:
+        """What we inherited as a subreaper: left behind by some job's processes."""
+        return procs.orphans(keep=self._launcher_pids())
+
+    def _shutdown(self) -> None:
+        """Stop every job; the task group ends when the last one has torn down."""
+        self._launchers.close()
+        for job in self._owners():
+            job.request_stop("shutdown")
+        assert self._tg is not None
+        self._tg.start_soon(self._cancel_when_jobs_end)
+
+    async def _cancel_when_jobs_end(self) -> None:
+        while any(j.running for j in self._owners()):
+            await anyio.sleep(0.05)
+        assert self._tg is not None
+        self._tg.cancel_scope.cancel()
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    async def _serve_connection(self, stream: SocketStream) -> None:
+        conn = Connection(stream)
+        is_kernel = greeted = False
+        try:
+            async for msg, blob in conn.messages():  # a ProtocolError ends this connection only
+                if not greeted and msg["kind"] != protocol.HELLO:
+                    raise protocol.ProtocolError(f"{msg['kind']!r} before hello")
+                if msg["kind"] == protocol.HELLO:
+                    try:
+                        protocol.check_hello(msg)
+                    except protocol.ProtocolError as e:
+                        await conn.send(protocol.HELLO, version=protocol.VERSION, error=str(e))
+                        return
+                    is_kernel, greeted = msg.get("role") == protocol.ROLE_KERNEL, True
+                    await conn.send(protocol.HELLO, version=protocol.VERSION, pid=os.getpid())
+                    continue
+                await self._handle(conn, msg, blob)
+        except protocol.ProtocolError as e:
+            log.warning("dropped a %s connection: %s", "kernel" if is_kernel else "client", e)
+        except Exception:  # a bug of ours ends this connection, never the supervisor
+            log.exception("a connection failed")
+        finally:
+            with contextlib.suppress(Exception):
+                await stream.aclose()
+            if is_kernel:
+                self._shutdown()  # the kernel closed its lifeline: it is gone or shutting down
+
+    async def _handle(self, conn: Connection, msg: dict[str, Any], blob: bytes | None) -> None:
+        kind, req = msg["kind"], msg.get("req")
+        try:
+            if kind == protocol.SUBMIT:
+                reply = await self._submit(conn, msg, blob)
+            elif kind == protocol.STOP:
+                reply = self._stop(msg.get("job"), msg.get("reason", "user"))
+            elif kind == protocol.STACKS:
+                text, owner = await self._stacks(msg.get("job"))
+                reply = {"text": text, "pids": overview.rank_pids(owner)}
+            elif kind == protocol.WARM:
+                self._launchers.keep_warm(bool(msg.get("on", True)))
+                reply = {}
+            elif kind == protocol.JOBS:
+                reply = {"jobs": [_info(j) for j in self._jobs.values()]}
+            elif kind == protocol.STATUS:
+                reply = {
+                    "pid": os.getpid(),
+                    "uptime_s": time.time() - self._started,
+                    "running": [j.id for j in self._jobs.values() if j.running],
+                    "sessions": [s.info() for s in self._sessions.values() if s.running],
+                    "warm": self._launchers.describe(),
+                }
+            elif kind == protocol.UP:
+                reply = await self._up(conn, msg)
+            elif kind == protocol.DOWN:
+                self._session(msg.get("session")).down(msg.get("reason", "user"))
+                reply = {}
+            elif kind == protocol.SESSION:
+                reply = self._session(msg.get("session")).info()
+            elif kind == protocol.OVERVIEW:
+                reply = {"jobs": overview.entries(self._jobs.values(), self._sessions.values())}
+            elif kind == protocol.EVENTS:
+                report = overview.reporter_of(str(msg.get("job")), self._jobs, self._sessions)
+                since = int(msg.get("since") or 0)
+                reply = {"events": report.events_since(since), "seq": report.seq}
+            else:
+                raise protocol.ProtocolError(f"unknown request {kind!r}")
+        except Exception as e:  # a bad request fails alone; the supervisor serves on
+            log.info("refused %r: %s", kind, e, exc_info=not isinstance(e, protocol.ProtocolError))
+            await conn.send(protocol.REPLY, req=req, ok=False, error=f"{type(e).__name__}: {e}")
+            return
+        await conn.send(protocol.REPLY, req=req, ok=True, **reply)
+
+    async def _submit(
+        self, conn: Connection, msg: dict[str, Any], blob: bytes | None
+    ) -> dict[str, Any]:
+        spec = JobSpec.from_dict(msg["spec"])
+        job_id = str(msg.get("job") or secrets.token_hex(4))
+        if job_id in self._jobs or self._cell_session(job_id) or not job_id.isalnum():
+            raise ValueError(f"job id {job_id!r} is taken or malformed")
+        if msg.get("session"):
+            session = self._session(msg["session"])
+            cell = SessionCell(
+                job_id,
+                spec,
+                msg["cell"]["source"],
+                msg["cell"]["meta"],
+                blob,
+                conn.send,
+                session.id,
+            )
+            await anyio.to_thread.run_sync(cell.prepare)
+            session.submit(cell)
+            return {"job": job_id}
+        job = Job(
+            job_id,
+            spec,
+            msg["cell"]["source"],
+            msg["cell"]["meta"],
+            blob,
+            env=msg.get("env") or dict(os.environ),
+            send=conn.send,
+            reap=self.reap,
+            orphans=self.orphans,
+            launchers=self._launchers,
+        )
+        self._forget_old_jobs()
+        self._jobs[job_id] = job  # the id is taken from here on, even while prepare runs
+        try:
+            await anyio.to_thread.run_sync(job.prepare)  # payloads can be large: off the loop
+        except BaseException:
+            del self._jobs[job_id]
+            raise
+        assert self._tg is not None
+        self._tg.start_soon(job.run)
+        return {"job": job_id}
+
+    def _forget_old_jobs(self) -> None:
+        """A kernel may run thousands of cells: keep the latest finished jobs only (their run
+        directories stay on disk)."""
+        done = [j for j in self._jobs if not self._jobs[j].running]
+        for job_id in done[: max(0, len(done) - KEEP_FINISHED)]:
+            del self._jobs[job_id]
+
+    async def _stacks(self, job_id: str | None) -> tuple[str, Job | Session]:
+        """Every rank's stack now, and whose ranks they are."""
+        session = self._cell_session(job_id) if job_id else None
+        if session is not None and session.running:
+            return await session.stacks(), session
+        running: list[Job | Session] = [j for j in self._owners() if j.running]
+        if job_id is not None:
+            running = [j for j in running if j.id == job_id]
+        if not running:
+            raise KeyError(f"no running job {job_id}" if job_id else "no running job")
+        return await running[-1].stacks(), running[-1]
+
+    def _stop(self, job_id: str | None, reason: str) -> dict[str, Any]:
+        """Stop jobs, or interrupt a session's cells (the session stays: %elastic down ends it)."""
+        session = self._cell_session(job_id) if job_id else None
+        if session is not None:
+            running = session.runner.cells[job_id].running  # type: ignore[index]
+            session.stop_cell(job_id, reason)  # type: ignore[arg-type]
+            return {"stopping": [job_id] if running else []}
+        if job_id is not None and job_id not in self._jobs:
+            raise KeyError(f"no job {job_id!r}")
+        targets = [self._jobs[job_id]] if job_id else list(self._jobs.values())
+        stopping = [j.id for j in targets if j.running]
+        for j in targets:
+            if j.running:
+                j.request_stop(reason)
+        if job_id is None:
+            for s in self._sessions.values():
+                for cell in [c for c in s.runner.cells.values() if c.running]:
+                    s.stop_cell(cell.id, reason)
+                    stopping.append(cell.id)
+        return {"stopping": stopping}
+
+    # ---- sessions -----------------------------------------------------------------------------
+
+    def _owners(self) -> list[Job | Session]:
+        """Whatever owns a launcher and ranks: jobs and sessions."""
+        return [*self._jobs.values(), *self._sessions.values()]
+
+    def _session(self, session_id: str | None) -> Session:
+        session = self._sessions.get(session_id or "")
+        if session is None or not session.running:
+            raise KeyError(f"no session {session_id!r} is up")
+        return session
+
+    def _cell_session(self, job_id: str | None) -> Session | None:
+        for s in self._sessions.values():
+            if job_id in s.runner.cells:
+                return s
+        return None
+
+    async def _up(self, conn: Connection, msg: dict[str, Any]) -> dict[str, Any]:
+        spec = JobSpec.from_dict(msg["spec"])
+        session_id = str(msg.get("session") or secrets.token_hex(4))
+        if session_id in self._sessions or session_id in self._jobs or not session_id.isalnum():
+            raise ValueError(f"session id {session_id!r} is taken or malformed")
+        assert self._socket_dir is not None
+        session = Session(
+            session_id,
+            spec,
+            env=msg.get("env") or dict(os.environ),
+            send=conn.send,
+            reap=self.reap,
+            orphans=self.orphans,
+            launchers=self._launchers,
+            socket_dir=self._socket_dir,
+        )
+        self._sessions[session_id] = session
+        try:
+            await anyio.to_thread.run_sync(session.prepare)
+        except BaseException:
+            del self._sessions[session_id]
+            raise
+        assert self._tg is not None
+        self._tg.start_soon(session.run)
+        return {"session": session_id, "run_dir": str(session.rd)}
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def _info(job: Job) -> dict[str, Any]:
+    """One job as %elastic jobs lists it."""
+    s = job.summary
+    return {
+        "job": job.id,
+        "state": job.state,
+        "attempt": job.attempt,
+        "world_size": job.spec.world_size,
+        "run_dir": str(job.rd),
+        "created": job.created,
+        "outcome": s["outcome"] if s else None,
+        "wall_s": s["wall_s"] if s else time.time() - job.created,
+    }

@@ -1,0 +1,397 @@
+"""One cell run on a session's ranks: a job of its own for the kernel (its updates, its end, a
+run directory with its source, its records and its summary), whose ranks are the session's.
+
+The cell is sent to every rank over the session's private channel; each rank answers ``ran``
+once its records are in the cell's run directory. What decides the cell, first come first
+served:
+
+* every rank finished it                                        -> succeeded
+* every rank answered and one raised                            -> failed, the session stays
+* a rank raised while others still run it                       -> the others are interrupted
+                                                                   (KeyboardInterrupt); failed
+* a rank finished while another waits in a later collective     -> a desync: the waiting ones
+  (the desync watch, as a job's)                                   are interrupted; failed
+* a rank of the session died                                    -> failed; the session restarts
+* `stop` from the kernel (interrupt, %elastic stop), --timeout  -> the ranks are interrupted;
+                                                                   interrupted / timeout
+
+A rank that does not come back from an interrupt within the grace (stuck inside a collective,
+where no Python runs) is killed: torchelastic then restarts the group and the session replays.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from typing import TYPE_CHECKING, Any, Protocol
+
+import anyio
+
+from elastic_nb.common import protocol
+from elastic_nb.common.rundir import RunDir, read_json, write_json
+from elastic_nb.common.spec import TEARS_DOWN, JobSpec
+from elastic_nb.supervisor.forensics.verdict import RankState, Verdict, analyze
+from elastic_nb.supervisor.ranks.evidence import EvidenceCollector
+from elastic_nb.supervisor.runs import summary
+from elastic_nb.supervisor.runs.diagnosis import (
+    LOOK_LEFT_S,
+    Finding,
+    oom_alert,
+    timeout_finding,
+    watchdog_title,
+    where_finding,
+)
+from elastic_nb.supervisor.runs.reporter import Reporter, Send
+
+if TYPE_CHECKING:
+    from elastic_nb.supervisor.ranks.rank_links import Link
+
+__all__ = ["Decision", "Host", "SessionCell", "failure_words"]
+
+# After the first failure, how long the other ranks' own answers may take before they are
+# interrupted: a cell that raises on every rank (a typo) fails on each of them within
+# milliseconds, and each should be reported with its own error, not as interrupted.
+SETTLE_S = 0.1
+
+
+class Host(Protocol):
+    """What a cell needs of its session while it decides."""
+
+    spec: JobSpec  # the session's: its stop grace
+    rd: RunDir  # the session's: its ranks' stacks and probes
+
+    def ended(self) -> str | None: ...  # why the session ended, once it has
+
+    def attempt_failed(self, attempt: int) -> bool: ...
+
+    def alert(self, kind: str, severity: str, title: str, rank: int | None = None) -> None: ...
+
+    def kill(self, ranks: list[RankState]) -> None: ...
+
+
+# (outcome, reason, when interrupting began, whether the session restarts)
+Decision = tuple[str, str, float | None, bool]
+
+
+class SessionCell:
+    def __init__(
+        self,
+        cell_id: str,
+        spec: JobSpec,
+        source: str,
+        meta: dict[str, Any],
+        payload: bytes | None,
+        send: Send,
+        session_id: str,
+    ) -> None:
+        self.id = cell_id
+        self.spec = spec
+        self.rd = RunDir.of(spec.log_dir, cell_id)
+        self.session_id = session_id
+        self.created = time.time()
+        self.source, self._meta, self._payload = source, meta, payload
+        self.report = Reporter(cell_id, send)
+        self.summary: dict[str, Any] | None = None
+        self.no: int | None = None  # its number in the session, once it runs
+        self.stop_reason: str | None = None  # a stop request's key (summary.STOPS), or timeout
+        self.changed = anyio.Event()  # an answer, a death or a stop: look again
+        self.answers: dict[int, bool] = {}  # rank -> finished (True) or raised (False)
+        self.attempt = 0
+        self.finding: Finding | None = None  # a desync found while it ran
+        self.restarted_to: int | None = None  # the session's attempt after the restart it brought
+        self.watchdog: tuple[int, str, float] | None = None  # NCCL's timeout line: rank, line, when
+        self._oom_told: set[int] = set()  # ranks whose CUDA OOM has had its alert
+
+    @property
+    def running(self) -> bool:
+        return self.summary is None
+
+    @property
+    def first_line(self) -> str:
+        lines = [x for x in self.source.splitlines() if x.strip() and not x.startswith("#")]
+        return lines[0].strip()[:60] if lines else ""
+
+    def prepare(self) -> None:
+        """Its run directory, as a one-off job's (the kernel reads the result from it)."""
+        self.rd.create(self.spec.to_json(), self.source, self._meta, self._payload)
+        self._payload = None
+        self.report.open(self.rd.events)
+        self.report.event("created", session=self.session_id)
+
+    def poke(self) -> None:
+        self.changed.set()
+        self.changed = anyio.Event()
+
+    def request_stop(self, reason: str) -> None:
+        if self.stop_reason is None:
+            self.stop_reason = reason
+            self.report.event("stop", reason=reason)
+            self.poke()
+
+    def on_watchdog(self, rank: int, line: str) -> None:
+        """NCCL's watchdog says this rank's collective timed out (its first such line)."""
+        if self.watchdog is None:
+            self.watchdog = (rank, line, time.time())
+            self.report.event("rank.watchdog", rank=rank, line=line)
+            self.poke()
+
+    def answer(self, rank: int, ok: bool) -> None:
+        self.answers[rank] = ok
+        self.poke()
+
+    # ---- deciding -----------------------------------------------------------------------------
+
+    async def decide(self, links: list[Link], host: Host) -> Decision:
+        """Wait for the ranks' answers, interrupting them on a failure, a stop or --timeout."""
+        grace = host.spec.stop_grace
+        deadline = self.created + self.spec.timeout if self.spec.timeout else math.inf
+        first_failure: float | None = None
+        interrupted: float | None = None
+        collector = EvidenceCollector(host.rd, self.source, self.rd.cell)
+        watch = _DesyncWatch(self, links, collector)
+        watchdog_seen = False
+        told: set[int] = set()  # failed ranks whose records were read for an OOM alert
+        while True:
+            now = time.monotonic()
+            dead = [link.r for link in links if link.r.died_at is not None]
+            ended = host.ended()
+            if ended is not None:
+                return "failed", f"the session ended: {ended}", interrupted, False
+            if dead or host.attempt_failed(self.attempt):
+                r = min(dead, key=lambda x: x.died_at or 0.0) if dead else None
+                why = f"rank {r.rank} {r.failure_summary()}" if r else "a rank died"
+                return "failed", why, interrupted or time.time(), True
+            if self.watchdog is not None and not watchdog_seen:
+                watchdog_seen = True
+                decision = await self._watchdog(links, collector, host)
+                if decision is not None:
+                    return decision
+            failed = sorted(rank for rank, ok in self.answers.items() if not ok)
+            missing = [link for link in links if link.r.rank not in self.answers]
+            if not missing:
+                if not failed:
+                    return "succeeded", "every rank finished the cell", None, False
+                if self.stop_reason is not None:
+                    return (*self.stopped(), interrupted, False)
+                return "failed", self._failed(failed), interrupted, False
+            if time.time() >= deadline:
+                self.request_stop("timeout")
+            if failed and first_failure is None:
+                first_failure = now
+            new = set(failed) - told
+            if new:
+                # A CUDA OOM is told as it happens, not after the restart and replay it brings.
+                self.oom_alerts(self.ranks([x.r for x in links if x.r.rank in new]))
+                told |= new
+            wake = now + (deadline - time.time())
+            if interrupted is None and not failed and not self.stop_reason:
+                wake = min(wake, await watch.look(now))
+            if interrupted is None and (self.stop_reason or failed or self.finding):
+                if self.stop_reason or self.finding or now >= first_failure + SETTLE_S:  # type: ignore[operator]
+                    interrupted = time.time()
+                    self.report.event("interrupt", ranks=[x.r.rank for x in missing])
+                    for link in missing:
+                        await link.send(protocol.INTERRUPT, cell=self.id)
+                    wake = now + grace
+                else:
+                    wake = first_failure + SETTLE_S  # type: ignore[operator]
+            elif interrupted is not None:
+                if time.time() >= interrupted + grace:
+                    return self._stuck(missing, failed, interrupted, host)
+                wake = now + (interrupted + grace - time.time())
+            with anyio.move_on_after(max(0.0, min(wake - now, 1.0))):
+                await self.changed.wait()
+
+    async def _watchdog(
+        self, links: list[Link], collector: EvidenceCollector, host: Host
+    ) -> Decision | None:
+        """A NCCL collective timed out: where every rank is, while all still live. Where NCCL
+        ends the rank after its dump (--async-error-handling 1, 3), the session restarts now
+        (the rank would abort within a minute anyway); otherwise an alert, and the cell goes on
+        (the error may reach it)."""
+        assert self.watchdog is not None
+        rank, line, when = self.watchdog
+        views = self.ranks([link.r for link in links])
+        for r in views:
+            if r.rank == rank:
+                r.watchdog = {"time": when, "line": line}
+        ev = await collector.collect(views)
+        mode = host.spec.async_error_handling
+        if mode not in TEARS_DOWN:
+            found = where_finding(watchdog_title(rank, line, mode), ev)
+            self.report.alert(
+                "collective_timeout", "warning", found.title, rank=found.culprit, text=ev.stacks
+            )
+            return None
+        timed_out = next(r for r in views if r.rank == rank)
+        self.finding = timeout_finding(timed_out, ev, host.spec)
+        self.report.alert(
+            "collective_timeout",
+            "error",
+            self.finding.title,
+            rank=self.finding.culprit,
+            text=ev.stacks,
+        )
+        host.kill([link.r for link in links if link.r.died_at is None])
+        return "failed", self.finding.title, time.time(), True
+
+    def _stuck(
+        self, missing: list[Link], failed: list[int], interrupted: float, host: Host
+    ) -> Decision:
+        """Ranks that did not come back from an interrupt: end them; torchelastic restarts."""
+        stuck = [link.r.rank for link in missing]
+        many = len(stuck) > 1
+        note = (
+            f"rank{'s' if many else ''} {', '.join(map(str, stuck))} could not be interrupted "
+            f"within {host.spec.stop_grace:g} s (inside a collective?) and "
+            f"{'were' if many else 'was'} ended"
+        )
+        host.alert("stuck", "error", note)
+        host.kill([link.r for link in missing])
+        if self.stop_reason:
+            outcome, reason = self.stopped()
+        elif self.finding:
+            outcome, reason = "failed", self.finding.title
+        else:
+            outcome, reason = "failed", failure_words(self, self.attempt, failed)
+        return outcome, f"{reason}; {note}", interrupted, True
+
+    def stopped(self) -> tuple[str, str]:
+        """The outcome a stop request gives: interrupted, stopped or timeout."""
+        reason = self.stop_reason or "user"
+        if reason == "timeout":
+            return "timeout", f"the --timeout of {self.spec.timeout:g} s passed"
+        return summary.STOPS.get(reason, ("stopped", reason))
+
+    def _failed(self, failed: list[int]) -> str:
+        words = self.finding.title if self.finding else failure_words(self, self.attempt, failed)
+        return f"{words}; the session keeps its ranks and state"
+
+    # ---- the verdict -------------------------------------------------------------------------
+
+    def ranks(self, session_ranks: list[RankState]) -> list[RankState]:
+        """The cell's view of each rank: its records in the cell's run directory, its death
+        (if it died) from the session's book."""
+        out = []
+        for s in session_ranks:
+            r = RankState(self.attempt, s.rank, pid=s.pid, started_at=s.started_at)
+            r.done = read_json(self.rd.done(self.attempt, s.rank))
+            if r.done is None:
+                r.failure = read_json(self.rd.failure(self.attempt, s.rank))
+            if s.died_at is not None and r.done is None and r.failure is None:
+                r.died_at, r.exit_code, r.oom_killed = s.died_at, s.exit_code, s.oom_killed
+            out.append(r)
+        return out
+
+    def chips(self, ranks: list[RankState], teardown_at: float | None) -> None:
+        for r in ranks:
+            if r.done is not None:
+                label, state = "finished", "done"
+            elif r.failure is None and r.died_at is None:
+                label, state = "running", "running"
+            else:
+                kind = r.kind(teardown_at)
+                state = "stopped" if kind in ("terminated", "peer") else "failed"
+                label = r.label(teardown_at)
+            chip: dict[str, Any] = {"state": state, "label": label, "attempt": r.attempt}
+            chip["pid"] = r.pid
+            if state in ("failed", "stopped"):
+                chip["detail"] = r.failure_summary()
+            self.report.chip(r.rank, chip)  # type: ignore[arg-type]
+
+    def oom_alerts(self, ranks: list[RankState]) -> None:
+        """An alert for each rank that ran out of CUDA memory, once per rank."""
+        for r in ranks:
+            if r.rank in self._oom_told:
+                continue
+            if r.failure is not None and r.kind(None) == "oom":
+                self._oom_told.add(r.rank)
+                title, text = oom_alert(r)
+                self.report.alert("oom", "error", title, rank=r.rank, text=text)
+
+    def conclude(
+        self,
+        outcome: str,
+        reason: str,
+        ranks: list[RankState],
+        teardown_at: float | None,
+        lines: int,
+    ) -> dict[str, Any]:
+        """The cell's summary, written and returned (the closing alerts are queued)."""
+        behind = self.finding.desync.behind if self.finding and self.finding.desync else None
+        verdict = analyze(ranks, teardown_at, behind, self.spec.nproc) if ranks else None
+        result = summary.summarize(
+            job_id=self.id,
+            spec=self.spec,
+            rd=self.rd,
+            outcome=outcome,
+            reason=reason,
+            verdict=verdict or Verdict(None, None, []),
+            attempt=self.attempt,
+            created=self.created,
+            zombie=False,
+            diagnosis=self.finding.record if self.finding else None,
+            leftovers=[],
+            lines=lines,
+        )
+        result["session"] = self.session_id
+        if self.restarted_to is not None:
+            result["restarts"] = self.restarted_to  # the restart this cell's failure brought
+        self.chips(ranks, teardown_at)
+        for alert in summary.closing_alerts(result, ranks, []):
+            self.report.alert(**alert)
+        self.report.set_state(outcome)
+        with contextlib.suppress(OSError):
+            write_json(self.rd.summary, result)
+        self.report.event("end", outcome=outcome)
+        return dict(result)
+
+
+def failure_words(cell: SessionCell, attempt: int, failed: list[int]) -> str:
+    """The first of the `failed` ranks to raise in the cell: its error and its line."""
+    records = [(rank, read_json(cell.rd.failure(attempt, rank))) for rank in failed]
+    records = [(rank, f) for rank, f in records if f]
+    if not records:
+        return f"rank {failed[0]}"
+    rank, f = min(records, key=lambda x: x[1]["time"])
+    line = f" (cell line {f['cell_line']})" if f.get("cell_line") else ""
+    return f"rank {rank}: {f['type']}: {f['message']}".rstrip(": ") + line
+
+
+class _DesyncWatch:
+    """A desync found the moment it can no longer resolve, as a job's (diagnosis.watch_desync):
+    a rank finished the cell after collective #a of a group while another waits in #a+1 (a
+    skipped backward(), a batch fewer), or two wait in different ops at one number. Looked for
+    once a rank has finished the cell and another still runs it."""
+
+    def __init__(self, cell: SessionCell, links: list[Link], collector: EvidenceCollector) -> None:
+        self._cell, self._links, self._collector = cell, links, collector
+        self._before: dict[int, Any] = {}
+        self._next = 0.0
+
+    async def look(self, now: float) -> float:
+        """Look if it is time; returns when to look next."""
+        cell = self._cell
+        left = [rank for rank, ok in cell.answers.items() if ok]
+        if (
+            cell.finding
+            or not left
+            or len(self._links) < 2
+            or len(cell.answers) == len(self._links)
+        ):
+            return math.inf
+        if now < self._next:
+            return self._next
+        self._next = now + LOOK_LEFT_S
+        ranks = cell.ranks([link.r for link in self._links])
+        self._before, certain = await self._collector.look(ranks, self._before)
+        if certain is not None:
+            ev = await self._collector.collect(ranks)
+            if ev.desync is not None and ev.desync.certain:
+                culprit = ev.desync.behind[0] if ev.desync.behind else None
+                cell.finding = Finding(f"desync: {ev.desync.text}", culprit, ev.desync, ev.stacks)
+                cell.report.alert(
+                    "desync", "error", cell.finding.title, rank=culprit, text=ev.stacks
+                )
+        return self._next

@@ -13,9 +13,9 @@ import comm
 import pytest
 
 from elastic_nb.common import protocol
-from elastic_nb.common.spec import JobSpec
 from elastic_nb.kernel.dashboard import Dashboard, widget
 from elastic_nb.kernel.dashboard.model import ALL_LINES, TAIL_LINES
+from elastic_nb.kernel.flags import job_spec
 from elastic_nb.supervisor.ranks.log_tailer import LogTailer
 
 
@@ -123,7 +123,7 @@ def test_a_flood_costs_one_bounded_message_per_tick(
     """4 ranks x 100,000 lines, fed through the supervisor's own tailer in 20 of its ticks
     (0.1 s apart): the dashboard sends one message per SEND_EVERY_S, whatever the volume."""
     ranks, lines_per_rank, ticks = 4, 100_000, 20
-    dash = Dashboard("cafe0001", str(tmp_path), JobSpec.from_options({"nproc": ranks}))
+    dash = Dashboard("cafe0001", str(tmp_path), job_spec({"nproc": ranks}))
     c = _dashboard_comm(comms)
     tailer = LogTailer()
     files = {}
@@ -187,9 +187,7 @@ def test_a_flood_costs_one_bounded_message_per_tick(
 def test_states_chips_alerts_and_the_attempts_timeline(
     comms: list[RecordingComm], clock: Clock, tmp_path: Path
 ) -> None:
-    dash = Dashboard(
-        "cafe0001", str(tmp_path), JobSpec.from_options({"nproc": 2, "max_restarts": 1})
-    )
+    dash = Dashboard("cafe0001", str(tmp_path), job_spec({"nproc": 2, "max_restarts": 1}))
     c = _dashboard_comm(comms)
     first = c.sent[0]["state"]["snapshot"]
     assert first["header"]["worst_case_s"] == 360.0 and first["header"]["background"] is False
@@ -248,7 +246,7 @@ def test_states_chips_alerts_and_the_attempts_timeline(
 def test_progress_bars_show_their_latest_state(
     comms: list[RecordingComm], clock: Clock, tmp_path: Path
 ) -> None:
-    dash = Dashboard("cafe0001", str(tmp_path), JobSpec.from_options({"nproc": 1}))
+    dash = Dashboard("cafe0001", str(tmp_path), job_spec({"nproc": 1}))
     c = _dashboard_comm(comms)
     dash.update({"logs": [batch(0, 0, "err", [], "epoch 1:  40%|####")]})
     clock.now += 0.2
@@ -271,7 +269,7 @@ def test_buttons_act_only_for_a_running_background_job(
     dash = Dashboard(
         "cafe0001",
         str(tmp_path),
-        JobSpec.from_options({"nproc": 1, "background": True}),
+        job_spec({"nproc": 1, "background": True}),
         on_stop=lambda: clicked.append("stop"),
         on_stacks=lambda: clicked.append("stacks"),
     )
@@ -321,7 +319,7 @@ def test_the_end_leaves_to_the_error_what_the_error_says(
     """A blocking cell raises the failure report right under its dashboard: the alert whose
     detail is that report is marked (closed in the browser), the logs close, and no headline is
     drawn twice; the summary line is printed under the dashboard, not drawn in it."""
-    dash = Dashboard("cafe0001", str(tmp_path), JobSpec.from_options({"nproc": 2}))
+    dash = Dashboard("cafe0001", str(tmp_path), job_spec({"nproc": 2}))
     c = _dashboard_comm(comms)
     summary = _failed(str(tmp_path))
     dash.update({"alerts": _closing_alerts(summary)})
@@ -347,7 +345,7 @@ def test_a_background_job_keeps_its_failure_open(
     comms: list[RecordingComm], tmp_path: Path
 ) -> None:
     """A --bg job's error is raised by job.wait(), elsewhere: its dashboard keeps it all."""
-    spec = JobSpec.from_options({"nproc": 2, "background": True})
+    spec = job_spec({"nproc": 2, "background": True})
     dash = Dashboard("cafe0001", str(tmp_path), spec)
     c = _dashboard_comm(comms)
     summary = _failed(str(tmp_path))
@@ -360,7 +358,7 @@ def test_a_background_job_keeps_its_failure_open(
 def test_the_dashboards_text_is_its_start_line(comms: list[RecordingComm], tmp_path: Path) -> None:
     """What a reader that draws no widgets shows in the dashboard's place (a saved notebook on
     GitHub or nbviewer, nbconvert): the start line, which the cell prints nowhere else."""
-    spec = JobSpec.from_options({"nproc": 2})
+    spec = job_spec({"nproc": 2})
     dash = Dashboard("cafe0001", str(tmp_path), spec)
     data, _ = dash.widget._repr_mimebundle_()
     assert data["text/plain"] == (

@@ -11,8 +11,8 @@ import json
 import psutil
 
 from elastic_nb.common.rundir import RunDir
-from elastic_nb.common.spec import JobSpec
 from elastic_nb.kernel.dashboard.model import ALL_CHARS, TAIL_CHARS, DashboardState
+from elastic_nb.kernel.flags import job_spec
 from elastic_nb.kernel.render_text import MAX_CELL_CHARS, TextRenderer
 from tests.kernel import Execution, Kernel
 
@@ -98,7 +98,7 @@ def test_a_cell_prints_a_bounded_total_then_says_it_stopped() -> None:
 
 
 def test_the_dashboard_holds_a_bounded_number_of_characters(tmp_path) -> None:
-    state = DashboardState("cafe0001", str(tmp_path), JobSpec.from_options({"nproc": 2}))
+    state = DashboardState("cafe0001", str(tmp_path), job_spec({"nproc": 2}))
     for _ in range(20):
         state.apply({"logs": [_flood(0, 200), _flood(1, 200)]})
         delta = state.take_delta()

@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from elastic_nb.kernel.client import runtime_dir
+from elastic_nb.common.registry import runtime_dir
 from tests.kernel import Kernel, assert_job_gone, wait_for
 
 

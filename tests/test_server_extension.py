@@ -22,7 +22,7 @@ import pytest
 from tornado.httpclient import HTTPClientError
 
 from elastic_nb.common import protocol, registry
-from elastic_nb.kernel.client import runtime_dir
+from elastic_nb.common.registry import runtime_dir
 from tests.kernel import Execution, Kernel, assert_job_gone, wait_for
 
 pytest_plugins = ["pytest_jupyter.jupyter_server"]

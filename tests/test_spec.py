@@ -8,12 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from elastic_nb.common.spec import JobSpec, SpecError, preflight
+from elastic_nb.common.spec import JobSpec
 from elastic_nb.kernel import gpus
+from elastic_nb.kernel.flags import SpecError, job_spec, preflight
 
 
 def spec(**options: object) -> JobSpec:
-    return JobSpec.from_options(options, cwd="/tmp", sys_path=["/x"])
+    return job_spec(options, cwd="/tmp", sys_path=["/x"])
 
 
 def test_defaults() -> None:

@@ -17,9 +17,9 @@ import pytest
 
 from elastic_nb.common import protocol
 from elastic_nb.common.errors import SupervisorDied
-from elastic_nb.common.spec import JobSpec
 from elastic_nb.kernel.cell import prepare_cell
 from elastic_nb.kernel.client import GONE, SupervisorClient
+from elastic_nb.kernel.flags import job_spec
 from elastic_nb.kernel.job_handle import JobHandle
 from tests.kernel import assert_job_gone, wait_for
 
@@ -48,7 +48,7 @@ def client() -> Iterator[SupervisorClient]:
 
 
 def submit(client: SupervisorClient, tmp_path: Path, nproc: int, body: str) -> Any:
-    spec = JobSpec.from_options(
+    spec = job_spec(
         {"nproc": str(nproc), "log_dir": str(tmp_path)}, cwd=str(tmp_path), sys_path=sys.path
     )
     cell = prepare_cell(f"--nproc {nproc}", body, {})

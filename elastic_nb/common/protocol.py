@@ -117,6 +117,8 @@ RUN = "run"
 RAN = "ran"
 INTERRUPT = "interrupt"
 BYE = "bye"
+# Where a session's ranks find its socket (set in their environment by the supervisor).
+SESSION_SOCKET_ENV = "ELASTIC_NB_SESSION_SOCKET"
 
 # The launcher reports its agent's monitor loop at most this often; the zombie watchdog's bound
 # is built on it.

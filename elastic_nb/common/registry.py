@@ -1,6 +1,7 @@
 """Where this user's supervisors are: each registers itself beside its socket in the owner-only
 runtime directory (`sup-KERNELPID-HEX.json`) and removes the file when it exits; the server
-extension (elastic_nb.server) reads them.
+extension (elastic_nb.server) reads them. `runtime_dir` is that directory: the kernel's client
+binds its supervisor's socket there.
 
 A registration is stale when its supervisor is gone without removing it (SIGKILL): its pid is
 gone, a zombie, or now another process's (started after the registration was written), or its
@@ -11,16 +12,36 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import stat
+import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import psutil
 
-__all__ = ["Registration", "find", "forget", "register"]
+__all__ = ["Registration", "find", "forget", "register", "runtime_dir"]
 
 # psutil's create_time has a whole-second boot time under it: a process created this much after
 # the registration was written cannot be the supervisor that wrote it.
 _CLOCK_SLACK_S = 2.0
+
+
+def runtime_dir() -> Path:
+    """Owner-only directory for sockets: $XDG_RUNTIME_DIR/elastic_nb or /tmp/elastic_nb-UID."""
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    if base and os.path.isdir(base) and os.access(base, os.W_OK):
+        path = Path(base) / "elastic_nb"
+    else:
+        path = Path(tempfile.gettempdir()) / f"elastic_nb-{os.getuid()}"
+    with contextlib.suppress(FileExistsError):
+        path.mkdir(mode=0o700)
+    st = path.lstat()
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        raise RuntimeError(f"{path} is not a directory owned by this user; refusing to use it")
+    if st.st_mode & 0o077:
+        path.chmod(0o700)
+    return path
 
 
 @dataclass(frozen=True)

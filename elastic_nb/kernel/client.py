@@ -17,16 +17,15 @@ import os
 import queue
 import secrets
 import socket
-import stat
 import subprocess
 import sys
-import tempfile
 import threading
 from pathlib import Path
 from typing import Any
 
 from elastic_nb.common import modules, protocol
 from elastic_nb.common.errors import Refused, SupervisorDied
+from elastic_nb.common.registry import runtime_dir
 from elastic_nb.common.spec import JobSpec
 
 __all__ = [
@@ -56,23 +55,6 @@ def _kernel_id() -> str | None:
     if name.startswith("kernel-") and name.endswith(".json"):
         return name[len("kernel-") : -len(".json")]
     return None
-
-
-def runtime_dir() -> Path:
-    """Owner-only directory for sockets: $XDG_RUNTIME_DIR/elastic_nb or /tmp/elastic_nb-UID."""
-    base = os.environ.get("XDG_RUNTIME_DIR")
-    if base and os.path.isdir(base) and os.access(base, os.W_OK):
-        path = Path(base) / "elastic_nb"
-    else:
-        path = Path(tempfile.gettempdir()) / f"elastic_nb-{os.getuid()}"
-    with contextlib.suppress(FileExistsError):
-        path.mkdir(mode=0o700)
-    st = path.lstat()
-    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
-        raise RuntimeError(f"{path} is not a directory owned by this user; refusing to use it")
-    if st.st_mode & 0o077:
-        path.chmod(0o700)
-    return path
 
 
 class SupervisorClient:

@@ -1,44 +1,36 @@
-"""A flag's raw value (a string, or strings for a repeatable flag, as argparse gives them) turned
-into the value a `JobSpec` holds, or a `SpecError` that names the flag and says what it takes."""
+"""Flags into one `JobSpec`: each raw value (a string, or strings for a repeatable flag, as
+argparse gives them) parsed into the value the spec holds, the whole validated (`job_spec`), and
+what only this machine can answer checked before anything launches (`preflight`: a writable log
+directory, a free rendezvous port). Every refusal is a `SpecError` that names the flag and says
+what it takes."""
 
 from __future__ import annotations
 
+import errno
+import importlib.util
 import ipaddress
 import os
 import re
 import socket
-from collections.abc import Mapping
+import sys
+import tempfile
+from collections.abc import Iterable, Mapping
 from typing import Any
 
+from elastic_nb.common.spec import MANAGED_ENV, JobSpec
 from elastic_nb.kernel import gpus
-from elastic_nb.kernel.options import ASYNC_ERROR_HANDLING
+from elastic_nb.kernel.options import ASYNC_ERROR_HANDLING, DEFAULTS
+
+__all__ = ["SpecError", "default_log_dir", "job_spec", "preflight"]
+
+START_METHODS = ("spawn", "forkserver")
+RDZV_BACKENDS = ("c10d", "static")
 
 
 class SpecError(ValueError):
     """A flag value that cannot launch a job; the message names the flag and the fix."""
 
 
-# Variables torchelastic or elastic_nb set for every rank; a user value would break the launch.
-MANAGED_ENV = frozenset(
-    {
-        "RANK",
-        "LOCAL_RANK",
-        "GROUP_RANK",
-        "ROLE_RANK",
-        "ROLE_NAME",
-        "WORLD_SIZE",
-        "LOCAL_WORLD_SIZE",
-        "GROUP_WORLD_SIZE",
-        "ROLE_WORLD_SIZE",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-        "TORCHELASTIC_RESTART_COUNT",
-        "TORCHELASTIC_MAX_RESTARTS",
-        "TORCHELASTIC_RUN_ID",
-        "TORCHELASTIC_USE_AGENT_STORE",
-        "TORCHELASTIC_ERROR_FILE",
-    }
-)
 MANAGED_PREFIX = "ELASTIC_NB_"
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
@@ -186,3 +178,139 @@ def parse_env(value: Any) -> dict[str, str]:
                 f"--env {key}=...: {key} is set by the launcher for every rank and cannot be overridden"
             )
     return env
+
+
+def default_log_dir() -> str:
+    """Run directories live under the user's cache directory unless --log-dir says otherwise."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "elastic_nb", "runs")
+
+
+def job_spec(
+    options: Mapping[str, Any],
+    *,
+    cwd: str | None = None,
+    sys_path: Iterable[str] = (),
+) -> JobSpec:
+    """A spec from raw option values (strings or lists of strings, as argparse gives).
+
+    Unknown keys are a programming error; missing keys take `DEFAULTS`.
+    """
+    unknown = set(options) - set(DEFAULTS)
+    if unknown:
+        raise TypeError(f"unknown job options: {sorted(unknown)}")
+    o = {**DEFAULTS, **options}
+    cwd = os.path.abspath(cwd or os.getcwd())
+
+    env = parse_env(o["env"])
+    nproc = parse_nproc(o["nproc"], {**os.environ, **env})
+    check_single_node(str(o["nnodes"]), str(o["rdzv_endpoint"]))
+    max_restarts = parse_int("--max-restarts", o["max_restarts"], minimum=0)
+    monitor_interval = parse_seconds("--monitor-interval", o["monitor_interval"])
+    if monitor_interval > 10:
+        raise SpecError(
+            f"--monitor-interval {monitor_interval:g}: the agent checks its ranks this often; "
+            "above 10 s failures go unnoticed for too long"
+        )
+    start_method = str(o["start_method"])
+    if start_method == "fork":
+        raise SpecError(
+            "--start-method fork is not offered: the launcher process has asked torch about "
+            "CUDA, and forking after that breaks CUDA in the ranks; use spawn or forkserver"
+        )
+    if start_method not in START_METHODS:
+        raise SpecError(f"--start-method {start_method}: choose one of {', '.join(START_METHODS)}")
+    rdzv_backend = str(o["rdzv_backend"])
+    if rdzv_backend not in RDZV_BACKENDS:
+        raise SpecError(
+            f"--rdzv-backend {rdzv_backend}: single-node jobs rendezvous with "
+            f"{' or '.join(RDZV_BACKENDS)}"
+        )
+    rdzv_endpoint = parse_endpoint(str(o["rdzv_endpoint"]))
+    if rdzv_backend == "static" and rdzv_endpoint.rsplit(":", 1)[1] == "0":
+        raise SpecError("--rdzv-backend static needs a fixed port: --rdzv-endpoint localhost:PORT")
+    rdzv_id = o["rdzv_id"]
+    if rdzv_id is not None and not re.fullmatch(r"[A-Za-z0-9_.\-]+", str(rdzv_id)):
+        raise SpecError(f"--rdzv-id {rdzv_id!r}: use letters, digits, '.', '_' and '-'")
+    pull_rank = parse_int("--pull-rank", o["pull_rank"], minimum=0)
+    if pull_rank >= nproc:
+        raise SpecError(f"--pull-rank {pull_rank}: the job has ranks 0..{nproc - 1}")
+    push = parse_names("--push", o["push"])
+    preload = parse_names("--preload", o["preload"], dotted=True)
+    pull = parse_names("--pull", o["pull"])
+    log_dir = o["log_dir"] or default_log_dir()
+    log_dir = os.path.abspath(os.path.join(cwd, os.path.expanduser(str(log_dir))))
+    return JobSpec(
+        nproc=nproc,
+        max_restarts=max_restarts,
+        monitor_interval=monitor_interval,
+        start_method=start_method,
+        rdzv_backend=rdzv_backend,
+        rdzv_endpoint=rdzv_endpoint,
+        rdzv_id=None if rdzv_id is None else str(rdzv_id),
+        rdzv_conf=parse_pairs("--rdzv-conf", o["rdzv_conf"], split_commas=True),
+        env=env,
+        timeout=parse_optional_seconds("--timeout", o["timeout"]),
+        collective_timeout=parse_optional_seconds("--collective-timeout", o["collective_timeout"]),
+        heartbeat_timeout=parse_seconds("--heartbeat-timeout", o["heartbeat_timeout"]),
+        async_error_handling=parse_async_error_handling(o["async_error_handling"]),
+        hang_after=parse_optional_seconds("--hang-after", o["hang_after"]),
+        push=push,
+        pull=pull,
+        pull_rank=pull_rank,
+        widgets=bool(o["widgets"]),
+        background=bool(o["background"]),
+        log_dir=log_dir,
+        warm=bool(o["warm"]),
+        preload=preload,
+        cwd=cwd,
+        sys_path=tuple(sys_path),
+        replay=bool(o["replay"]),
+        one_off=bool(o["one_off"]),
+    )
+
+
+def preflight(spec: JobSpec) -> None:
+    """Check what only this machine can answer, so a bad setting fails before any launch."""
+    if importlib.util.find_spec("torch") is None:
+        raise SpecError(
+            f"torch is not installed for this kernel's Python ({sys.executable}); the ranks "
+            "need it: pip install torch"
+        )
+    for module in spec.preload:
+        if importlib.util.find_spec(module.split(".")[0]) is None:  # no import: it may be heavy
+            raise SpecError(f"--preload {module}: no such module for {sys.executable}")
+    _check_writable_dir(spec.log_dir)
+    host, port = spec.rdzv_endpoint.rsplit(":", 1)
+    if int(port):
+        _check_port_free(host.strip("[]"), int(port))
+
+
+def _check_writable_dir(path: str) -> None:
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-check-"):
+            pass
+    except OSError as e:
+        raise SpecError(f"--log-dir {path}: cannot write there ({e.strerror or e})") from None
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """Refuse a busy rendezvous port: torch's c10d treats a busy local port as a store some
+    other agent hosts and would try to join it instead of failing (rendezvous/c10d_rendezvous_backend)."""
+    families = [socket.AF_INET] + ([socket.AF_INET6] if socket.has_ipv6 else [])
+    for family in families:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            # The store binds with SO_REUSEADDR; mirror it so TIME_WAIT leftovers don't count.
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("::" if family == socket.AF_INET6 else "", port))
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    raise SpecError(
+                        f"--rdzv-endpoint {host}:{port}: port {port} is already in use; "
+                        "pick a free port or use localhost:0 to let the launcher choose"
+                    ) from None
+                if e.errno == errno.EADDRNOTAVAIL:  # no IPv6 on this host
+                    continue
+                raise

@@ -51,9 +51,10 @@ from IPython.core.magic_arguments import argument, argument_group, magic_argumen
 from IPython.display import display
 
 from elastic_nb.common.errors import Refused
-from elastic_nb.common.spec import JobSpec, SpecError, preflight
+from elastic_nb.common.spec import JobSpec
 from elastic_nb.kernel.cell import explicit_timeouts, prepare_cell
 from elastic_nb.kernel.client import current_client, get_client
+from elastic_nb.kernel.flags import SpecError, job_spec, preflight
 from elastic_nb.kernel.job_handle import JobHandle, Renderer
 from elastic_nb.kernel.listings import jobs_table, print_logs
 from elastic_nb.kernel.options import OPTIONS, Option, add_arguments
@@ -101,7 +102,7 @@ class ElasticMagics(Magics):
 
     def _spec(self, options: dict[str, Any]) -> JobSpec:
         try:
-            return JobSpec.from_options(
+            return job_spec(
                 {**self.session_defaults, **options}, cwd=os.getcwd(), sys_path=sys.path
             )
         except SpecError as e:

@@ -1,8 +1,8 @@
 """Every flag of ``%%elastic``, declared once: its spellings, default, help and group.
 
-The magic's parser, ``%elastic config``, `DEFAULTS` (what `JobSpec.from_options` starts from) and
+The magic's parser, ``%elastic config``, `DEFAULTS` (what `flags.job_spec` starts from) and
 the README's flag table (tests/test_options.py compares them) all come from `OPTIONS`. Defaults
-are raw, as a flag would give them; `spec.JobSpec.from_options` parses and validates them.
+are raw, as a flag would give them; `flags.job_spec` parses and validates them.
 """
 
 from __future__ import annotations

@@ -38,14 +38,12 @@ from elastic_nb.rank import bootstrap
 
 __all__ = ["serve"]
 
-SOCKET_ENV = "ELASTIC_NB_SESSION_SOCKET"
-
 
 def serve(run_dir: str, env: dict[str, str], start_env: dict[str, str]) -> bool:
     """Run the session's cells in this rank until the supervisor says bye (or goes)."""
     me = bootstrap.prepare(run_dir, env, start_env)
     bootstrap.refuse_a_bad_fork()  # before any cell: this rank's restarts would all fail alike
-    channel = _Channel(os.environ[SOCKET_ENV])
+    channel = _Channel(os.environ[protocol.SESSION_SOCKET_ENV])
     channel.send(protocol.RANK_HELLO, rank=me.rank, attempt=me.attempt, pid=os.getpid())
     while True:
         msg = channel.next()

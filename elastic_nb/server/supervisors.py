@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from elastic_nb.common import protocol, registry
-from elastic_nb.kernel.client import runtime_dir
+from elastic_nb.common.registry import runtime_dir
 
 __all__ = ["Supervisor", "SupervisorError", "find"]
 

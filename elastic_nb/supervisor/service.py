@@ -25,7 +25,7 @@ from anyio.abc import SocketListener, SocketStream, TaskGroup
 from elastic_nb.common import procs, protocol, registry
 from elastic_nb.common.spec import JobSpec
 from elastic_nb.supervisor.processes.launcher_pool import LauncherPool
-from elastic_nb.supervisor.runs import overview
+from elastic_nb.supervisor import overview
 from elastic_nb.supervisor.runs.job import Job
 from elastic_nb.supervisor.sessions.session import Session
 from elastic_nb.supervisor.sessions.session_cell import SessionCell

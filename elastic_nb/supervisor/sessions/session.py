@@ -34,7 +34,6 @@ from anyio.abc import TaskGroup
 from elastic_nb.common import procs, protocol
 from elastic_nb.common.rundir import RunDir, write_json
 from elastic_nb.common.spec import JobSpec
-from elastic_nb.rank.session_loop import SOCKET_ENV
 from elastic_nb.supervisor.forensics.verdict import NCCL_TIMEOUT_MARKS, TORCH_LOG_NOISE, RankState
 from elastic_nb.supervisor.processes.launcher_pool import Launcher, LauncherPool
 from elastic_nb.supervisor.processes.process_tree import ProcessTree
@@ -177,7 +176,7 @@ class Session:
             listener = await anyio.create_unix_listener(self.socket_path)
             os.chmod(self.socket_path, 0o600)
             launcher = await self._launchers.take(self.spec, self._env)
-            env = {**self._env, SOCKET_ENV: str(self.socket_path)}
+            env = {**self._env, protocol.SESSION_SOCKET_ENV: str(self.socket_path)}
             line = launcher.assign(self.id, str(self.rd), env)
             self._launcher = launcher
             self._tree = ProcessTree(self.id, launcher.proc, self._orphans)

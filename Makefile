@@ -26,6 +26,7 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed $(CHROMIUM)
 	$(BIN)/ruff check elastic_nb tests scripts benchmarks
+	$(BIN)/mypy
 	ELASTIC_NB_CHROMIUM=$(CHROMIUM) $(BIN)/python -m pytest
 
 # pip builds the JupyterLab extension (labextension/, with jupyter-builder's jlpm) and needs node for

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from elastic_nb.common.rundir import RunDir
-from elastic_nb.supervisor.forensics import stacks as forensics
+from elastic_nb.supervisor.forensics import stacks
 from elastic_nb.supervisor.forensics.collectives import (
     History,
     Op,
@@ -19,7 +19,7 @@ from elastic_nb.supervisor.forensics.collectives import (
     read_nccl_dump,
     stalled,
 )
-from elastic_nb.supervisor.forensics.stacks import desync_verdict
+from elastic_nb.supervisor.forensics.desync import desync_verdict
 
 DATA = Path(__file__).parent / "data" / "fr"
 _spec = importlib.util.spec_from_file_location("record", DATA / "record.py")
@@ -264,8 +264,8 @@ def test_an_async_nccl_rank_waits_in_its_oldest_unfinished_collective() -> None:
         f'Current thread 0x1 (most recent call first):\n  File "{CELL}", line 9 in <module>\n'
     )
     where = {
-        0: forensics.where_from_dump(0, sleeping.replace("line 9", "line 7"), CELL, "p0"),
-        1: forensics.where_from_dump(1, sleeping, CELL, "p1"),
+        0: stacks.where_from_dump(0, sleeping.replace("line 9", "line 7"), CELL, "p0"),
+        1: stacks.where_from_dump(1, sleeping, CELL, "p1"),
     }
     d = desync_verdict(where, CELL, [], hs)
     assert d is not None and not d.certain and d.behind == [1]

@@ -254,7 +254,7 @@ def test_stacks_on_request(tmp_path: Path) -> None:
             ),
             timeout=60,
         )
-        text = c.request("stacks", job=job.id)["text"]
+        text = c.stacks(job.id)
         assert "rank 0 · cell line 5: time.sleep(0.1)" in text
         assert "rank 1 · cell line 5: time.sleep(0.1)" in text
         c.stop(job.id)

@@ -84,3 +84,119 @@ def test_the_package_has_no_import_cycle() -> None:
 
 def test_the_walker_sees_a_cycle() -> None:
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+
+
+# ---- the walls between processes ------------------------------------------------------------
+
+# Who may import whom, by the folder of the process that runs a module: a module may import its
+# own folder and the folders listed. The package's root (__init__) is the kernel's entry point
+# (load_ipython_extension); rank/ is imported by the launcher (its entry points) and never
+# imports the kernel or the supervisor.
+WALLS = {
+    "elastic_nb": {"common", "kernel"},
+    "common": set(),
+    "kernel": {"common"},
+    "rank": {"common"},
+    "launcher": {"common", "rank"},
+    "supervisor": {"common"},
+    "server": {"common"},
+}
+# Inside the supervisor: pure judgements import no part that does I/O; the parts that own
+# processes and learn from ranks do not know jobs or sessions; the service knows everything.
+SUPERVISOR_WALLS = {
+    "forensics": {"ranks.rank_state"},
+    "ranks": {"forensics", "processes.node"},
+    # a node reports the agent as the zombie watchdog judges it
+    "processes": {"ranks.rank_state", "forensics.watchdogs"},
+    "runs": {"forensics", "ranks", "processes"},
+    "sessions": {"forensics", "ranks", "processes", "runs"},
+    "service": {"forensics", "ranks", "processes", "runs", "sessions", "overview"},
+    "overview": {"ranks", "runs", "sessions"},
+    "__main__": {"service"},
+}
+
+
+def _folder(mod: str) -> str:
+    parts = mod.split(".")
+    return parts[1] if len(parts) > 1 else "elastic_nb"
+
+
+def _allowed(src: str, dst: str) -> bool:
+    a, b = _folder(src), _folder(dst)
+    if b == "elastic_nb":
+        return False  # the root is an entry point, not a library
+    if a == b and a != "supervisor":
+        return True
+    if b not in WALLS[a] and a != b:
+        return False
+    if a == "supervisor" == b:
+        inner_a = src.split(".")[2] if src.count(".") >= 2 else "__init__"
+        inner_b = ".".join(dst.split(".")[2:]) or "__init__"
+        if inner_a == inner_b.split(".")[0] or inner_b == "__init__":
+            return True
+        allowed = SUPERVISOR_WALLS.get(inner_a, set())
+        return any(inner_b == x or inner_b.startswith(x + ".") for x in allowed)
+    return True
+
+
+def test_no_import_crosses_a_process_wall() -> None:
+    graph = import_graph()
+    crossing = sorted(
+        f"{src} -> {dst}" for src, dsts in graph.items() for dst in dsts if not _allowed(src, dst)
+    )
+    assert not crossing, "imports across a wall:\n" + "\n".join(crossing)
+
+
+def test_the_walls_catch_a_crossing() -> None:
+    assert not _allowed("elastic_nb.rank.bootstrap", "elastic_nb.kernel.flags")
+    assert not _allowed("elastic_nb.common.spec", "elastic_nb.kernel.flags")
+    assert not _allowed("elastic_nb.server.supervisors", "elastic_nb.kernel.client")
+    assert not _allowed("elastic_nb.supervisor.sessions.session", "elastic_nb.rank.session_loop")
+    assert not _allowed("elastic_nb.supervisor.forensics.verdict", "elastic_nb.supervisor.runs.job")
+    assert not _allowed("elastic_nb.supervisor.runs.job", "elastic_nb.supervisor.sessions.session")
+    assert _allowed("elastic_nb.supervisor.runs.job", "elastic_nb.supervisor.ranks.rank_book")
+    assert _allowed("elastic_nb.launcher.agent", "elastic_nb.rank.bootstrap")
+
+
+def test_only_the_process_parts_of_the_supervisor_touch_processes() -> None:
+    """Every per-rank OS operation goes through a node (supervisor/processes/node.py): no other
+    part of the supervisor imports process ownership (common.procs) or psutil."""
+    touching = []
+    for mod, path in _modules().items():
+        if not mod.startswith("elastic_nb.supervisor.") or ".processes" in mod:
+            continue
+        if mod == "elastic_nb.supervisor.service":
+            continue  # the supervisor's own process: subreaper, its kernel's lifeline
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [f"{node.module}.{a.name}" for a in node.names]
+            if any(n == "psutil" or n.endswith("common.procs") for n in names):
+                touching.append(mod)
+    assert not touching, (
+        f"supervisor modules that touch processes directly: {sorted(set(touching))}"
+    )
+
+
+def test_module_names_that_travel_as_strings_come_from_one_place_and_import() -> None:
+    import importlib
+
+    from elastic_nb.common import modules
+
+    for name in modules.NAMED:
+        importlib.import_module(name)
+    strays = []
+    for mod, path in _modules().items():
+        if mod == "elastic_nb.common.modules":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Constant)
+                and isinstance(node.value, str)
+                and node.value.startswith("elastic_nb.")
+                and " " not in node.value
+            ):
+                strays.append(f"{mod}: {node.value}")
+    assert not strays, f"module names as strings outside common/modules.py: {strays}"

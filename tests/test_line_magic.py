@@ -73,13 +73,13 @@ def test_stop_from_another_client(kernel: Kernel) -> None:
     kernel.collect(msg_id, ex, timeout=60, until=lambda e: e.stdout.count("up") == 2)
     with socket.socket(socket.AF_UNIX) as s:
         s.connect(socket_path)
-        s.sendall(protocol.encode(protocol.HELLO, version=protocol.VERSION, role="tool"))
-        s.sendall(protocol.encode(protocol.STOP, req=1, job=ex.job_id, reason="user"))
+        s.sendall(protocol.encode({"kind": "hello", "version": protocol.VERSION, "role": "tool"}))
+        s.sendall(protocol.encode({"kind": "stop", "req": 1, "job": ex.job_id, "reason": "user"}))
         decoder = protocol.FrameDecoder()
         replies = []
         while len(replies) < 2:
             replies.extend(m for m, _ in decoder.feed(s.recv(65536)))
-    assert replies[1] == {"kind": "reply", "req": 1, "ok": True, "stopping": [ex.job_id]}
+    assert replies[1] == {"kind": "reply", "req": 1, "ok": True, "data": {"stopping": [ex.job_id]}}
     kernel.collect(msg_id, ex, timeout=30)
     assert ex.ename == "JobStopped"
     assert "stopped with %elastic stop" in ex.error["evalue"]

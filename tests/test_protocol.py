@@ -9,10 +9,10 @@ from elastic_nb.common import protocol
 
 def test_frames_with_and_without_blobs_survive_any_split() -> None:
     stream = (
-        protocol.encode("a", x=1)
-        + protocol.encode("b", b"\x00\n\xffblob\n", y="two")
-        + protocol.encode("c", b"")
-        + protocol.encode("d")
+        protocol.encode({"kind": "a", "x": 1})  # type: ignore[typeddict-unknown-key]
+        + protocol.encode({"kind": "b", "y": "two"}, b"\x00\n\xffblob\n")  # type: ignore[typeddict-unknown-key]
+        + protocol.encode({"kind": "c"}, b"")  # type: ignore[arg-type]
+        + protocol.encode({"kind": "d"})  # type: ignore[arg-type]
     )
     for cut in range(1, len(stream)):
         decoder = protocol.FrameDecoder()
@@ -39,3 +39,27 @@ def test_hello_checks_the_version() -> None:
     protocol.check_hello({"kind": "hello", "version": protocol.VERSION})
     with pytest.raises(protocol.ProtocolError, match="restart the kernel"):
         protocol.check_hello({"kind": "hello", "version": protocol.VERSION + 1})
+
+
+def test_each_channel_takes_only_its_own_messages_whole() -> None:
+    """A reader takes a frame through its channel's parser: a kind the channel does not carry,
+    a field missing or of the wrong type is a ProtocolError, not a KeyError deep inside."""
+    start = {"kind": "start", "attempt": 0, "rank": 1, "pid": 42}
+    assert protocol.launcher_news(start) == start
+    with pytest.raises(protocol.ProtocolError, match="unexpected message kind 'start'"):
+        protocol.kernel_request(start)
+    with pytest.raises(protocol.ProtocolError, match="start without pid"):
+        protocol.launcher_news({"kind": "start", "attempt": 0, "rank": 1})
+    with pytest.raises(protocol.ProtocolError, match="rank is not a int"):
+        protocol.launcher_news({**start, "rank": "1"})
+    with pytest.raises(protocol.ProtocolError, match="rank is not a int"):
+        protocol.launcher_news({**start, "rank": True})  # JSON's true is no rank number
+    # Optional fields may be absent, and a None where the type allows it.
+    assert protocol.kernel_news({"kind": "update", "job": "cafe0001"})
+    exit_ = {"kind": "exit", "attempt": 0, "rank": 0, "pid": 7, "code": None}
+    assert protocol.launcher_news(exit_) == exit_
+    hello = {"kind": "rank_hello", "rank": 0, "attempt": 0, "pid": 9}
+    assert protocol.rank_news(hello) == hello
+    with pytest.raises(protocol.ProtocolError):
+        protocol.rank_news({"kind": "run", "cell": "x", "run_dir": "/"})  # the supervisor's word
+    assert protocol.session_order({"kind": "bye"}) == {"kind": "bye"}

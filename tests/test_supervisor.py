@@ -105,7 +105,7 @@ def test_a_bad_connection_is_dropped_and_the_supervisor_serves_on(
     client: SupervisorClient, tmp_path: Path
 ) -> None:
     for garbage in (
-        protocol.encode(protocol.JOBS, req=1),  # a request before hello
+        protocol.encode({"kind": "jobs", "req": 1}),  # a request before hello
         b'{"kind": "hello", "blob": -5}\n',  # a frame that is not one
         b"\xff\xfe not json at all\n",
     ):
@@ -147,7 +147,7 @@ def test_a_supervisor_that_does_not_answer_is_abandoned(tmp_path: Path) -> None:
     try:
         os.kill(c.pid, signal.SIGSTOP)
         with pytest.raises(SupervisorDied, match="did not answer"):
-            c.request(protocol.STATUS, timeout=1.0)
+            c.request({"kind": "status", "req": c.next_req()}, timeout=1.0)
         assert not c.alive
     finally:
         os.kill(c.pid, signal.SIGCONT)
@@ -217,4 +217,4 @@ def test_an_unreadable_frame_drops_the_connection_and_says_why() -> None:
     assert "could not read" in c.gone_reason and "not a frame" in c.gone_reason
     assert theirs.recv(1) == b""  # the kernel dropped its end: the supervisor sees EOF
     with pytest.raises(SupervisorDied, match="could not read"):
-        c.request(protocol.STATUS, timeout=1)
+        c.request({"kind": "status", "req": 1}, timeout=1)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import signal
 
-from elastic_nb.supervisor.forensics import stacks as forensics
+from elastic_nb.supervisor.forensics import stacks
 from elastic_nb.supervisor.forensics.collectives import History, Op
-from elastic_nb.supervisor.forensics.verdict import RankState, analyze
+from elastic_nb.supervisor.forensics.desync import desync_verdict
+from elastic_nb.supervisor.forensics.verdict import analyze
+from elastic_nb.supervisor.ranks.rank_state import RankState
 
 
 def failure(
@@ -129,9 +131,9 @@ DUMP_SLEEPING = f"""Current thread 0x00007f0000000003 (most recent call first):
 
 
 def test_a_dump_is_read_from_the_thread_that_runs_the_cell() -> None:
-    w = forensics.where_from_dump(0, DUMP_IN_ALL_REDUCE, CELL, "/d/rank-0.stacks")
+    w = stacks.where_from_dump(0, DUMP_IN_ALL_REDUCE, CELL, "/d/rank-0.stacks")
     assert w.collective() == "all_reduce" and w.cell_frame(CELL).line == 7
-    text = forensics.format_stacks({0: w}, CELL, [f"line {i}" for i in range(1, 11)])
+    text = stacks.format_stacks({0: w}, CELL, [f"line {i}" for i in range(1, 11)])
     assert text.splitlines() == [
         "rank 0 · waiting in all_reduce · cell line 7: line 7",
         "    distributed_c10d.py:3252 in all_reduce",
@@ -143,15 +145,15 @@ def test_a_dump_is_read_from_the_thread_that_runs_the_cell() -> None:
 
 def test_desync_names_the_rank_outside_the_collective() -> None:
     where = {
-        0: forensics.where_from_dump(0, DUMP_IN_ALL_REDUCE, CELL, "p0"),
-        1: forensics.where_from_dump(1, DUMP_SLEEPING, CELL, "p1"),
-        2: forensics.where_from_dump(2, DUMP_IN_ALL_REDUCE, CELL, "p2"),
+        0: stacks.where_from_dump(0, DUMP_IN_ALL_REDUCE, CELL, "p0"),
+        1: stacks.where_from_dump(1, DUMP_SLEEPING, CELL, "p1"),
+        2: stacks.where_from_dump(2, DUMP_IN_ALL_REDUCE, CELL, "p2"),
     }
     in_flight = Op("0", 2, "all_reduce", done=False)
     histories = {
         r: History(r, last={"0": 2}, ops={("0", 2): in_flight}, known=True) for r in (0, 2)
     }
-    d = forensics.desync_verdict(where, CELL, [], histories)
+    d = desync_verdict(where, CELL, [], histories)
     assert d is not None and d.behind == [1] and d.waiting == [0, 2]
     assert d.text == (
         "rank 1 never entered all_reduce #2 (cell line 7): it was at cell line 4 in helper; "
@@ -160,10 +162,10 @@ def test_desync_names_the_rank_outside_the_collective() -> None:
 
 
 def test_every_rank_in_the_same_collective_is_not_a_desync() -> None:
-    where = {r: forensics.where_from_dump(r, DUMP_IN_ALL_REDUCE, CELL, "p") for r in (0, 1)}
-    d = forensics.desync_verdict(where, CELL, [])
+    where = {r: stacks.where_from_dump(r, DUMP_IN_ALL_REDUCE, CELL, "p") for r in (0, 1)}
+    d = desync_verdict(where, CELL, [])
     assert d is not None and d.behind == [] and "none was missing" in d.text
-    assert forensics.desync_verdict({0: forensics.RankWhere(0, "finished")}, CELL, []) is None
+    assert desync_verdict({0: stacks.RankWhere(0, "finished")}, CELL, []) is None
 
 
 def test_a_rank_in_ddps_all_reduce_waits_though_its_stack_shows_no_collective() -> None:
@@ -173,13 +175,13 @@ def test_a_rank_in_ddps_all_reduce_waits_though_its_stack_shows_no_collective() 
         'File "/torch/autograd/graph.py", line 979 in _engine_run_backward',
     ).replace('File "/torch/distributed/c10d_logger.py", line 83 in wrapper', "")
     where = {
-        0: forensics.where_from_dump(0, in_backward, CELL, "p0"),
-        1: forensics.where_from_dump(1, DUMP_SLEEPING, CELL, "p1"),
+        0: stacks.where_from_dump(0, in_backward, CELL, "p0"),
+        1: stacks.where_from_dump(1, DUMP_SLEEPING, CELL, "p1"),
     }
     assert where[0].collective() is None
     op = Op("0", 9, "all_reduce", done=False)
     h = {0: History(0, last={"0": 9}, ops={("0", 9): op}, known=True)}
-    d = forensics.desync_verdict(where, CELL, [], h)
+    d = desync_verdict(where, CELL, [], h)
     assert d is not None and not d.certain and d.behind == [1]
     assert d.text.startswith("rank 1 never entered all_reduce #9 (cell line 7)")
 
@@ -192,7 +194,7 @@ def test_a_traceback_gives_the_same_frames_as_a_dump() -> None:
         '  File "/torch/distributed/distributed_c10d.py", line 3252, in all_reduce\n'
         "RuntimeError: Timed out waiting 5000ms\n"
     )
-    w = forensics.where_from_record(0, {"traceback": tb})
+    w = stacks.where_from_record(0, {"traceback": tb})
     assert w.collective() == "all_reduce" and w.cell_frame(CELL).line == 7
 
 
@@ -268,14 +270,14 @@ def test_a_rank_whose_position_is_unknown_is_not_behind() -> None:
     """A stack taken while the rank was raising (no cell frame yet, no record yet): it may have
     been on its way into the collective; blaming it made a timeout a false desync."""
     where = {
-        0: forensics.RankWhere(0, "live", note="its stack has no cell frame"),
-        1: forensics.where_from_dump(1, DUMP_IN_ALL_REDUCE, CELL, "p1"),
+        0: stacks.RankWhere(0, "live", note="its stack has no cell frame"),
+        1: stacks.where_from_dump(1, DUMP_IN_ALL_REDUCE, CELL, "p1"),
     }
-    d = forensics.desync_verdict(where, CELL, [])
+    d = desync_verdict(where, CELL, [])
     assert d is not None and d.behind == [] and d.waiting == [1]
     assert d.text == "rank 1 waited in all_reduce (cell line 7); where rank 0 was is unknown"
-    where[2] = forensics.where_from_dump(2, DUMP_SLEEPING, CELL, "p2")  # seen elsewhere: behind
-    assert forensics.desync_verdict(where, CELL, []).behind == [2]  # type: ignore[union-attr]
+    where[2] = stacks.where_from_dump(2, DUMP_SLEEPING, CELL, "p2")  # seen elsewhere: behind
+    assert desync_verdict(where, CELL, []).behind == [2]  # type: ignore[union-attr]
 
 
 def test_a_socket_error_of_the_cells_own_is_not_a_dead_peer() -> None:

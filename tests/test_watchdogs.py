@@ -3,8 +3,8 @@ test_forensics.py)."""
 
 from __future__ import annotations
 
-from elastic_nb.supervisor.forensics.verdict import RankState
 from elastic_nb.supervisor.forensics.watchdogs import stuck_agent
+from elastic_nb.supervisor.ranks.rank_state import RankState
 
 BOUND = 1.5
 
@@ -18,7 +18,7 @@ def judge(ranks: list[RankState], now: float = 10.0, **kw: object) -> object:
         last_tick=now,
         ticking=True,
         launcher_stopped=False,
-        unreaped=lambda pid: True,
+        unreaped=lambda r: True,
     )
     args.update(kw)
     return stuck_agent(ranks, ranks, **args)  # type: ignore[arg-type]
@@ -28,14 +28,14 @@ def test_a_rank_dead_and_unreaped_past_the_bound() -> None:
     dead = RankState(0, 1, pid=11, died_at=8.0, gone_at=8.0, exit_code=-6)
     why, zombie = judge([RankState(0, 0, pid=10), dead])  # type: ignore[misc]
     assert why == "rank 1 died 2.0 s ago and is still unreaped" and zombie is dead
-    assert judge([RankState(0, 0, pid=10), dead], unreaped=lambda pid: False) is None
+    assert judge([RankState(0, 0, pid=10), dead], unreaped=lambda r: False) is None
     assert judge([RankState(0, 0, pid=10), dead], now=9.0) is None  # within the bound
     assert judge([RankState(0, 0, pid=10), dead], teardown_at=7.0) is None  # we stopped it
 
 
 def test_every_rank_done_and_gone_but_no_return() -> None:
     done = [RankState(0, r, pid=r, done={"time": 1}, died_at=7.0, gone_at=7.0) for r in (0, 1)]
-    why, zombie = judge(done, unreaped=lambda pid: False)  # type: ignore[misc]
+    why, zombie = judge(done, unreaped=lambda r: False)  # type: ignore[misc]
     assert why.startswith("every rank finished the cell and exited 3.0 s ago") and zombie is None
 
 
@@ -55,4 +55,4 @@ def test_a_step_of_the_wall_clock_is_not_a_stuck_agent() -> None:
     dead = RankState(0, 1, pid=11, died_at=8.0 - 3600, gone_at=9.8, exit_code=1)
     assert judge([RankState(0, 0, pid=10), dead]) is None
     done = [RankState(0, r, pid=r, done={"time": 1}, died_at=-3600.0, gone_at=9.9) for r in (0, 1)]
-    assert judge(done, unreaped=lambda pid: False) is None
+    assert judge(done, unreaped=lambda r: False) is None

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from elastic_nb.common import report
+from elastic_nb.common.protocol import Summary
 
 __all__ = ["CellError", "ElasticError", "JobFailed", "JobStopped", "JobTimeout", "SupervisorDied"]
 
@@ -48,7 +47,7 @@ class CellError(ElasticError):
 class JobFailed(ElasticError):
     """A rank failed (or the launcher did); the message names the rank that failed first."""
 
-    def __init__(self, summary: dict[str, Any]) -> None:
+    def __init__(self, summary: Summary) -> None:
         super().__init__(report.failure_headline(summary))
         self.summary = summary
 
@@ -81,7 +80,7 @@ class JobTimeout(JobFailed):
 class JobStopped(ElasticError):
     """The job was stopped from outside the cell (%elastic stop, another client)."""
 
-    def __init__(self, summary: dict[str, Any]) -> None:
+    def __init__(self, summary: Summary) -> None:
         super().__init__(f"job {summary['job']} was stopped: {summary['reason']}")
         self.summary = summary
 

@@ -54,7 +54,7 @@ def patch_process_group_store() -> None:
     about to host, then lets torch build its store exactly as it would have.
     """
     # importlib: ``torch.distributed.rendezvous`` as an attribute is the function of that name.
-    rendezvous = importlib.import_module("torch.distributed.rendezvous")
+    rendezvous: Any = importlib.import_module("torch.distributed.rendezvous")
     original = rendezvous._create_c10d_store
     if getattr(original, "_elastic_nb_loopback", False):
         return
@@ -77,7 +77,7 @@ def patch_process_group_store() -> None:
         finally:
             del server  # torch's store holds the server from here on
 
-    _create_c10d_store._elastic_nb_loopback = True  # type: ignore[attr-defined]
+    setattr(_create_c10d_store, "_elastic_nb_loopback", True)  # noqa: B010 - a mark torch never reads
     rendezvous._create_c10d_store = _create_c10d_store
 
 
@@ -129,5 +129,5 @@ def _loopback_interface() -> str:
 
     for name, addrs in psutil.net_if_addrs().items():
         if any(a.family == socket.AF_INET and a.address == HOST for a in addrs):
-            return name
+            return str(name)
     return "lo"

@@ -21,7 +21,6 @@ import psutil
 __all__ = [
     "MARKER",
     "SLOT",
-    "describe_exit",
     "job_processes",
     "kill_job",
     "mark_process",
@@ -29,7 +28,6 @@ __all__ = [
     "reap_orphans",
     "set_child_subreaper",
     "signal_group",
-    "signal_name",
     "zombie_exit_code",
 ]
 
@@ -236,21 +234,6 @@ def oom_kills() -> int | None:
     return None
 
 
-def signal_name(signum: int) -> str:
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"
-
-
-def describe_exit(code: int | None) -> str:
-    if code is None:
-        return "exited (status unknown)"
-    if code < 0:
-        return f"killed by {signal_name(-code)}"
-    return f"exited with code {code}"
-
-
 def set_child_subreaper() -> None:
     """Orphans of our launchers (ranks whose launcher was killed) become our children, so we
     can reap them instead of leaving zombies to an init that may not."""
@@ -282,7 +265,7 @@ def orphans(keep: Iterable[int] = ()) -> list[psutil.Process]:
 def reap_orphans(keep: Iterable[int] = ()) -> list[int]:
     """Reap our zombie children except ``keep`` (children whose Popen object reaps them)."""
     keep = set(keep)
-    reaped = []
+    reaped: list[int] = []
     try:
         children = psutil.Process().children()
     except psutil.Error:

@@ -11,7 +11,7 @@ base64. Every message of the kernel channel is checked against `VERSION` at the 
 
 Kernel -> supervisor                      Supervisor -> kernel
   hello {version, kernel_pid}               hello {version, pid}
-  submit {req, spec, cell} + blob           reply {req, ok, ...}   (to every request)
+  submit {req, spec, cell} + blob           reply {req, ok, data}  (to every request)
   stop {req, job, reason}                   update {job, ...}      (<= 10 per second per job)
   jobs {req}                                end {job, summary}     (once per job, last)
   status {req}
@@ -44,9 +44,13 @@ Launcher -> supervisor
   tick {t}                                  agent monitor loop is alive (every TICK_EVERY_S)
   result {ok, error?}                       elastic_launch returned or raised
 
-The records inside those messages (an update's alerts, rank chips and log batches, the end's
-summary) are the TypedDicts below: one definition for the supervisor that writes them and the
-handle, the text renderer and the dashboard that read them.
+Every message kind is a TypedDict below (its `kind` a literal): senders build one, mypy checks
+it, and a reader takes a frame only through the parser of its channel (`kernel_request`,
+`kernel_news`, `launcher_news`, `rank_news`, `session_order`), which refuses a kind that channel
+does not carry and a message whose fields are missing or of the wrong type (ProtocolError). The
+records inside messages (an update's alerts, rank chips and log batches, the end's summary) are
+TypedDicts too: one definition for the supervisor that writes them and the handle, the text
+renderer and the dashboard that read them.
 
 Rank <-> supervisor, in a session (a Unix socket per session, in the owner-only socket directory;
 never torch's TCPStore, which has no authentication)
@@ -66,8 +70,10 @@ from __future__ import annotations
 
 import json
 import signal
+import types
+import typing
 from collections.abc import Iterator
-from typing import Any, TypedDict
+from typing import Any, Final, Literal, TypedDict, Union
 
 __all__ = [
     "VERSION",
@@ -75,48 +81,54 @@ __all__ = [
     "Chip",
     "FrameDecoder",
     "LogBatch",
+    "Message",
     "ProtocolError",
     "Summary",
     "encode",
+    "kernel_news",
+    "kernel_request",
+    "launcher_news",
+    "rank_news",
+    "session_order",
     "summary",
 ]
 
-VERSION = 3  # 2: log batches are records; 3: sessions
+VERSION = 4  # 2: log batches are records; 3: sessions; 4: typed messages, a reply's data
 
 # kernel -> supervisor
-HELLO = "hello"
+HELLO: Final = "hello"
 ROLE_KERNEL = "kernel"  # hello's role: the kernel's lifeline
 ROLE_PANEL = "panel"  # hello's role: the server extension, a request at a time
-SUBMIT = "submit"
-STOP = "stop"
-JOBS = "jobs"
-STATUS = "status"
-STACKS = "stacks"
-WARM = "warm"
-UP = "up"
-DOWN = "down"
-SESSION = "session"
+SUBMIT: Final = "submit"
+STOP: Final = "stop"
+JOBS: Final = "jobs"
+STATUS: Final = "status"
+STACKS: Final = "stacks"
+WARM: Final = "warm"
+UP: Final = "up"
+DOWN: Final = "down"
+SESSION: Final = "session"
 # the JupyterLab panel (the server extension) -> supervisor; any other request above works too
-OVERVIEW = "overview"  # every job, session and session cell, as the panel lists them
-EVENTS = "events"  # what a job's renderer was sent, since a sequence number
+OVERVIEW: Final = "overview"  # every job, session and session cell, as the panel lists them
+EVENTS: Final = "events"  # what a job's renderer was sent, since a sequence number
 # supervisor -> kernel
-REPLY = "reply"
-UPDATE = "update"
-END = "end"
+REPLY: Final = "reply"
+UPDATE: Final = "update"
+END: Final = "end"
 # launcher -> supervisor
-READY = "ready"
-RENDEZVOUS = "rendezvous"
-START = "start"
-EXIT = "exit"
-EXITS = "exits"
-TICK = "tick"
-RESULT = "result"
+READY: Final = "ready"
+RENDEZVOUS: Final = "rendezvous"
+START: Final = "start"
+EXIT: Final = "exit"
+EXITS: Final = "exits"
+TICK: Final = "tick"
+RESULT: Final = "result"
 # supervisor <-> a session's ranks
-RANK_HELLO = "rank_hello"
-RUN = "run"
-RAN = "ran"
-INTERRUPT = "interrupt"
-BYE = "bye"
+RANK_HELLO: Final = "rank_hello"
+RUN: Final = "run"
+RAN: Final = "ran"
+INTERRUPT: Final = "interrupt"
+BYE: Final = "bye"
 # Where a session's ranks find its socket (set in their environment by the supervisor).
 SESSION_SOCKET_ENV = "ELASTIC_NB_SESSION_SOCKET"
 
@@ -139,15 +151,15 @@ PROBE_FULL = "full"
 _MAX_HEADER = 16 * 1024 * 1024
 _MAX_BLOB = 1 << 40
 
-Message = dict[str, Any]
+Frame = dict[str, Any]  # a decoded frame, before its channel's parser has checked it
 
 
 class ProtocolError(RuntimeError):
     """The other side sent something that is not a frame of this protocol."""
 
 
-def encode(kind: str, blob: bytes | None = None, **fields: Any) -> bytes:
-    header: Message = {"kind": kind, **fields}
+def encode(msg: Message, blob: bytes | None = None) -> bytes:
+    header: dict[str, Any] = dict(msg)
     if blob is not None:
         header["blob"] = len(blob)
     line = json.dumps(header, separators=(",", ":"), default=str).encode() + b"\n"
@@ -159,9 +171,9 @@ class FrameDecoder:
 
     def __init__(self) -> None:
         self._buf = bytearray()
-        self._pending: Message | None = None  # header waiting for its blob
+        self._pending: Frame | None = None  # header waiting for its blob
 
-    def feed(self, data: bytes) -> Iterator[tuple[Message, bytes | None]]:
+    def feed(self, data: bytes) -> Iterator[tuple[Frame, bytes | None]]:
         self._buf += data
         while True:
             if self._pending is not None:
@@ -197,7 +209,7 @@ class FrameDecoder:
             yield msg, None
 
 
-def check_hello(msg: Message) -> None:
+def check_hello(msg: Hello) -> None:
     if msg.get("kind") != HELLO:
         raise ProtocolError(f"expected hello, got {msg.get('kind')!r}")
     if msg.get("version") != VERSION:
@@ -295,4 +307,310 @@ def summary(job: str, outcome: str, reason: str, **known: Any) -> Summary:
     if unknown:
         raise TypeError(f"not summary keys: {sorted(unknown)}")
     s.update(known)
-    return Summary(**s)  # type: ignore[typeddict-item]
+    return typing.cast(Summary, s)
+
+
+# ---- messages -------------------------------------------------------------------------------
+
+
+class _Hello(TypedDict):
+    kind: Literal["hello"]
+    version: int
+
+
+class Hello(_Hello, total=False):
+    """Both ways on the kernel channel: the kernel's (role, kernel_pid), the supervisor's (pid),
+    or its refusal (error)."""
+
+    role: str
+    kernel_pid: int
+    pid: int
+    error: str
+
+
+class CellSource(TypedDict):
+    source: str
+    meta: dict[str, Any]
+
+
+class Submit(TypedDict):
+    kind: Literal["submit"]
+    req: int
+    job: str
+    spec: dict[str, Any]
+    cell: CellSource
+    env: dict[str, str]
+    session: str | None
+
+
+class Stop(TypedDict):
+    kind: Literal["stop"]
+    req: int
+    job: str | None
+    reason: str
+
+
+class Jobs(TypedDict):
+    kind: Literal["jobs"]
+    req: int
+
+
+class Status(TypedDict):
+    kind: Literal["status"]
+    req: int
+
+
+class Stacks(TypedDict):
+    kind: Literal["stacks"]
+    req: int
+    job: str | None
+
+
+class Warm(TypedDict):
+    kind: Literal["warm"]
+    req: int
+    on: bool
+
+
+class Up(TypedDict):
+    kind: Literal["up"]
+    req: int
+    session: str
+    spec: dict[str, Any]
+    env: dict[str, str]
+
+
+class _Down(TypedDict):
+    kind: Literal["down"]
+    req: int
+    session: str
+
+
+class Down(_Down, total=False):
+    reason: str
+
+
+class SessionInfo(TypedDict):
+    kind: Literal["session"]
+    req: int
+    session: str
+
+
+class Overview(TypedDict):
+    kind: Literal["overview"]
+    req: int
+
+
+class Events(TypedDict):
+    kind: Literal["events"]
+    req: int
+    job: str
+    since: int
+
+
+class _Reply(TypedDict):
+    kind: Literal["reply"]
+    req: int | None
+    ok: bool
+    data: dict[str, Any]
+
+
+class Reply(_Reply, total=False):
+    """To every request: ok and the request's data, or not ok and why."""
+
+    error: str
+
+
+class _Update(TypedDict):
+    kind: Literal["update"]
+    job: str
+
+
+class Update(_Update, total=False):
+    """What changed in a job since its last update (at most ten a second)."""
+
+    state: str
+    attempt: int
+    ranks: dict[str, Chip]
+    alerts: list[Alert]
+    logs: list[LogBatch]
+
+
+class End(TypedDict):
+    kind: Literal["end"]
+    job: str
+    summary: Summary
+
+
+class Ready(TypedDict):
+    kind: Literal["ready"]
+    pid: int
+
+
+class Rendezvous(TypedDict):
+    kind: Literal["rendezvous"]
+    attempt: int
+    seconds: float
+
+
+class Start(TypedDict):
+    kind: Literal["start"]
+    attempt: int
+    rank: int
+    pid: int
+
+
+class Exit(TypedDict):
+    kind: Literal["exit"]
+    attempt: int
+    rank: int
+    pid: int
+    code: int | None
+
+
+class Exits(TypedDict):
+    kind: Literal["exits"]
+    attempt: int
+    codes: dict[str, int | None]  # rank (JSON keys are strings) -> exit code, -N = signal N
+
+
+class Tick(TypedDict):
+    kind: Literal["tick"]
+    t: float
+
+
+class _Result(TypedDict):
+    kind: Literal["result"]
+    ok: bool
+
+
+class Result(_Result, total=False):
+    error: str
+    failures: dict[str, Any]
+
+
+class RankHello(TypedDict):
+    kind: Literal["rank_hello"]
+    rank: int
+    attempt: int
+    pid: int
+
+
+class Run(TypedDict):
+    kind: Literal["run"]
+    cell: str
+    run_dir: str
+
+
+class Ran(TypedDict):
+    kind: Literal["ran"]
+    cell: str
+    ok: bool
+
+
+class Interrupt(TypedDict):
+    kind: Literal["interrupt"]
+    cell: str
+
+
+class Bye(TypedDict):
+    kind: Literal["bye"]
+
+
+# What each channel carries; a reader takes a frame only through its channel's parser.
+KernelRequest = (
+    Hello
+    | Submit
+    | Stop
+    | Jobs
+    | Status
+    | Stacks
+    | Warm
+    | Up
+    | Down
+    | SessionInfo
+    | Overview
+    | Events
+)
+KernelNews = Hello | Reply | Update | End
+LauncherNews = Ready | Rendezvous | Start | Exit | Exits | Tick | Result
+RankNews = RankHello | Ran
+SessionOrder = Run | Interrupt | Bye
+Message = KernelRequest | KernelNews | LauncherNews | RankNews | SessionOrder
+
+
+def kernel_request(frame: Frame) -> KernelRequest:
+    """A frame on the supervisor's socket (the kernel's or the panel's), checked."""
+    return typing.cast(KernelRequest, _check(frame, KernelRequest))
+
+
+def kernel_news(frame: Frame) -> KernelNews:
+    """A frame from the supervisor, as its kernel (or the panel) reads it, checked."""
+    return typing.cast(KernelNews, _check(frame, KernelNews))
+
+
+def launcher_news(frame: Frame) -> LauncherNews:
+    """A frame on a launcher's pipe, checked."""
+    return typing.cast(LauncherNews, _check(frame, LauncherNews))
+
+
+def rank_news(frame: Frame) -> RankNews:
+    """A frame from a session's rank, checked."""
+    return typing.cast(RankNews, _check(frame, RankNews))
+
+
+def session_order(frame: Frame) -> SessionOrder:
+    """A frame from the supervisor, as a session's rank reads it, checked."""
+    return typing.cast(SessionOrder, _check(frame, SessionOrder))
+
+
+_KINDS: dict[object, dict[str, type]] = {}
+
+
+def _check(frame: Frame, channel: object) -> Frame:
+    """The frame if it is one of the channel's messages with every field it needs, of its type
+    (checked as deep as a field's declared type goes: records inside a message are the
+    writer's, JSON keeps their shape); else ProtocolError."""
+    kinds = _KINDS.get(channel)
+    if kinds is None:
+        kinds = _KINDS[channel] = {
+            typing.get_args(typing.get_type_hints(t)["kind"])[0]: t
+            for t in typing.get_args(channel)
+        }
+    kind = frame.get("kind")
+    cls = kinds.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise ProtocolError(f"unexpected message kind {kind!r} on this channel")
+    hints = typing.get_type_hints(cls)
+    missing = sorted(cls.__required_keys__ - set(frame))  # type: ignore[attr-defined]
+    if missing:
+        raise ProtocolError(f"{kind} without {', '.join(missing)}")
+    for key, hint in hints.items():
+        if key in frame and key != "kind" and not _fits(frame[key], hint):
+            raise ProtocolError(f"{kind}: {key} is not a {_name(hint)}: {frame[key]!r:.80}")
+    return frame
+
+
+def _fits(value: Any, hint: Any) -> bool:
+    origin = typing.get_origin(hint)
+    if hint is Any:
+        return True
+    if origin in (Union, types.UnionType):
+        return any(_fits(value, h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint in (str, bool):
+        return isinstance(value, hint)
+    if origin is dict or (isinstance(hint, type) and issubclass(hint, dict)):
+        return isinstance(value, dict)  # a record: its writer's shape
+    if origin is list:
+        return isinstance(value, list)
+    return True
+
+
+def _name(hint: Any) -> str:
+    return getattr(hint, "__name__", None) or str(hint)

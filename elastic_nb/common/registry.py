@@ -95,7 +95,7 @@ def _alive(reg: Registration) -> bool:
         p = psutil.Process(reg.pid)
         if p.status() == psutil.STATUS_ZOMBIE:  # exited, not yet reaped by its kernel
             return False
-        return p.create_time() <= reg.started + _CLOCK_SLACK_S
+        return bool(p.create_time() <= reg.started + _CLOCK_SLACK_S)
     except psutil.NoSuchProcess:
         return False
     except psutil.AccessDenied:

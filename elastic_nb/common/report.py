@@ -1,5 +1,5 @@
-"""The words elastic_nb uses to report a job: its start line, the one-line summary and the
-failure report.
+"""The words elastic_nb uses to report a job: its start line, the one-line summary, the
+failure report, and how a process ended.
 
 Both renderers (text and widgets) and the exception a failed cell raises say the same thing, from
 the spec a job starts with and the summary the supervisor sends when it ends.
@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 
 from elastic_nb.common.protocol import Summary
 
 __all__ = [
     "CAUSE_HINTS",
+    "describe_exit",
     "failure_headline",
     "failure_report",
+    "signal_name",
     "start_line",
     "summary_line",
 ]
@@ -92,14 +95,14 @@ def failure_report(s: Summary) -> list[str]:
     if hint:
         lines.append(f"cause: {s['cause']} ({hint})")
     record = f.get("record") if f else None
-    if record:
+    if f and record:
         lines.append("")
         lines.append(f"--- rank {f['rank']} (attempt {f['attempt']}) ---")
         lines.extend(_cell_traceback(record["traceback"], s["run_dir"]).rstrip("\n").splitlines())
-    elif s.get("launcher_log_tail"):
+    elif tail := s.get("launcher_log_tail"):
         lines.append("")
         lines.append("--- launcher.log (last lines) ---")
-        lines.extend(s["launcher_log_tail"].splitlines())
+        lines.extend(tail.splitlines())
     diagnosis = s.get("diagnosis") or {}
     if diagnosis.get("stacks"):
         lines.append("")
@@ -129,3 +132,18 @@ def _cell_traceback(text: str, run_dir: str) -> str:
     parent = re.escape(os.path.dirname(run_dir))
     earlier = re.compile(rf'File "{parent}/([0-9a-f]{{8}})/cell\.py", line ')
     return earlier.sub(r"%%elastic cell of job \1, line ", text)
+
+
+def signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def describe_exit(code: int | None) -> str:
+    if code is None:
+        return "exited (status unknown)"
+    if code < 0:
+        return f"killed by {signal_name(-code)}"
+    return f"exited with code {code}"

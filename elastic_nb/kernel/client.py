@@ -121,28 +121,33 @@ class SupervisorClient:
         self._sock.connect(self.socket_path)  # queued in the backlog until the supervisor accepts
         self._sock.settimeout(HELLO_TIMEOUT_S)
         hello_msg = protocol.encode(
-            protocol.HELLO,
-            version=protocol.VERSION,
-            role=protocol.ROLE_KERNEL,
-            kernel_pid=os.getpid(),
+            protocol.Hello(
+                kind=protocol.HELLO,
+                version=protocol.VERSION,
+                role=protocol.ROLE_KERNEL,
+                kernel_pid=os.getpid(),
+            )
         )
         self._sock.sendall(hello_msg)
         decoder = protocol.FrameDecoder()
-        hello = None
+        frame = None
         with contextlib.suppress(OSError):
-            while hello is None:
+            while frame is None:
                 data = self._sock.recv(1 << 16)
                 if not data:
                     break
-                hello = next((msg for msg, _ in decoder.feed(data)), None)
-        if hello is None:
+                frame = next((f for f, _ in decoder.feed(data)), None)
+        if frame is None:
             raise SupervisorDied(
                 f"the elastic_nb supervisor did not start; its log says:\n{self._log_tail()}"
             )
+        hello = protocol.kernel_news(frame)
+        if hello["kind"] != protocol.HELLO:
+            raise SupervisorDied(f"the elastic_nb supervisor said {hello['kind']!r} first")
         if hello.get("error"):
-            raise SupervisorDied(hello["error"])
+            raise SupervisorDied(str(hello.get("error")))
         protocol.check_hello(hello)
-        self.pid = int(hello["pid"])
+        self.pid = hello.get("pid", 0)
         self._sock.settimeout(None)
         self._reader = threading.Thread(
             target=self._read, args=(decoder,), name="elastic_nb-client", daemon=True
@@ -175,8 +180,8 @@ class SupervisorClient:
                 data = self._sock.recv(1 << 16)
                 if not data:
                     break
-                for msg, _ in decoder.feed(data):
-                    self._dispatch(msg)
+                for frame, _ in decoder.feed(data):
+                    self._dispatch(protocol.kernel_news(frame))
         except protocol.ProtocolError as e:
             # The stream cannot be trusted past this point: drop it (the supervisor then stops
             # this kernel's jobs and exits) and say why, rather than go silent.
@@ -192,14 +197,13 @@ class SupervisorClient:
             for q in [*self._pending.values(), *self._subscribers.values()]:
                 q.put(GONE)
 
-    def _dispatch(self, msg: dict[str, Any]) -> None:
-        kind = msg["kind"]
-        if kind == protocol.REPLY:
-            q = self._pending.pop(msg.get("req", -1), None)
+    def _dispatch(self, msg: protocol.KernelNews) -> None:
+        if msg["kind"] == protocol.REPLY:
+            q = self._pending.pop(msg["req"] or -1, None)
             if q is not None:
                 q.put(msg)
-        elif kind in (protocol.UPDATE, protocol.END):
-            q = self._subscribers.get(msg.get("job", ""))
+        elif msg["kind"] == protocol.UPDATE or msg["kind"] == protocol.END:
+            q = self._subscribers.get(msg["job"])
             if q is not None:
                 q.put(msg)
 
@@ -225,22 +229,28 @@ class SupervisorClient:
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
 
-    def send(self, kind: str, blob: bytes | None = None, **fields: Any) -> None:
+    def next_req(self) -> int:
+        """The number of the next request (its reply carries it back)."""
+        return next(self._req)
+
+    def send(self, msg: protocol.KernelRequest) -> None:
         """Fire and forget (a stop while the cell is being interrupted)."""
-        self._write(protocol.encode(kind, blob, req=next(self._req), **fields))
+        self._write(protocol.encode(msg))
 
     def request(
         self,
-        kind: str,
+        msg: protocol.KernelRequest,
         blob: bytes | None = None,
         timeout: float = REQUEST_TIMEOUT_S,
-        **fields: Any,
     ) -> dict[str, Any]:
-        req = next(self._req)
+        """Send a request (made with `next_req`) and wait for its reply; returns the reply's
+        data, or raises Refused with the supervisor's reason."""
+        kind = msg["kind"]
+        req = msg["req"] if msg["kind"] != protocol.HELLO else 0
         q: queue.Queue[Any] = queue.Queue(1)
         self._pending[req] = q
         try:
-            self._write(protocol.encode(kind, blob, req=req, **fields))
+            self._write(protocol.encode(msg, blob))
             reply = q.get(timeout=timeout)
         except queue.Empty:
             # A supervisor that does not answer cannot be trusted with the next job either.
@@ -256,9 +266,10 @@ class SupervisorClient:
                 f"the elastic_nb supervisor is gone: {self.gone_reason}; its log says:\n"
                 f"{self._log_tail()}"
             )
-        if not reply.get("ok"):
+        if not reply["ok"]:
             raise Refused(kind, str(reply.get("error")))
-        return reply
+        data: dict[str, Any] = reply["data"]
+        return data
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -289,54 +300,74 @@ class SupervisorClient:
             # Writing a large --push payload to disk is part of the request: its time is not
             # the supervisor's slowness (about 200 MB/s here; a minute more per 10 GB).
             timeout = REQUEST_TIMEOUT_S + len(payload or b"") / SLOW_DISK_BYTES_PER_S
-            self.request(
-                protocol.SUBMIT,
-                payload,
-                timeout=timeout,
+            submit = protocol.Submit(
+                kind=protocol.SUBMIT,
+                req=self.next_req(),
                 job=job_id,
                 spec=spec.to_dict(),
-                cell={"source": source, "meta": meta},
+                cell=protocol.CellSource(source=source, meta=meta),
                 env=dict(os.environ),
                 session=session,
             )
+            self.request(submit, payload, timeout=timeout)
         except KeyboardInterrupt:
             with contextlib.suppress(SupervisorDied):
-                self.send(protocol.STOP, job=job_id, reason="interrupt")
+                self.send_stop(job_id, "interrupt")
             raise
 
     def up(self, session_id: str, spec: JobSpec) -> dict[str, Any]:
         """Start a session (subscribe to `session_id` first: its updates and end come as a
         job's). An interrupt that lands before the reply still ends it."""
+        up = protocol.Up(
+            kind=protocol.UP,
+            req=self.next_req(),
+            session=session_id,
+            spec=spec.to_dict(),
+            env=dict(os.environ),
+        )
         try:
-            return self.request(
-                protocol.UP, session=session_id, spec=spec.to_dict(), env=dict(os.environ)
-            )
+            return self.request(up)
         except KeyboardInterrupt:
             with contextlib.suppress(SupervisorDied):
-                self.send(protocol.DOWN, session=session_id)
+                self.send(
+                    protocol.Down(kind=protocol.DOWN, req=self.next_req(), session=session_id)
+                )
             raise
 
     def down(self, session_id: str) -> None:
-        self.request(protocol.DOWN, session=session_id)
+        self.request(protocol.Down(kind=protocol.DOWN, req=self.next_req(), session=session_id))
 
     def session(self, session_id: str) -> dict[str, Any]:
-        return self.request(protocol.SESSION, session=session_id)
+        return self.request(
+            protocol.SessionInfo(kind=protocol.SESSION, req=self.next_req(), session=session_id)
+        )
 
     def stop(self, job_id: str | None = None, reason: str = "user") -> list[str]:
-        return self.request(protocol.STOP, job=job_id, reason=reason)["stopping"]
+        stop = protocol.Stop(kind=protocol.STOP, req=self.next_req(), job=job_id, reason=reason)
+        stopping: list[str] = self.request(stop)["stopping"]
+        return stopping
+
+    def send_stop(self, job_id: str, reason: str) -> None:
+        """Stop a job without waiting for the answer (the cell is being interrupted)."""
+        self.send(protocol.Stop(kind=protocol.STOP, req=self.next_req(), job=job_id, reason=reason))
 
     def stacks(self, job_id: str | None = None) -> str:
         """Every rank's stack, now, of the job (the latest running one by default)."""
-        return self.request(protocol.STACKS, job=job_id)["text"]
+        msg = protocol.Stacks(kind=protocol.STACKS, req=self.next_req(), job=job_id)
+        text: str = self.request(msg)["text"]
+        return text
 
     def keep_warm(self, on: bool) -> None:
-        self.request(protocol.WARM, on=on)
+        self.request(protocol.Warm(kind=protocol.WARM, req=self.next_req(), on=on))
 
     def jobs(self) -> list[dict[str, Any]]:
-        return self.request(protocol.JOBS)["jobs"]
+        jobs: list[dict[str, Any]] = self.request(
+            protocol.Jobs(kind=protocol.JOBS, req=self.next_req())
+        )["jobs"]
+        return jobs
 
     def status(self) -> dict[str, Any]:
-        return self.request(protocol.STATUS)
+        return self.request(protocol.Status(kind=protocol.STATUS, req=self.next_req()))
 
 
 _client: SupervisorClient | None = None

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 from elastic_nb.common import procs, protocol
 from elastic_nb.common.errors import ElasticError, JobFailed, JobStopped, JobTimeout, SupervisorDied
+from elastic_nb.common.protocol import Summary
 from elastic_nb.common.rundir import RunDir
 from elastic_nb.common.spec import JobSpec
 from elastic_nb.kernel.client import GONE, SupervisorClient
@@ -45,7 +46,7 @@ class Renderer(Protocol):
 
     def update(self, msg: dict[str, Any]) -> None: ...
     def flush(self) -> None: ...
-    def end(self, summary: dict[str, Any]) -> None: ...
+    def end(self, summary: Summary) -> None: ...
 
 
 class JobHandle:
@@ -62,7 +63,7 @@ class JobHandle:
         self.session = session
         self.ranks_run_dir = str(RunDir.of(spec.log_dir, session)) if session else self.run_dir
         self.spec = spec
-        self.summary: dict[str, Any] | None = None
+        self.summary: Summary | None = None
         self.namespace: dict[str, Any] | None = None  # where --pull objects land
         self.widget: Any = None  # the dashboard that shows it, where there is one
         self._client = client
@@ -204,7 +205,7 @@ class JobHandle:
             target=context.run, args=(run,), name=f"elastic_nb-job-{self.id}", daemon=True
         ).start()
 
-    def follow(self, renderer: Renderer) -> dict[str, Any]:
+    def follow(self, renderer: Renderer) -> Summary:
         """Feed the job's events to `renderer` until it ends; return its summary.
 
         A KeyboardInterrupt (the kernel's interrupt) stops the job, waits for it to be gone
@@ -238,7 +239,7 @@ class JobHandle:
         # The supervisor's teardown: SIGTERM, the job's grace, SIGKILL; usually well under 1 s.
         return max(STOP_TIMEOUT_S, self.spec.stop_grace + 2.0)
 
-    def _follow(self, renderer: Renderer) -> dict[str, Any]:
+    def _follow(self, renderer: Renderer) -> Summary:
         interrupted = False
         deadline: float | None = None
         while self.summary is None:
@@ -262,7 +263,7 @@ class JobHandle:
                 interrupted = True
                 deadline = time.monotonic() + self.stop_timeout
                 with contextlib.suppress(SupervisorDied):
-                    self._client.send(protocol.STOP, job=self.id, reason="interrupt")
+                    self._client.send_stop(self.id, "interrupt")
         if interrupted:
             raise KeyboardInterrupt
         assert self.summary is not None
@@ -290,7 +291,7 @@ class JobHandle:
     def _stop_and_wait(self, outcome: str, reason: str) -> None:
         """Stop the job without a renderer; bounded, and the processes are gone afterwards."""
         with contextlib.suppress(SupervisorDied):
-            self._client.send(protocol.STOP, job=self.id, reason=reason)
+            self._client.send_stop(self.id, reason)
         deadline = time.monotonic() + self.stop_timeout
         with contextlib.suppress(SupervisorDied):
             while self.summary is None and time.monotonic() < deadline:

@@ -46,11 +46,13 @@ import sys
 from typing import Any
 
 from IPython.core.error import UsageError
+from IPython.core.interactiveshell import InteractiveShell
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, argument_group, magic_arguments, parse_argstring
 from IPython.display import display
 
 from elastic_nb.common.errors import Refused
+from elastic_nb.common.protocol import Summary
 from elastic_nb.common.spec import JobSpec
 from elastic_nb.kernel.cell import explicit_timeouts, prepare_cell
 from elastic_nb.kernel.client import current_client, get_client
@@ -95,10 +97,15 @@ class ElasticMagics(Magics):
             return self._line(line)
         return self._cell(line, cell)
 
+    def _shell(self) -> InteractiveShell:
+        assert self.shell is not None, "the magics are registered with a shell"
+        return self.shell
+
     # ---- %%elastic --------------------------------------------------------------------------
 
     def _options(self, argv_line: str) -> dict[str, Any]:
-        return vars(parse_argstring(self.elastic, argv_line))
+        options: dict[str, Any] = vars(parse_argstring(self.elastic, argv_line))
+        return options
 
     def _spec(self, options: dict[str, Any]) -> JobSpec:
         try:
@@ -121,9 +128,8 @@ class ElasticMagics(Magics):
                 print(NO_SESSION_NO_REPLAY, file=sys.stderr)
             session = None
         spec = self._spec(options)
-        prepared = prepare_cell(
-            line, cell, self.shell.user_ns, self.shell.user_ns_hidden, spec.push
-        )
+        shell = self._shell()
+        prepared = prepare_cell(line, cell, shell.user_ns, shell.user_ns_hidden, spec.push)
         try:
             preflight(spec)
         except SpecError as e:
@@ -145,7 +151,7 @@ class ElasticMagics(Magics):
             prepared.payload,
             session.id if session is not None else None,
         )
-        job.namespace = self.shell.user_ns
+        job.namespace = self._shell().user_ns
         self.jobs[job.id] = job
         renderer = self._renderer(job, spec)
         if spec.background:
@@ -174,8 +180,7 @@ class ElasticMagics(Magics):
             if not spec.background:
                 display(dash.widget)  # a background job is shown as the cell's result
             return _Both(dash, TextRenderer(job.id, job.ranks_run_dir, mode="summary"))
-        mode = "quiet" if spec.background else "live"
-        text = TextRenderer(job.id, job.ranks_run_dir, mode=mode)
+        text = TextRenderer(job.id, job.ranks_run_dir, mode="quiet" if spec.background else "live")
         text.start(spec.nproc, spec.worst_case_s, job.session)
         return text
 
@@ -391,7 +396,7 @@ class _Both:
     def flush(self) -> None:
         self._dash.flush()
 
-    def end(self, summary: dict[str, Any]) -> None:
+    def end(self, summary: Summary) -> None:
         try:
             self._dash.end(summary)
         finally:

@@ -330,8 +330,8 @@ def add_arguments(add: Any, group: Any) -> list[Any]:
             for flag, action, shown_help in zip(
                 o.flags, ("store_false", "store_true"), (help_text, argparse.SUPPRESS), strict=True
             ):
-                kwargs = {"dest": o.dest, "action": action, "default": argparse.SUPPRESS}
-                decorators.append(add(flag, help=shown_help, **kwargs))
+                each = {"dest": o.dest, "action": action, "default": argparse.SUPPRESS}
+                decorators.append(add(flag, help=shown_help, **each))
             continue
         kwargs: dict[str, Any] = {"dest": o.dest, "default": argparse.SUPPRESS, "help": help_text}
         if o.action is not None:

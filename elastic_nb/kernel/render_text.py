@@ -14,6 +14,7 @@ import time
 from typing import Any, Literal, TextIO
 
 from elastic_nb.common import report
+from elastic_nb.common.protocol import Summary
 
 __all__ = ["MAX_CELL_CHARS", "TextRenderer"]
 
@@ -104,6 +105,6 @@ class TextRenderer:
     def flush(self) -> None:
         """Lines are written as they come (IOPub batches them)."""
 
-    def end(self, summary: dict[str, Any]) -> None:
+    def end(self, summary: Summary) -> None:
         self._out.write(report.summary_line(summary) + "\n")
         self._out.flush()

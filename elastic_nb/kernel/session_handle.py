@@ -19,6 +19,7 @@ from typing import Any
 
 from elastic_nb.common import protocol
 from elastic_nb.common.errors import ElasticError, SupervisorDied
+from elastic_nb.common.protocol import Summary
 from elastic_nb.common.spec import JobSpec
 from elastic_nb.kernel.client import GONE, SupervisorClient
 from elastic_nb.kernel.job_handle import WAKE_S
@@ -59,7 +60,7 @@ class SessionHandle:
         self.options = options  # the launch flags it was started with (cells' flags add to them)
         self.state = "starting"
         self.attempt = 0
-        self.summary: dict[str, Any] | None = None
+        self.summary: Summary | None = None
         self.run_dir = ""
         self._client = client
         self._queue = client.subscribe(self.id)

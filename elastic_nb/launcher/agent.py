@@ -48,7 +48,7 @@ def main() -> None:
     observe_agent(channel)
     _quicken_rendezvous()
     _wait_fork_server()
-    channel.send(protocol.READY, pid=os.getpid())
+    channel.send(protocol.Ready(kind=protocol.READY, pid=os.getpid()))
     line = sys.stdin.readline()
     if not line:
         return  # the supervisor let us go without a job
@@ -72,20 +72,24 @@ def main() -> None:
         # A session's ranks run cells until the supervisor says bye; a job's run its one cell.
         entrypoint = serve if spec.session else bootstrap
         elastic_launch(config, entrypoint)(str(rd.path), job_env, start_env)
-        channel.send(protocol.RESULT, ok=True)
+        channel.send(protocol.Result(kind=protocol.RESULT, ok=True))
     except ChildFailedError as e:
         failures = {
             str(rank): {"exitcode": f.exitcode, "pid": f.pid, "message": f.message}
             for rank, f in e.failures.items()
         }
-        channel.send(protocol.RESULT, ok=False, error="ranks failed", failures=failures)
+        channel.send(
+            protocol.Result(kind=protocol.RESULT, ok=False, error="ranks failed", failures=failures)
+        )
         code = 1
     except SignalException as e:
-        channel.send(protocol.RESULT, ok=False, error=f"launcher received {e.sigval.name}")
+        error = f"launcher received {e.sigval.name}"
+        channel.send(protocol.Result(kind=protocol.RESULT, ok=False, error=error))
         code = 128 + int(e.sigval)
     except BaseException as e:
         logging.getLogger(__name__).exception("elastic_launch raised")
-        channel.send(protocol.RESULT, ok=False, error=f"{type(e).__name__}: {e}")
+        error = f"{type(e).__name__}: {e}"
+        channel.send(protocol.Result(kind=protocol.RESULT, ok=False, error=error))
         code = 1
     # Nothing is left to do once the ranks are joined and the result is sent, and finalizing an
     # interpreter that loaded torch takes about 0.4 s that the notebook would wait for.

@@ -22,6 +22,7 @@ import sys
 import threading
 import traceback
 from collections.abc import Sequence
+from typing import Any
 
 __all__ = ["start"]
 
@@ -31,14 +32,15 @@ _SPAWN = multiprocessing.util.spawnv_passfds
 def start(preload: list[str]) -> None:
     """ensure_running(), with the helpers forked from this process."""
     multiprocessing.set_forkserver_preload(preload)
-    multiprocessing.util.spawnv_passfds = _fork_passfds  # type: ignore[assignment]
+    multiprocessing.util.spawnv_passfds = _fork_passfds
     try:
         multiprocessing.forkserver.ensure_running()
     finally:
-        multiprocessing.util.spawnv_passfds = _SPAWN  # type: ignore[assignment]
+        multiprocessing.util.spawnv_passfds = _SPAWN
 
 
-def _fork_passfds(path: str, args: Sequence[str], passfds: Sequence[int]) -> int:
+def _fork_passfds(path: Any, args: Sequence[Any], passfds: Sequence[int]) -> int:
+    # typeshed says bytes and ints; multiprocessing passes sys.executable and strings
     if len(args) < 2 or args[-2] != "-c":  # not the form this module knows: exec, as usual
         return _SPAWN(path, args, passfds)
     pid = os.fork()
@@ -52,10 +54,11 @@ def _fork_passfds(path: str, args: Sequence[str], passfds: Sequence[int]) -> int
         sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
         # Forked inside ensure_running: the helpers' locks are held in this copy, and a rank
         # that starts a helper of its own (a DataLoader's semaphores) would wait on them forever.
-        for owner in (
-            multiprocessing.forkserver._forkserver,  # type: ignore[attr-defined]
-            multiprocessing.resource_tracker._resource_tracker,  # type: ignore[attr-defined]
-        ):
+        owners: tuple[Any, ...] = (
+            multiprocessing.forkserver._forkserver,
+            multiprocessing.resource_tracker._resource_tracker,
+        )
+        for owner in owners:
             reentrant = isinstance(owner._lock, type(threading.RLock()))
             owner._lock = threading.RLock() if reentrant else threading.Lock()
         exec(args[-1], {"__name__": "__mp_helper__"})

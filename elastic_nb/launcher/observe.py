@@ -35,16 +35,20 @@ class _EventHandler(logging.Handler):
             state = md.get("state")
             if state == "START" and md.get("global_rank") is not None:
                 self._channel.send(
-                    protocol.START,
-                    attempt=attempt,
-                    rank=int(md["global_rank"]),
-                    pid=int(md["worker_id"]),
+                    protocol.Start(
+                        kind=protocol.START,
+                        attempt=attempt,
+                        rank=int(md["global_rank"]),
+                        pid=int(md["worker_id"]),
+                    )
                 )
             elif state == "RENDEZVOUS":
                 self._channel.send(
-                    protocol.RENDEZVOUS,
-                    attempt=attempt,
-                    seconds=(md.get("duration_ms") or 0) / 1000,
+                    protocol.Rendezvous(
+                        kind=protocol.RENDEZVOUS,
+                        attempt=attempt,
+                        seconds=(md.get("duration_ms") or 0) / 1000,
+                    )
                 )
         except Exception:
             self.handleError(record)
@@ -94,7 +98,7 @@ def observe_agent(channel: Channel) -> None:
             env = self.envs[local_rank]
             codes[env["RANK"]] = proc.exitcode
         attempt = int(self.envs[0]["TORCHELASTIC_RESTART_COUNT"])
-        channel.send(protocol.EXITS, attempt=attempt, codes=codes)
+        channel.send(protocol.Exits(kind=protocol.EXITS, attempt=attempt, codes=codes))
 
     MultiprocessContext._close = _close  # type: ignore[method-assign]
     _report_forked_exits(channel, MultiprocessContext)
@@ -152,7 +156,11 @@ def _report_forked_exits(channel: Channel, context: Any) -> None:
                 return  # the attempt was closed, and its sentinels with it
             for sentinel in ready:
                 rank, p = pending.pop(sentinel)
-                channel.send(protocol.EXIT, attempt=attempt, rank=rank, pid=p.pid, code=p.exitcode)
+                channel.send(
+                    protocol.Exit(
+                        kind=protocol.EXIT, attempt=attempt, rank=rank, pid=p.pid, code=p.exitcode
+                    )
+                )
 
     original_start = context._start
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Any
 
 from elastic_nb.common import protocol
 
@@ -21,8 +20,8 @@ class Channel:
         self._lock = threading.Lock()
         self._last_tick = 0.0
 
-    def send(self, kind: str, **fields: Any) -> None:
-        data = protocol.encode(kind, **fields)
+    def send(self, msg: protocol.LauncherNews) -> None:
+        data = protocol.encode(msg)
         with self._lock:
             try:
                 while data:
@@ -34,4 +33,4 @@ class Channel:
         now = time.monotonic()
         if now - self._last_tick >= protocol.TICK_EVERY_S:
             self._last_tick = now
-            self.send(protocol.TICK, t=time.time())
+            self.send(protocol.Tick(kind=protocol.TICK, t=time.time()))

@@ -30,6 +30,7 @@ import socket
 import sys
 import time
 import traceback
+from typing import Any
 
 from elastic_nb.common import modules
 
@@ -80,7 +81,7 @@ def main(fd: int) -> None:
             return  # the supervisor closed its end: no more launchers
         try:
             pid = _fork_launcher(sock, json.loads(data), fds, supervisor)
-            reply = {"pid": pid}
+            reply: dict[str, Any] = {"pid": pid}
         except Exception as e:
             reply = {"error": f"{type(e).__name__}: {e}"}
         finally:

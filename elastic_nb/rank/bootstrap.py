@@ -236,8 +236,7 @@ def refuse_a_bad_fork() -> None:
     re-initialize CUDA in forked subprocess", at its first CUDA call, deep in the cell): say
     why, and what to do, before the cell runs."""
     warmup = sys.modules.get(modules.WARMUP)
-    forked = warmup is not None and os.getpid() != warmup.PID
-    cuda_by = warmup.CUDA_BY if forked else None  # type: ignore[union-attr]
+    cuda_by = warmup.CUDA_BY if warmup is not None and os.getpid() != warmup.PID else None
     torch = sys.modules.get("torch")
     bad = torch is not None and torch.cuda._is_in_bad_fork()
     if cuda_by is None and not bad:
@@ -353,8 +352,9 @@ def _run_cell(rd: RunDir, meta: dict[str, Any], namespace: dict[str, Any]) -> An
     filename = str(rd.cell)
     tree = ast.parse(rd.cell.read_text(), filename=filename)
     last = None
-    if meta["display"] and tree.body and isinstance(tree.body[-1], ast.Expr):
-        last = ast.Expression(tree.body.pop().value)
+    if meta["display"] and tree.body and isinstance(tail := tree.body[-1], ast.Expr):
+        tree.body.pop()
+        last = ast.Expression(tail.value)
     exec(compile(tree, filename, "exec"), namespace)
     if last is None:
         return None

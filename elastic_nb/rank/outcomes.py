@@ -9,6 +9,7 @@ import re
 import sys
 import time
 import traceback
+from pathlib import Path
 from typing import Any
 
 from elastic_nb.common import pickling
@@ -98,11 +99,11 @@ def _type_name(t: type) -> str:
     return t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
 
 
-def dump(path: os.PathLike[str], obj: Any) -> None:
-    write_atomic(path, pickling.dumps(obj))  # type: ignore[arg-type]
+def dump(path: Path, obj: Any) -> None:
+    write_atomic(path, pickling.dumps(obj))
 
 
-def dump_result(path: os.PathLike[str], value: Any) -> None:
+def dump_result(path: Path, value: Any) -> None:
     """The displayed value travels pickled; one that cannot be pickled travels as its repr."""
     try:
         dump(path, ("value", value))

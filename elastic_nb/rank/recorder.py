@@ -47,7 +47,9 @@ def snapshot(cell: str, full: bool, frames: bool = False) -> dict[str, Any]:
     record: dict[str, Any] = {"time": time.time(), "groups": {}, "seqs": {}, "dump": None}
     if "torch.distributed" not in sys.modules:
         return record  # the cell never loaded it: no collective to speak of
-    from torch._C import _distributed_c10d as c10d
+    from torch._C import _distributed_c10d
+
+    c10d: Any = _distributed_c10d  # its flight recorder's functions vary with the build
 
     record["groups"], record["seqs"] = _groups()
     if not full or not hasattr(c10d, "_dump_fr_trace_json"):  # a torch without the recorder
@@ -72,7 +74,8 @@ def _read(as_json: Any, as_pickle: Any, cell: str, frames: bool) -> dict[str, An
     else:
         dump = json.loads(as_json(True, False))
     dump["entries"] = [_trim(e, cell) for e in dump.get("entries", ())]
-    return dump
+    record: dict[str, Any] = dump
+    return record
 
 
 def write_final(path: Path, cell: str) -> None:
@@ -122,12 +125,12 @@ def _groups() -> tuple[dict[str, list[int]], dict[str, int]]:
     """Every process group this rank is a member of, by name: its members' global ranks, and
     how many collectives each of its backends has issued (NCCL's as ``<name>@nccl``: each
     backend numbers its own)."""
-    c10d = sys.modules.get("torch.distributed.distributed_c10d")
+    c10d: Any = sys.modules.get("torch.distributed.distributed_c10d")
     members: dict[str, list[int]] = {}
     seqs: dict[str, int] = {}
     try:
-        for pg, name in list(c10d._world.pg_names.items()):  # type: ignore[union-attr]
-            members[name] = list(c10d.get_process_group_ranks(pg))  # type: ignore[union-attr]
+        for pg, name in list(c10d._world.pg_names.items()):
+            members[name] = list(c10d.get_process_group_ranks(pg))
             backends = {id(b): b for d in pg._device_types if (b := pg._get_backend(d))}
             for b in backends.values():
                 suffix = "@nccl" if "NCCL" in type(b).__name__ else ""

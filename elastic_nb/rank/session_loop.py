@@ -44,14 +44,18 @@ def serve(run_dir: str, env: dict[str, str], start_env: dict[str, str]) -> bool:
     me = bootstrap.prepare(run_dir, env, start_env)
     bootstrap.refuse_a_bad_fork()  # before any cell: this rank's restarts would all fail alike
     channel = _Channel(os.environ[protocol.SESSION_SOCKET_ENV])
-    channel.send(protocol.RANK_HELLO, rank=me.rank, attempt=me.attempt, pid=os.getpid())
+    channel.send(
+        protocol.RankHello(
+            kind=protocol.RANK_HELLO, rank=me.rank, attempt=me.attempt, pid=os.getpid()
+        )
+    )
     while True:
         msg = channel.next()
-        if msg is None or msg["kind"] == protocol.BYE:
-            return True
+        if msg is None or msg["kind"] != protocol.RUN:
+            return True  # bye, or the supervisor is gone
         cell = msg["cell"]
         ok = _run_one(channel, RunDir(msg["run_dir"]), cell, me)
-        channel.send(protocol.RAN, cell=cell, ok=ok)
+        channel.send(protocol.Ran(kind=protocol.RAN, cell=cell, ok=ok))
 
 
 def _run_one(channel: _Channel, crd: RunDir, cell: str, me: bootstrap.Rank) -> bool:
@@ -79,16 +83,16 @@ class _Channel:
         self._lock = threading.Lock()  # `_current` and `_cancelled`, between the two threads
         self._current: str | None = None  # the cell the main thread runs
         self._cancelled: set[str] = set()  # interrupted before they started
-        self._queue: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self._queue: queue.Queue[protocol.Run | protocol.Bye | None] = queue.Queue()
         self._main = threading.main_thread().ident
         signal.signal(signal.SIGINT, self._on_sigint)
         threading.Thread(target=self._read, name="elastic_nb-session", daemon=True).start()
 
-    def send(self, kind: str, **fields: Any) -> None:
+    def send(self, msg: protocol.RankNews) -> None:
         with self._send_lock:
-            self._sock.sendall(protocol.encode(kind, **fields))
+            self._sock.sendall(protocol.encode(msg))
 
-    def next(self) -> dict[str, Any] | None:
+    def next(self) -> protocol.Run | protocol.Bye | None:
         """The next message for the main thread (a cell to run, or bye); None: the supervisor
         is gone."""
         return self._queue.get()
@@ -115,7 +119,8 @@ class _Channel:
         decoder = protocol.FrameDecoder()
         try:
             while data := self._sock.recv(1 << 16):
-                for msg, _ in decoder.feed(data):
+                for frame, _ in decoder.feed(data):
+                    msg = protocol.session_order(frame)
                     if msg["kind"] == protocol.INTERRUPT:
                         self._interrupt(msg["cell"])
                     else:

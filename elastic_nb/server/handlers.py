@@ -52,9 +52,9 @@ class _Handler(APIHandler):
                 return sup, entry
         raise web.HTTPError(404, f"no job {job_id}")
 
-    async def ask(self, sup: Supervisor, kind: str, **fields: Any) -> dict[str, Any]:
+    async def ask(self, sup: Supervisor, msg: protocol.KernelRequest) -> dict[str, Any]:
         try:
-            return await self.blocking(sup.request, kind, **fields)
+            return await self.blocking(sup.request, msg)
         except SupervisorError as e:
             raise web.HTTPError(404 if e.missing else 409, str(e)) from None
 
@@ -79,6 +79,7 @@ class JobsHandler(_Handler):
     async def _notebooks(self) -> dict[str, str]:
         """kernel id -> the path (relative to the server's root) of the notebook using it."""
         found = {}
+        assert self.serverapp is not None  # a handler of a running server
         for s in await self.serverapp.session_manager.list_sessions():
             kernel = (s.get("kernel") or {}).get("id")
             if kernel:
@@ -92,10 +93,13 @@ class StopHandler(_Handler):
     async def post(self, job_id: str) -> None:
         sup, entry = await self.owner(job_id)
         if entry["kind"] == "session":
-            await self.ask(sup, protocol.DOWN, session=job_id, reason="panel")
+            await self.ask(
+                sup, protocol.Down(kind=protocol.DOWN, req=1, session=job_id, reason="panel")
+            )
             stopping = [job_id] if entry["running"] else []
         else:
-            reply = await self.ask(sup, protocol.STOP, job=job_id, reason="panel")
+            stop = protocol.Stop(kind=protocol.STOP, req=1, job=job_id, reason="panel")
+            reply = await self.ask(sup, stop)
             stopping = reply["stopping"]
         self.finish(json.dumps({"stopping": stopping}))
 
@@ -107,7 +111,7 @@ class StacksHandler(_Handler):
         sup, entry = await self.owner(job_id)
         if not entry["running"]:
             raise web.HTTPError(409, f"job {job_id} is not running")
-        reply = await self.ask(sup, protocol.STACKS, job=job_id)
+        reply = await self.ask(sup, protocol.Stacks(kind=protocol.STACKS, req=1, job=job_id))
         ranks = split_stacks(reply["text"])
         for r in ranks:
             r["pid"] = reply.get("pids", {}).get(str(r["rank"]))
@@ -154,13 +158,17 @@ class EventsHandler(_Handler):
             since = int(self.get_argument("since", "0"))
         except ValueError:
             raise web.HTTPError(400, "since is a number") from None
-        reply = await self.ask(sup, protocol.EVENTS, job=job_id, since=since)
+        events = protocol.Events(kind=protocol.EVENTS, req=1, job=job_id, since=since)
+        reply = await self.ask(sup, events)
         self.finish(json.dumps({"events": reply["events"], "seq": reply["seq"]}))
 
 
 def _overview_of(sup: Supervisor) -> list[dict[str, Any]]:
     try:
-        return sup.request(protocol.OVERVIEW)["jobs"]
+        jobs: list[dict[str, Any]] = sup.request(protocol.Overview(kind=protocol.OVERVIEW, req=1))[
+            "jobs"
+        ]
+        return jobs
     except SupervisorError:
         return []  # gone or going (its jobs with it), or of another elastic_nb version
 

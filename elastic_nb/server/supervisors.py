@@ -7,7 +7,6 @@ is its lifeline). Blocking calls: the handlers run them in a thread.
 from __future__ import annotations
 
 import errno
-import itertools
 import socket
 from dataclasses import dataclass
 from typing import Any
@@ -42,9 +41,10 @@ class Supervisor:
     def kernel_id(self) -> str | None:
         return self.registration.kernel_id
 
-    def request(self, kind: str, timeout: float = TIMEOUT_S, **fields: Any) -> dict[str, Any]:
-        """One request, its reply's fields; SupervisorError if refused or unreachable."""
-        req = next(_REQ)
+    def request(self, msg: protocol.KernelRequest, timeout: float = TIMEOUT_S) -> dict[str, Any]:
+        """One request (one connection: its `req` is the only one), its reply's data;
+        SupervisorError if refused or unreachable."""
+        req = msg["req"] if msg["kind"] != protocol.HELLO else 0
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.settimeout(timeout)
             try:
@@ -54,12 +54,10 @@ class Supervisor:
                     registry.forget(self.registration)
                 raise SupervisorError(f"supervisor {self.pid} cannot be reached: {e}") from e
             try:
-                sock.sendall(
-                    protocol.encode(
-                        protocol.HELLO, version=protocol.VERSION, role=protocol.ROLE_PANEL
-                    )
-                    + protocol.encode(kind, req=req, **fields)
+                hello = protocol.Hello(
+                    kind=protocol.HELLO, version=protocol.VERSION, role=protocol.ROLE_PANEL
                 )
+                sock.sendall(protocol.encode(hello) + protocol.encode(msg))
                 return _reply(sock, req, self.pid)
             except OSError as e:
                 raise SupervisorError(f"supervisor {self.pid} did not answer: {e}") from e
@@ -71,18 +69,16 @@ def _reply(sock: socket.socket, req: int, pid: int) -> dict[str, Any]:
         data = sock.recv(1 << 16)
         if not data:
             raise SupervisorError(f"supervisor {pid} closed the connection")
-        for msg, _ in decoder.feed(data):
-            if msg["kind"] == protocol.HELLO and msg.get("error"):
-                raise SupervisorError(msg["error"])  # another version of elastic_nb
-            if msg["kind"] == protocol.REPLY and msg.get("req") == req:
-                if not msg.get("ok"):
+        for frame, _ in decoder.feed(data):
+            if frame.get("kind") == protocol.HELLO and frame.get("error"):
+                raise SupervisorError(str(frame["error"]))  # another version of elastic_nb
+            msg = protocol.kernel_news(frame)
+            if msg["kind"] == protocol.REPLY and msg["req"] == req:
+                if not msg["ok"]:
                     error = str(msg.get("error"))
                     # The supervisor's refusal of an id it does not know: a KeyError.
                     raise SupervisorError(error, missing=error.startswith("KeyError"))
-                return {k: v for k, v in msg.items() if k not in ("kind", "req", "ok")}
-
-
-_REQ = itertools.count(1)
+                return msg["data"]
 
 
 def find() -> list[Supervisor]:

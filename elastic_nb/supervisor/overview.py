@@ -4,12 +4,12 @@ session cell it owns, one entry each (OVERVIEW), and the messages a job's render
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from elastic_nb.common.protocol import Summary
 from elastic_nb.common.report import summary_line
 
 if TYPE_CHECKING:
@@ -26,7 +26,7 @@ def entries(jobs: Iterable[Job], sessions: Iterable[Session]) -> list[dict[str, 
     out = [_owner(j, "job") for j in jobs]
     for s in sessions:
         out.append(_owner(s, "session"))
-        out.extend(_cell(s, c) for c in s.runner.cells.values())
+        out.extend(_cell(s, c) for c in s.cells.values())
     return sorted(out, key=lambda e: e["created"])
 
 
@@ -36,8 +36,8 @@ def reporter_of(owner_id: str, jobs: dict[str, Job], sessions: dict[str, Session
     if owner_id in sessions:
         return sessions[owner_id].report
     for s in sessions.values():
-        if owner_id in s.runner.cells:
-            return s.runner.cells[owner_id].report
+        if owner_id in s.cells:
+            return s.cells[owner_id].report
     raise KeyError(f"no job {owner_id!r}")
 
 
@@ -74,7 +74,7 @@ def _cell(s: Session, c: SessionCell) -> dict[str, Any]:
         c.id,
         "cell",
         s.id,
-        state=c.report.state if c.running else (c.summary or {}).get("outcome", "ended"),
+        state=c.summary["outcome"] if c.summary else c.report.state,
         running=c.running,
         world_size=s.spec.world_size,
         attempt=s.attempt,
@@ -98,15 +98,12 @@ def _entry(
     attempt: int,
     max_restarts: int,
     created: float,
-    summary: dict[str, Any] | None,
+    summary: Summary | None,
     report: Reporter,
     run_dir: str,
     logs_dir: str,
 ) -> dict[str, Any]:
-    line = None
-    if summary is not None:
-        with contextlib.suppress(KeyError, TypeError, ValueError):
-            line = summary_line(summary)  # type: ignore[arg-type]
+    line = summary_line(summary) if summary is not None else None
     return {
         "id": owner_id,
         "kind": kind,
@@ -124,7 +121,7 @@ def _entry(
             {"kind": a["kind"], "severity": a["severity"], "rank": a["rank"], "text": a["title"]}
             for a in report.recent_alerts
         ],
-        "outcome": (summary or {}).get("outcome"),
+        "outcome": summary["outcome"] if summary else None,
         "summary": line,
         "run_dir": run_dir,
         "logs_dir": logs_dir,

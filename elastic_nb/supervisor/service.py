@@ -15,6 +15,7 @@ import secrets
 import signal
 import socket
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +24,11 @@ import psutil
 from anyio.abc import SocketListener, SocketStream, TaskGroup
 
 from elastic_nb.common import procs, protocol, registry
+from elastic_nb.common.rundir import RunDir
 from elastic_nb.common.spec import JobSpec
-from elastic_nb.supervisor.processes.launcher_pool import LauncherPool
 from elastic_nb.supervisor import overview
+from elastic_nb.supervisor.processes.launcher_pool import LauncherPool
+from elastic_nb.supervisor.processes.node import LocalNode
 from elastic_nb.supervisor.runs.job import Job
 from elastic_nb.supervisor.sessions.session import Session
 from elastic_nb.supervisor.sessions.session_cell import SessionCell
@@ -44,17 +47,17 @@ class Connection:
         self._decoder = protocol.FrameDecoder()
         self.closed = False
 
-    async def send(self, kind: str, blob: bytes | None = None, **fields: Any) -> None:
+    async def send(self, msg: protocol.Message, blob: bytes | None = None) -> None:
         if self.closed:
             return
-        data = protocol.encode(kind, blob, **fields)
+        data = protocol.encode(msg, blob)
         async with self._lock:
             try:
                 await self._stream.send(data)
             except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
                 self.closed = True
 
-    async def messages(self):  # type: ignore[no-untyped-def]
+    async def messages(self) -> AsyncIterator[tuple[protocol.Frame, bytes | None]]:
         while True:
             try:
                 data = await self._stream.receive()
@@ -150,6 +153,12 @@ class Supervisor:
         """What we inherited as a subreaper: left behind by some job's processes."""
         return procs.orphans(keep=self._launcher_pids())
 
+    def _local_node(self, spec: JobSpec, group_id: str) -> LocalNode:
+        """This machine, for one job or session (its run directory)."""
+        return LocalNode(
+            RunDir.of(spec.log_dir, group_id), self._launchers, self.orphans, self.reap
+        )
+
     def _shutdown(self) -> None:
         """Stop every job; the task group ends when the last one has torn down."""
         self._launchers.close()
@@ -170,19 +179,23 @@ class Supervisor:
         conn = Connection(stream)
         is_kernel = greeted = False
         try:
-            async for msg, blob in conn.messages():  # a ProtocolError ends this connection only
-                if not greeted and msg["kind"] != protocol.HELLO:
-                    raise protocol.ProtocolError(f"{msg['kind']!r} before hello")
-                if msg["kind"] == protocol.HELLO:
+            # A frame that is no message ends this connection only (ProtocolError); a request
+            # the supervisor cannot serve is refused in its reply.
+            async for frame, blob in conn.messages():
+                if not greeted and frame["kind"] != protocol.HELLO:
+                    raise protocol.ProtocolError(f"{frame['kind']!r} before hello")
+                if frame["kind"] == protocol.HELLO:
+                    hello = protocol.kernel_request(frame)
+                    assert hello["kind"] == protocol.HELLO
                     try:
-                        protocol.check_hello(msg)
+                        protocol.check_hello(hello)
                     except protocol.ProtocolError as e:
-                        await conn.send(protocol.HELLO, version=protocol.VERSION, error=str(e))
+                        await conn.send(_hello(error=str(e)))
                         return
-                    is_kernel, greeted = msg.get("role") == protocol.ROLE_KERNEL, True
-                    await conn.send(protocol.HELLO, version=protocol.VERSION, pid=os.getpid())
+                    is_kernel, greeted = hello.get("role") == protocol.ROLE_KERNEL, True
+                    await conn.send(_hello(pid=os.getpid()))
                     continue
-                await self._handle(conn, msg, blob)
+                await self._handle(conn, frame, blob)
         except protocol.ProtocolError as e:
             log.warning("dropped a %s connection: %s", "kernel" if is_kernel else "client", e)
         except Exception:  # a bug of ours ends this connection, never the supervisor
@@ -193,58 +206,66 @@ class Supervisor:
             if is_kernel:
                 self._shutdown()  # the kernel closed its lifeline: it is gone or shutting down
 
-    async def _handle(self, conn: Connection, msg: dict[str, Any], blob: bytes | None) -> None:
-        kind, req = msg["kind"], msg.get("req")
+    async def _handle(self, conn: Connection, frame: protocol.Frame, blob: bytes | None) -> None:
+        req = frame.get("req") if type(frame.get("req")) is int else None
         try:
-            if kind == protocol.SUBMIT:
-                reply = await self._submit(conn, msg, blob)
-            elif kind == protocol.STOP:
-                reply = self._stop(msg.get("job"), msg.get("reason", "user"))
-            elif kind == protocol.STACKS:
-                text, owner = await self._stacks(msg.get("job"))
-                reply = {"text": text, "pids": overview.rank_pids(owner)}
-            elif kind == protocol.WARM:
-                self._launchers.keep_warm(bool(msg.get("on", True)))
-                reply = {}
-            elif kind == protocol.JOBS:
-                reply = {"jobs": [_info(j) for j in self._jobs.values()]}
-            elif kind == protocol.STATUS:
-                reply = {
-                    "pid": os.getpid(),
-                    "uptime_s": time.time() - self._started,
-                    "running": [j.id for j in self._jobs.values() if j.running],
-                    "sessions": [s.info() for s in self._sessions.values() if s.running],
-                    "warm": self._launchers.describe(),
-                }
-            elif kind == protocol.UP:
-                reply = await self._up(conn, msg)
-            elif kind == protocol.DOWN:
-                self._session(msg.get("session")).down(msg.get("reason", "user"))
-                reply = {}
-            elif kind == protocol.SESSION:
-                reply = self._session(msg.get("session")).info()
-            elif kind == protocol.OVERVIEW:
-                reply = {"jobs": overview.entries(self._jobs.values(), self._sessions.values())}
-            elif kind == protocol.EVENTS:
-                report = overview.reporter_of(str(msg.get("job")), self._jobs, self._sessions)
-                since = int(msg.get("since") or 0)
-                reply = {"events": report.events_since(since), "seq": report.seq}
-            else:
-                raise protocol.ProtocolError(f"unknown request {kind!r}")
+            reply = await self._serve(conn, protocol.kernel_request(frame), blob)
         except Exception as e:  # a bad request fails alone; the supervisor serves on
+            kind = frame.get("kind")
             log.info("refused %r: %s", kind, e, exc_info=not isinstance(e, protocol.ProtocolError))
-            await conn.send(protocol.REPLY, req=req, ok=False, error=f"{type(e).__name__}: {e}")
+            error = f"{type(e).__name__}: {e}"
+            await conn.send(
+                protocol.Reply(kind=protocol.REPLY, req=req, ok=False, data={}, error=error)
+            )
             return
-        await conn.send(protocol.REPLY, req=req, ok=True, **reply)
+        await conn.send(protocol.Reply(kind=protocol.REPLY, req=req, ok=True, data=reply))
+
+    async def _serve(
+        self, conn: Connection, msg: protocol.KernelRequest, blob: bytes | None
+    ) -> dict[str, Any]:
+        """What a request asks for; raises what refuses it."""
+        if msg["kind"] == protocol.SUBMIT:
+            return await self._submit(conn, msg, blob)
+        if msg["kind"] == protocol.STOP:
+            return self._stop(msg["job"], msg["reason"])
+        if msg["kind"] == protocol.STACKS:
+            text, owner = await self._stacks(msg["job"])
+            return {"text": text, "pids": overview.rank_pids(owner)}
+        if msg["kind"] == protocol.WARM:
+            self._launchers.keep_warm(msg["on"])
+            return {}
+        if msg["kind"] == protocol.JOBS:
+            return {"jobs": [_info(j) for j in self._jobs.values()]}
+        if msg["kind"] == protocol.STATUS:
+            return {
+                "pid": os.getpid(),
+                "uptime_s": time.time() - self._started,
+                "running": [j.id for j in self._jobs.values() if j.running],
+                "sessions": [s.info() for s in self._sessions.values() if s.running],
+                "warm": self._launchers.describe(),
+            }
+        if msg["kind"] == protocol.UP:
+            return await self._up(conn, msg)
+        if msg["kind"] == protocol.DOWN:
+            self._session(msg["session"]).down(msg.get("reason", "user"))
+            return {}
+        if msg["kind"] == protocol.SESSION:
+            return self._session(msg["session"]).info()
+        if msg["kind"] == protocol.OVERVIEW:
+            return {"jobs": overview.entries(self._jobs.values(), self._sessions.values())}
+        if msg["kind"] == protocol.EVENTS:
+            report = overview.reporter_of(msg["job"], self._jobs, self._sessions)
+            return {"events": report.events_since(msg["since"]), "seq": report.seq}
+        raise protocol.ProtocolError(f"{msg['kind']!r} is not a request")
 
     async def _submit(
-        self, conn: Connection, msg: dict[str, Any], blob: bytes | None
+        self, conn: Connection, msg: protocol.Submit, blob: bytes | None
     ) -> dict[str, Any]:
         spec = JobSpec.from_dict(msg["spec"])
-        job_id = str(msg.get("job") or secrets.token_hex(4))
+        job_id = msg["job"] or secrets.token_hex(4)
         if job_id in self._jobs or self._cell_session(job_id) or not job_id.isalnum():
             raise ValueError(f"job id {job_id!r} is taken or malformed")
-        if msg.get("session"):
+        if msg["session"]:
             session = self._session(msg["session"])
             cell = SessionCell(
                 job_id,
@@ -264,11 +285,9 @@ class Supervisor:
             msg["cell"]["source"],
             msg["cell"]["meta"],
             blob,
-            env=msg.get("env") or dict(os.environ),
+            env=msg["env"] or dict(os.environ),
+            node=self._local_node(spec, job_id),
             send=conn.send,
-            reap=self.reap,
-            orphans=self.orphans,
-            launchers=self._launchers,
         )
         self._forget_old_jobs()
         self._jobs[job_id] = job  # the id is taken from here on, even while prepare runs
@@ -302,10 +321,9 @@ class Supervisor:
 
     def _stop(self, job_id: str | None, reason: str) -> dict[str, Any]:
         """Stop jobs, or interrupt a session's cells (the session stays: %elastic down ends it)."""
-        session = self._cell_session(job_id) if job_id else None
-        if session is not None:
-            running = session.runner.cells[job_id].running  # type: ignore[index]
-            session.stop_cell(job_id, reason)  # type: ignore[arg-type]
+        if job_id and (session := self._cell_session(job_id)) is not None:
+            running = session.cells[job_id].running
+            session.stop_cell(job_id, reason)
             return {"stopping": [job_id] if running else []}
         if job_id is not None and job_id not in self._jobs:
             raise KeyError(f"no job {job_id!r}")
@@ -316,7 +334,7 @@ class Supervisor:
                 j.request_stop(reason)
         if job_id is None:
             for s in self._sessions.values():
-                for cell in [c for c in s.runner.cells.values() if c.running]:
+                for cell in [c for c in s.cells.values() if c.running]:
                     s.stop_cell(cell.id, reason)
                     stopping.append(cell.id)
         return {"stopping": stopping}
@@ -335,24 +353,22 @@ class Supervisor:
 
     def _cell_session(self, job_id: str | None) -> Session | None:
         for s in self._sessions.values():
-            if job_id in s.runner.cells:
+            if job_id in s.cells:
                 return s
         return None
 
-    async def _up(self, conn: Connection, msg: dict[str, Any]) -> dict[str, Any]:
+    async def _up(self, conn: Connection, msg: protocol.Up) -> dict[str, Any]:
         spec = JobSpec.from_dict(msg["spec"])
-        session_id = str(msg.get("session") or secrets.token_hex(4))
+        session_id = msg["session"] or secrets.token_hex(4)
         if session_id in self._sessions or session_id in self._jobs or not session_id.isalnum():
             raise ValueError(f"session id {session_id!r} is taken or malformed")
         assert self._socket_dir is not None
         session = Session(
             session_id,
             spec,
-            env=msg.get("env") or dict(os.environ),
+            env=msg["env"] or dict(os.environ),
             send=conn.send,
-            reap=self.reap,
-            orphans=self.orphans,
-            launchers=self._launchers,
+            node=self._local_node(spec, session_id),
             socket_dir=self._socket_dir,
         )
         self._sessions[session_id] = session
@@ -364,6 +380,15 @@ class Supervisor:
         assert self._tg is not None
         self._tg.start_soon(session.run)
         return {"session": session_id, "run_dir": str(session.rd)}
+
+
+def _hello(pid: int | None = None, error: str | None = None) -> protocol.Hello:
+    hello = protocol.Hello(kind=protocol.HELLO, version=protocol.VERSION)
+    if pid is not None:
+        hello["pid"] = pid
+    if error is not None:
+        hello["error"] = error
+    return hello
 
 
 def _pid_alive(pid: int) -> bool:

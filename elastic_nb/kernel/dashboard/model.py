@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 from elastic_nb.common import report
+from elastic_nb.common.protocol import Summary
 from elastic_nb.common.rundir import RunDir
 from elastic_nb.common.spec import JobSpec
 
@@ -94,7 +95,7 @@ class DashboardState:
             elif lines and self.progress.get(str(rank), [stream])[0] == stream:
                 self._progress(str(rank), None)  # the bar's line finished
 
-    def end(self, summary: dict[str, Any]) -> None:
+    def end(self, summary: Summary) -> None:
         """The job's end: the final state, its outcome in the last attempt, and what the
         dashboard leaves to the text under it.
 

@@ -26,6 +26,7 @@ import anywidget
 import traitlets
 
 from elastic_nb.common import report
+from elastic_nb.common.protocol import Summary
 from elastic_nb.common.spec import JobSpec
 from elastic_nb.kernel.dashboard.model import DashboardState
 
@@ -71,7 +72,7 @@ class Dashboard:
         run_dir: str,
         spec: JobSpec,
         on_stop: Callable[[], None] | None = None,
-        on_stacks: Callable[[], None] | None = None,
+        on_stacks: Callable[[], object] | None = None,
         session: str | None = None,
     ) -> None:
         """`on_stop`/`on_stacks`: what the buttons do (a background job's dashboard has them);
@@ -99,7 +100,7 @@ class Dashboard:
         if time.monotonic() - self._snapshot_at >= SNAPSHOT_EVERY_S:
             self._snapshot()
 
-    def end(self, summary: dict[str, Any]) -> None:
+    def end(self, summary: Summary) -> None:
         self.state.end(summary)
         delta = self.state.take_delta()
         if delta is not None:

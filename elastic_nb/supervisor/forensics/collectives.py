@@ -34,7 +34,7 @@ from typing import Any
 from elastic_nb.common.rundir import RunDir
 
 __all__ = [
-    "Finding",
+    "CertainDesync",
     "History",
     "Op",
     "base",
@@ -175,7 +175,9 @@ class Waiter:
 
 
 @dataclass
-class Finding:
+class CertainDesync:
+    """A desync that can never resolve by waiting (`find_certain`)."""
+
     kind: str  # "left" | "mismatch"
     group: str
     culprits: list[int]  # the ranks that left early, or ran the odd op
@@ -184,11 +186,11 @@ class Finding:
     waiters: list[Waiter]
 
 
-def find_certain(histories: dict[int, History]) -> Finding | None:
+def find_certain(histories: dict[int, History]) -> CertainDesync | None:
     return _left(histories) or _mismatch(histories)
 
 
-def _left(histories: dict[int, History]) -> Finding | None:
+def _left(histories: dict[int, History]) -> CertainDesync | None:
     leavers = [h for h in histories.values() if h.left and h.known]
     if not leavers:
         return None
@@ -209,7 +211,7 @@ def _left(histories: dict[int, History]) -> Finding | None:
             waiters.append(Waiter(h.rank, group, first + 1, op))
         if waiters:
             late = [h for h in culprits if h.last.get(group, 0) == first]
-            return Finding(
+            return CertainDesync(
                 "left",
                 group,
                 [h.rank for h in late],
@@ -220,7 +222,7 @@ def _left(histories: dict[int, History]) -> Finding | None:
     return None
 
 
-def _mismatch(histories: dict[int, History]) -> Finding | None:
+def _mismatch(histories: dict[int, History]) -> CertainDesync | None:
     at: dict[tuple[str, int], dict[int, Op]] = {}
     for h in histories.values():
         if h.left:
@@ -237,7 +239,7 @@ def _mismatch(histories: dict[int, History]) -> Finding | None:
         lowest = ops[min(ops)].name
         ref = max(names, key=lambda n: (names[n], n == lowest))
         odd = sorted(r for r, op in ops.items() if op.name != ref)
-        return Finding(
+        return CertainDesync(
             "mismatch",
             group,
             odd,

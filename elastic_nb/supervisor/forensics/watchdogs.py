@@ -16,16 +16,29 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from elastic_nb.common import procs, protocol
+from elastic_nb.common import protocol
 from elastic_nb.common.spec import JobSpec
-from elastic_nb.supervisor.forensics.verdict import RankState
+from elastic_nb.supervisor.ranks.rank_state import RankState
 
-if TYPE_CHECKING:
-    from elastic_nb.supervisor.processes.launcher_process import Launcher
+__all__ = [
+    "Agent",
+    "AgentStuck",
+    "Silence",
+    "agent_stuck",
+    "stuck_agent",
+    "zombie_bound",
+    "zombie_title",
+]
 
-__all__ = ["AgentStuck", "Silence", "agent_stuck", "stuck_agent", "zombie_bound", "zombie_title"]
+
+@dataclass(frozen=True)
+class Agent:
+    """torchelastic's agent (the launcher process) as its node sees it now."""
+
+    pid: int
+    state: tuple[str, str] | None  # its process state (letter, words); None once it is gone
+    last_tick: float | None  # its monitor loop, last heard (monotonic clock)
 
 
 def zombie_bound(monitor_interval: float) -> float:
@@ -44,20 +57,20 @@ def stuck_agent(
     last_tick: float | None,
     ticking: bool,
     launcher_stopped: bool,
-    unreaped: Callable[[int], bool],
+    unreaped: Callable[[RankState], bool],
 ) -> tuple[str, RankState | None] | None:
     """Why the agent is stuck, and the rank left a zombie if that is why; None if it is not.
     Intervals are on the monotonic clock (`now`, `RankState.gone_at`, `last_tick`): a step of
     the wall clock must never make a healthy agent look stuck.
 
     `ranks`: every rank of every attempt; `current`: the running attempt's; `ticking`: the job
-    runs undecided, so the monitor loop should tick; `unreaped(pid)`: the pid is a zombie."""
+    runs undecided, so the monitor loop should tick; `unreaped(r)`: the rank is a zombie."""
     for r in ranks:
         if r.gone_at is None or now - r.gone_at < bound or r.pid is None:
             continue
         if teardown_at is not None and r.died_at is not None and r.died_at >= teardown_at:
             continue  # dying because we stop the job: the agent is busy with that
-        if unreaped(r.pid):
+        if unreaped(r):
             return f"rank {r.rank} died {now - r.gone_at:.1f} s ago and is still unreaped", r
     if len(current) == nproc and all(r.done and r.gone_at for r in current):
         gone = now - max(r.gone_at or now for r in current)
@@ -101,13 +114,13 @@ def agent_stuck(
     ranks: Iterable[RankState],
     current: list[RankState],
     spec: JobSpec,
-    launcher: Launcher,
+    agent: Agent,
     teardown_at: float | None,
     ticking: bool,
+    unreaped: Callable[[RankState], bool],
 ) -> AgentStuck | None:
-    """`stuck_agent` on what this machine shows now (the launcher's state, zombies), worded."""
-    nproc, launcher_pid = spec.nproc, launcher.pid
-    state = procs.proc_state(launcher_pid)
+    """`stuck_agent` on what the node shows now (the agent's state, zombies), worded."""
+    nproc = spec.nproc
     stuck = stuck_agent(
         ranks,
         current,
@@ -115,16 +128,16 @@ def agent_stuck(
         time.monotonic(),
         zombie_bound(spec.monitor_interval),
         teardown_at,
-        launcher.last_tick,
+        agent.last_tick,
         ticking=ticking,
-        launcher_stopped=state is not None and state[0] in "Tt",
-        unreaped=lambda pid: procs.zombie_exit_code(pid) is not None,
+        launcher_stopped=agent.state is not None and agent.state[0] in "Tt",
+        unreaped=unreaped,
     )
     if stuck is None:
         return None
     why, zombie = stuck
     finished = [r.rank for r in current if r.done is not None]
-    title = zombie_title(why, launcher_pid, state, finished)
+    title = zombie_title(why, agent.pid, agent.state, finished)
     if len(finished) == nproc:
         return AgentStuck(
             title, zombie, "succeeded", "every rank finished the cell; the agent then got stuck"

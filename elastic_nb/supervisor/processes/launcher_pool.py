@@ -28,7 +28,7 @@ from typing import Any
 import psutil
 from anyio.abc import TaskGroup
 
-from elastic_nb.common import procs
+from elastic_nb.common import procs, report
 from elastic_nb.common.spec import JobSpec
 from elastic_nb.supervisor.processes.launcher_process import Launcher
 from elastic_nb.supervisor.processes.zygote_process import Zygote, ZygoteFailed, log_tail
@@ -285,7 +285,7 @@ class LauncherPool:
         log.warning(
             "warm launcher %s exited (%s) before any job took it: %s",
             launcher.pid,
-            procs.describe_exit(launcher.proc.returncode),
+            report.describe_exit(launcher.proc.returncode),
             tail,
         )
         if self._idle is launcher:

@@ -12,11 +12,10 @@ import signal
 import subprocess
 import time
 from pathlib import Path
-from typing import Any
 
 import anyio
 
-from elastic_nb.common import procs, protocol
+from elastic_nb.common import procs, protocol, report
 from elastic_nb.supervisor.processes.zygote_process import ForkedProcess, Zygote
 
 __all__ = ["Launcher"]
@@ -37,12 +36,14 @@ class Launcher:
         self.started = time.time()
         self.job: str | None = None  # who it was handed to
         self.last_tick: float | None = None  # its agent's monitor loop, last heard (monotonic)
-        self.result: dict[str, Any] | None = None  # what elastic_launch returned or raised
+        self.result: protocol.Result | None = None  # what elastic_launch returned or raised
         self.closed = anyio.Event()  # its pipe reached EOF: the launcher is exiting
         self.discarded = False  # ended by us while idle, not died
         # One reader of the pipe for the launcher's life (`read`); the job that takes it
         # receives its messages from this stream.
-        self._forward, self.messages = anyio.create_memory_object_stream[dict[str, Any]](math.inf)
+        self._forward, self.messages = anyio.create_memory_object_stream[protocol.LauncherNews](
+            math.inf
+        )
         stdin_r, stdin_w = os.pipe()
         stdout_r, stdout_w = os.pipe()
         try:
@@ -89,14 +90,14 @@ class Launcher:
                     continue
                 if not data:
                     return
-                for msg, _ in self.decoder.feed(data):
-                    kind = msg["kind"]
-                    if kind == protocol.TICK:
+                for frame, _ in self.decoder.feed(data):
+                    msg = protocol.launcher_news(frame)
+                    if msg["kind"] == protocol.TICK:
                         self.last_tick = time.monotonic()
                         continue
-                    if kind == protocol.RESULT:
+                    if msg["kind"] == protocol.RESULT:
                         self.result = msg
-                    if kind == protocol.READY:
+                    if msg["kind"] == protocol.READY:
                         self.ready = True
                         if self.job is None:
                             continue  # said while idle: nothing a job needs to hear
@@ -134,7 +135,7 @@ class Launcher:
             return "succeeded", "elastic_launch returned"
         if self.result:
             return "failed", f"torchelastic gave up: {self.result.get('error')}"
-        return "failed", f"the launcher {procs.describe_exit(self.proc.poll())} (see {log})"
+        return "failed", f"the launcher {report.describe_exit(self.proc.poll())} (see {log})"
 
     def write_assignment(self, line: bytes) -> None:
         assert self.proc.stdin is not None

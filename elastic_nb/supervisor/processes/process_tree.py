@@ -5,7 +5,7 @@ process whose rank died (one that left the process group and dropped its environ
 its child, and any child of it that is not a launcher is such a leftover.
 
 SIGTERM goes to the launcher, every marked process and every orphan; SIGKILL after the grace to
-the whole process group and all of those again; what still lives after that is reported, by pid.
+the whole process group and all of those again; what still lives after that is named, by pid.
 """
 
 from __future__ import annotations
@@ -21,9 +21,8 @@ import psutil
 
 from elastic_nb.common import procs
 from elastic_nb.supervisor.processes.zygote_process import ForkedProcess
-from elastic_nb.supervisor.runs.reporter import Reporter
 
-__all__ = ["ProcessTree", "unkillable"]
+__all__ = ["ProcessTree"]
 
 POLL_S = 0.05
 LEFTOVER_GRACE_S = 0.5  # after a successful launcher exits, its helpers' time to follow it
@@ -77,7 +76,7 @@ class ProcessTree:
         procs.signal_group(self.launcher.pid, signal.SIGTERM)
         return left
 
-    async def stop(self, grace: float, on_signal: Callable[[str, int], None]) -> list[int]:
+    async def stop(self, grace: float, on_signal: Callable[[str, list[int]], None]) -> list[int]:
         """SIGTERM, `grace`, SIGKILL; returns the pids that survived it all."""
         pid = self.launcher.pid
         for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, procs.KILL_WAIT_S)):
@@ -108,30 +107,9 @@ class ProcessTree:
             survivors.insert(0, pid)
         return survivors
 
-    async def stop_reported(self, grace: float, report: Reporter) -> None:
-        """`stop`, each signal and what survived it in the job's events, the survivors also
-        as an alert (no process of a job may outlive it unsaid)."""
-        survivors = await self.stop(
-            grace, lambda sig, stray: report.event("teardown", signal=sig, stray=stray)
-        )
-        if survivors:
-            report.event("teardown_failed", pids=survivors)
-            report.alert(**unkillable(survivors))
-
 
 def _describe(p: psutil.Process) -> dict[str, Any]:
     try:
         return {"pid": p.pid, "cmd": " ".join(p.cmdline())[:80]}
     except psutil.Error:
         return {"pid": p.pid, "cmd": "?"}
-
-
-def unkillable(survivors: list[int]) -> dict[str, Any]:
-    """The alert for processes of a job that outlived SIGKILL (D state, most often)."""
-    states = [(pid, procs.proc_state(pid)) for pid in survivors]
-    return dict(
-        kind="unkillable",
-        severity="error",
-        title=f"{len(survivors)} process(es) of the job survived SIGKILL",
-        text="\n".join(f"pid {pid}: {st[1] if st else 'gone'}" for pid, st in states),
-    )

@@ -233,7 +233,7 @@ class LogTailer:
 
     def take_marked(self) -> list[tuple[int, int, str, str]]:
         """Every marked line since the last call: (attempt, rank, stream, line)."""
-        out = []
+        out: list[tuple[int, int, str, str]] = []
         for s in self._streams.values():
             out.extend((s.attempt, s.rank, s.stream, line) for line in s.marked)
             s.marked.clear()

@@ -1,7 +1,7 @@
 """The supervisor's side of the ranks' flight-recorder probes (`elastic_nb.rank.recorder` is the rank's).
 
-A probe is one line written into a live rank's FIFO; the rank's probe thread answers into a file,
-tagged with the probe's number. A rank that has ended is read from the record it left (and from
+A probe is one line the rank's node hands the live rank (today: written into its FIFO); the rank's
+probe thread answers into a file, tagged with the probe's number. A rank that has ended is read from the record it left (and from
 NCCL's own dump, when a timeout made one). A rank that does not answer within `PROBE_WAIT_S` (its
 probe thread starved of the GIL by a C call that holds it, or the rank going away) is left out:
 the verdict then rests on the other ranks and on the stacks.
@@ -9,14 +9,13 @@ the verdict then rests on the other ranks and on the stacks.
 
 from __future__ import annotations
 
-import os
-
 import anyio
 
 from elastic_nb.common.protocol import PROBE_FULL, PROBE_STATUS
 from elastic_nb.common.rundir import RunDir, read_json
 from elastic_nb.supervisor.forensics.collectives import History, history, read_nccl_dump
-from elastic_nb.supervisor.forensics.verdict import RankState
+from elastic_nb.supervisor.processes.node import Node
+from elastic_nb.supervisor.ranks.rank_state import RankState
 
 __all__ = ["Probes"]
 
@@ -24,9 +23,10 @@ PROBE_WAIT_S = 1.0  # a rank answers in milliseconds; a full dump of 2,000 entri
 
 
 class Probes:
-    def __init__(self, rd: RunDir, live_done: bool = False) -> None:
+    def __init__(self, node: Node, rd: RunDir, live_done: bool = False) -> None:
         """`live_done`: a rank that finished the cell lives on and answers probes (a session's
         rank, back in its loop); a job's rank has left its final record instead."""
+        self._node = node
         self._rd = rd
         self._live_done = live_done
         self._cell = str(rd.cell)
@@ -81,22 +81,6 @@ class Probes:
 
     async def _ask(self, r: RankState, full: bool) -> dict | None:
         self._n += 1
-        n = self._n
-        try:
-            fd = os.open(self._rd.probe(r.attempt, r.rank), os.O_WRONLY | os.O_NONBLOCK)
-        except OSError:
-            return None  # no probe thread listening: not armed yet, or gone
-        try:
-            os.write(fd, f"{n} {PROBE_FULL if full else PROBE_STATUS}\n".encode())
-        except OSError:
-            return None
-        finally:
-            os.close(fd)
-        answer = self._rd.probe_answer(r.attempt, r.rank)
-        with anyio.move_on_after(PROBE_WAIT_S):
-            while True:
-                record = read_json(answer)
-                if record is not None and record.get("req") == n:
-                    return record
-                await anyio.sleep(0.01)
-        return None
+        return await self._node.probe(
+            r, self._n, PROBE_FULL if full else PROBE_STATUS, PROBE_WAIT_S
+        )

@@ -1,29 +1,24 @@
 """The rank book: every rank of every attempt of a job, what each left on disk, how it ended,
 and the few words a dashboard chip shows for it.
 
-The supervisor learns a rank's end from several places (its pidfd, its failure or done record,
-the launcher's EXIT and EXITS messages); the book is where they meet.
+The supervisor learns a rank's end from several places (its node, which sees it go; its failure
+or done record; the launcher's EXIT and EXITS messages); the book is where they meet.
 """
 
 from __future__ import annotations
 
-import os
 import time
-from typing import Any
 
 import anyio
-import psutil
 
-from elastic_nb.common import procs, protocol
+from elastic_nb.common import protocol
 from elastic_nb.common.protocol import Chip
 from elastic_nb.common.rundir import RunDir, read_json
-from elastic_nb.supervisor.forensics.stacks import Desync
-from elastic_nb.supervisor.forensics.verdict import RankState
+from elastic_nb.supervisor.forensics.desync import Desync
+from elastic_nb.supervisor.processes.node import Node
+from elastic_nb.supervisor.ranks.rank_state import RankState
 
 __all__ = ["RankBook"]
-
-POLL_S = 0.05  # how often a rank without a pidfd is looked at
-
 
 # How long a forked rank's exit status may take to come from its launcher: milliseconds as a
 # rule; 0.5 s was passed once on a 2-core machine running two test suites (its rank was then
@@ -33,8 +28,9 @@ HEAR_OUT_POLL_S = 0.005  # a rank watcher woken by the launcher's word runs with
 
 
 class RankBook:
-    def __init__(self, rd: RunDir) -> None:
+    def __init__(self, rd: RunDir, node: Node) -> None:
         self.rd = rd
+        self.node = node  # where the ranks run
         self.ranks: dict[tuple[int, int], RankState] = {}
         self.failed_attempts: set[int] = set()
         self.zombies: set[tuple[int, int]] = set()  # (attempt, rank) dead and left unreaped
@@ -69,19 +65,19 @@ class RankBook:
         self.exit_reported(r).set()
         return r
 
-    def take_exits(self, msg: dict[str, Any]) -> list[RankState]:
+    def take_exits(self, msg: protocol.LauncherNews) -> list[RankState]:
         """The launcher's EXIT or EXITS message, if it is one; returns the ranks that can be
-        judged now (their pidfd fired before their exit code was known)."""
+        judged now (they were seen gone before their exit code was known)."""
         if msg["kind"] == protocol.EXIT:
-            self.report_exit(int(msg["attempt"]), int(msg["rank"]), msg.get("code"))
+            self.report_exit(msg["attempt"], msg["rank"], msg["code"])
         elif msg["kind"] == protocol.EXITS:
             codes = {int(r): c for r, c in msg["codes"].items() if c is not None}
-            return self.record_exits(int(msg["attempt"]), codes)
+            return self.record_exits(msg["attempt"], codes)
         return []
 
     def record_exits(self, attempt: int, codes: dict[int, int]) -> list[RankState]:
-        """The launcher's EXITS: every rank's code as torch saw it; returns the ranks whose pidfd
-        had already fired without a status (they can be judged now)."""
+        """The launcher's EXITS: every rank's code as torch saw it; returns the ranks already
+        seen gone without a status (they can be judged now)."""
         self.launcher_exits[attempt] = codes
         news = [self.report_exit(attempt, rank, code) for rank, code in codes.items()]
         return [r for r in news if r is not None and r.died_at is not None]
@@ -93,25 +89,9 @@ class RankBook:
         when it was seen gone (time.time(), time.monotonic()), before its status was awaited:
         who failed first is judged by that moment, not by how long the status took.
 
-        A spawned rank is the agent's child: read its status the moment it dies, before
-        torchelastic reaps it at its next monitor tick. A forked one is its fork server's, reaped
-        at once: the launcher says how it ended (protocol.EXIT), within milliseconds, or up to
-        `wait_s` on a loaded machine."""
-        assert r.pid is not None
-        fd = procs.pidfd_open(r.pid)
-        if fd is None:  # no pidfd (old kernel) or already gone
-            while procs.zombie_exit_code(r.pid) is None and psutil.pid_exists(r.pid):
-                await anyio.sleep(POLL_S)
-        else:
-            r.pidfd = fd
-            try:
-                await anyio.wait_readable(fd)
-            finally:
-                r.pidfd = None
-                os.close(fd)
-        gone = time.time(), time.monotonic()
-        if r.exit_code is None:
-            r.exit_code = procs.zombie_exit_code(r.pid)
+        A forked rank is its fork server's, reaped at once: the launcher says how it ended
+        (protocol.EXIT), within milliseconds, or up to `wait_s` on a loaded machine."""
+        gone = await self.node.wait_gone(r)
         if r.exit_code is None and forked:
             with anyio.move_on_after(wait_s):
                 await self.exit_reported(r).wait()
@@ -133,7 +113,7 @@ class RankBook:
         live = [r for r in self.of(attempt) if r.died_at is None]
         for r in live:
             if not r.armed:
-                r.armed = self.rd.stacks(r.attempt, r.rank).exists()
+                r.armed = self.node.armed(r)
                 if not r.armed:
                     return False
         return any(r.done is None and r.failure is None for r in live)
@@ -151,7 +131,7 @@ class RankBook:
         """Live ranks of the attempt whose failure record has just appeared (read once a poll),
         in the order they failed: a poll that reads a timeout and the peer error it caused
         must act on the timeout (its diagnosis takes every stack), not on the lower rank."""
-        found = []
+        found: list[RankState] = []
         for r in self.of(attempt):
             if r.died_at is None and r.failure is None and r.done is None:
                 self.read_records(r)

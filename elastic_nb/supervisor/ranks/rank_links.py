@@ -7,18 +7,16 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import select
 import socket
 import struct
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 import anyio
 from anyio.abc import SocketStream
 
 from elastic_nb.common import protocol
-from elastic_nb.supervisor.forensics.verdict import RankState
 from elastic_nb.supervisor.ranks.rank_book import RankBook
+from elastic_nb.supervisor.ranks.rank_state import RankState
 
 __all__ = ["Link", "RankLinks"]
 
@@ -35,10 +33,10 @@ class Link:
         self._stream = stream
         self._lock = anyio.Lock()
 
-    async def send(self, kind: str, **fields: Any) -> None:
+    async def send(self, msg: protocol.SessionOrder) -> None:
         with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
             async with self._lock:
-                await self._stream.send(protocol.encode(kind, **fields))
+                await self._stream.send(protocol.encode(msg))
 
 
 class RankLinks:
@@ -68,7 +66,8 @@ class RankLinks:
     def up(self, attempt: int, nproc: int) -> bool:
         """Every rank of the attempt is connected and alive."""
         links = self.of(attempt)
-        return len(links) == nproc and all(_alive(link.r) for link in links)
+        # alive, even if its watcher has not run yet: a cell sent now would meet a dead rank
+        return len(links) == nproc and all(self._book.node.alive(link.r) for link in links)
 
     async def serve(self, stream: SocketStream) -> None:
         """One connection (the listener's handler): a hello, then the rank's answers."""
@@ -80,24 +79,25 @@ class RankLinks:
                     data = await stream.receive()
                 except (anyio.EndOfStream, anyio.BrokenResourceError, OSError):
                     return
-                for msg, _ in decoder.feed(data):
+                for frame, _ in decoder.feed(data):
+                    msg = protocol.rank_news(frame)
                     if link is None:
+                        if msg["kind"] != protocol.RANK_HELLO:
+                            raise protocol.ProtocolError(f"{msg['kind']!r} before rank_hello")
                         link = await self._hello(stream, msg)
                         if link is None:
                             return
                     elif msg["kind"] == protocol.RAN:
-                        self._ran(link, str(msg["cell"]), bool(msg["ok"]))
+                        self._ran(link, msg["cell"], msg["ok"])
         except protocol.ProtocolError as e:
             log.warning("session %s: dropped a rank's connection: %s", self._session, e)
         finally:
             with contextlib.suppress(Exception):
                 await stream.aclose()
 
-    async def _hello(self, stream: SocketStream, msg: dict[str, Any]) -> Link | None:
+    async def _hello(self, stream: SocketStream, msg: protocol.RankHello) -> Link | None:
         """A rank of ours, by its pid (the kernel's word on the peer, not the message's)."""
-        if msg["kind"] != protocol.RANK_HELLO:
-            return None
-        attempt, rank = int(msg["attempt"]), int(msg["rank"])
+        attempt, rank = msg["attempt"], msg["rank"]
         await self._until(lambda: self._book.get(attempt, rank) is not None, HELLO_WAIT_S)
         r = self._book.get(attempt, rank)
         peer = _peer_pid(stream)
@@ -112,16 +112,10 @@ class RankLinks:
         return link
 
 
-def _alive(r: RankState) -> bool:
-    """Not dead, even if its watcher has not run yet: a cell sent now would meet a dead rank."""
-    if r.died_at is not None:
-        return False
-    return r.pidfd is None or not select.select([r.pidfd], [], [], 0)[0]
-
-
 def _peer_pid(stream: SocketStream) -> int | None:
     sock = stream.extra(anyio.abc.SocketAttribute.raw_socket)
     with contextlib.suppress(OSError):
         creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-        return struct.unpack("3i", creds)[0]
+        pid: int = struct.unpack("3i", creds)[0]
+        return pid
     return None

@@ -1,11 +1,16 @@
-"""One job in the supervisor: its launcher process, its ranks, its logs, and its end.
+"""One job in the supervisor: a rank group whose ranks run one cell, and what decides its end.
 
 A job runs until one thing *decides* its outcome, then it tears its process tree down and
-reports. What decides, first come first served:
+reports (the rank group's mechanics, `rank_group.RankGroup`). What decides, first come first
+served:
 
 * every rank of an attempt finished the cell and exited                  -> succeeded
 * a rank failed in the last attempt the restart budget allows           -> failed
+* a desync the flight recorders make certain, in the last attempt       -> failed
 * the launcher exited (torchelastic gave up, or the launcher broke)     -> from its result
+* torchelastic's agent stuck (the zombie watchdog)                      -> failed, or succeeded
+                                                                           if every rank had
+                                                                           finished the cell
 * `stop` from a client (interrupt, %elastic stop)                        -> interrupted / stopped
 * the --timeout deadline                                                 -> timeout
 * the supervisor shutting down (the kernel died)                         -> stopped
@@ -15,50 +20,48 @@ makes failures fast: torchelastic notices a dead rank at its next monitor tick a
 report before stopping the others. Here the launcher and every process carrying the job's
 marker get SIGTERM at once, the whole process group SIGKILL after the grace, and every process
 of the job is accounted for before the kernel hears the end.
+
+Diagnoses are the job's too: when a rank times out in a collective, the ranks desync or fall
+silent, the evidence (every stack, every flight recorder) is taken while they still live, and
+the attempt's decision waits for it (an unconfirmed desync must not swallow a rank's own
+exception, nor a teardown destroy the evidence of where the others were).
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import signal
 import time
-from collections.abc import Callable
 from typing import Any
 
 import anyio
-import psutil
+from anyio.abc import TaskGroup
 
-from elastic_nb.common import procs, protocol
-from elastic_nb.common.rundir import RunDir, write_json
-from elastic_nb.common.spec import JobSpec
-from elastic_nb.supervisor.forensics.verdict import (
-    FAILED,
-    NCCL_TIMEOUT_MARKS,
-    TORCH_LOG_NOISE,
-    RankState,
-    Verdict,
-    analyze,
-)
+from elastic_nb.common import protocol
+from elastic_nb.common.spec import TEARS_DOWN, JobSpec
+from elastic_nb.supervisor.forensics.desync import Desync
+from elastic_nb.supervisor.forensics.verdict import FAILED, Verdict, analyze
 from elastic_nb.supervisor.forensics.watchdogs import agent_stuck
-from elastic_nb.supervisor.processes.launcher_pool import Launcher, LauncherPool
-from elastic_nb.supervisor.processes.process_tree import ProcessTree
-from elastic_nb.supervisor.ranks.evidence import EvidenceCollector
-from elastic_nb.supervisor.ranks.log_tailer import LogTailer
-from elastic_nb.supervisor.ranks.rank_book import RankBook
+from elastic_nb.supervisor.processes.node import Node
+from elastic_nb.supervisor.ranks.evidence import Evidence, EvidenceCollector
+from elastic_nb.supervisor.ranks.rank_state import RankState
 from elastic_nb.supervisor.runs import summary
-from elastic_nb.supervisor.runs.diagnosis import Diagnosis, oom_alert
-from elastic_nb.supervisor.runs.reporter import Reporter, Send
+from elastic_nb.supervisor.runs.diagnosis import (
+    LOOK_LEFT_S,
+    DesyncWatch,
+    Finding,
+    desync_finding,
+    oom_alert,
+    timeout_finding,
+    watchdog_title,
+    where_finding,
+)
+from elastic_nb.supervisor.runs.rank_group import RankGroup
+from elastic_nb.supervisor.runs.reporter import Send
 
 __all__ = ["Job"]
 
-log = logging.getLogger(__name__)
 
-POLL_S = 0.05  # log tail and record polling
-FLUSH_S = 0.1  # one update per job per flush: at most 10 messages a second
-
-
-class Job:
+class Job(RankGroup):
     def __init__(
         self,
         job_id: str,
@@ -67,101 +70,31 @@ class Job:
         meta: dict[str, Any],
         payload: bytes | None,
         env: dict[str, str],
+        node: Node,
         send: Send,
-        reap: Callable[[], None],
-        orphans: Callable[[], list[psutil.Process]],
-        launchers: LauncherPool,
     ) -> None:
-        self.id = job_id
-        self.spec = spec
-        self.rd = RunDir.of(spec.log_dir, job_id)
-        self.attempt = 0
-        self.created = time.time()
-        self._created_mono = time.monotonic()
-        self.summary: dict[str, Any] | None = None
+        super().__init__(job_id, spec, node, send)
         self._source, self._meta, self._payload, self._env = source, meta, payload, env
-        self._reap, self._orphans = reap, orphans
-        self._launchers = launchers
-        self._launcher: Launcher | None = None
-        self._tree: ProcessTree | None = None  # the launcher's, once it has the job
-        self.book = RankBook(self.rd)
-        self.report = Reporter(job_id, send)
-        self._tailer = LogTailer(marks=NCCL_TIMEOUT_MARKS, noise=TORCH_LOG_NOISE)
-        self._outcome: tuple[str, str] | None = None
-        self._decided = anyio.Event()
-        self._heard = anyio.Event()  # every message of the launcher taken in (book.hear_out)
-        self._teardown_at: float | None = None
+        self._created_mono = time.monotonic()
         self._leftovers: list[dict[str, Any]] = []
-        self._tg: anyio.abc.TaskGroup | None = None
-        self._oom_base = procs.oom_kills()
         self._watchdog_fired = False  # the zombie watchdog stopped the agent
-        self._diagnosis = Diagnosis(
-            self, self.book, self.report, EvidenceCollector(self.rd, source)
-        )
+        self._collector = EvidenceCollector(node, self.rd, source)
+        # Diagnoses: at most one per attempt at a time; a failure that comes while one is under
+        # way waits for it.
+        self._under_way: set[int] = set()  # attempts being diagnosed
+        self._diagnosed = anyio.Event()  # replaced after each diagnosis ends
+        self._deferred: list[tuple[RankState, str]] = []
+        self.finding: Finding | None = None  # what the summary says about a timeout or desync
+        self._watchdog_alerts: set[int] = set()  # attempts whose NCCL timeouts end nothing
 
-    # ---- for the server -----------------------------------------------------------------
+    # ---- for the service -----------------------------------------------------------------
 
     @property
     def state(self) -> str:
         return self.report.state
 
-    @property
-    def decided(self) -> bool:
-        return self._outcome is not None
-
-    @property
-    def launcher_pid(self) -> int | None:
-        return self._tree.launcher.pid if self._tree else None
-
-    @property
-    def running(self) -> bool:
-        return self.summary is None
-
     def request_stop(self, reason: str) -> None:
         self._decide(*summary.STOPS.get(reason, ("stopped", reason)))
-
-    async def run(self) -> None:
-        try:
-            if self._outcome is not None:
-                return  # stopped before it started
-            await self._start_launcher()
-            async with anyio.create_task_group() as tg:
-                self._tg = tg
-                tg.start_soon(self._read_launcher)
-                tg.start_soon(self._poll_loop)
-                tg.start_soon(self._diagnosis.watch_desync)
-                if self.spec.timeout is not None:
-                    tg.start_soon(self._deadline, self.spec.timeout)
-                await self._decided.wait()
-                # Rank watchers and the launcher reader keep running through the teardown, and
-                # until the launcher's last word is heard: they record how and when each ended.
-                await self._teardown()
-                if self._launcher is not None and not self._launcher.alive:
-                    await self.book.hear_out(self._heard)
-                tg.cancel_scope.cancel()
-        except Exception as e:  # a bug of ours must still end the job cleanly
-            log.exception("job %s: supervisor error", self.id)
-            self._decide("failed", f"elastic_nb supervisor error: {type(e).__name__}: {e}")
-            self.report.event("internal_error", error=repr(e))
-        finally:
-            with anyio.CancelScope(shield=True):
-                self._decide(*summary.STOPS["shutdown"])
-                if self._tree is not None and self._tree.alive():
-                    await self._teardown()
-                await self._finish()
-
-    async def _deadline(self, timeout: float) -> None:
-        """--timeout, counted from the job's creation on the monotonic clock."""
-        # Past already when a cell's own zygote took longer than the deadline (anyio refuses a
-        # negative delay).
-        await anyio.sleep(max(0.0, timeout - (time.monotonic() - self._created_mono)))
-        self._decide("timeout", f"the --timeout of {timeout:g} s passed")
-
-    async def stacks(self) -> str:
-        """Every rank's stack now (``%elastic stacks``); also shown as an alert."""
-        return await self._diagnosis.stacks()
-
-    # ---- start ----------------------------------------------------------------------------
 
     def prepare(self) -> None:
         """Create the run directory; a failure here is the submitter's error, not a job's."""
@@ -170,103 +103,114 @@ class Job:
         self.report.open(self.rd.events)
         self.report.event("created", nproc=self.spec.nproc)
 
-    async def _start_launcher(self) -> None:
-        """Take a launcher (the warm one, or a new one) and give it this job."""
-        launcher = await self._launchers.take(self.spec, self._env)
-        line = launcher.assign(self.id, str(self.rd), self._env)  # before any await: ours now
-        self._launcher, self._tree = launcher, ProcessTree(self.id, launcher.proc, self._orphans)
-        self.report.event("launcher", pid=launcher.pid, warm=launcher.ready)
-        if launcher.ready:
-            self.report.set_state("rendezvous")
-        await anyio.to_thread.run_sync(launcher.write_assignment, line)
+    async def stacks(self) -> str:
+        """Every rank's stack now (``%elastic stacks``); also shown as an alert."""
+        ev = await self._evidence()
+        title = f"stacks of every rank, attempt {self.attempt}"
+        if ev.desync is not None and ev.desync.behind:
+            title += f": {ev.desync.text}"
+        self.report.alert("stacks", "info", title, text=ev.stacks)
+        return f"{title}\n{ev.stacks}"
 
-    # ---- observing ------------------------------------------------------------------------
+    # ---- the rank group's hooks -----------------------------------------------------------
 
-    async def _read_launcher(self) -> None:
-        launcher = self._launcher
-        assert launcher is not None
-        async for msg in launcher.messages:
-            self._on_launcher(msg)
-        self._heard.set()
-        # The pipe's write end lives only in the launcher: EOF means it is exiting.
-        with anyio.move_on_after(procs.KILL_WAIT_S):
-            await launcher.exited()
-        # torchelastic gives up the moment a rank fails; a diagnosis under way (stacks taken
-        # while the others were still alive) decides first, or its verdict would be lost.
-        await self._diagnosis.idle()
-        self._decide(*launcher.outcome(self.rd.launcher_log))
+    def _launch_env(self) -> dict[str, str]:
+        return self._env
 
-    def _on_launcher(self, msg: dict[str, Any]) -> None:
-        kind = msg["kind"]
-        self.report.event(f"launcher.{kind}", **{k: v for k, v in msg.items() if k != "kind"})
-        if kind == protocol.READY:
-            self.report.set_state("rendezvous")
-        elif kind == protocol.START:
-            self._on_start(int(msg["attempt"]), int(msg["rank"]), int(msg["pid"]))
-        for r in self.book.take_exits(msg):
-            self.evaluate(r)  # its exit was unknown when its pidfd fired
+    def _start_tasks(self, tg: TaskGroup) -> None:
+        tg.start_soon(self._watch_desync)
+        if self.spec.timeout is not None:
+            tg.start_soon(self._deadline, self.spec.timeout)
 
-    def _on_start(self, attempt: int, rank: int, pid: int) -> None:
-        if attempt > self.attempt:
-            found = self._diagnosis.finding
-            desync = found.desync.text if found and found.desync else None
-            self.report.alert(**summary.restart_alert(self.book, attempt - 1, desync, self.spec))
-            self.attempt = attempt
-        r = self.book.add(attempt, rank, pid, time.time())
-        assert self._launcher is not None
-        self._launcher.last_tick = time.monotonic()  # a start is a sign of life
-        self._diagnosis.silence.activity(time.monotonic())
-        self._tailer.follow(
-            attempt, rank, {s: self.rd.log(attempt, rank, s) for s in ("out", "err")}
-        )
+    def _on_ready(self) -> None:
+        self.report.set_state("rendezvous")
+
+    def _new_attempt(self, attempt: int) -> None:
+        found = self.finding
+        desync = found.desync.text if found and found.desync else None
+        self.report.alert(**summary.restart_alert(self.book, attempt - 1, desync, self.spec))
+
+    def _on_rank_started(self, r: RankState) -> None:
         self.show(r)
         self.report.set_state("running")
-        assert self._tg is not None
-        self._tg.start_soon(self._watch_rank, r)
-        if attempt == 0 and len(self.book.of(0)) == self.spec.nproc:
-            self._launchers.job_running(self.spec)
+        if r.attempt == 0 and len(self.book.of(0)) == self.spec.nproc:
+            self.node.ranks_up(self.spec)
 
-    async def _watch_rank(self, r: RankState) -> None:
-        forked = self.spec.start_method == "forkserver"
-        # Until its exit status came (or its bound passed) the rank counted as alive (died_at
-        # unset): nothing judged it without it; it died when it was seen gone.
-        r.died_at, r.gone_at = await self.book.wait_exit(r, forked)
-        self._diagnosis.silence.activity(r.gone_at)
-        kills, base = procs.oom_kills(), self._oom_base  # None: no cgroup memory events here
-        r.oom_killed = kills is not None and base is not None and kills > base
-        self.book.read_records(r)
-        self.report.event("rank.exit", attempt=r.attempt, rank=r.rank, code=r.exit_code)
+    def _rank_ended(self, r: RankState) -> None:
         self.evaluate(r)
+
+    def _on_watchdog_line(self, attempt: int, rank: int, line: str) -> None:
+        r = self.book.get(attempt, rank)
+        if r is not None:
+            self._on_watchdog(r, line)
+
+    def _poll(self) -> None:
+        # Records land before the process exits (torch and Python teardown can take a while):
+        # act on a failure at once.
+        for r in self.book.new_failures(self.attempt):
+            self.evaluate(r)
+        self._watch_agent()
+        self._watch_silence()
+
+    async def _launcher_ended(self, outcome: tuple[str, str]) -> tuple[str, str]:
+        # torchelastic gives up the moment a rank fails; a diagnosis under way (stacks taken
+        # while the others were still alive) decides first, or its verdict would be lost.
+        while self._under_way:
+            await self._diagnosed.wait()
+        return outcome
+
+    def _on_decided(self, outcome: str) -> None:
+        if outcome != "succeeded":
+            self.teardown_at = time.time()
+
+    async def _before_teardown(self, outcome: str) -> None:
+        # After a success, name what the cell left running before the teardown ends it.
+        if outcome == "succeeded":
+            self._leftovers = await self.node.leftovers_after_success(
+                self.spec.stop_grace, lambda: self._watchdog_fired
+            )
+
+    async def _deadline(self, timeout: float) -> None:
+        """--timeout, counted from the job's creation on the monotonic clock."""
+        # Past already when a cell's own zygote took longer than the deadline (anyio refuses a
+        # negative delay).
+        await anyio.sleep(max(0.0, timeout - (time.monotonic() - self._created_mono)))
+        self._decide("timeout", f"the --timeout of {timeout:g} s passed")
+
+    # ---- deciding ---------------------------------------------------------------------------
 
     def show(self, r: RankState) -> None:
         if r.attempt == self.attempt:
-            self.report.chip(r.rank, self.book.chip(r, self._teardown_at))
+            self.report.chip(r.rank, self.book.chip(r, self.teardown_at))
 
     def evaluate(self, r: RankState) -> None:
         self.show(r)
-        kind = r.kind(self._teardown_at)
+        kind = r.kind(self.teardown_at)
         if kind in FAILED:
             if kind == "oom" and r.failure is not None:
                 title, text = oom_alert(r)
                 self.report.alert("oom", "error", title, rank=r.rank, text=text)
-            self.decide_rank_failed(r, kind)
+            self._rank_failed(r, kind)
         elif kind == "done":
             ranks = self.book.of(r.attempt)
             if len(ranks) == self.spec.nproc and all(x.done and x.died_at for x in ranks):
                 self._decide("succeeded", "every rank finished the cell")
 
-    def decide_rank_failed(self, r: RankState, kind: str) -> None:
+    def _rank_failed(self, r: RankState, kind: str) -> None:
         if r.attempt in self.book.failed_attempts:
             return
-        if self._diagnosis.holds(r, kind):
-            return  # decided once the diagnosis under way has ended
-        if kind == "collective_timeout" and r.attempt == self.attempt:
-            assert self._tg is not None
-            self._diagnosis.start_timeout(r, kind, self._tg)
+        if r.attempt in self._under_way:
+            self._deferred.append((r, kind))  # decided once the diagnosis under way has ended
             return
-        self.fail_attempt(r, kind)
+        if kind == "collective_timeout" and r.attempt == self.attempt:
+            # Hold the attempt's decision until every live rank's stack is on disk (the
+            # teardown would destroy the evidence of where the others were).
+            self._under_way.add(r.attempt)
+            self.task_group.start_soon(self._diagnose_timeout, r, kind)
+            return
+        self._fail_attempt(r, kind)
 
-    def fail_attempt(self, r: RankState, kind: str, reason: str | None = None) -> None:
+    def _fail_attempt(self, r: RankState, kind: str, reason: str | None = None) -> None:
         self.book.failed_attempts.add(r.attempt)
         self.report.event("attempt.failed", attempt=r.attempt, rank=r.rank, kind=kind)
         # An exit(0) without finishing leaves torchelastic waiting forever for a return value
@@ -278,41 +222,25 @@ class Job:
         if kind == "desync":
             # In torch's eyes nothing has failed: the waiting ranks would sit in their
             # collective until its timeout. Ending them makes the agent restart the group now.
-            for x in self.book.of(r.attempt):
-                if x.pid is not None and x.died_at is None and x.done is None:
-                    procs.send_signal(x.pid, x.pidfd, signal.SIGTERM)
+            waiting = [x for x in self.book.of(r.attempt) if x.died_at is None and x.done is None]
+            self.signal(waiting, signal.SIGTERM)
 
-    async def _poll_loop(self) -> None:
-        next_flush = 0.0
-        while True:
-            self._tailer.poll()
-            assert self._tg is not None
-            for attempt, rank, _, line in self._tailer.take_marked():
-                r = self.book.get(attempt, rank)
-                if r is not None:
-                    self._diagnosis.on_watchdog(r, line, self._tg)
-            # Records land before the process exits (torch and Python teardown can take a
-            # while): act on a failure at once.
-            for r in self.book.new_failures(self.attempt):
-                self.evaluate(r)
-            self._watch_agent()
-            self._diagnosis.watch_silence(self._tailer.activity_total(), self._tg)
-            if time.monotonic() >= next_flush:
-                await self.report.flush(self.attempt, self._tailer)
-                next_flush = time.monotonic() + FLUSH_S
-            await anyio.sleep(POLL_S)
-
-    # ---- watchdogs --------------------------------------------------------------------------
+    # ---- watchdogs ----------------------------------------------------------------------------
 
     def _watch_agent(self) -> None:
         """The zombie watchdog (`watchdogs.agent_stuck` judges): say so, and stop the launcher,
         SIGTERM breaks the agent's stuck wait."""
-        launcher = self._launcher
-        if self._watchdog_fired or launcher is None or not launcher.alive:
+        if self._watchdog_fired or not self.node.launcher_alive():
             return
-        ticking = self._outcome is None and self.state == "running"
-        current, teardown_at = self.book.of(self.attempt), self._teardown_at
-        stuck = agent_stuck(self.book.all(), current, self.spec, launcher, teardown_at, ticking)
+        stuck = agent_stuck(
+            self.book.all(),
+            self.book.of(self.attempt),
+            self.spec,
+            self.node.agent(),
+            self.teardown_at,
+            ticking=not self.decided and self.state == "running",
+            unreaped=self.node.unreaped,
+        )
         if stuck is None:
             return
         self._watchdog_fired = True
@@ -322,68 +250,156 @@ class Job:
         self.report.alert("zombie", "error", stuck.title)
         self._decide(stuck.outcome, stuck.reason)
 
-    # ---- ending ---------------------------------------------------------------------------
+    def _watch_silence(self) -> None:
+        """--hang-after (`watchdogs.Silence` judges): an alert with every stack, nothing ends."""
+        quiet = not self.decided and self.state == "running" and not self._under_way
+        now = time.monotonic()
+        hang_after = self.spec.hang_after if quiet else None
+        in_cell = self.book.in_the_cell(self.attempt)
+        if self.silence.due(now, self.tailer.activity_total(), in_cell, hang_after):
+            silent_for = now - self.silence.last_activity
+            title = f"no output and no exit from any rank for {silent_for:.0f} s (--hang-after)"
+            self.task_group.start_soon(self._report_where, "hang", title)
 
-    def _decide(self, outcome: str, reason: str) -> None:
-        if self._outcome is not None:
+    def _on_watchdog(self, r: RankState, line: str) -> None:
+        """NCCL's watchdog says this rank's collective timed out. The rank lives on for a
+        minute (the flight recorder's dump, then SIGABRT): diagnose now, while every rank can
+        still show where it is."""
+        if r.watchdog is not None or r.failure is not None:
             return
-        self._outcome = (outcome, reason)
-        if outcome != "succeeded":
-            self._teardown_at = time.time()
-        self.report.event("decided", outcome=outcome, reason=reason)
-        self._decided.set()
-
-    async def _teardown(self) -> None:
-        """Leave nothing behind (`teardown.ProcessTree`): after a success, name what the cell
-        left running; then SIGTERM, grace, SIGKILL, and say what survived."""
-        assert self._outcome is not None and self._tree is not None
-        tree = self._tree
-        if self._outcome[0] == "succeeded":
-            self._leftovers = await tree.leftovers_after_success(
-                self.spec.stop_grace, lambda: self._watchdog_fired
+        self.report.event("rank.watchdog", attempt=r.attempt, rank=r.rank, line=line)
+        mode = self.spec.async_error_handling
+        if mode in TEARS_DOWN:
+            r.watchdog = {"time": time.time(), "line": line}
+            self.evaluate(r)  # a collective timeout: diagnosed, then the attempt fails
+        elif r.attempt not in self._watchdog_alerts:
+            # The rank lives on and the error may reach the cell, which may handle it: say
+            # where every rank is (once an attempt: every rank's watchdog says it), end nothing.
+            self._watchdog_alerts.add(r.attempt)
+            self.task_group.start_soon(
+                self._report_where, "collective_timeout", watchdog_title(r.rank, line, mode)
             )
-        if tree.alive() and self._teardown_at is None:
-            self._teardown_at = time.time()
-        await tree.stop_reported(self.spec.stop_grace, self.report)
-        self._reap()
 
-    async def _finish(self) -> None:
-        assert self._outcome is not None
-        outcome, reason = self._outcome
+    # ---- diagnoses ----------------------------------------------------------------------------
+
+    async def _evidence(self) -> Evidence:
+        """Where every rank of the current attempt is and what it ran, from fresh records."""
+        ranks = self.book.of(self.attempt)
+        for r in ranks:
+            self.book.read_records(r)
+        return await self._collector.collect(ranks)
+
+    async def _report_where(self, kind: str, title: str) -> None:
+        """An alert with every rank's stack and what they say of a desync; nothing ends."""
+        found = where_finding(title, await self._evidence())
+        self.report.alert(kind, "warning", found.title, rank=found.culprit, text=found.stacks)
+
+    async def _diagnose_timeout(self, r: RankState, kind: str) -> None:
         try:
-            self.summary = await self._final_summary(outcome, reason)
-        except Exception as e:  # the kernel must hear the end whatever broke here
-            log.exception("job %s: could not analyse its end", self.id)
-            self.report.event("internal_error", error=repr(e))
-            self.summary = self._summarize(outcome, reason, Verdict(None, None, []))
-            self.summary["reason"] += f" (elastic_nb could not analyse it: {e!r})"
-        with contextlib.suppress(OSError):
-            write_json(self.rd.summary, self.summary)
-        self.report.event("end", outcome=outcome)
-        launcher = self._launcher
-        if launcher is not None:
-            summary.keep_launcher_log(self.rd, launcher.log_path)
-            self._launchers.job_ended(self.spec, started=launcher.ready)
-        self._tailer.close()
-        self.report.close()
-        await self.report.end(self.summary)
+            found = timeout_finding(r, await self._evidence(), self.spec)
+            if found.desync is not None:
+                self._blame(r.attempt, found.desync)
+            self.finding = found
+            self.report.alert(
+                "collective_timeout", "error", found.title, rank=found.culprit, text=found.stacks
+            )
+        finally:
+            self._diagnosis_ended(r.attempt)
+            self._fail_attempt(r, kind)
+            self._decide_deferred()
 
-    async def _final_summary(self, outcome: str, reason: str) -> dict[str, Any]:
-        self._tailer.poll(final=True)
+    async def _watch_desync(self) -> None:
+        """The desync watch (`diagnosis.DesyncWatch`), one per attempt, while every rank of it
+        has started and one still runs the cell."""
+        if self.spec.nproc < 2:
+            return  # one rank cannot fall out of step with itself
+        attempt, watch = -1, DesyncWatch(self._collector)
+        while True:
+            await anyio.sleep(LOOK_LEFT_S)
+            if attempt != self.attempt:
+                attempt, watch = self.attempt, DesyncWatch(self._collector)
+            ranks = self.book.of(attempt)
+            live = [r for r in ranks if r.died_at is None and r.done is None and r.failure is None]
+            if (
+                self.decided
+                or self._under_way
+                or self.state != "running"
+                or len(ranks) < self.spec.nproc
+                or attempt in self.book.failed_attempts
+                or not live
+            ):
+                watch.forget()
+                continue
+            certain = await watch.look(ranks, left=any(r.done is not None for r in ranks))
+            if certain is not None and not self.decided and not self._under_way:
+                await self._desync(attempt, watch, certain)
+
+    async def _desync(self, attempt: int, watch: DesyncWatch, certain: Any) -> None:
+        """Take the stacks and a full look; if the desync holds, report it and end the attempt."""
+        self._under_way.add(attempt)
+        try:
+            ranks = self.book.of(attempt)
+            for r in ranks:
+                self.book.read_records(r)
+            ev = await watch.confirm(ranks, certain)
+            if ev is None or attempt != self.attempt or self.decided:
+                # The full look did not bear it out: keep watching (and keep the record).
+                last = watch.last
+                self.report.event(
+                    "desync.unconfirmed",
+                    looked={r: {"last": h.last, "left": h.left} for r, h in last.histories.items()}
+                    if last
+                    else {},
+                    verdict=last.desync.text if last and last.desync else None,
+                )
+                return
+            self.finding = desync_finding(ev)
+            assert ev.desync is not None and self.finding.culprit is not None
+            self._blame(attempt, ev.desync)
+            self.report.alert(
+                "desync", "error", self.finding.title, rank=self.finding.culprit, text=ev.stacks
+            )
+            culprit = self.book.ranks[(attempt, self.finding.culprit)]
+            self._fail_attempt(culprit, "desync", reason=self.finding.title)
+        finally:
+            self._diagnosis_ended(attempt)
+            self._decide_deferred()
+
+    def _diagnosis_ended(self, attempt: int) -> None:
+        self._under_way.discard(attempt)
+        self._diagnosed.set()
+        self._diagnosed = anyio.Event()
+
+    def _decide_deferred(self) -> None:
+        deferred, self._deferred = self._deferred, []
+        for r, kind in deferred:
+            self._rank_failed(r, kind)
+
+    def _blame(self, attempt: int, desync: Desync) -> None:
+        for r in self.book.blame(attempt, desync):
+            self.show(r)
+
+    # ---- the end ---------------------------------------------------------------------------
+
+    async def _summarize(self, outcome: str, reason: str) -> protocol.Summary:
+        self.tailer.poll(final=True)
         self.book.settle()
         current = self.book.of(self.attempt)
         behind = self.book.behind.get(self.attempt)
-        verdict = analyze(current, self._teardown_at, behind, self.spec.nproc)
+        verdict = analyze(current, self.teardown_at, behind, self.spec.nproc)
         for r in current:
-            self.report.chip(r.rank, self.book.chip(r, self._teardown_at, verdict.root))
-        result = self._summarize(outcome, reason, verdict)
+            self.report.chip(r.rank, self.book.chip(r, self.teardown_at, verdict.root))
+        result = self._verdict_summary(outcome, reason, verdict)
         for alert in summary.closing_alerts(result, current, self._leftovers):
             self.report.alert(**alert)
         self.report.set_state(outcome)
-        await self.report.flush(self.attempt, self._tailer)
+        await self.report.flush(self.attempt, self.tailer)
         return result
 
-    def _summarize(self, outcome: str, reason: str, verdict: Verdict) -> dict[str, Any]:
+    def _plain_summary(self, outcome: str, reason: str) -> protocol.Summary:
+        return self._verdict_summary(outcome, reason, Verdict(None, None, []))
+
+    def _verdict_summary(self, outcome: str, reason: str, verdict: Verdict) -> protocol.Summary:
         return summary.summarize(
             job_id=self.id,
             spec=self.spec,
@@ -394,7 +410,7 @@ class Job:
             attempt=self.attempt,
             created=self.created,
             zombie=self._watchdog_fired,
-            diagnosis=self._diagnosis.finding.record if self._diagnosis.finding else None,
+            diagnosis=self.finding.record if self.finding else None,
             leftovers=self._leftovers,
-            lines=self._tailer.lines_total(),
+            lines=self.tailer.lines_total(),
         )

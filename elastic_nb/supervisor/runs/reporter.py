@@ -21,7 +21,7 @@ from elastic_nb.supervisor.ranks.log_tailer import LogTailer
 
 __all__ = ["Reporter", "Send"]
 
-Send = Callable[..., Awaitable[None]]
+Send = Callable[[protocol.Message], Awaitable[None]]  # to the kernel that follows the job
 
 # What the JupyterLab panel can read back (EVENTS): the latest messages a job's renderer was sent,
 # and its latest alerts (OVERVIEW).
@@ -79,9 +79,9 @@ class Reporter:
 
     async def flush(self, attempt: int, tailer: LogTailer | None) -> None:
         """One UPDATE with what changed; the tailer's new lines too, if given one."""
-        update: dict[str, Any] = {}
+        update = protocol.Update(kind=protocol.UPDATE, job=self.job_id)
         if self._state_dirty:
-            update.update(state=self.state, attempt=attempt)
+            update["state"], update["attempt"] = self.state, attempt
             self._state_dirty = False
         if self._ranks:
             update["ranks"] = {str(k): v for k, v in self._ranks.items()}
@@ -91,20 +91,24 @@ class Reporter:
         logs = [b.record() for b in tailer.take()] if tailer is not None else []
         if logs:
             update["logs"] = logs
-        if update:
+        if len(update) > 2:
             # Taken from the pending lists above: a cancellation mid-send would lose it.
-            self._remember(protocol.UPDATE, update)
+            self._remember(update)
             with anyio.CancelScope(shield=True):
-                await self._send(protocol.UPDATE, job=self.job_id, **update)
+                await self._send(update)
 
-    async def end(self, summary: dict[str, Any]) -> None:
-        self._remember(protocol.END, {"summary": summary})
-        await self._send(protocol.END, job=self.job_id, summary=summary)
+    async def end(self, summary: protocol.Summary) -> None:
+        end = protocol.End(kind=protocol.END, job=self.job_id, summary=summary)
+        self._remember(end)
+        await self._send(end)
 
     def events_since(self, seq: int) -> list[dict[str, Any]]:
         """The messages sent after `seq` that the history still holds (the panel's refresh)."""
         return [e for e in self.history if e["seq"] > seq]
 
-    def _remember(self, kind: str, fields: dict[str, Any]) -> None:
+    def _remember(self, msg: protocol.Update | protocol.End) -> None:
+        """For the panel's EVENTS: the message as sent, with its sequence number and time (the
+        job's id is the entry's own)."""
         self.seq += 1
-        self.history.append({"seq": self.seq, "t": time.time(), "kind": kind, **fields})
+        fields = {k: v for k, v in msg.items() if k != "job"}
+        self.history.append({"seq": self.seq, "t": time.time(), **fields})

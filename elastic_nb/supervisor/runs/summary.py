@@ -12,20 +12,22 @@ import signal
 import time
 from typing import Any
 
-from elastic_nb.common import procs, protocol, report
+from elastic_nb.common import protocol, report
 from elastic_nb.common.rundir import RunDir
 from elastic_nb.common.spec import JobSpec
-from elastic_nb.supervisor.forensics.verdict import RankState, Verdict, analyze
+from elastic_nb.supervisor.forensics.verdict import Verdict, analyze
+from elastic_nb.supervisor.processes.node import Survivor
 from elastic_nb.supervisor.ranks.rank_book import RankBook
+from elastic_nb.supervisor.ranks.rank_state import RankState
 
 __all__ = [
     "DOWNS",
     "STOPS",
     "cause",
     "closing_alerts",
-    "keep_launcher_log",
     "restart_alert",
     "summarize",
+    "unkillable",
 ]
 
 
@@ -64,15 +66,13 @@ def summarize(
     failure = None
     if outcome == "failed" and root is not None:
         kind = "zombie" if zombie else verdict.cause
-        desync = kind == "desync" and diagnosis is not None
+        said = diagnosis if kind == "desync" and diagnosis is not None else {}
         failure = {
             "rank": root.rank,
             "attempt": root.attempt,
             "cause": kind,
-            "summary": diagnosis["text"]
-            if desync and diagnosis["text"]
-            else root.failure_summary(),
-            "hint": diagnosis.get("hint") if desync else None,
+            "summary": said.get("text") or root.failure_summary(),
+            "hint": said.get("hint"),
             "record": root.failure,
             "exit_code": root.exit_code,
         }
@@ -104,7 +104,7 @@ def summarize(
 def cause(outcome: str, failure: dict[str, Any] | None, zombie: bool) -> str | None:
     """The job's cause class (report.CAUSE_HINTS explains each)."""
     if failure is not None:
-        return failure["cause"]
+        return str(failure["cause"])
     if outcome == "timeout":
         return "deadline"
     if outcome in ("interrupted", "stopped"):
@@ -115,11 +115,11 @@ def cause(outcome: str, failure: dict[str, Any] | None, zombie: bool) -> str | N
 
 
 def closing_alerts(
-    summary: dict[str, Any], current: list[RankState], leftovers: list[dict[str, Any]]
+    summary: protocol.Summary, current: list[RankState], leftovers: list[dict[str, Any]]
 ) -> list[dict[str, Any]]:
     """What the end adds to the alerts: processes the cell left running, a rank that broke
     after finishing, and the failure itself in the words of the error the cell raises."""
-    alerts = []
+    alerts: list[dict[str, Any]] = []
     if leftovers:
         pids = ", ".join(f"{p['pid']} ({p['cmd']})" for p in leftovers)
         alerts.append(
@@ -135,7 +135,7 @@ def closing_alerts(
         stops = (0, None, -signal.SIGTERM, -signal.SIGKILL)
         for r in current:
             if r.exit_code not in stops:
-                how = procs.describe_exit(r.exit_code)
+                how = report.describe_exit(r.exit_code)
                 alerts.append(
                     dict(
                         kind="exit_after_done",
@@ -178,13 +178,14 @@ def restart_alert(
     )
 
 
-def keep_launcher_log(rd: RunDir, log_path: Any) -> None:
-    """A launcher that died before it took the job left its log where it was started."""
-    with contextlib.suppress(OSError):
-        text = log_path.read_bytes()
-        with open(rd.launcher_log, "ab") as f:
-            f.write(text)
-        log_path.unlink()
+def unkillable(survivors: list[Survivor]) -> dict[str, Any]:
+    """The alert for processes of a group that outlived SIGKILL (D state, most often)."""
+    return dict(
+        kind="unkillable",
+        severity="error",
+        title=f"{len(survivors)} process(es) of the job survived SIGKILL",
+        text="\n".join(f"pid {s.pid}: {s.state}" for s in survivors),
+    )
 
 
 def _log_tail(rd: RunDir, n: int = 15) -> str:

@@ -10,8 +10,8 @@ import contextlib
 
 import anyio
 
-from elastic_nb.supervisor.forensics.verdict import RankState
 from elastic_nb.supervisor.ranks.log_tailer import LogTailer
+from elastic_nb.supervisor.ranks.rank_state import RankState
 from elastic_nb.supervisor.sessions.session_cell import SessionCell
 
 __all__ = ["Followed"]
@@ -30,7 +30,7 @@ class Followed:
             cell.report.alert(kind, severity, title, rank=rank)
 
     def logs_target(self, current: SessionCell | None) -> SessionCell | None:
-        return current if current in self.cells else (self.cells or [None])[0]
+        return current if current in self.cells else next(iter(self.cells), None)
 
     async def flush(self, attempt: int, current: SessionCell | None) -> None:
         target = self.logs_target(current)

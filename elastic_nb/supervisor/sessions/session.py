@@ -1,8 +1,10 @@
-"""A session (``%elastic up``): one elastic job whose ranks stay up and run cell after cell, and
-come back after a restart with the state the cells built.
+"""A session (``%elastic up``): a rank group whose ranks stay up and run cell after cell, and come
+back after a restart with the state the cells built.
 
-The session owns a launcher whose ranks run `session_worker.serve` and connect to the session's
-Unix socket (`session_ranks`); `session_runner` gives them the cells, one at a time.
+The session's launcher runs `rank.session_loop.serve` in every rank; each rank connects to the
+session's Unix socket (`rank_links`), and the session gives the ranks its cells, one at a time,
+in the order they came, each decided by `SessionCell.decide`. The cells the kernel follows get
+the session's news and the ranks' lines (`followed.Followed`).
 
 When a rank of the current attempt dies (an exception outside a cell, os._exit, SIGKILL, an OOM
 kill, NCCL's abort, or our kill of a rank stuck past an interrupt), torchelastic restarts the
@@ -17,7 +19,7 @@ States: starting, ready, running (a cell), restarting, replaying; then ended, fa
 from __future__ import annotations
 
 import contextlib
-import logging
+import functools
 import math
 import os
 import signal
@@ -28,77 +30,62 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-import psutil
-from anyio.abc import TaskGroup
+from anyio.abc import SocketListener, TaskGroup
 
-from elastic_nb.common import procs, protocol
-from elastic_nb.common.rundir import RunDir, write_json
+from elastic_nb.common import protocol
 from elastic_nb.common.spec import JobSpec
-from elastic_nb.supervisor.forensics.verdict import NCCL_TIMEOUT_MARKS, TORCH_LOG_NOISE, RankState
-from elastic_nb.supervisor.processes.launcher_pool import Launcher, LauncherPool
-from elastic_nb.supervisor.processes.process_tree import ProcessTree
+from elastic_nb.supervisor.forensics.watchdogs import Silence
+from elastic_nb.supervisor.processes.node import Node
 from elastic_nb.supervisor.ranks.evidence import EvidenceCollector
-from elastic_nb.supervisor.ranks.log_tailer import LogTailer
-from elastic_nb.supervisor.ranks.rank_book import RankBook
 from elastic_nb.supervisor.ranks.rank_links import Link, RankLinks
+from elastic_nb.supervisor.ranks.rank_state import RankState
 from elastic_nb.supervisor.runs import summary
-from elastic_nb.supervisor.runs.reporter import Reporter, Send
-from elastic_nb.supervisor.sessions.cell_runner import CellRunner
-from elastic_nb.supervisor.sessions.session_cell import SessionCell
+from elastic_nb.supervisor.runs.rank_group import RankGroup
+from elastic_nb.supervisor.runs.reporter import Send
+from elastic_nb.supervisor.sessions.followed import Followed
+from elastic_nb.supervisor.sessions.journal import Journal, cells
+from elastic_nb.supervisor.sessions.session_cell import SessionCell, failure_words
 
 __all__ = ["Session"]
-
-log = logging.getLogger(__name__)
 
 # What a session's fork server imports besides torch: DDP imports torch._dynamo on first use
 # (about 800 modules, 2 s here), and every replay of a cell that builds a DDP model would pay
 # for it again in the new ranks (measured in benchmarks/session.py, P9: 2.9 s -> 0.3 s).
 SESSION_PRELOAD = ("torch._dynamo",)
-POLL_S = 0.05
-FLUSH_S = 0.1
+HANG_POLL_S = 0.1
 
 
-class Session:
+class Session(RankGroup):
+    kind = "session"
+
     def __init__(
         self,
         session_id: str,
         spec: JobSpec,
         env: dict[str, str],
+        node: Node,
         send: Send,
-        reap: Callable[[], None],
-        orphans: Callable[[], list[psutil.Process]],
-        launchers: LauncherPool,
         socket_dir: Path,
     ) -> None:
-        self.id = session_id
         preload = tuple(dict.fromkeys((*spec.preload, *SESSION_PRELOAD)))
-        self.spec = replace(spec, session=True, preload=preload)
-        self.rd = RunDir.of(spec.log_dir, session_id)
-        self.created = time.time()
-        self.attempt = 0
-        self.summary: dict[str, Any] | None = None
+        super().__init__(session_id, replace(spec, session=True, preload=preload), node, send)
         self.socket_path = socket_dir / f"session-{session_id}.sock"
-        self._env, self._reap, self._orphans = env, reap, orphans
-        self._launchers = launchers
-        self._launcher: Launcher | None = None
-        self._tree: ProcessTree | None = None
-        self.book = RankBook(self.rd)
-        self.report = Reporter(session_id, send)
-        self.tailer = LogTailer(marks=NCCL_TIMEOUT_MARKS, noise=TORCH_LOG_NOISE)
+        self._env = env
+        self._listener: SocketListener | None = None
         self._ranks = RankLinks(session_id, self.book, self.until, self.notify, self._on_ran)
-        self._outcome: tuple[str, str] | None = None
-        self._ended = anyio.Event()
-        self._heard = anyio.Event()  # every message of the launcher taken in (book.hear_out)
         self._changed = anyio.Event()
-        self._tg: TaskGroup | None = None
         self.restart_why = "torchelastic restarted the group"  # the last restart's cause
-        self.runner = CellRunner(self)
+        # its cells
+        self.journal = Journal()
+        self.followed = Followed(self.tailer)
+        self.cells: dict[str, SessionCell] = {}
+        self.cells_run = 0
+        self.current: SessionCell | None = None  # the cell the ranks run (a replay's too)
+        self.replayed = -1  # the attempt whose replay is over
+        self._in, self._queue = anyio.create_memory_object_stream[SessionCell](math.inf)
+        self._shown_attempt = 0  # the attempt the last cell ran on
 
-    # ---- for the server -------------------------------------------------------------------
-
-    @property
-    def running(self) -> bool:
-        return self.summary is None
+    # ---- for the service -------------------------------------------------------------------
 
     @property
     def state(self) -> str:
@@ -106,13 +93,9 @@ class Session:
             return self._outcome[0] if self.summary else "ending"
         if not self.up():
             return "starting" if self.attempt == 0 else "restarting"
-        if self.runner.replayed != self.attempt:
+        if self.replayed != self.attempt:
             return "replaying"
-        return "running" if self.runner.current is not None else "ready"
-
-    @property
-    def launcher_pid(self) -> int | None:
-        return self._tree.launcher.pid if self._tree else None
+        return "running" if self.current is not None else "ready"
 
     def prepare(self) -> None:
         self.rd.path.mkdir(parents=True, exist_ok=False, mode=0o700)
@@ -124,16 +107,23 @@ class Session:
         """Queue a cell (its run directory is ready); it runs once the ones before it have."""
         if self._outcome is not None:
             raise RuntimeError(f"session {self.id} has ended: {self._outcome[1]}")
-        self.runner.submit(cell)
+        self.cells[cell.id] = cell
+        self.followed.add(cell)
+        self._in.send_nowait(cell)
 
     def stop_cell(self, cell_id: str, reason: str) -> None:
-        self.runner.stop(cell_id, reason)
+        cell = self.cells[cell_id]
+        if cell.running:
+            cell.request_stop(reason)
+            if cell is not self.current and cell.no is None:  # still waiting its turn
+                self._close_cell(cell, *cell.stopped(), ranks=[])
+            self.notify()
 
     def down(self, reason: str = "user") -> None:
-        self._end("ended", summary.DOWNS.get(reason, reason))
+        self._decide("ended", summary.DOWNS.get(reason, reason))
 
     def request_stop(self, reason: str) -> None:
-        self._end(*summary.STOPS.get(reason, ("stopped", reason)))
+        self._decide(*summary.STOPS.get(reason, ("stopped", reason)))
 
     def info(self) -> dict[str, Any]:
         """What ``%elastic session`` shows."""
@@ -150,18 +140,20 @@ class Session:
             "restarts": self.attempt,
             "max_restarts": self.spec.max_restarts,
             "ranks": ranks,
-            **self.runner.info(),
+            "cells_run": self.cells_run,
+            "journal": self.journal.info(),
+            "replays": self.journal.replays,
             "run_dir": str(self.rd),
             "created": self.created,
-            "reason": self._outcome[1] if self._outcome else None,
+            "reason": self.ended(),
         }
 
     async def stacks(self) -> str:
         """Every rank's stack now, shown to the cell that runs (if one) too."""
-        cell = self.runner.current
+        cell = self.current
         ranks = self.book.of(self.attempt)
         collector = EvidenceCollector(
-            self.rd, cell.source if cell else "", cell.rd.cell if cell else None
+            self.node, self.rd, cell.source if cell else "", cell.rd.cell if cell else None
         )
         ev = await collector.collect(ranks)
         title = f"stacks of every rank of session {self.id}, attempt {self.attempt}"
@@ -169,48 +161,12 @@ class Session:
             cell.report.alert("stacks", "info", title, text=ev.stacks)
         return f"{title}\n{ev.stacks}"
 
-    # ---- the session's life ------------------------------------------------------------------
+    def alert(self, kind: str, severity: str, title: str, rank: int | None = None) -> None:
+        """About the session: to its own stream and to every cell the kernel follows."""
+        self.report.alert(kind, severity, title, rank=rank)
+        self.followed.alert(kind, severity, title, rank=rank)
 
-    async def run(self) -> None:
-        try:
-            listener = await anyio.create_unix_listener(self.socket_path)
-            os.chmod(self.socket_path, 0o600)
-            launcher = await self._launchers.take(self.spec, self._env)
-            env = {**self._env, protocol.SESSION_SOCKET_ENV: str(self.socket_path)}
-            line = launcher.assign(self.id, str(self.rd), env)
-            self._launcher = launcher
-            self._tree = ProcessTree(self.id, launcher.proc, self._orphans)
-            self.report.event("launcher", pid=launcher.pid, warm=launcher.ready)
-            await anyio.to_thread.run_sync(launcher.write_assignment, line)
-            async with anyio.create_task_group() as tg:
-                self._tg = tg
-                tg.start_soon(listener.serve, self._ranks.serve, tg)
-                tg.start_soon(self._read_launcher, launcher)
-                tg.start_soon(self._poll_loop)
-                tg.start_soon(self.runner.run, tg)
-                await self._ended.wait()
-                await self._teardown()
-                if not launcher.alive:
-                    await self.book.hear_out(self._heard)
-                tg.cancel_scope.cancel()
-        except Exception as e:
-            log.exception("session %s: supervisor error", self.id)
-            self._end("failed", f"elastic_nb supervisor error: {type(e).__name__}: {e}")
-        finally:
-            with anyio.CancelScope(shield=True):
-                self._end(*summary.STOPS["shutdown"])
-                if self._tree is not None and self._tree.alive():
-                    await self._teardown()
-                with contextlib.suppress(OSError):
-                    self.socket_path.unlink()
-                await self._finish()
-
-    def _end(self, outcome: str, reason: str) -> None:
-        if self._outcome is None:
-            self._outcome = (outcome, reason)
-            self.report.event("decided", outcome=outcome, reason=reason)
-            self._ended.set()
-            self.notify()
+    # ---- waiting for the ranks ---------------------------------------------------------------
 
     def notify(self) -> None:
         """Something changed (a rank, a cell, the attempt): waiters look again."""
@@ -231,60 +187,34 @@ class Session:
             self.attempt, self.spec.nproc
         )
 
-    # ---- what a cell needs of its session (session_cell.Host) ----------------------------------
+    def ready(self) -> bool:
+        """The ranks wait for a cell: all up, the journal replayed, nothing running."""
+        return self.up() and self.replayed == self.attempt and self.current is None
 
-    def ended(self) -> str | None:
-        return self._outcome[1] if self._outcome is not None else None
+    # ---- the rank group's hooks ---------------------------------------------------------------
 
-    def attempt_failed(self, attempt: int) -> bool:
-        return attempt in self.book.failed_attempts
+    async def _open(self) -> None:
+        self._listener = await anyio.create_unix_listener(self.socket_path)
+        os.chmod(self.socket_path, 0o600)
 
-    def alert(self, kind: str, severity: str, title: str, rank: int | None = None) -> None:
-        """About the session: to its own stream and to every cell the kernel follows."""
-        self.report.alert(kind, severity, title, rank=rank)
-        self.runner.followed.alert(kind, severity, title, rank=rank)
+    def _launch_env(self) -> dict[str, str]:
+        return {**self._env, protocol.SESSION_SOCKET_ENV: str(self.socket_path)}
 
-    # ---- ranks --------------------------------------------------------------------------------
+    def _start_tasks(self, tg: TaskGroup) -> None:
+        assert self._listener is not None
+        tg.start_soon(self._listener.serve, self._ranks.serve, tg)
+        tg.start_soon(self._serve_cells)
+        tg.start_soon(self._keep_replayed)
+        tg.start_soon(self._watch_hangs)
 
-    async def _read_launcher(self, launcher: Launcher) -> None:
-        async for msg in launcher.messages:
-            kind = msg["kind"]
-            self.report.event(f"launcher.{kind}", **{k: v for k, v in msg.items() if k != "kind"})
-            if kind == protocol.START:
-                self._on_start(int(msg["attempt"]), int(msg["rank"]), int(msg["pid"]))
-            for r in self.book.take_exits(msg):
-                self._rank_died(r)
-        self._heard.set()
-        with anyio.move_on_after(procs.KILL_WAIT_S):
-            await launcher.exited()
-        outcome, reason = launcher.outcome(self.rd.launcher_log)
-        if outcome == "failed" and self.attempt >= self.spec.max_restarts:
-            reason = (
-                f"no restarts left ({self.spec.max_restarts}/{self.spec.max_restarts}): {reason}"
-            )
-        self._end("ended" if outcome == "succeeded" else outcome, reason)
+    def _new_attempt(self, attempt: int) -> None:
+        # torchelastic restarted the group (its monitor can see a death before we do).
+        self.book.failed_attempts.add(self.attempt)
 
-    def _on_start(self, attempt: int, rank: int, pid: int) -> None:
-        if attempt > self.attempt:
-            # torchelastic restarted the group (its monitor can see a death before we do).
-            self.book.failed_attempts.add(self.attempt)
-            self.attempt = attempt
-        r = self.book.add(attempt, rank, pid, time.time())
-        self.tailer.follow(
-            attempt, rank, {s: self.rd.log(attempt, rank, s) for s in ("out", "err")}
-        )
-        assert self._tg is not None
-        self._tg.start_soon(self._watch_rank, r)
+    def _on_rank_started(self, r: RankState) -> None:
         self.notify()
 
-    async def _watch_rank(self, r: RankState) -> None:
-        forked = self.spec.start_method == "forkserver"
-        r.died_at, r.gone_at = await self.book.wait_exit(r, forked)
-        self.book.read_records(r)  # a rank that failed before its loop (session run dir)
-        self.report.event("rank.exit", attempt=r.attempt, rank=r.rank, code=r.exit_code)
-        self._rank_died(r)
-
-    def _rank_died(self, r: RankState) -> None:
+    def _rank_ended(self, r: RankState) -> None:
         self._ranks.drop(r)
         book = self.book
         if (
@@ -295,99 +225,271 @@ class Session:
             self.notify()
             return
         book.failed_attempts.add(r.attempt)
-        if self.runner.current is not None:
-            self.runner.current.poke()  # it ran on this attempt: its end is decided now
+        if self.current is not None:
+            self.current.poke()  # it ran on this attempt: its end is decided now
         why = self.restart_why = f"rank {r.rank} {r.failure_summary()}"
         if r.attempt >= self.spec.max_restarts:
             m = self.spec.max_restarts
-            self._end("failed", f"{why}; no restarts are left ({m}/{m})")
+            self._decide("failed", f"{why}; no restarts are left ({m}/{m})")
             return
-        replays = len(self.runner.journal.to_replay())
+        replays = len(self.journal.to_replay())
         self.alert(
             "restart",
             "warning",
             f"{why}: the session restarts its ranks as attempt {r.attempt + 1} "
             f"(restart {r.attempt + 1}/{self.spec.max_restarts}), then replays "
-            f"{replays} cell{'s' if replays != 1 else ''}",
+            f"{cells(replays)}",
             rank=r.rank,
         )
         if r.kind(None) == "exit0":
             # torchelastic waits forever for the return value of a rank that exited 0
             # (multiprocessing/api.py, _poll): the others' deaths make it restart the group.
-            self.kill([x for x in book.of(r.attempt) if x.died_at is None])
+            self.signal([x for x in book.of(r.attempt) if x.died_at is None], signal.SIGKILL)
         self.notify()
 
-    def kill(self, ranks: list[RankState]) -> None:
-        for x in ranks:
-            if x.pid is not None:
-                procs.send_signal(x.pid, x.pidfd, signal.SIGKILL)
+    def _on_watchdog_line(self, attempt: int, rank: int, line: str) -> None:
+        """NCCL's watchdog line in a rank's log: the running cell's (a replayed cell's rank
+        aborts, and the restart replays again)."""
+        cell = self.current
+        if cell is not None and cell.no is not None and cell.attempt == attempt:
+            cell.on_watchdog(rank, line)
 
-    def links(self) -> list[Link]:
-        """The current attempt's ranks on the line."""
-        return self._ranks.of(self.attempt)
+    async def _flush(self) -> None:
+        await self.followed.flush(self.attempt, self.current)
+        await self.report.flush(self.attempt, None)
+
+    async def _launcher_ended(self, outcome: tuple[str, str]) -> tuple[str, str]:
+        how, reason = outcome
+        if how == "failed" and self.attempt >= self.spec.max_restarts:
+            m = self.spec.max_restarts
+            reason = f"no restarts left ({m}/{m}): {reason}"
+        return ("ended" if how == "succeeded" else how), reason
+
+    def _on_decided(self, outcome: str) -> None:
+        self.notify()
+
+    async def _before_teardown(self, outcome: str) -> None:
+        if outcome == "ended":
+            for link in self._ranks.of(self.attempt):
+                await link.send(protocol.Bye(kind=protocol.BYE))  # elastic_launch returns
+            await self.node.wait_stopped(self.spec.stop_grace, leftovers_too=False)
+
+    def _close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.socket_path.unlink()
+
+    async def _summarize(self, outcome: str, reason: str) -> protocol.Summary:
+        self.tailer.poll(final=True)
+        await self._close_all(reason)
+        result = self._plain_summary(outcome, reason)
+        result["session"] = self.id
+        self.report.set_state(outcome)
+        await self.report.flush(self.attempt, None)
+        return result
+
+    def _summary_record(self, summary: protocol.Summary) -> dict[str, Any]:
+        return {**summary, "journal": self.journal.info()}
+
+    # ---- cells ----------------------------------------------------------------------------
+
+    async def _serve_cells(self) -> None:
+        """The cells, in the order they came, each once the ranks are ready for it."""
+        async for cell in self._queue:
+            await self.until(functools.partial(self._ready_for, cell))
+            if cell.running:  # not stopped while it waited
+                await self._run(cell)
+
+    def _ready_for(self, cell: SessionCell) -> bool:
+        """The ranks can take this cell, or it need not run any more (stopped while waiting)."""
+        return self.ready() or not cell.running
+
+    async def _send(self, cell: SessionCell) -> list[Link]:
+        cell.answers = {}
+        self.current = cell
+        links = self._ranks.of(self.attempt)
+        for link in links:
+            await link.send(protocol.Run(kind=protocol.RUN, cell=cell.id, run_dir=str(cell.rd)))
+        self.notify()
+        return links
+
+    async def _run(self, cell: SessionCell) -> None:
+        self.cells_run += 1
+        cell.no, cell.attempt = self.cells_run, self.attempt
+        cell.report.event("run", no=cell.no, attempt=self.attempt)
+        cell.report.set_state("running")
+        self.silence = Silence(last_activity=time.monotonic())
+        if self.attempt > self._shown_attempt:
+            # Whether or not it waited for them, the cell runs on new ranks: say why.
+            cell.report.alert(
+                "restart",
+                "warning",
+                f"the session restarted since its last cell ({self.restart_why}): attempt "
+                f"{self.attempt}, restarts {self.attempt}/{self.spec.max_restarts}, "
+                f"{self.journal.words(self.attempt) or 'nothing to replay'}",
+            )
+        self._shown_attempt = self.attempt
+        links = await self._send(cell)
+        outcome, reason, teardown_at, restarts = await cell.decide(links, self)
+        if self.current is cell:
+            self.current = None
+        self.notify()
+        if outcome == "succeeded":
+            self.journal.add(cell)
+        if restarts:
+            # The restart and the replay show under this cell; it ends when the state is back
+            # (or the kernel stops following it).
+            self.task_group.start_soon(self._end_after_restart, cell, outcome, reason, teardown_at)
+        else:
+            self._end_cell(cell, outcome, reason, teardown_at, restarts=False)
+
+    async def _end_after_restart(
+        self, cell: SessionCell, outcome: str, reason: str, teardown_at: float | None
+    ) -> None:
+        await self.until(
+            lambda: (
+                self.ended() is not None
+                or cell.stop_reason is not None
+                or (self.attempt > cell.attempt and self.up() and self.replayed == self.attempt)
+            )
+        )
+        self._end_cell(cell, outcome, reason, teardown_at, restarts=True)
+
+    def _end_cell(
+        self,
+        cell: SessionCell,
+        outcome: str,
+        reason: str,
+        teardown_at: float | None,
+        restarts: bool,
+    ) -> None:
+        if not cell.running:
+            return  # the session's end closed it
+        ranks = cell.ranks(self.book.of(cell.attempt))
+        cell.oom_alerts(ranks)
+        if restarts and self.ended() is None:
+            cell.restarted_to = self.attempt
+            words = self.journal.words(self.attempt)
+            if words is None:
+                reason += (
+                    f"; the session restarts (attempt {self.attempt + 1}) and replays its cells"
+                )
+            else:
+                reason += f"; the session restarted (attempt {self.attempt}) and {words}"
+        self._close_cell(cell, outcome, reason, ranks, teardown_at)
+
+    def _close_cell(
+        self,
+        cell: SessionCell,
+        outcome: str,
+        reason: str,
+        ranks: list[RankState],
+        teardown_at: float | None = None,
+    ) -> None:
+        logs = self.followed.conclude(cell, outcome, reason, ranks, teardown_at, self.current)
+        self.task_group.start_soon(self.followed.end, cell, logs, self.attempt)
+
+    async def _close_all(self, reason: str) -> None:
+        """The session ended: every cell the kernel still follows ends with it."""
+        for cell in list(self.followed.cells):
+            if cell.no is not None:
+                why = ("failed", f"the session ended: {reason}")
+            else:
+                why = ("stopped", f"the session ended before the cell ran: {reason}")
+            ranks = cell.ranks(self.book.of(cell.attempt)) if cell.no is not None else []
+            logs = self.followed.conclude(cell, *why, ranks, time.time(), self.current)
+            await self.followed.end(cell, logs, self.attempt)
+
+    # ---- the replay ---------------------------------------------------------------------------
+
+    async def _keep_replayed(self) -> None:
+        """Each new attempt gets the journal before any other cell."""
+        while True:
+            await self.until(
+                lambda: self.up() and self.replayed != self.attempt and self.current is None
+            )
+            attempt = self.attempt
+            await self._replay(attempt)
+            self.replayed = attempt
+            self.notify()
+
+    async def _replay(self, attempt: int) -> None:
+        """Run the journal (minus --no-replay cells) in order on a new attempt's ranks, saying
+        how long each took; a cell that fails stops the replay."""
+        journal = self.journal
+        replayed = journal.to_replay()
+        left_out = len(journal.cells) - len(replayed)
+        record = journal.start_replay(attempt)
+        if replayed:
+            self.alert(
+                "replay",
+                "info",
+                f"attempt {attempt}: replaying {cells(len(replayed))}"
+                + (f" ({left_out} left out: --no-replay)" if left_out else ""),
+            )
+        t0 = time.monotonic()
+        for c in replayed:
+            t = time.monotonic()
+            if not await self._replay_cell(c):
+                return  # a rank died: the next attempt replays again
+            failed = sorted(rank for rank, ok in c.answers.items() if not ok)
+            if failed:
+                record["failed"] = True
+                self.alert(
+                    "replay",
+                    "error",
+                    f"the replay stopped: cell {c.no} ({c.first_line}) failed on "
+                    f"{failure_words(c, attempt, failed)}; the cells after it did not run",
+                    rank=failed[0],
+                )
+                break
+            record["cells"] += 1
+            took = time.monotonic() - t
+            self.alert("replay", "info", f"replayed cell {c.no} ({c.first_line}) in {took:.2f} s")
+        record["seconds"] = time.monotonic() - t0
+        if replayed and not record["failed"]:
+            self.alert(
+                "replay",
+                "info",
+                f"the session's state is back: {cells(record['cells'])} replayed in "
+                f"{record['seconds']:.2f} s",
+            )
+
+    async def _replay_cell(self, cell: SessionCell) -> bool:
+        """Run a journal's cell on every rank of the current attempt; False if the attempt
+        ended first (a rank died: the next attempt replays again)."""
+        attempt = self.attempt
+        links = await self._send(cell)
+        await self.until(
+            lambda: (
+                len(cell.answers) == len(links)
+                or self.attempt != attempt
+                or self.attempt_failed(attempt)
+                or self.ended() is not None
+            )
+        )
+        self.current = None
+        return len(cell.answers) == len(links)
 
     def _on_ran(self, link: Link, cell_id: str, ok: bool) -> None:
-        cell = self.runner.current
+        cell = self.current
         if cell is not None and cell.id == cell_id:
             cell.answer(link.r.rank, ok)
             self.notify()  # a replay waits on the session
 
-    # ---- the poll loop: the ranks' lines to the cells that follow --------------------------------------------------
+    # ---- --hang-after ------------------------------------------------------------------------
 
-    async def _poll_loop(self) -> None:
-        next_flush = 0.0
+    async def _watch_hangs(self) -> None:
         while True:
-            self.tailer.poll()
-            for attempt, rank, _, line in self.tailer.take_marked():
-                self.runner.on_watchdog(attempt, rank, line)
-            if time.monotonic() >= next_flush:
-                await self.runner.followed.flush(self.attempt, self.runner.current)
-                await self.report.flush(self.attempt, None)
-                next_flush = time.monotonic() + FLUSH_S
-            await anyio.sleep(POLL_S)
+            await anyio.sleep(HANG_POLL_S)
+            cell = self.current
+            if cell is None or not cell.running or cell.spec.hang_after is None:
+                continue
+            lines = self.tailer.activity_total()
+            if self.silence.due(time.monotonic(), lines, True, cell.spec.hang_after):
+                self.task_group.start_soon(self._hang_alert, cell)
 
-    # ---- the end ------------------------------------------------------------------------------
-
-    async def _teardown(self) -> None:
-        assert self._outcome is not None and self._tree is not None
-        if self._outcome[0] == "ended":
-            for link in self._ranks.of(self.attempt):
-                await link.send(protocol.BYE)  # the ranks return; elastic_launch returns
-            await self._tree.wait_gone(self.spec.stop_grace, leftovers_too=False)
-        await self._tree.stop_reported(self.spec.stop_grace, self.report)
-        self._reap()
-
-    async def _finish(self) -> None:
-        assert self._outcome is not None
-        outcome, reason = self._outcome
-        self.tailer.poll(final=True)
-        await self.runner.close_all(reason)
-        ended = time.time()
-        self.summary = dict(
-            protocol.summary(
-                self.id,
-                outcome,
-                reason,
-                world_size=self.spec.world_size,
-                attempt=self.attempt,
-                restarts=self.attempt,
-                max_restarts=self.spec.max_restarts,
-                started=self.created,
-                ended=ended,
-                wall_s=ended - self.created,
-                run_dir=str(self.rd),
-                lines=self.tailer.lines_total(),
-                session=self.id,
-            )
-        )
-        with contextlib.suppress(OSError):
-            write_json(self.rd.summary, {**self.summary, "journal": self.runner.journal.info()})
-        self.report.set_state(outcome)
-        await self.report.flush(self.attempt, None)
-        self.report.event("end", outcome=outcome)
-        if self._launcher is not None:
-            summary.keep_launcher_log(self.rd, self._launcher.log_path)
-            self._launchers.job_ended(self.spec, started=self._launcher.ready)
-        self.tailer.close()
-        self.report.close()
-        await self.report.end(self.summary)
+    async def _hang_alert(self, cell: SessionCell) -> None:
+        collector = EvidenceCollector(self.node, self.rd, cell.source, cell.rd.cell)
+        ev = await collector.collect(self.book.of(self.attempt))
+        title = f"no output from any rank for {cell.spec.hang_after:g} s (--hang-after)"
+        cell.report.alert("hang", "warning", title, text=ev.stacks)

@@ -23,51 +23,40 @@ from __future__ import annotations
 
 import contextlib
 import math
+import signal
 import time
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
 from elastic_nb.common import protocol
 from elastic_nb.common.rundir import RunDir, read_json, write_json
 from elastic_nb.common.spec import TEARS_DOWN, JobSpec
-from elastic_nb.supervisor.forensics.verdict import RankState, Verdict, analyze
+from elastic_nb.supervisor.forensics.verdict import Verdict, analyze
 from elastic_nb.supervisor.ranks.evidence import EvidenceCollector
+from elastic_nb.supervisor.ranks.rank_state import RankState
 from elastic_nb.supervisor.runs import summary
 from elastic_nb.supervisor.runs.diagnosis import (
-    LOOK_LEFT_S,
+    DesyncWatch,
     Finding,
+    desync_finding,
     oom_alert,
     timeout_finding,
     watchdog_title,
     where_finding,
 )
+from elastic_nb.supervisor.runs.rank_group import RankGroup
 from elastic_nb.supervisor.runs.reporter import Reporter, Send
 
 if TYPE_CHECKING:
     from elastic_nb.supervisor.ranks.rank_links import Link
 
-__all__ = ["Decision", "Host", "SessionCell", "failure_words"]
+__all__ = ["Decision", "SessionCell", "failure_words"]
 
 # After the first failure, how long the other ranks' own answers may take before they are
 # interrupted: a cell that raises on every rank (a typo) fails on each of them within
 # milliseconds, and each should be reported with its own error, not as interrupted.
 SETTLE_S = 0.1
-
-
-class Host(Protocol):
-    """What a cell needs of its session while it decides."""
-
-    spec: JobSpec  # the session's: its stop grace
-    rd: RunDir  # the session's: its ranks' stacks and probes
-
-    def ended(self) -> str | None: ...  # why the session ended, once it has
-
-    def attempt_failed(self, attempt: int) -> bool: ...
-
-    def alert(self, kind: str, severity: str, title: str, rank: int | None = None) -> None: ...
-
-    def kill(self, ranks: list[RankState]) -> None: ...
 
 
 # (outcome, reason, when interrupting began, whether the session restarts)
@@ -92,7 +81,7 @@ class SessionCell:
         self.created = time.time()
         self.source, self._meta, self._payload = source, meta, payload
         self.report = Reporter(cell_id, send)
-        self.summary: dict[str, Any] | None = None
+        self.summary: protocol.Summary | None = None
         self.no: int | None = None  # its number in the session, once it runs
         self.stop_reason: str | None = None  # a stop request's key (summary.STOPS), or timeout
         self.changed = anyio.Event()  # an answer, a death or a stop: look again
@@ -142,29 +131,29 @@ class SessionCell:
 
     # ---- deciding -----------------------------------------------------------------------------
 
-    async def decide(self, links: list[Link], host: Host) -> Decision:
+    async def decide(self, links: list[Link], group: RankGroup) -> Decision:
         """Wait for the ranks' answers, interrupting them on a failure, a stop or --timeout."""
-        grace = host.spec.stop_grace
+        grace = group.spec.stop_grace
         deadline = self.created + self.spec.timeout if self.spec.timeout else math.inf
         first_failure: float | None = None
         interrupted: float | None = None
-        collector = EvidenceCollector(host.rd, self.source, self.rd.cell)
-        watch = _DesyncWatch(self, links, collector)
+        collector = EvidenceCollector(group.node, group.rd, self.source, self.rd.cell)
+        watch = DesyncWatch(collector) if len(links) > 1 else None
         watchdog_seen = False
         told: set[int] = set()  # failed ranks whose records were read for an OOM alert
         while True:
             now = time.monotonic()
             dead = [link.r for link in links if link.r.died_at is not None]
-            ended = host.ended()
+            ended = group.ended()
             if ended is not None:
                 return "failed", f"the session ended: {ended}", interrupted, False
-            if dead or host.attempt_failed(self.attempt):
+            if dead or group.attempt_failed(self.attempt):
                 r = min(dead, key=lambda x: x.died_at or 0.0) if dead else None
                 why = f"rank {r.rank} {r.failure_summary()}" if r else "a rank died"
                 return "failed", why, interrupted or time.time(), True
             if self.watchdog is not None and not watchdog_seen:
                 watchdog_seen = True
-                decision = await self._watchdog(links, collector, host)
+                decision = await self._watchdog(links, collector, group)
                 if decision is not None:
                     return decision
             failed = sorted(rank for rank, ok in self.answers.items() if not ok)
@@ -185,26 +174,44 @@ class SessionCell:
                 self.oom_alerts(self.ranks([x.r for x in links if x.r.rank in new]))
                 told |= new
             wake = now + (deadline - time.time())
-            if interrupted is None and not failed and not self.stop_reason:
-                wake = min(wake, await watch.look(now))
+            if interrupted is None and not failed and not self.stop_reason and watch:
+                wake = min(wake, await self._look(watch, links))
             if interrupted is None and (self.stop_reason or failed or self.finding):
-                if self.stop_reason or self.finding or now >= first_failure + SETTLE_S:  # type: ignore[operator]
+                settled = first_failure is not None and now >= first_failure + SETTLE_S
+                if self.stop_reason or self.finding or settled:
                     interrupted = time.time()
                     self.report.event("interrupt", ranks=[x.r.rank for x in missing])
                     for link in missing:
-                        await link.send(protocol.INTERRUPT, cell=self.id)
+                        await link.send(protocol.Interrupt(kind=protocol.INTERRUPT, cell=self.id))
                     wake = now + grace
                 else:
-                    wake = first_failure + SETTLE_S  # type: ignore[operator]
+                    assert first_failure is not None
+                    wake = first_failure + SETTLE_S
             elif interrupted is not None:
                 if time.time() >= interrupted + grace:
-                    return self._stuck(missing, failed, interrupted, host)
+                    return self._stuck(missing, failed, interrupted, group)
                 wake = now + (interrupted + grace - time.time())
             with anyio.move_on_after(max(0.0, min(wake - now, 1.0))):
                 await self.changed.wait()
 
+    async def _look(self, watch: DesyncWatch, links: list[Link]) -> float:
+        """The desync watch while ranks run the cell (`diagnosis.DesyncWatch`, as a job's);
+        returns when to look next. A desync it confirms is the cell's finding: the ranks that
+        wait are then interrupted."""
+        if self.finding or len(self.answers) == len(links):
+            return math.inf
+        left = any(self.answers.values())
+        ranks = self.ranks([link.r for link in links])
+        certain = await watch.look(ranks, left)
+        if certain is not None and (ev := await watch.confirm(ranks, certain)) is not None:
+            self.finding = desync_finding(ev)
+            self.report.alert(
+                "desync", "error", self.finding.title, rank=self.finding.culprit, text=ev.stacks
+            )
+        return watch.next_look(left)
+
     async def _watchdog(
-        self, links: list[Link], collector: EvidenceCollector, host: Host
+        self, links: list[Link], collector: EvidenceCollector, group: RankGroup
     ) -> Decision | None:
         """A NCCL collective timed out: where every rank is, while all still live. Where NCCL
         ends the rank after its dump (--async-error-handling 1, 3), the session restarts now
@@ -217,7 +224,7 @@ class SessionCell:
             if r.rank == rank:
                 r.watchdog = {"time": when, "line": line}
         ev = await collector.collect(views)
-        mode = host.spec.async_error_handling
+        mode = group.spec.async_error_handling
         if mode not in TEARS_DOWN:
             found = where_finding(watchdog_title(rank, line, mode), ev)
             self.report.alert(
@@ -225,7 +232,7 @@ class SessionCell:
             )
             return None
         timed_out = next(r for r in views if r.rank == rank)
-        self.finding = timeout_finding(timed_out, ev, host.spec)
+        self.finding = timeout_finding(timed_out, ev, group.spec)
         self.report.alert(
             "collective_timeout",
             "error",
@@ -233,22 +240,22 @@ class SessionCell:
             rank=self.finding.culprit,
             text=ev.stacks,
         )
-        host.kill([link.r for link in links if link.r.died_at is None])
+        group.signal([link.r for link in links if link.r.died_at is None], signal.SIGKILL)
         return "failed", self.finding.title, time.time(), True
 
     def _stuck(
-        self, missing: list[Link], failed: list[int], interrupted: float, host: Host
+        self, missing: list[Link], failed: list[int], interrupted: float, group: RankGroup
     ) -> Decision:
         """Ranks that did not come back from an interrupt: end them; torchelastic restarts."""
         stuck = [link.r.rank for link in missing]
         many = len(stuck) > 1
         note = (
             f"rank{'s' if many else ''} {', '.join(map(str, stuck))} could not be interrupted "
-            f"within {host.spec.stop_grace:g} s (inside a collective?) and "
+            f"within {group.spec.stop_grace:g} s (inside a collective?) and "
             f"{'were' if many else 'was'} ended"
         )
-        host.alert("stuck", "error", note)
-        host.kill([link.r for link in missing])
+        group.alert("stuck", "error", note)
+        group.signal([link.r for link in missing], signal.SIGKILL)
         if self.stop_reason:
             outcome, reason = self.stopped()
         elif self.finding:
@@ -294,11 +301,10 @@ class SessionCell:
                 kind = r.kind(teardown_at)
                 state = "stopped" if kind in ("terminated", "peer") else "failed"
                 label = r.label(teardown_at)
-            chip: dict[str, Any] = {"state": state, "label": label, "attempt": r.attempt}
-            chip["pid"] = r.pid
+            chip = protocol.Chip(state=state, label=label, attempt=r.attempt, pid=r.pid)
             if state in ("failed", "stopped"):
                 chip["detail"] = r.failure_summary()
-            self.report.chip(r.rank, chip)  # type: ignore[arg-type]
+            self.report.chip(r.rank, chip)
 
     def oom_alerts(self, ranks: list[RankState]) -> None:
         """An alert for each rank that ran out of CUDA memory, once per rank."""
@@ -317,7 +323,7 @@ class SessionCell:
         ranks: list[RankState],
         teardown_at: float | None,
         lines: int,
-    ) -> dict[str, Any]:
+    ) -> protocol.Summary:
         """The cell's summary, written and returned (the closing alerts are queued)."""
         behind = self.finding.desync.behind if self.finding and self.finding.desync else None
         verdict = analyze(ranks, teardown_at, behind, self.spec.nproc) if ranks else None
@@ -345,53 +351,17 @@ class SessionCell:
         with contextlib.suppress(OSError):
             write_json(self.rd.summary, result)
         self.report.event("end", outcome=outcome)
-        return dict(result)
+        return result
 
 
 def failure_words(cell: SessionCell, attempt: int, failed: list[int]) -> str:
     """The first of the `failed` ranks to raise in the cell: its error and its line."""
-    records = [(rank, read_json(cell.rd.failure(attempt, rank))) for rank in failed]
-    records = [(rank, f) for rank, f in records if f]
+    records: list[tuple[int, dict[str, Any]]] = []
+    for rank in failed:
+        if f := read_json(cell.rd.failure(attempt, rank)):
+            records.append((rank, f))
     if not records:
         return f"rank {failed[0]}"
     rank, f = min(records, key=lambda x: x[1]["time"])
     line = f" (cell line {f['cell_line']})" if f.get("cell_line") else ""
     return f"rank {rank}: {f['type']}: {f['message']}".rstrip(": ") + line
-
-
-class _DesyncWatch:
-    """A desync found the moment it can no longer resolve, as a job's (diagnosis.watch_desync):
-    a rank finished the cell after collective #a of a group while another waits in #a+1 (a
-    skipped backward(), a batch fewer), or two wait in different ops at one number. Looked for
-    once a rank has finished the cell and another still runs it."""
-
-    def __init__(self, cell: SessionCell, links: list[Link], collector: EvidenceCollector) -> None:
-        self._cell, self._links, self._collector = cell, links, collector
-        self._before: dict[int, Any] = {}
-        self._next = 0.0
-
-    async def look(self, now: float) -> float:
-        """Look if it is time; returns when to look next."""
-        cell = self._cell
-        left = [rank for rank, ok in cell.answers.items() if ok]
-        if (
-            cell.finding
-            or not left
-            or len(self._links) < 2
-            or len(cell.answers) == len(self._links)
-        ):
-            return math.inf
-        if now < self._next:
-            return self._next
-        self._next = now + LOOK_LEFT_S
-        ranks = cell.ranks([link.r for link in self._links])
-        self._before, certain = await self._collector.look(ranks, self._before)
-        if certain is not None:
-            ev = await self._collector.collect(ranks)
-            if ev.desync is not None and ev.desync.certain:
-                culprit = ev.desync.behind[0] if ev.desync.behind else None
-                cell.finding = Finding(f"desync: {ev.desync.text}", culprit, ev.desync, ev.stacks)
-                cell.report.alert(
-                    "desync", "error", cell.finding.title, rank=culprit, text=ev.stacks
-                )
-        return self._next

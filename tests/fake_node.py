@@ -1,0 +1,155 @@
+"""A node with no processes, for unit tests of what a rank group decides: the test plays the
+launcher (what it says) and the ranks (when each goes, how it ended, what its stack and flight
+recorder show), and reads what the group did to them (signals, the teardown)."""
+
+from __future__ import annotations
+
+import math
+import signal
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from elastic_nb.common import protocol
+from elastic_nb.common.rundir import RunDir
+from elastic_nb.common.spec import JobSpec
+from elastic_nb.supervisor.forensics.watchdogs import Agent
+from elastic_nb.supervisor.processes.node import Node, StackDump, Survivor
+from elastic_nb.supervisor.ranks.rank_state import RankState
+
+LAUNCHER_PID = 4242
+
+
+class FakeNode(Node):
+    name = "a fake machine"
+
+    def __init__(self, rd: RunDir) -> None:
+        super().__init__(rd)
+        self._say, self._heard = anyio.create_memory_object_stream[Any](math.inf)
+        self._launcher_exited = anyio.Event()
+        self._gone: dict[tuple[int, int], anyio.Event] = {}
+        self._codes: dict[tuple[int, int], int] = {}
+        self.result: tuple[str, str] = ("failed", "torchelastic gave up: ranks failed")
+        self.signals: list[tuple[int, int]] = []  # (rank, signal) the group sent
+        self.dumps: dict[int, str] = {}  # rank -> what its stack dump says
+        self.recorders: dict[int, dict[str, Any]] = {}  # rank -> its flight recorder's answer
+        self.stopped = False
+        self.closed = False
+
+    # ---- the test's side ----------------------------------------------------------------------
+
+    def say(self, kind: str, **fields: Any) -> None:
+        """The launcher says something."""
+        self._say.send_nowait({"kind": kind, **fields})
+
+    def start_ranks(self, attempt: int, pids: dict[int, int]) -> None:
+        self.say(protocol.RENDEZVOUS, attempt=attempt, seconds=0.01)
+        for rank, pid in pids.items():
+            self.say(protocol.START, attempt=attempt, rank=rank, pid=pid)
+
+    def rank_dies(self, attempt: int, rank: int, code: int) -> None:
+        self._codes[(attempt, rank)] = code
+        self._event(attempt, rank).set()
+
+    def _event(self, attempt: int, rank: int) -> anyio.Event:
+        return self._gone.setdefault((attempt, rank), anyio.Event())
+
+    # ---- the launcher -------------------------------------------------------------------------
+
+    async def start(self, group: str, spec: JobSpec, env: dict[str, str]) -> bool:
+        return True
+
+    async def messages(self) -> AsyncIterator[protocol.LauncherNews]:
+        async for msg in self._heard:
+            yield msg
+
+    @property
+    def launcher_pid(self) -> int | None:
+        return LAUNCHER_PID
+
+    def launcher_alive(self) -> bool:
+        return not self._launcher_exited.is_set()
+
+    async def launcher_exited(self) -> None:
+        await self._launcher_exited.wait()
+
+    def launcher_outcome(self, log: Path) -> tuple[str, str]:
+        return self.result
+
+    def agent(self) -> Agent:
+        return Agent(LAUNCHER_PID, ("S", "sleeping"), time.monotonic())
+
+    # ---- ranks --------------------------------------------------------------------------------
+
+    async def wait_gone(self, r: RankState) -> tuple[float, float]:
+        await self._event(r.attempt, r.rank).wait()
+        r.exit_code = self._codes.get((r.attempt, r.rank))
+        return time.time(), time.monotonic()
+
+    def alive(self, r: RankState) -> bool:
+        return not self._event(r.attempt, r.rank).is_set()
+
+    def signal(self, r: RankState, sig: int) -> bool:
+        if not self.alive(r):
+            return False
+        self.signals.append((r.rank, sig))
+        if sig in (signal.SIGTERM, signal.SIGKILL):
+            self.rank_dies(r.attempt, r.rank, -sig)  # a rank that obeys
+        return True
+
+    def unreaped(self, r: RankState) -> bool:
+        return False
+
+    def armed(self, r: RankState) -> bool:
+        return True
+
+    async def stacks(self, ranks: list[RankState], wait_s: float) -> dict[int, StackDump]:
+        return {
+            r.rank: StackDump(
+                self.dumps.get(r.rank, ""),
+                str(self.rd.stacks(r.attempt, r.rank)),
+                ("S", "sleeping"),
+                True,
+            )
+            for r in ranks
+        }
+
+    async def probe(self, r: RankState, n: int, what: str, wait_s: float) -> dict[str, Any] | None:
+        record = self.recorders.get(r.rank)
+        return {**record, "req": n} if record is not None else None
+
+    def oom_kills(self) -> int | None:
+        return None
+
+    # ---- the end ------------------------------------------------------------------------------
+
+    def running(self, leftovers_too: bool = True) -> bool:
+        return self.launcher_alive() or any(not e.is_set() for e in self._gone.values())
+
+    async def wait_stopped(self, timeout: float, leftovers_too: bool = True) -> None:
+        with anyio.move_on_after(timeout):
+            await self._launcher_exited.wait()
+
+    async def leftovers_after_success(
+        self, grace: float, stuck: Callable[[], bool]
+    ) -> list[dict[str, Any]]:
+        return []
+
+    async def stop(
+        self, grace: float, on_signal: Callable[[str, list[int]], None]
+    ) -> list[Survivor]:
+        """Every rank obeys SIGTERM; the launcher goes with its last word said."""
+        self.stopped = True
+        on_signal("SIGTERM", [])
+        for (attempt, rank), gone in list(self._gone.items()):
+            if not gone.is_set():
+                self.rank_dies(attempt, rank, -signal.SIGTERM)
+        self._say.close()
+        self._launcher_exited.set()
+        return []
+
+    def close(self) -> None:
+        self.closed = True

@@ -1,0 +1,165 @@
+"""What a job decides from what its node shows, without a process: the test plays the launcher
+and the ranks on a fake node (tests/fake_node.py) and reads the job's end as the kernel would."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from elastic_nb.common import protocol
+from elastic_nb.common.rundir import RunDir, write_json
+from elastic_nb.kernel.flags import job_spec
+from elastic_nb.supervisor.runs.job import Job
+from tests.fake_node import FakeNode
+
+CELL_LINES = 5
+# Rank 0's stack while it waits in the all_reduce of cell line 4 (faulthandler's words).
+WAITING = """Current thread 0x00007f0000000001 (most recent call first):
+  File "/torch/distributed/distributed_c10d.py", line 2500 in all_reduce
+  File "{cell}", line 4 in <module>
+"""
+
+
+def _job(tmp_path: Path, **options: Any) -> tuple[Job, FakeNode, list[dict[str, Any]]]:
+    spec = job_spec({"nproc": "2", "log_dir": str(tmp_path), **options}, cwd=str(tmp_path))
+    sent: list[dict[str, Any]] = []
+
+    async def send(msg: Any) -> None:
+        sent.append(dict(msg))
+
+    node = FakeNode(RunDir.of(spec.log_dir, "cafe0001"))
+    job = Job("cafe0001", spec, "x = 1\n" * CELL_LINES, _META, None, {}, node, send)
+    job.prepare()
+    return job, node, sent
+
+
+_META = {"display": True, "modules": {}, "objects": [], "pull": []}
+
+
+def _end(sent: list[dict[str, Any]]) -> dict[str, Any]:
+    ends = [m for m in sent if m["kind"] == protocol.END]
+    assert len(ends) == 1, sent
+    return ends[0]["summary"]
+
+
+async def _until(predicate: Any, timeout: float = 10) -> None:
+    with anyio.fail_after(timeout):
+        while not predicate():
+            await anyio.sleep(0.01)
+
+
+def test_rank_1_dies_while_rank_0_waits_in_all_reduce(tmp_path: Path) -> None:
+    """Rank 1 raised (its record says ValueError at cell line 3) and died; rank 0 sits in an
+    all_reduce. The job fails at once naming rank 1, stops rank 0 (SIGTERM through its node)
+    and says rank 0 was stopped because rank 1 failed."""
+    job, node, sent = _job(tmp_path)
+    rd = job.rd
+
+    async def main() -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(job.run)
+            node.start_ranks(0, {0: 100, 1: 101})
+            await _until(lambda: len(job.book.of(0)) == 2)
+            node.dumps[0] = WAITING.format(cell=rd.cell)
+            rd.attempt(0).mkdir(parents=True, exist_ok=True)
+            write_json(
+                rd.failure(0, 1),
+                {
+                    "rank": 1,
+                    "attempt": 0,
+                    "time": 1e10,
+                    "type": "ValueError",
+                    "message": "rank 1 ran out of patience",
+                    "cell_line": 3,
+                    "traceback": "",
+                },
+            )
+            node.rank_dies(0, 1, 1)
+            await _until(lambda: job.summary is not None)
+
+    anyio.run(main)
+    summary = _end(sent)
+    assert summary["outcome"] == "failed" and summary["cause"] == "exception"
+    assert summary["failure"]["rank"] == 1
+    assert "ValueError: rank 1 ran out of patience (cell line 3)" in summary["failure"]["summary"]
+    (other,) = summary["others"]
+    assert (
+        other["rank"] == 0
+        and "stopped by elastic_nb (SIGTERM) after rank 1 failed" in other["text"]
+    )
+    assert node.stopped and node.closed
+    assert (0, signal.SIGTERM) not in node.signals  # the teardown ended it, not a rank signal
+
+
+def _history(seq: int, *, pending: bool) -> dict[str, Any]:
+    """A flight recorder's record: group 0's members and count, and its entries (the last one
+    still in flight when `pending`)."""
+    entries = [
+        {
+            "process_group": ["0", "default_pg"],
+            "collective_seq_id": n,
+            "profiling_name": "gloo:all_reduce",
+            "state": "scheduled" if pending and n == seq else "completed",
+            "retired": not (pending and n == seq),
+            "is_p2p": False,
+            "frames": [],
+        }
+        for n in range(1, seq + 1)
+    ]
+    return {"time": 1.0, "groups": {"0": [0, 1]}, "seqs": {"0": seq}, "dump": {"entries": entries}}
+
+
+def test_rank_1_left_the_cell_after_3_collectives_while_rank_0_waits_in_the_4th(
+    tmp_path: Path,
+) -> None:
+    """The desync watch on a fake node: rank 1 finished the cell (its done record, its flight
+    recorder's last word: 3 all_reduces); rank 0 answers probes from inside all_reduce #4. The
+    job names rank 1 as the culprit within a few looks, long before any collective timeout."""
+    job, node, sent = _job(tmp_path, collective_timeout="600")
+    rd = job.rd
+
+    async def main() -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(job.run)
+            node.start_ranks(0, {0: 100, 1: 101})
+            await _until(lambda: len(job.book.of(0)) == 2)
+            node.dumps[0] = WAITING.format(cell=rd.cell)
+            node.recorders[0] = _history(4, pending=True)
+            rd.attempt(0).mkdir(parents=True, exist_ok=True)
+            write_json(rd.collectives(0, 1), {**_history(3, pending=False), "final": True})
+            write_json(rd.done(0, 1), {"rank": 1, "attempt": 0, "time": 1.0})
+            with anyio.fail_after(10):
+                await _until(lambda: job.summary is not None)
+
+    anyio.run(main)
+    summary = _end(sent)
+    assert summary["outcome"] == "failed" and summary["cause"] == "desync"
+    assert summary["failure"]["rank"] == 1
+    text = summary["failure"]["summary"]
+    assert "rank 1 left the cell after 3 collectives" in text
+    assert "rank 0 waits in all_reduce #4" in text
+    alerts = [a for m in sent if m["kind"] == protocol.UPDATE for a in m.get("alerts", [])]
+    assert any(a["kind"] == "desync" and a["rank"] == 1 for a in alerts)
+
+
+@pytest.mark.parametrize("stop", ["interrupt", "panel"])
+def test_a_stop_ends_every_rank_and_says_who_asked(tmp_path: Path, stop: str) -> None:
+    job, node, sent = _job(tmp_path)
+
+    async def main() -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(job.run)
+            node.start_ranks(0, {0: 100, 1: 101})
+            await _until(lambda: len(job.book.of(0)) == 2)
+            job.request_stop(stop)
+            await _until(lambda: job.summary is not None)
+
+    anyio.run(main)
+    summary = _end(sent)
+    expected = {"interrupt": "interrupted", "panel": "stopped"}[stop]
+    assert summary["outcome"] == expected and summary["cause"] == "interrupted"
+    assert node.stopped

@@ -47,12 +47,10 @@ bench: $(VENV)/.installed
 
 # The declared floors: every dependency of pyproject.toml at its lowest version (scripts/floors.py
 # reads them), torch included (2.11: PyPI has only its CUDA build, about 4.6 GB installed, which
-# runs on a CPU), and the suite's unit tests and core jobs on them.
+# runs on a CPU), and the suite's unit tests and core e2e tests on them (pytest markers: see
+# pyproject.toml).
 FLOORS       ?= .venv-floors
-FLOORS_TESTS := tests/test_desync.py tests/test_gpus.py tests/test_spec.py tests/test_verdict.py \
-                tests/test_protocol.py tests/test_rundir.py tests/test_procs.py tests/test_watchdogs.py \
-                tests/test_success.py tests/test_failures.py tests/test_forensics.py tests/test_dashboard.py \
-                tests/test_session.py tests/test_server_extension.py
+FLOORS_TESTS := unit or core
 
 # On torch 2.11, gloo can crash (SIGSEGV) when one rank's barrier meets another's all_reduce,
 # before the desync watch has looked (seen once in three runs here); 2.13 waits, as the test expects.
@@ -60,12 +58,14 @@ FLOORS_SKIP  := tests/test_forensics.py::test_a_rank_that_skipped_into_a_barrier
                 tests/test_server_extension.py::test_the_config_file_enables_the_extension
 
 floors: $(FLOORS)/.installed
-	$(FLOORS)/bin/python -m pytest -p no:cacheprovider $(FLOORS_TESTS) $(FLOORS_SKIP:%=--deselect %)
+	$(FLOORS)/bin/python -m pytest -p no:cacheprovider -m "$(FLOORS_TESTS)" $(FLOORS_SKIP:%=--deselect %)
 
+# playwright: the browser test modules import it when collected (-m leaves them out).
 $(FLOORS)/.installed: pyproject.toml scripts/floors.py | node
 	$(PYTHON) -m venv $(FLOORS)
 	$(FLOORS)/bin/python -m pip install -q --upgrade pip
 	$(FLOORS)/bin/python scripts/floors.py > $(FLOORS)/constraints.txt
 	$(FLOORS)/bin/python -m pip install -q -c $(FLOORS)/constraints.txt -e . \
-		pytest pytest-timeout jupyter_client nbclient nbformat ipykernel "pytest-jupyter[server]"
+		pytest pytest-timeout jupyter_client nbclient nbformat ipykernel "pytest-jupyter[server]" \
+		playwright
 	touch $@

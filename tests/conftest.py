@@ -11,7 +11,32 @@ import psutil
 import pytest
 
 from elastic_nb.common import procs
-from tests.kernel import Kernel, wait_for
+from tests.kernel import Kernel, pid_ended, wait_for
+
+KINDS = ("unit", "e2e", "browser")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Every test is one of KINDS (its file's pytestmark, most often): a test nobody classified
+    would escape `make floors`' selection unseen. A `cuda` test is skipped where torch sees no
+    CUDA device, saying so; the GPU run runs them."""
+    unmarked = [
+        i.nodeid for i in items if sum(i.get_closest_marker(k) is not None for k in KINDS) != 1
+    ]
+    if unmarked:
+        raise pytest.UsageError(f"tests with no kind (or two) of {KINDS}: {unmarked}")
+    cuda = [i for i in items if i.get_closest_marker("cuda")]
+    if cuda and not _cuda_device():
+        skip = pytest.mark.skip(reason="needs a CUDA device (this torch sees none)")
+        for item in cuda:
+            item.add_marker(skip)
+
+
+def _cuda_device() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
 
 # test_server_extension loads pytest-jupyter, and a plugin's autouse fixtures run for every
 # test of the suite: its loop fixture then took the current loop for its own and closed it after
@@ -82,6 +107,37 @@ def fresh_kernel(tmp_path: Path, cache_home: Path) -> Iterator[Kernel]:
     k.ok("%load_ext elastic_nb")
     yield k
     k.shutdown()  # and nothing it started outlives it
+
+
+@pytest.fixture(autouse=True)
+def every_job_ends_whole(
+    request: pytest.FixtureRequest, no_stray_processes: None
+) -> Iterator[None]:
+    """After each test that drives a kernel: every process of every one-off job it ran is gone,
+    as seen from outside the product (tests/kernel.py, Kernel.job_pids: the ranks' own pids and
+    the kernel's process tree), not only by the product's marker sweep. (It asks for
+    no_stray_processes first so that that one's check runs last, after the kernels'
+    shutdown.)"""
+    kernels = [
+        request.getfixturevalue(name)
+        for name in ("kernel", "fresh_kernel")
+        if name in request.fixturenames
+    ]
+    before = [len(k.executions) for k in kernels]
+    yield
+    jobs: dict[str, set[int]] = {}
+    for k, n in zip(kernels, before, strict=True):
+        jobs.update(k.job_pids(k.executions[n:]))
+
+    def left() -> dict[str, list[int]]:
+        return {
+            job: live
+            for job, pids in jobs.items()
+            if (live := [p for p in pids if not pid_ended(p)])
+        }
+
+    wait_for(lambda: not left(), 10)  # a teardown's bounded time
+    assert not left(), f"processes of these jobs outlived them: {left()}"
 
 
 @pytest.fixture(autouse=True)

@@ -36,6 +36,7 @@ class FakeNode(Node):
         self.signals: list[tuple[int, int]] = []  # (rank, signal) the group sent
         self.dumps: dict[int, str] = {}  # rank -> what its stack dump says
         self.recorders: dict[int, dict[str, Any]] = {}  # rank -> its flight recorder's answer
+        self.probe_gate: anyio.Event | None = None  # set: probes answer; unset: they wait
         self.stopped = False
         self.closed = False
 
@@ -118,6 +119,8 @@ class FakeNode(Node):
         }
 
     async def probe(self, r: RankState, n: int, what: str, wait_s: float) -> dict[str, Any] | None:
+        if self.probe_gate is not None:
+            await self.probe_gate.wait()  # a rank slow to answer: the look takes its time
         record = self.recorders.get(r.rank)
         return {**record, "req": n} if record is not None else None
 

@@ -1,13 +1,18 @@
-"""A real ipykernel, driven through jupyter_client, for end-to-end tests."""
+"""A real ipykernel, driven through jupyter_client, for end-to-end tests; and what the jobs it runs
+leave behind, observed from outside (processes, ports, run directories)."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import re
 import signal
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -19,6 +24,7 @@ from elastic_nb.common import procs
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _CALLERS = ("ELASTIC_NB_", "JPY_", "VSCODE_")
 _JOB = re.compile(r"\[elastic_nb\] job ([0-9a-f]{8})")
+_RUN_DIR = re.compile(r"\[elastic_nb\] job ([0-9a-f]{8}) .*?logs: (\S+)")
 
 
 class TreeWatch:
@@ -29,6 +35,7 @@ class TreeWatch:
     def __init__(self, pid: int) -> None:
         self._root = psutil.Process(pid)
         self.seen: dict[tuple[int, float], str] = {}  # (pid, start time) -> command line
+        self.parent: dict[int, int] = {}  # pid -> its parent when first seen (before any adoption)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tree-watch", daemon=True)
         self._thread.start()
@@ -43,6 +50,7 @@ class TreeWatch:
                 try:
                     key = (p.pid, p.create_time())
                     if key not in self.seen:
+                        self.parent[p.pid] = p.ppid()
                         self.seen[key] = " ".join(p.cmdline())[:120] or p.name()
                 except psutil.Error:
                     continue
@@ -50,6 +58,14 @@ class TreeWatch:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+
+    def ancestors(self, pid: int, depth: int) -> list[int]:
+        """Up to `depth` of the processes above `pid`, each its child's parent when first seen
+        (a forked rank's fork server, then its launcher; a spawned rank's launcher)."""
+        chain = []
+        while len(chain) < depth and (pid := self.parent.get(pid, 0)) and pid != self._root.pid:
+            chain.append(pid)
+        return chain
 
     def alive(self) -> list[str]:
         """What the watch saw that still runs (a zombie has ended: its parent reaps it)."""
@@ -86,6 +102,15 @@ class Execution:
     def traceback(self) -> str:
         return "\n".join(self.error["traceback"]) if self.error else ""
 
+    def when(self, text: str) -> float:
+        """When the kernel sent the first output that holds `text` (its message's date: what a
+        person sees, when they see it)."""
+        for m in self.messages:
+            if m["msg_type"] == "stream" and text in m["content"]["text"]:
+                date = m["header"]["date"]
+                return float(date.timestamp() if hasattr(date, "timestamp") else date)
+        raise AssertionError(f"no output holds {text!r}")
+
     @property
     def job_ids(self) -> list[str]:
         return list(dict.fromkeys(_JOB.findall(self.stdout)))
@@ -108,6 +133,7 @@ class Kernel:
         self.kc.start_channels()
         self.kc.wait_for_ready(timeout=60)
         self.tree = TreeWatch(self.pid)
+        self.executions: list[Execution] = []  # every cell run, in order
         # IOPub messages of earlier cells that arrived while another cell was collected (what a
         # background job's thread prints goes under the cell that started it).
         self.late: dict[str, list[dict[str, Any]]] = {}
@@ -124,6 +150,7 @@ class Kernel:
         k.kc.start_channels()
         k.kc.wait_for_ready(timeout=60)
         k.tree = TreeWatch(pid)
+        k.executions = []
         k.late = {}
         return k
 
@@ -134,7 +161,36 @@ class Kernel:
         return self.km.provisioner.process.pid  # type: ignore[union-attr]
 
     def start(self, code: str) -> tuple[str, Execution]:
-        return self.kc.execute(code), Execution()
+        ex = Execution()
+        self.executions.append(ex)
+        return self.kc.execute(code), ex
+
+    def job_pids(self, executions: list[Execution]) -> dict[str, set[int]]:
+        """Every process of the one-off jobs these cells ran, observed from outside the product:
+        each rank's pid as the rank itself wrote it in its records (every attempt), and the
+        processes the kernel's tree showed between that rank and the supervisor (its fork server
+        and launcher). A session's cells are left out: their ranks are the session's."""
+        found: dict[str, set[int]] = {}
+        for ex in executions:
+            for job, path in _RUN_DIR.findall(ex.stdout + ex.stderr):
+                rd = Path(path)
+                summary = rd / "summary.json"
+                if job in found or (
+                    summary.exists() and json.loads(summary.read_text()).get("session")
+                ):
+                    continue
+                pids: set[int] = set()
+                for record in rd.glob("attempt-*/rank-*.*.json"):
+                    with contextlib.suppress(ValueError, OSError):
+                        pid = json.loads(record.read_text()).get("pid")
+                        if isinstance(pid, int):
+                            pids.add(pid)
+                spec = json.loads((rd / "spec.json").read_text())
+                depth = 2 if spec["start_method"] == "forkserver" else 1
+                for pid in list(pids):
+                    pids.update(self.tree.ancestors(pid, depth))
+                found[job] = pids
+        return found
 
     def collect(
         self,
@@ -265,3 +321,36 @@ def assert_job_gone(job_id: str) -> None:
     """Nothing carrying the job's marker is alive, right now (no waiting)."""
     left = job_processes(job_id)
     assert not left, f"processes of job {job_id} survived: {left}"
+
+
+def pid_ended(pid: int) -> bool:
+    """The process has exited (gone, or a zombie its parent has yet to reap)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# ---- what a job leaves in its run directory, read from outside --------------------------------
+
+
+def run_dir(cache_home: Path, job: str) -> Path:
+    """A job's run directory under the suite's cache home (the default --log-dir)."""
+    return cache_home / "elastic_nb" / "runs" / job
+
+
+def run_summary(cache_home: Path, job: str) -> dict[str, Any]:
+    summary: dict[str, Any] = json.loads((run_dir(cache_home, job) / "summary.json").read_text())
+    return summary
+
+
+def run_events(cache_home: Path, job: str) -> list[dict[str, Any]]:
+    path = run_dir(cache_home, job) / "events.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]

@@ -20,7 +20,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -32,6 +31,8 @@ from typing import Any
 import nbformat
 import pytest
 from playwright.sync_api import expect
+
+from tests.kernel import free_port
 
 # An expectation passes as soon as the page agrees: its timeout is only a liveness bound, so it
 # is set for a loaded 2-core machine (Playwright's 5 s default can pass while a widget update
@@ -99,12 +100,6 @@ def chromium_missing() -> str | None:
             "(apt-get install chromium), or point ELASTIC_NB_CHROMIUM at one"
         )
     return None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LabServer:

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tests.kernel import Kernel, assert_job_gone, wait_for
+
+pytestmark = pytest.mark.e2e
 
 SUM = """%%elastic --bg --nproc 2 --pull total
 import torch, torch.distributed as dist

@@ -10,6 +10,8 @@ import pytest
 
 from tests.kernel import Kernel
 
+pytestmark = pytest.mark.e2e
+
 
 @pytest.fixture(scope="module")
 def log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -11,6 +11,8 @@ import pytest
 from elastic_nb.common.errors import CellError
 from elastic_nb.kernel.cell import prepare_cell
 
+pytestmark = pytest.mark.unit
+
 
 def helper(v: int) -> int:
     return v + 1

@@ -14,9 +14,14 @@ import pytest
 
 from elastic_nb.common import protocol
 from elastic_nb.kernel.dashboard import Dashboard, widget
-from elastic_nb.kernel.dashboard.model import ALL_LINES, TAIL_LINES
 from elastic_nb.kernel.flags import job_spec
 from elastic_nb.supervisor.ranks.log_tailer import LogTailer
+
+pytestmark = pytest.mark.unit
+
+# The README's numbers: "the last 1,000 lines of each rank (2,000 across ranks)".
+TAB_LINES = 1000
+ALL_TAB_LINES = 2000
 
 
 class RecordingComm:
@@ -172,8 +177,8 @@ def test_a_flood_costs_one_bounded_message_per_tick(
     assert final["header"]["state"] == "succeeded" and final["seq"] == sends + 1
     for r in range(ranks):
         tail = final["tails"][str(r)]
-        assert len(tail) <= TAIL_LINES and tail[-1] == ["out", f"{r} {lines_per_rank - 1}"]
-    assert len(final["all"]) == ALL_LINES
+        assert len(tail) == TAB_LINES and tail[-1] == ["out", f"{r} {lines_per_rank - 1}"]
+    assert len(final["all"]) == ALL_TAB_LINES
     # The summary line is printed under the dashboard, not drawn in it too.
     assert final["summary"] == {
         "outcome": "succeeded",

@@ -21,6 +21,8 @@ from elastic_nb.supervisor.forensics.collectives import (
 )
 from elastic_nb.supervisor.forensics.desync import desync_verdict
 
+pytestmark = pytest.mark.unit
+
 DATA = Path(__file__).parent / "data" / "fr"
 _spec = importlib.util.spec_from_file_location("record", DATA / "record.py")
 assert _spec is not None and _spec.loader is not None

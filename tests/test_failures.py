@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -10,10 +9,13 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 from elastic_nb.common import procs
 from elastic_nb.common.rundir import RunDir
-from tests.kernel import Kernel, assert_job_gone, wait_for
+from tests.kernel import Kernel, assert_job_gone, run_summary, wait_for
+
+pytestmark = [pytest.mark.e2e, pytest.mark.core]
 
 # Rank 1 raises only once rank 0's all_reduce is provably under way: rank 0 issues it
 # (`async_op=True`, then `wait()`: what a blocking all_reduce does in distributed_c10d) and only
@@ -32,10 +34,6 @@ work.wait()
 """
 
 
-def _summary(ex_job: str, cache: Path) -> dict:
-    return json.loads((cache / "elastic_nb" / "runs" / ex_job / "summary.json").read_text())
-
-
 def test_rank_raises_while_peer_blocks(kernel: Kernel, cache_home: Path) -> None:
     ex = kernel.run(RAISE_WHILE_PEER_WAITS)
     assert ex.ename == "JobFailed"
@@ -49,7 +47,7 @@ def test_rank_raises_while_peer_blocks(kernel: Kernel, cache_home: Path) -> None
     ), ex.traceback
     assert ex.seconds < 10
     assert_job_gone(ex.job_id)
-    s = _summary(ex.job_id, cache_home)
+    s = run_summary(cache_home, ex.job_id)
     assert s["failure"]["rank"] == 1 and s["failure"]["cause"] == "exception"
     # The kernel is fine: the next cell runs at once.
     assert kernel.ok("%%elastic --nproc 1\n'again'\n").result == "'again'"
@@ -120,7 +118,7 @@ def test_restart_after_a_failure_in_attempt_zero(kernel: Kernel, cache_home: Pat
     assert "[rank 0] attempt 1 sum 2.0" in ex.stdout and "[rank 1] attempt 1 sum 2.0" in ex.stdout
     assert "restarts 1/1" in ex.stdout and "succeeded" in ex.stdout
     assert ex.result == "1"
-    rd = RunDir(_summary(ex.job_id, cache_home)["run_dir"])
+    rd = RunDir(run_summary(cache_home, ex.job_id)["run_dir"])
     assert rd.attempts() == [0, 1]  # the failed attempt's logs are kept
     assert "RuntimeError: flaky" in rd.log(0, 1, "err").read_text()
     assert_job_gone(ex.job_id)
@@ -173,7 +171,7 @@ def test_interrupt_stops_every_rank(fresh_kernel: Kernel, cache_home: Path) -> N
     assert time.monotonic() - t0 < 3
     assert ex.ename == "KeyboardInterrupt"
     assert "interrupted" in ex.stdout
-    s = _summary(ex.job_id, cache_home)
+    s = run_summary(cache_home, ex.job_id)
     assert (s["outcome"], s["reason"], s["cause"]) == (
         "interrupted",
         "interrupted from the kernel",

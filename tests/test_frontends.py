@@ -14,6 +14,8 @@ from elastic_nb.kernel.dashboard.widget import SEND_EVERY_S
 from elastic_nb.kernel.magic import widgets_frontend
 from tests.kernel import Kernel, assert_job_gone
 
+pytestmark = pytest.mark.e2e
+
 WIDGET = "application/vnd.jupyter.widget-view+json"
 
 

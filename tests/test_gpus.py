@@ -9,6 +9,8 @@ import torch.cuda
 from elastic_nb.kernel import gpus
 from elastic_nb.kernel.gpus import Gpu, parse_visible_devices, visible_gpu_count
 
+pytestmark = pytest.mark.unit
+
 UUIDS = ["GPU-1a2b3c4d-0000", "GPU-1a2b9999-0000", "GPU-77aa0000-0000", "GPU-88bb0000-0000"]
 
 VALUES = [

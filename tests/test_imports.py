@@ -6,6 +6,10 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.unit
+
 PACKAGE = Path(__file__).resolve().parent.parent / "elastic_nb"
 
 
@@ -200,3 +204,12 @@ def test_module_names_that_travel_as_strings_come_from_one_place_and_import() ->
             ):
                 strays.append(f"{mod}: {node.value}")
     assert not strays, f"module names as strings outside common/modules.py: {strays}"
+
+
+def test_every_module_name_is_unique_in_the_package() -> None:
+    """A name says what a module is, once: no two modules of the package share one."""
+    names: dict[str, list[str]] = {}
+    for mod, path in _modules().items():
+        if path.name not in ("__init__.py", "__main__.py"):
+            names.setdefault(path.stem, []).append(mod)
+    assert not {n: m for n, m in names.items() if len(m) > 1}

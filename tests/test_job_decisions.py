@@ -16,6 +16,8 @@ from elastic_nb.kernel.flags import job_spec
 from elastic_nb.supervisor.runs.job import Job
 from tests.fake_node import FakeNode
 
+pytestmark = pytest.mark.unit
+
 CELL_LINES = 5
 # Rank 0's stack while it waits in the all_reduce of cell line 4 (faulthandler's words).
 WAITING = """Current thread 0x00007f0000000001 (most recent call first):

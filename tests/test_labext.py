@@ -28,6 +28,8 @@ from tests.lab import (
     serve,
 )
 
+pytestmark = pytest.mark.browser
+
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory: pytest.TempPathFactory, cache_home: Path) -> Iterator[LabServer]:

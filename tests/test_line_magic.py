@@ -5,9 +5,13 @@ from __future__ import annotations
 import re
 import socket
 
+import pytest
+
 from elastic_nb.common import protocol
 from elastic_nb.kernel.options import OPTIONS, shown_default
 from tests.kernel import Kernel, assert_job_gone
+
+pytestmark = pytest.mark.e2e
 
 
 def test_help_lists_every_flag_with_its_default(kernel: Kernel) -> None:

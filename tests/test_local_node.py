@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import anyio
+import pytest
 
 from elastic_nb.common import procs, protocol
 from elastic_nb.common.rundir import RunDir
@@ -19,6 +20,8 @@ from elastic_nb.supervisor.processes.node import LocalNode
 from elastic_nb.supervisor.processes.process_tree import ProcessTree
 from elastic_nb.supervisor.ranks.evidence import EvidenceCollector
 from elastic_nb.supervisor.ranks.rank_state import RankState
+
+pytestmark = pytest.mark.unit
 
 # A launcher stand-in that ignores SIGTERM, with a marked child that ignores it too and escapes
 # into a session of its own: only the marker finds it, only SIGKILL ends them.

@@ -14,7 +14,9 @@ import psutil
 import pytest
 
 from elastic_nb.common import loopback, procs
-from tests.kernel import Kernel, wait_for
+from tests.kernel import Kernel, free_port, wait_for
+
+pytestmark = pytest.mark.e2e
 
 # Each rank says it is in the cell (pid, job marker, MASTER_PORT) once every rank has its
 # process group, and stays there until the test has looked.
@@ -32,12 +34,6 @@ while not os.path.exists(os.path.join(here, "go")):
     time.sleep(0.05)
 dist.barrier()
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def listening(pids: set[int]) -> list[tuple[int, str, str, int]]:

@@ -27,6 +27,8 @@ from tests.lab import (
     shot,
 )
 
+pytestmark = pytest.mark.browser
+
 # Notebook 7.6.5's keyboard-shortcuts plugin reads the schema of a plugin whose settings it has
 # not loaded, on any notebook page (seen here with only `1+1` in it, elastic_nb not loaded).
 KNOWN_PAGE_ERRORS = [

@@ -13,9 +13,12 @@ from pathlib import Path
 
 import nbformat
 import psutil
+import pytest
 
 from elastic_nb.common import procs
 from tests.kernel import wait_for
+
+pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / "notebooks"

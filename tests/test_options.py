@@ -14,6 +14,8 @@ from elastic_nb.common.spec import JobSpec
 from elastic_nb.kernel.magic import ElasticMagics
 from elastic_nb.kernel.options import DEFAULTS, OPTIONS, shown_default
 
+pytestmark = pytest.mark.unit
+
 README = Path(__file__).resolve().parent.parent / "README.md"
 
 

@@ -9,14 +9,22 @@ import io
 import json
 
 import psutil
+import pytest
 
 from elastic_nb.common.rundir import RunDir
-from elastic_nb.kernel.dashboard.model import ALL_CHARS, TAIL_CHARS, DashboardState
+from elastic_nb.kernel.dashboard.model import DashboardState
 from elastic_nb.kernel.flags import job_spec
-from elastic_nb.kernel.render_text import MAX_CELL_CHARS, TextRenderer
+from elastic_nb.kernel.render_text import TextRenderer
 from tests.kernel import Execution, Kernel
 
+pytestmark = pytest.mark.e2e
+
 MB = 1024 * 1024
+# The README's numbers (its run-directory and dashboard sections), not the product's constants:
+CELL_CHARS = 500_000  # "at most 500,000 characters of rank output per cell" in text mode
+LINE_CHARS = 4_000  # "the first 4,000 characters of a line"
+TAB_CHARS = 250_000  # "a tab holds at most 250,000 characters"
+ALL_TAB_CHARS = 500_000  # "(500,000 across ranks)"
 
 
 def _run_dir(ex: Execution) -> RunDir:
@@ -50,7 +58,10 @@ def test_a_5mb_line_per_rank_is_cut_and_the_log_keeps_it(kernel: Kernel) -> None
     for rank in (0, 1):
         log = rd.log(0, rank, "out")
         assert log.read_text() == "x" * 5_000_000 + "\n"  # the file keeps the whole line
-        shown = f"[rank {rank}] {'x' * 4000}… 4,996,000 characters not shown (full log: {log})\n"
+        cut = 5_000_000 - LINE_CHARS
+        shown = (
+            f"[rank {rank}] {'x' * LINE_CHARS}… {cut:,} characters not shown (full log: {log})\n"
+        )
         assert shown in ex.stdout
         assert f"[rank {rank}] after\n" in ex.stderr
 
@@ -90,8 +101,11 @@ def test_a_cell_prints_a_bounded_total_then_says_it_stopped() -> None:
         r.update({"logs": [_flood(0, 200), _flood(1, 200)]})
     r.update({"alerts": [{"kind": "slow", "severity": "warning", "title": "still shown"}]})
     text = out.getvalue()
-    assert len(text) <= MAX_CELL_CHARS + 200 < 1 * MB and err.getvalue() == ""
-    assert text.count("characters of rank output shown") == 1
+    shown = sum(len(line) + 1 for line in text.splitlines() if line.startswith("[rank "))
+    # Whole lines only: at most one line (4,000 characters and its prefix) short of the cap.
+    assert CELL_CHARS - (LINE_CHARS + 20) < shown <= CELL_CHARS, shown
+    assert err.getvalue() == ""
+    assert text.count("500,000 characters of rank output shown") == 1
     assert "the rest is not printed (full logs: /runs/cafe0001/attempt-0/)" in text
     assert text.endswith("[elastic_nb] still shown\n")
     assert all(line.startswith("[") for line in text.splitlines())  # whole lines only
@@ -102,10 +116,13 @@ def test_the_dashboard_holds_a_bounded_number_of_characters(tmp_path) -> None:
     for _ in range(20):
         state.apply({"logs": [_flood(0, 200), _flood(1, 200)]})
         delta = state.take_delta()
-        assert delta and len(json.dumps(delta)) < 2 * ALL_CHARS
+        assert delta and len(json.dumps(delta)) < 2 * ALL_TAB_CHARS
+    # The newest lines that fit: full to within a line of the README's bound, never over it.
     for rank in ("0", "1"):
         tail = state.tails[rank]
-        assert sum(len(t) for _, t in tail) <= TAIL_CHARS
+        held = sum(len(t) for _, t in tail)
+        assert TAB_CHARS - (LINE_CHARS + 20) < held <= TAB_CHARS, held
         assert tail[-1][1].startswith(f"{rank} 199 ")  # the newest lines stay
-    assert sum(len(t) for *_, t in state.all) <= ALL_CHARS
+    held = sum(len(t) for *_, t in state.all)
+    assert ALL_TAB_CHARS - (LINE_CHARS + 20) < held <= ALL_TAB_CHARS, held
     assert len(json.dumps(state.snapshot())) < 2 * MB

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.e2e
+
 ROOT = Path(__file__).resolve().parent.parent
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 

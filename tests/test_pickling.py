@@ -9,6 +9,8 @@ import torch
 
 from elastic_nb.common import pickling
 
+pytestmark = pytest.mark.unit
+
 
 def test_cpu_tensors_and_parameters_travel_as_they_are() -> None:
     p = torch.nn.Parameter(torch.arange(3.0))
@@ -17,9 +19,7 @@ def test_cpu_tensors_and_parameters_travel_as_they_are() -> None:
     assert q.requires_grad and torch.equal(q.detach(), p.detach())
 
 
-@pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA device (this torch sees none)"
-)
+@pytest.mark.cuda
 def test_a_cuda_tensor_travels_on_the_cpu() -> None:
     # A pushed tensor restored on cuda:0 in every rank would put N CUDA contexts on GPU 0.
     t, p = pickle.loads(

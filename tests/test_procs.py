@@ -14,6 +14,8 @@ import pytest
 from elastic_nb.common import procs
 from tests.kernel import wait_for
 
+pytestmark = pytest.mark.unit
+
 
 def test_a_reaped_process_is_not_signalled_by_its_old_pid() -> None:
     sleep = [sys.executable, "-c", "import time; time.sleep(60)"]

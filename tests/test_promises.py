@@ -3,22 +3,18 @@ classes, the exception's fields, several jobs at once, the handle's logs and sta
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import socket
 import stat
 from pathlib import Path
 
-import psutil
 import pytest
 
 from elastic_nb.common.registry import runtime_dir
-from tests.kernel import Kernel, assert_job_gone, wait_for
+from tests.kernel import Kernel, assert_job_gone, pid_ended, run_summary, wait_for
 
-
-def _summary(cache: Path, job: str) -> dict:
-    return json.loads((cache / "elastic_nb" / "runs" / job / "summary.json").read_text())
+pytestmark = pytest.mark.e2e
 
 
 def test_ranks_that_ignore_sigterm_are_killed_after_the_grace(
@@ -34,7 +30,7 @@ def test_ranks_that_ignore_sigterm_are_killed_after_the_grace(
     assert ex.ename == "JobTimeout"
     # The deadline, the 2 s grace nobody used, SIGKILL: a bounded end, not a hang.
     assert ex.seconds < 8
-    s = _summary(cache_home, ex.job_id)
+    s = run_summary(cache_home, ex.job_id)
     assert (s["outcome"], s["cause"]) == ("timeout", "deadline")
     assert_job_gone(ex.job_id)
 
@@ -96,7 +92,7 @@ def test_a_collective_timeout_with_every_rank_inside_is_no_desync(
     assert "rank 1 · raised in recv · cell line 9: dist.recv(" in tb, tb
     assert "rank 0: stopped by elastic_nb (SIGTERM) after rank 1 failed" in tb, tb
     assert "desync" not in tb and "never entered" not in tb
-    s = _summary(cache_home, ex.job_id)
+    s = run_summary(cache_home, ex.job_id)
     assert (s["outcome"], s["cause"]) == ("failed", "collective_timeout")
     assert (s["failure"]["rank"], s["failure"]["cause"]) == (1, "collective_timeout")
     assert s["diagnosis"]["text"].startswith("every rank was in recv"), s["diagnosis"]
@@ -155,21 +151,14 @@ def test_a_peer_outside_the_job_dies_under_a_rank(kernel: Kernel, cache_home: Pa
         r"rank 1: stopped by (elastic_nb|the torchelastic agent) \(SIGTERM\) after rank 0 failed",
         tb,
     ), tb
-    s = _summary(cache_home, ex.job_id)
+    s = run_summary(cache_home, ex.job_id)
     assert (s["outcome"], s["cause"]) == ("failed", "peer")
     assert (s["failure"]["rank"], s["failure"]["cause"]) == (0, "peer")
     assert [(o["rank"], o["kind"] in ("terminated", "agent")) for o in s["others"]] == [(1, True)]
     assert_job_gone(ex.job_id)
     # The helper is no rank: checked by its own pid, not by the job's marker sweep.
     helper = int(re.search(r"\[rank 0\] helper (\d+)", ex.stdout)[1])
-    assert wait_for(lambda: _ended(helper), 10), f"the helper {helper} outlived the job"
-
-
-def _ended(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
+    assert wait_for(lambda: pid_ended(helper), 10), f"the helper {helper} outlived the job"
 
 
 def test_static_rendezvous_with_its_id_and_conf(kernel: Kernel) -> None:

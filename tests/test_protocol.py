@@ -6,6 +6,8 @@ import pytest
 
 from elastic_nb.common import protocol
 
+pytestmark = pytest.mark.unit
+
 
 def test_frames_with_and_without_blobs_survive_any_split() -> None:
     stream = (

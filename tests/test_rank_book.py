@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import anyio
+import pytest
 
 from elastic_nb.common.rundir import RunDir, write_json
 from elastic_nb.supervisor.forensics.desync import Desync
@@ -19,6 +20,8 @@ from elastic_nb.supervisor.processes.launcher_pool import LauncherPool
 from elastic_nb.supervisor.processes.node import LocalNode
 from elastic_nb.supervisor.ranks.rank_book import RankBook
 from tests.fake_node import FakeNode
+
+pytestmark = pytest.mark.unit
 
 
 def test_new_failures_come_in_the_order_they_happened(tmp_path: Path) -> None:

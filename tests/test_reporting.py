@@ -15,6 +15,8 @@ from elastic_nb.supervisor.ranks.log_tailer import LogTailer
 from elastic_nb.supervisor.runs.reporter import Reporter
 from elastic_nb.supervisor.runs.summary import cause, closing_alerts
 
+pytestmark = pytest.mark.unit
+
 
 def test_the_reporter_sends_one_update_per_flush_and_keeps_a_diary(tmp_path: Path) -> None:
     sent: list[dict[str, Any]] = []

@@ -10,6 +10,8 @@ import pytest
 
 from elastic_nb.common.rundir import RunDir
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture
 def rd(tmp_path: Path) -> RunDir:

@@ -25,6 +25,8 @@ from elastic_nb.common import registry
 from elastic_nb.common.registry import runtime_dir
 from tests.kernel import Execution, Kernel, assert_job_gone, wait_for
 
+pytestmark = [pytest.mark.e2e, pytest.mark.core]
+
 pytest_plugins = ["pytest_jupyter.jupyter_server"]
 
 API = ("elastic-nb", "api", "jobs")

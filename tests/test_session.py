@@ -16,7 +16,10 @@ import pytest
 
 from elastic_nb.common import procs
 from tests.conftest import ours
-from tests.kernel import Kernel, wait_for
+from tests.kernel import Kernel, run_dir, run_summary, wait_for
+from tests.nccl import stuck_with_a_watchdog
+
+pytestmark = [pytest.mark.e2e, pytest.mark.core]
 
 INIT = (
     "%%elastic\n"
@@ -34,16 +37,21 @@ def up(k: Kernel, flags: str = "--nproc 2") -> str:
     return m.group(1)
 
 
+# The README: interrupting a session cell gives control back "within a second" when every rank
+# comes back, and when one is stuck "once the 2 s grace, the restart and the replay are over
+# (about 3 s here)"; the margin is for a loaded machine: 1.5 s (measured with a load average of 8
+# on 2 cores: 0.53 s and 2.99 s).
+INTERRUPT_S = 1.0 + 1.5
+HANG_AFTER_S = 3.0
+INTERRUPT_STUCK_S = 3.0 + 1.5
+
+
 def rank_pids(k: Kernel) -> dict[int, int]:
     """Each rank's pid, as the ranks themselves say."""
     ex = k.ok("%%elastic\nimport os\nprint('pid', os.getpid(), flush=True)\n")
     pids = {int(r): int(p) for r, p in re.findall(r"\[rank (\d+)\] pid (\d+)", ex.stdout)}
     assert sorted(pids) == [0, 1], ex.stdout  # every rank's line reached the cell before its end
     return pids
-
-
-def summary(cache_home: Path, job: str) -> dict:
-    return json.loads((cache_home / "elastic_nb" / "runs" / job / "summary.json").read_text())
 
 
 def session_gone(session: str) -> bool:
@@ -114,7 +122,7 @@ def test_a_failure_while_a_peer_runs_interrupts_the_peer(session_kernel, cache_h
     assert time.monotonic() - t0 < 10
     assert ex.ename == "JobFailed"
     assert "rank 1 failed first: ValueError: rank 1 gave up (cell line 4)" in ex.traceback
-    s = summary(cache_home, ex.job_id)
+    s = run_summary(cache_home, ex.job_id)
     assert s["failure"]["rank"] == 1 and s["session"] == session
     assert {o["rank"]: o["kind"] for o in s["others"]} == {0: "terminated"}
     assert "rank 0: interrupted by elastic_nb (KeyboardInterrupt in the cell) after rank 1" in (
@@ -186,7 +194,8 @@ def test_interrupting_a_cell_keeps_the_session(session_kernel) -> None:
     t0 = time.monotonic()
     k.interrupt()
     k.collect(msg_id, ex, timeout=30)
-    assert time.monotonic() - t0 < 5
+    took = time.monotonic() - t0
+    assert took < INTERRUPT_S, took
     assert ex.ename == "KeyboardInterrupt"
     assert k.ok("%%elastic\ncounter\n").result == "1"
     assert rank_pids(k) == pids
@@ -207,7 +216,8 @@ def test_interrupting_ranks_stuck_in_a_collective_restarts_within_seconds(sessio
     t0 = time.monotonic()
     k.interrupt()
     k.collect(msg_id, ex, timeout=30)
-    assert time.monotonic() - t0 < 5
+    took = time.monotonic() - t0
+    assert took < INTERRUPT_STUCK_S, took
     assert ex.ename == "KeyboardInterrupt"
     assert k.ok("%%elastic\ncounter\n").result == "3"  # restarted and replayed
     assert "attempt 1, restarts 1/3" in k.ok("%elastic session").stdout
@@ -255,11 +265,18 @@ def test_a_killed_kernel_takes_the_session_with_it(fresh_kernel: Kernel) -> None
 def test_a_cells_timeout_and_hang_after_keep_the_session(session_kernel) -> None:
     k, _session = session_kernel
     ex = k.run(
-        "%%elastic --timeout 3 --hang-after 0.5\nimport time\ncounter += 1\ntime.sleep(60)\n"
+        f"%%elastic --timeout {HANG_AFTER_S + 3:g} --hang-after {HANG_AFTER_S:g}\n"
+        "import time\ncounter += 1\ntime.sleep(60)\n"
     )
     assert ex.ename == "JobTimeout"
-    assert "no output from any rank for 0.5 s (--hang-after)" in ex.stdout
-    assert "the --timeout of 3 s passed" in ex.traceback
+    alert = f"no output from any rank for {HANG_AFTER_S:g} s (--hang-after)"
+    assert alert in ex.stdout
+    # The cell prints nothing: its silence begins as it starts (its start line). After S
+    # seconds, not before; then the stacks (a second at most), and a margin of 1.5 s for a
+    # loaded machine.
+    silent = ex.when(alert) - ex.when("on session")
+    assert HANG_AFTER_S - 0.5 <= silent <= HANG_AFTER_S + 1.0 + 1.5, silent
+    assert f"the --timeout of {HANG_AFTER_S + 3:g} s passed" in ex.traceback
     assert k.ok("%%elastic\ncounter\n").result == "1"  # interrupted, not restarted
     assert "attempt 0, restarts 0/3" in k.ok("%elastic session").stdout
 
@@ -281,14 +298,16 @@ def test_a_dead_supervisor_takes_the_session_with_it(fresh_kernel: Kernel) -> No
     assert ex.result == "'1'" and "starting 1 rank" in ex.stdout
 
 
-def test_a_desync_is_named_in_seconds_and_the_session_comes_back(session_kernel) -> None:
+def test_a_desync_is_named_in_seconds_and_the_session_comes_back(
+    session_kernel, cache_home: Path
+) -> None:
     """The classic uneven step: rank 1 skips an all_reduce and finishes the cell while rank 0
     waits in it. The desync is certain at once (the flight recorder of both live ranks), long
-    before --collective-timeout (120 s); rank 0 cannot leave the collective, so the group
-    restarts and replays."""
+    before --collective-timeout (120 s): the README says "within about a second" of rank 1
+    leaving the cell (margin for a loaded machine: 1.5 s). Rank 0 cannot leave the collective,
+    so the group restarts and replays."""
     k, _session = session_kernel
     k.ok("%%elastic\ncounter += 7\n")
-    t0 = time.monotonic()
     ex = k.run(
         "%%elastic\n"
         "x = torch.ones(1)\n"
@@ -296,9 +315,13 @@ def test_a_desync_is_named_in_seconds_and_the_session_comes_back(session_kernel)
         "if dist.get_rank() == 0:\n"
         "    dist.all_reduce(x)  # rank 1 skips this one\n"
     )
-    assert time.monotonic() - t0 < 20
     assert ex.ename == "JobFailed"
     assert "desync: rank 1 left the cell after" in ex.traceback, ex.traceback
+    left = json.loads(
+        (run_dir(cache_home, ex.job_id) / "attempt-0" / "rank-1.done.json").read_text()
+    )
+    named = ex.when("desync: rank 1 left the cell after") - left["time"]
+    assert named < 1.0 + 1.5, named
     assert "rank 0 could not be interrupted" in ex.traceback
     assert k.ok("%%elastic\ncounter\n").result == "7"
 
@@ -343,15 +366,6 @@ def test_a_session_has_what_it_preloads_even_after_a_warm_cell(
     assert ex.result == "[True, True]"  # and DDP's torch._dynamo, which every session preloads
 
 
-# What NCCL's watchdog prints when a collective times out (ProcessGroupNCCL.cpp); under the default
-# --async-error-handling 1 it then waits a minute for the flight recorder's dump, and aborts.
-WATCHDOG = (
-    "[rank0]:[E1123 10:00:05.123456789 ProcessGroupNCCL.cpp:632] [Rank 0] Watchdog caught "
-    "collective operation timeout: WorkNCCL(SeqNum=2, OpType=ALLREDUCE, NumelIn=1, NumelOut=1, "
-    "Timeout(ms)=1000) ran for 1003 milliseconds before timing out."
-)
-
-
 def test_nccls_watchdog_line_on_a_session_is_diagnosed_and_restarts(session_kernel) -> None:
     """The CPU stand-in for NCCL's timeout (tests/test_forensics.py has the job's): rank 0's
     watchdog line while rank 1 never comes. Every rank's stack is taken while both live, the
@@ -359,24 +373,12 @@ def test_nccls_watchdog_line_on_a_session_is_diagnosed_and_restarts(session_kern
     k, _session = session_kernel
     k.ok("%%elastic\ncounter += 4\n")
     t0 = time.monotonic()
-    ex = k.run(
-        "%%elastic\n"
-        "import sys, threading, time\n"
-        "dist.all_reduce(torch.ones(1))\n"
-        "def watchdog():\n"
-        "    time.sleep(1)\n"
-        f"    print({WATCHDOG!r}, file=sys.stderr, flush=True)\n"
-        "    time.sleep(60)\n"
-        "    os.abort()\n"
-        "if dist.get_rank() == 0:\n"
-        "    threading.Thread(target=watchdog, daemon=True).start()\n"
-        "    dist.all_reduce(torch.ones(1))   # rank 1 never comes\n"
-        "else:\n"
-        "    time.sleep(600)\n"
-    )
+    ex = k.run("%%elastic\n" + stuck_with_a_watchdog(init=False))
     assert time.monotonic() - t0 < 30  # not the minute NCCL would wait before its abort
     assert ex.ename == "JobFailed"
-    assert "rank 0 timed out in ALLREDUCE #2: rank 1 never entered all_reduce" in ex.stderr, ex.stderr[-3000:]
+    assert "rank 0 timed out in ALLREDUCE #2: rank 1 never entered all_reduce" in ex.stderr, (
+        ex.stderr[-3000:]
+    )
     assert ex.error["evalue"].startswith("desync: rank 1 never entered all_reduce")
     assert "rank 0 · waiting in all_reduce" in ex.traceback
     assert "the session restarted (attempt 1) and replayed" in ex.traceback

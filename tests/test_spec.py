@@ -12,6 +12,8 @@ from elastic_nb.common.spec import JobSpec
 from elastic_nb.kernel import gpus
 from elastic_nb.kernel.flags import SpecError, job_spec, preflight
 
+pytestmark = pytest.mark.unit
+
 
 def spec(**options: object) -> JobSpec:
     return job_spec(options, cwd="/tmp", sys_path=["/x"])

@@ -11,6 +11,8 @@ import pytest
 from elastic_nb.common.rundir import RunDir
 from tests.kernel import Kernel, assert_job_gone
 
+pytestmark = [pytest.mark.e2e, pytest.mark.core]
+
 ALL_REDUCE = """%%elastic --nproc 4
 import torch, torch.distributed as dist
 dist.init_process_group()

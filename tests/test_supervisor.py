@@ -23,6 +23,8 @@ from elastic_nb.kernel.flags import job_spec
 from elastic_nb.kernel.job_handle import JobHandle
 from tests.kernel import assert_job_gone, wait_for
 
+pytestmark = pytest.mark.e2e
+
 
 class Recorder:
     def __init__(self) -> None:

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from elastic_nb.supervisor.ranks.log_tailer import LogTailer
+from tests.nccl import watchdog_line
+
+pytestmark = pytest.mark.unit
 
 
 def tailer_for(path: Path, max_lines: int = 5) -> LogTailer:
@@ -78,11 +83,7 @@ def test_undecodable_bytes_do_not_break_the_stream(tmp_path: Path) -> None:
     assert t.take()[0].lines == ["ok \ufffd\ufffd"]
 
 
-WATCHDOG = (
-    b"[rank0]:[E1123 10:00:05.123456789 ProcessGroupNCCL.cpp:632] [Rank 0] Watchdog caught "
-    b"collective operation timeout: WorkNCCL(SeqNum=7, OpType=ALLREDUCE, NumelIn=8, "
-    b"NumelOut=8, Timeout(ms)=5000) ran for 5002 milliseconds before timing out.\n"
-)
+WATCHDOG = (watchdog_line(seq=7, timeout_ms=5000, ran_ms=5002) + "\n").encode()
 
 
 def test_marked_lines_are_caught_even_in_a_flood_and_noise_is_not_activity(

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import signal
 
+import pytest
+
 from elastic_nb.supervisor.forensics import stacks
 from elastic_nb.supervisor.forensics.collectives import History, Op
 from elastic_nb.supervisor.forensics.desync import desync_verdict
 from elastic_nb.supervisor.forensics.verdict import analyze
 from elastic_nb.supervisor.ranks.rank_state import RankState
+from tests.nccl import watchdog_line
+
+pytestmark = pytest.mark.unit
 
 
 def failure(
@@ -228,11 +233,7 @@ def test_ranks_that_never_started_are_listed() -> None:
 
 # ---- NCCL: the watchdog's timeout, then SIGABRT on every rank -----------------------------------
 
-WATCHDOG_LINE = (
-    "[rank1]:[E1123 10:00:05.123456789 ProcessGroupNCCL.cpp:632] [Rank 1] Watchdog caught "
-    "collective operation timeout: WorkNCCL(SeqNum=7, OpType=ALLREDUCE, NumelIn=8, NumelOut=8, "
-    "Timeout(ms)=5000) ran for 5002 milliseconds before timing out."
-)
+WATCHDOG_LINE = watchdog_line(rank=1, seq=7, timeout_ms=5000, ran_ms=5002)
 
 
 def test_the_watchdogs_line_makes_a_timeout_and_the_aborts_after_it_consequences() -> None:

@@ -15,8 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+import pytest
 
-from tests.kernel import Kernel, assert_job_gone, wait_for
+from tests.kernel import Kernel, assert_job_gone, pid_ended, run_events, wait_for
+
+pytestmark = pytest.mark.e2e
 
 READBACK = """%%elastic --nproc 2
 import os, sys, json, psutil
@@ -34,13 +37,8 @@ def readback(ex: Any) -> list[dict[str, Any]]:
     return [json.loads(x) for x in re.findall(r"\] readback (\{.*\})", ex.stdout)]
 
 
-def events(cache_home: Path, job: str) -> list[dict[str, Any]]:
-    path = cache_home / "elastic_nb" / "runs" / job / "events.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
 def launcher_of(cache_home: Path, job: str) -> dict[str, Any]:
-    (event,) = [e for e in events(cache_home, job) if e["event"] == "launcher"]
+    (event,) = [e for e in run_events(cache_home, job) if e["event"] == "launcher"]
     return event
 
 
@@ -154,7 +152,7 @@ def test_a_zygote_that_died_is_replaced_by_the_next_cell(fresh_kernel: Kernel) -
     ex = k.ok(READBACK)
     assert [r["forked"] for r in readback(ex)] == [True, True]
     wait_warm(k)
-    assert _alive(psutil.Process(warm_zygote(k)))
+    assert not pid_ended(warm_zygote(k))
     assert_job_gone(ex.job_id)
 
 
@@ -166,14 +164,7 @@ def test_the_warm_processes_die_with_the_kernel(fresh_kernel: Kernel) -> None:
     assert len(tree) >= 2
     tree.append(psutil.Process(warm_zygote(k)))
     k.kill()
-    assert wait_for(lambda: not any(p.is_running() and _alive(p) for p in tree), timeout=10)
-
-
-def _alive(p: psutil.Process) -> bool:
-    try:
-        return p.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
+    assert wait_for(lambda: all(not p.is_running() or pid_ended(p.pid) for p in tree), timeout=10)
 
 
 def test_no_warm_keeps_none(fresh_kernel: Kernel, cache_home: Path) -> None:
@@ -187,7 +178,7 @@ def test_no_warm_keeps_none(fresh_kernel: Kernel, cache_home: Path) -> None:
     warm = psutil.Process(int(wait_warm(k)))
     k.ok("%elastic config --no-warm")  # the session
     assert warm_status(k) is None  # ended at once, its memory freed
-    assert not _alive(warm)
+    assert pid_ended(warm.pid)
     ex = k.ok("%%elastic --nproc 1\nprint('two')\n")
     assert not launcher_of(cache_home, ex.job_id)["warm"]
     assert warm_status(k) is None

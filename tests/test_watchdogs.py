@@ -3,8 +3,12 @@ test_forensics.py)."""
 
 from __future__ import annotations
 
+import pytest
+
 from elastic_nb.supervisor.forensics.watchdogs import stuck_agent
 from elastic_nb.supervisor.ranks.rank_state import RankState
+
+pytestmark = pytest.mark.unit
 
 BOUND = 1.5
 

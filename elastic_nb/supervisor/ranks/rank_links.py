@@ -101,9 +101,22 @@ class RankLinks:
         await self._until(lambda: self._book.get(attempt, rank) is not None, HELLO_WAIT_S)
         r = self._book.get(attempt, rank)
         peer = _peer_pid(stream)
-        if r is None or r.pid != peer or r.died_at is not None:
+        if r is None:
+            why = "no such rank"
+        elif r.died_at is not None:
+            why = "that rank has ended"
+        elif r.pid != peer:
+            why = f"torchelastic started pid {r.pid} as that rank"
+        else:
+            why = None
+        if r is None or why is not None:
             log.warning(
-                "session %s: refused a connection from pid %s as rank %s", self._session, peer, rank
+                "session %s: refused a connection from pid %s as rank %s of attempt %s: %s",
+                self._session,
+                peer,
+                rank,
+                attempt,
+                why,
             )
             return None
         link = Link(r, stream)

@@ -142,6 +142,11 @@ class SessionCell:
         watchdog_seen = False
         told: set[int] = set()  # failed ranks whose records were read for an OOM alert
         while True:
+            # Taken before anything below awaits: a rank's answer (or a death, a stop) that
+            # lands while this pass looks or sends sets the event waited on at its end, not a
+            # successor (poke replaces it). Waiting on self.changed there lost such a wake-up:
+            # the cell's end then waited for the next look, 0.25-1 s, about one cell in six.
+            changed = self.changed
             now = time.monotonic()
             dead = [link.r for link in links if link.r.died_at is not None]
             ended = group.ended()
@@ -192,7 +197,7 @@ class SessionCell:
                     return self._stuck(missing, failed, interrupted, group)
                 wake = now + (interrupted + grace - time.time())
             with anyio.move_on_after(max(0.0, min(wake - now, 1.0))):
-                await self.changed.wait()
+                await changed.wait()
 
     async def _look(self, watch: DesyncWatch, links: list[Link]) -> float:
         """The desync watch while ranks run the cell (`diagnosis.DesyncWatch`, as a job's);

@@ -1,0 +1,71 @@
+"""What decides a session's cell, without a process: the ranks' answers, fed to
+`SessionCell.decide` on a fake node (tests/fake_node.py) while the desync watch looks."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from elastic_nb.common.rundir import RunDir
+from elastic_nb.kernel.flags import job_spec
+from elastic_nb.supervisor.ranks.rank_links import Link
+from elastic_nb.supervisor.runs.rank_group import RankGroup
+from elastic_nb.supervisor.sessions.session_cell import SessionCell
+from tests.fake_node import FakeNode
+
+pytestmark = pytest.mark.unit
+
+
+class _Stream:
+    """A rank's connection that takes whatever it is sent."""
+
+    def __init__(self) -> None:
+        self.sent: list[bytes] = []
+
+    async def send(self, data: bytes) -> None:
+        self.sent.append(data)
+
+
+async def _nothing(msg: Any) -> None:
+    return None
+
+
+def test_an_answer_that_lands_while_the_watch_looks_ends_the_cell_at_once(tmp_path: Path) -> None:
+    """The last rank answers while the desync watch's look waits for a slow probe: the cell is
+    decided as soon as the look returns, not at the next look (a lost wake-up held about one
+    trivial cell in six for 0.25-1 s)."""
+    spec = job_spec({"nproc": "2", "log_dir": str(tmp_path)}, cwd=str(tmp_path))
+    node = FakeNode(RunDir.of(spec.log_dir, "5e5510a1"))
+    group = RankGroup("5e5510a1", spec, node, _nothing)
+    ranks = [group.book.add(0, rank, pid=100 + rank, started_at=time.time()) for rank in (0, 1)]
+    links = [Link(r, _Stream()) for r in ranks]  # type: ignore[arg-type]
+    cell = SessionCell("ce11ce11", spec, "a = a + 1\n", {}, None, _nothing, "5e5510a1")
+    cell.rd.attempt(0).mkdir(parents=True)
+    node.probe_gate = anyio.Event()
+
+    async def main() -> tuple[Any, float]:
+        async with anyio.create_task_group() as tg:
+            decided: list[Any] = []
+
+            async def decide() -> None:
+                decided.append(await cell.decide(links, group))
+                decided.append(time.monotonic())
+
+            tg.start_soon(decide)
+            await anyio.sleep(0.05)  # decide's first pass is inside the watch's look by now
+            cell.answer(0, True)
+            cell.answer(1, True)
+            opened = time.monotonic()
+            node.probe_gate.set()
+            with anyio.fail_after(5):
+                while len(decided) < 2:
+                    await anyio.sleep(0.005)
+        return decided[0], decided[1] - opened
+
+    decision, took = anyio.run(main)
+    assert decision[0] == "succeeded"
+    assert took < 0.2, f"decided {took:.2f} s after the look ended"

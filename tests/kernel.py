@@ -18,6 +18,7 @@ from typing import Any
 import psutil
 from jupyter_client.blocking import BlockingKernelClient
 from jupyter_client.manager import KernelManager
+from traitlets import List, Unicode
 
 from elastic_nb.common import procs
 
@@ -122,9 +123,23 @@ class Execution:
         return ids[0]
 
 
+class PrefixedKernelManager(KernelManager):
+    """A KernelManager whose kernel runs as ``cmd_prefix + <the kernelspec's command>``: the
+    prefix comes after jupyter_client has put sys.executable for the spec's "python" (a prefix
+    in the kernelspec's argv would lose that and run whatever python is on PATH). The prefix
+    must exec, so that the pid jupyter_client holds and signals is the kernel's."""
+
+    cmd_prefix = List(Unicode(), default_value=[])
+
+    def format_kernel_cmd(self, extra_arguments: list[str] | None = None) -> list[str]:
+        return [*self.cmd_prefix, *super().format_kernel_cmd(extra_arguments)]
+
+
 class Kernel:
-    def __init__(self, cwd: str, env: dict[str, str] | None = None) -> None:
-        self.km = KernelManager(kernel_name="python3")
+    def __init__(
+        self, cwd: str, env: dict[str, str] | None = None, cmd_prefix: list[str] | None = None
+    ) -> None:
+        self.km = PrefixedKernelManager(kernel_name="python3", cmd_prefix=cmd_prefix or [])
         # A clean, explicit environment: nothing of the caller's notebook or elastic_nb setup
         # (ELASTIC_NB_WIDGETS, JPY_SESSION_NAME, VSCODE_PID...) decides what the test sees.
         inherited = {k: v for k, v in os.environ.items() if not k.startswith(_CALLERS)}
@@ -354,3 +369,26 @@ def run_summary(cache_home: Path, job: str) -> dict[str, Any]:
 def run_events(cache_home: Path, job: str) -> list[dict[str, Any]]:
     path = run_dir(cache_home, job) / "events.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def supervisor_socket(k: Kernel) -> str:
+    """The kernel's supervisor's socket, as %elastic status says."""
+    m = re.search(r"socket: (\S+)", k.ok("%elastic status").stdout)
+    assert m, "no supervisor"
+    return m[1]
+
+
+def ask_supervisor(socket_path: str, request: dict[str, Any]) -> dict[str, Any]:
+    """A request to a supervisor over its socket, as another client (the JupyterLab panel's
+    way): answered while a cell keeps the kernel busy. Returns the reply."""
+    from elastic_nb.common import protocol
+
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(socket_path)
+        s.sendall(protocol.encode({"kind": "hello", "version": protocol.VERSION, "role": "tool"}))
+        s.sendall(protocol.encode(request))  # type: ignore[arg-type]
+        decoder = protocol.FrameDecoder()
+        replies: list[dict[str, Any]] = []
+        while len(replies) < 2:
+            replies.extend(m for m, _ in decoder.feed(s.recv(65536)))
+    return replies[1]

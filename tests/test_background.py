@@ -88,13 +88,42 @@ def test_a_background_failure_is_raised_by_wait_and_told_under_its_cell(kernel: 
     assert_job_gone(job)
 
 
+# In the kernel: whether a thread is inside JobHandle.wait (its stack says), and two threads that
+# act once the cell's thread is: one says so, one takes a SIGINT itself.
+IN_JOB_WAIT = (
+    "import signal, sys, threading, time\n"
+    "def _in_job_wait(ident):\n"
+    "    f = sys._current_frames().get(ident)\n"
+    "    while f is not None:\n"
+    "        if f.f_code.co_name == 'wait' and f.f_code.co_filename.endswith('job_handle.py'):\n"
+    "            return True\n"
+    "        f = f.f_back\n"
+    "    return False\n"
+    "def _say_when_waiting(waiter):\n"
+    "    while not _in_job_wait(waiter):\n"
+    "        time.sleep(0.01)\n"
+    "    print('waiting', flush=True)\n"
+    "def _poke(waiter):\n"
+    "    while not _in_job_wait(waiter):\n"
+    "        time.sleep(0.01)\n"
+    "    signal.pthread_kill(threading.get_ident(), signal.SIGINT)  # to this thread\n"
+)
+
+
 def test_an_interrupted_wait_leaves_the_job_running(fresh_kernel: Kernel) -> None:
     k = fresh_kernel
     ex = k.ok("%%elastic --bg --nproc 1\nimport time\ntime.sleep(600)\n")
     job = ex.result.split()[2]
     k.ok("job = _")
-    msg_id, waiting = k.start("print('waiting', flush=True)\njob.wait()")
-    k.collect(msg_id, waiting, until=lambda e: "waiting" in e.stdout)  # in the cell's code
+    k.ok(IN_JOB_WAIT)
+    # A thread of the kernel says "waiting" once the cell's thread is inside job.wait() (seen
+    # in its stack), and only then is the kernel interrupted.
+    msg_id, waiting = k.start(
+        "threading.Thread(target=_say_when_waiting, args=(threading.get_ident(),), "
+        "daemon=True).start()\n"
+        "job.wait()"
+    )
+    k.collect(msg_id, waiting, until=lambda e: "waiting" in e.stdout)
     k.interrupt()
     k.collect(msg_id, waiting, timeout=30)
     assert waiting.ename == "KeyboardInterrupt"
@@ -115,20 +144,7 @@ def test_an_interrupt_another_thread_of_the_kernel_took_still_ends_the_wait(
     k = fresh_kernel
     job = k.ok("%%elastic --bg --nproc 1\nimport time\ntime.sleep(600)\n").result.split()[2]
     k.ok("job = _")
-    k.ok(
-        "import signal, sys, threading, time\n"
-        "def _in_job_wait(ident):\n"
-        "    f = sys._current_frames().get(ident)\n"
-        "    while f is not None:\n"
-        "        if f.f_code.co_name == 'wait' and f.f_code.co_filename.endswith('handle.py'):\n"
-        "            return True\n"
-        "        f = f.f_back\n"
-        "    return False\n"
-        "def _poke(waiter):\n"
-        "    while not _in_job_wait(waiter):\n"
-        "        time.sleep(0.01)\n"
-        "    signal.pthread_kill(threading.get_ident(), signal.SIGINT)  # to this thread\n"
-    )
+    k.ok(IN_JOB_WAIT)
     ex = k.run(
         "threading.Thread(target=_poke, args=(threading.get_ident(),), daemon=True).start()\n"
         "job.wait()",

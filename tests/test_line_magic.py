@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import re
-import socket
 
 import pytest
 
-from elastic_nb.common import protocol
 from elastic_nb.kernel.options import OPTIONS, shown_default
-from tests.kernel import Kernel, assert_job_gone
+from tests.kernel import Kernel, ask_supervisor, assert_job_gone, supervisor_socket
 
 pytestmark = pytest.mark.e2e
 
@@ -70,20 +68,15 @@ def test_unknown_subcommand_and_job(kernel: Kernel) -> None:
 def test_stop_from_another_client(kernel: Kernel) -> None:
     """What %elastic stop (or the lab extension) does while the cell blocks: the cell ends
     with JobStopped and every rank is gone."""
-    socket_path = re.search(r"socket: (\S+)", kernel.ok("%elastic status").stdout).group(1)
+    socket_path = supervisor_socket(kernel)
     msg_id, ex = kernel.start(
         "%%elastic --nproc 2\nimport time\nprint('up', flush=True)\ntime.sleep(300)\n"
     )
     kernel.collect(msg_id, ex, timeout=60, until=lambda e: e.stdout.count("up") == 2)
-    with socket.socket(socket.AF_UNIX) as s:
-        s.connect(socket_path)
-        s.sendall(protocol.encode({"kind": "hello", "version": protocol.VERSION, "role": "tool"}))
-        s.sendall(protocol.encode({"kind": "stop", "req": 1, "job": ex.job_id, "reason": "user"}))
-        decoder = protocol.FrameDecoder()
-        replies = []
-        while len(replies) < 2:
-            replies.extend(m for m, _ in decoder.feed(s.recv(65536)))
-    assert replies[1] == {"kind": "reply", "req": 1, "ok": True, "data": {"stopping": [ex.job_id]}}
+    reply = ask_supervisor(
+        socket_path, {"kind": "stop", "req": 1, "job": ex.job_id, "reason": "user"}
+    )
+    assert reply == {"kind": "reply", "req": 1, "ok": True, "data": {"stopping": [ex.job_id]}}
     kernel.collect(msg_id, ex, timeout=30)
     assert ex.ename == "JobStopped"
     assert "stopped with %elastic stop" in ex.error["evalue"]

@@ -8,12 +8,14 @@ import contextlib
 import ipaddress
 import os
 import socket
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psutil
 import pytest
 
-from elastic_nb.common import loopback, procs
+from elastic_nb.common import procs
+from tests import netns
 from tests.kernel import Kernel, free_port, wait_for
 
 pytestmark = pytest.mark.e2e
@@ -65,11 +67,14 @@ def _loopback(ip: str) -> bool:
     return (mapped or addr).is_loopback
 
 
-def in_the_cell(k: Kernel, cell: str, here: Path) -> tuple[dict[int, tuple[int, int]], int, list]:
+def in_the_cell(
+    k: Kernel, cell: str, here: Path, reached: Callable[[tuple], bool] | None = None
+) -> tuple[dict[int, tuple[int, int]], int, list]:
     """Run `cell` (IN_CELL on two ranks) and, while both ranks wait in it, list the listening
     sockets of every process carrying the job's marker and of the kernel's whole tree (the
     supervisor, warm launchers and their fork servers too). Returns each rank's (pid,
-    MASTER_PORT), the launcher's pid, and those sockets."""
+    MASTER_PORT), the launcher's pid, and those sockets; with `reached`, the sockets are
+    (pid, command, address, port, what `reached` said of them while they were still open)."""
     msg_id, ex = k.start(cell)
     files = [here / f"rank-{r}" for r in (0, 1)]
     try:
@@ -82,6 +87,8 @@ def in_the_cell(k: Kernel, cell: str, here: Path) -> tuple[dict[int, tuple[int, 
             marked = {p.pid for p in procs.job_processes([job])}
             tree = {p.pid for p in psutil.Process(k.pid).children(recursive=True)}
             sockets = listening(marked | tree)
+            if reached is not None:
+                sockets = [(*s, reached(s)) for s in sockets]
             launchers = [p for p in marked if _leads_its_group(p)]  # the job's group leader
     finally:
         (here / "go").touch()
@@ -133,18 +140,25 @@ def test_a_job_listens_on_loopback_only(kernel: Kernel, tmp_path: Path, flags: s
 
 
 def test_gloo_and_nccl_are_named_loopback_over_the_kernels_environment(kernel: Kernel) -> None:
-    """A kernel environment set up for a cluster (GLOO_SOCKET_IFNAME=eth0) does not take a
-    single-node job off loopback; --env, the job's own setting, still wins."""
-    lo = loopback.interface_env()
+    """The README's words: the ranks get GLOO_SOCKET_IFNAME=lo and NCCL_SOCKET_IFNAME==lo (this
+    machine's loopback interface, exactly: NCCL reads a leading '^' as "not these" and '=' as
+    "exactly this one"), over a kernel environment set up for a cluster
+    (GLOO_SOCKET_IFNAME=eth0); --env, the job's own setting, still wins. (What gloo then binds
+    is checked below, where the hostname resolves elsewhere.)"""
+    lo = next(
+        name
+        for name, addrs in psutil.net_if_addrs().items()
+        if any(a.family == socket.AF_INET and a.address == "127.0.0.1" for a in addrs)
+    )
     kernel.ok("import os\nos.environ['GLOO_SOCKET_IFNAME'] = 'eth0'")
     try:
         show = (
             "import os\nprint(os.environ['GLOO_SOCKET_IFNAME'], os.environ['NCCL_SOCKET_IFNAME'])\n"
         )
         ex = kernel.ok("%%elastic --nproc 1\n" + show)
-        assert f"[rank 0] {lo['GLOO_SOCKET_IFNAME']} {lo['NCCL_SOCKET_IFNAME']}\n" in ex.stdout
+        assert f"[rank 0] {lo} ={lo}\n" in ex.stdout
         ex = kernel.ok("%%elastic --nproc 1 --env NCCL_SOCKET_IFNAME=mine\n" + show)
-        assert f"[rank 0] {lo['GLOO_SOCKET_IFNAME']} mine\n" in ex.stdout
+        assert f"[rank 0] {lo} mine\n" in ex.stdout
     finally:
         kernel.ok("os.environ.pop('GLOO_SOCKET_IFNAME', None)")
 
@@ -173,3 +187,89 @@ def test_listening_is_read_where_it_would_fail() -> None:
             ports[wide.getsockname()[1]] == "::" and ports[narrow.getsockname()[1]] == "127.0.0.1"
         )
         assert exposed(sockets) and all("::" in line for line in exposed(sockets))
+
+
+# Here the hostname resolves to 127.0.0.1, so gloo on its default device (no
+# GLOO_SOCKET_IFNAME) listens on loopback anyway and the tests above could not fail for it.
+# These run the same jobs from a kernel whose hostname resolves to a second address of this
+# machine (tests/netns.py: a veth into a namespace created here), where they can.
+
+
+@pytest.fixture(scope="module")
+def second() -> Iterator[netns.SecondAddress]:
+    why = netns.usable()
+    if why:
+        pytest.skip(why)
+    with netns.second_address() as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def off_lo_kernel(
+    second: netns.SecondAddress, tmp_path_factory: pytest.TempPathFactory, cache_home: Path
+) -> Iterator[Kernel]:
+    """A kernel (and so every job it starts) whose hostname resolves to the second address."""
+    cwd = tmp_path_factory.mktemp("nb")
+    prefix = netns.hostname_prefix(second.address)
+    k = Kernel(str(cwd), env={"XDG_CACHE_HOME": str(cache_home)}, cmd_prefix=prefix)
+    k.ok("%load_ext elastic_nb")
+    yield k
+    k.shutdown()
+
+
+def _probe(second: netns.SecondAddress) -> Callable[[tuple], bool]:
+    """Whether the namespace reaches a listener's port at the second address (one on 127.0.0.1
+    it cannot): asked while the ranks still hold it."""
+    return lambda s: netns.reachable(second.netns, second.address, s[3])
+
+
+def test_off_loopback_is_seen_where_gloo_is_not_named_loopback(
+    off_lo_kernel: Kernel, second: netns.SecondAddress, tmp_path: Path
+) -> None:
+    """The negative control: a cell that drops GLOO_SOCKET_IFNAME before its process group has
+    every rank's gloo listener on the second address, reachable from the namespace, and the
+    check says so."""
+    drop = "import os\nos.environ.pop('GLOO_SOCKET_IFNAME', None)\n"
+    cell = "%%elastic --nproc 2\n" + drop + IN_CELL.format(dir=str(tmp_path))
+    ranks, _, probed = in_the_cell(off_lo_kernel, cell, tmp_path, _probe(second))
+    sockets = [s[:4] for s in probed]
+    on_second = {pid for pid, _, ip, _ in sockets if ip == second.address}
+    assert on_second == {pid for pid, _ in ranks.values()}, sockets
+    assert exposed(sockets), sockets
+    reached = {s[:4] for s in probed if s[4]}
+    assert reached == {s for s in sockets if s[2] == second.address}, probed
+
+
+@pytest.mark.parametrize(
+    "flags",
+    ["", "--start-method spawn", "--rdzv-backend static --rdzv-endpoint localhost:{port}"],
+    ids=["forkserver", "spawn", "static"],
+)
+def test_a_job_listens_on_loopback_only_where_the_hostname_is_not(
+    off_lo_kernel: Kernel, second: netns.SecondAddress, tmp_path: Path, flags: str
+) -> None:
+    shown = off_lo_kernel.ok("import socket\nprint(socket.gethostbyname(socket.gethostname()))")
+    assert shown.stdout.strip() == second.address  # where gloo's default device would listen
+    flags = flags.format(port=free_port())
+    cell = f"%%elastic --nproc 2 {flags}\n" + IN_CELL.format(dir=str(tmp_path))
+    ranks, launcher, probed = in_the_cell(off_lo_kernel, cell, tmp_path, _probe(second))
+    sockets = [s[:4] for s in probed]
+    assert_only_loopback(ranks, launcher, sockets, rank0_hosts="static" not in flags)
+    assert {pid for pid, _ in ranks.values()} <= {pid for pid, *_ in sockets}, sockets
+    assert not [s for s in probed if s[4]], probed
+
+
+def test_a_session_listens_on_loopback_only_where_the_hostname_is_not(
+    off_lo_kernel: Kernel, second: netns.SecondAddress, tmp_path: Path
+) -> None:
+    k = off_lo_kernel
+    assert "2 ranks up" in k.ok("%elastic up --nproc 2").stdout
+    try:
+        k.ok("%%elastic\nimport torch.distributed as dist\ndist.init_process_group()\n")
+        ranks, launcher, probed = in_the_cell(
+            k, "%%elastic\n" + IN_CELL.format(dir=str(tmp_path)), tmp_path, _probe(second)
+        )
+    finally:
+        k.ok("%elastic down")
+    assert_only_loopback(ranks, launcher, [s[:4] for s in probed])
+    assert not [s for s in probed if s[4]], probed

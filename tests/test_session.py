@@ -16,7 +16,7 @@ import pytest
 
 from elastic_nb.common import procs
 from tests.conftest import ours
-from tests.kernel import Kernel, run_dir, run_summary, wait_for
+from tests.kernel import Kernel, ask_supervisor, run_dir, run_summary, supervisor_socket, wait_for
 from tests.nccl import stuck_with_a_watchdog
 
 pytestmark = [pytest.mark.e2e, pytest.mark.core]
@@ -184,6 +184,61 @@ def test_a_rank_killed_between_cells_comes_back_with_the_state(session_kernel) -
     assert "attempt 1, restarts 1/3" in info and "replayed on attempt 1: 3 cells in" in info
 
 
+def test_a_replayed_cell_that_fails_stops_the_replay(session_kernel, tmp_path: Path) -> None:
+    """Rank 0 is SIGKILLed while the ranks run a cell (not between cells): the cell fails
+    naming rank 0, and stays open through the restart and the replay. A cell that succeeded
+    once fails when it is replayed (rank 1, attempt 1): the replay stops there and says so,
+    with the cell and the rank, and the cell after it does not run (every cell leaves a marker
+    per rank and attempt: that one has none for attempt 1)."""
+    k, _session = session_kernel
+    mark = "(marks / f'NAME-{dist.get_rank()}-{attempt}').touch()\n"
+    k.ok(
+        "%%elastic\n"
+        "import pathlib\n"
+        f"marks = pathlib.Path({str(tmp_path)!r})\n"
+        "attempt = int(os.environ['TORCHELASTIC_RESTART_COUNT'])\n" + mark.replace("NAME", "a")
+    )
+    k.ok(
+        "%%elastic\n" + mark.replace("NAME", "b") + "if attempt == 1 and dist.get_rank() == 1:\n"
+        "    raise RuntimeError('b breaks on replay')\n"
+    )
+    k.ok("%%elastic\n" + mark.replace("NAME", "c"))
+    ex = k.run(
+        "%%elastic\n"
+        "import signal, time\n"
+        "print('in the cell', flush=True)\n"
+        "if dist.get_rank() == 0:\n"
+        "    time.sleep(0.5)\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+        "time.sleep(60)\n"
+    )
+    assert ex.ename == "JobFailed"
+    assert ex.error["evalue"].startswith("rank 0 failed first: killed by SIGKILL"), ex.error
+    assert ex.stdout.count("in the cell") == 2  # both ranks were inside it
+    # The journal: INIT (cell 1), a, b, c; b (cell 3) fails on rank 1 when it is replayed.
+    assert (
+        "the replay stopped: cell 3 ((marks / f'b-{dist.get_rank()}-{attempt}').touch()) failed "
+        "on rank 1: RuntimeError: b breaks on replay (cell line 4); the cells after it did not run"
+        in ex.stderr
+    ), ex.stdout + ex.stderr
+    assert "replayed cell 4" not in ex.stdout
+    assert "the session restarted (attempt 1) and its replay failed" in ex.traceback
+    done = sorted(p.name for p in tmp_path.iterdir())
+    assert done == [
+        "a-0-0",
+        "a-0-1",
+        "a-1-0",
+        "a-1-1",
+        "b-0-0",
+        "b-0-1",
+        "b-1-0",
+        "b-1-1",
+        "c-0-0",
+        "c-1-0",
+    ]
+    assert k.ok("%%elastic\nattempt\n").result == "1"  # the session serves on, attempt 1
+
+
 def test_interrupting_a_cell_keeps_the_session(session_kernel) -> None:
     k, _session = session_kernel
     pids = rank_pids(k)
@@ -245,11 +300,29 @@ def test_push_and_pull_on_a_session(session_kernel) -> None:
 
 
 def test_stacks_on_a_session(session_kernel) -> None:
+    """Between cells, every rank waits for the next one in the session's loop; while a cell runs
+    (asked the panel's way: the kernel is busy), each rank is at its own line of the cell."""
     k, session = session_kernel
-    k.ok("%%elastic\ndef nap():\n    import time\n    time.sleep(0.1)\n")
-    text = k.ok("%elastic stacks").stdout
+    between = k.ok("%elastic stacks").stdout
+    assert f"stacks of every rank of session {session}, attempt 0" in between
+    for r in (0, 1):
+        assert re.search(
+            rf"^rank {r}\n(    .*\n)*    session_loop\.py:\d+ in serve$", between, re.M
+        )
+    path = supervisor_socket(k)
+    msg_id, ex = k.start(
+        "%%elastic\nimport time\nprint('napping', flush=True)\nwhile True:\n"
+        "    time.sleep(0.1 * (dist.get_rank() + 1))\n"
+    )
+    k.collect(msg_id, ex, timeout=60, until=lambda e: e.stdout.count("napping") == 2)
+    text = ask_supervisor(path, {"kind": "stacks", "req": 1, "job": None})["data"]["text"]
     assert f"stacks of every rank of session {session}, attempt 0" in text
-    assert "rank 0" in text and "rank 1" in text
+    for r in (0, 1):
+        line = f"rank {r} · cell line 5: time.sleep(0.1 * (dist.get_rank() + 1))"
+        assert line in text, text
+    k.interrupt()
+    k.collect(msg_id, ex, timeout=30)
+    assert ex.ename == "KeyboardInterrupt"
 
 
 def test_a_killed_kernel_takes_the_session_with_it(fresh_kernel: Kernel) -> None:

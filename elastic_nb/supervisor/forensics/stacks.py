@@ -81,13 +81,15 @@ def parse_traceback(text: str) -> list[Frame]:
 
 def where_from_dump(rank: int, dump: str, cell: str, path: str) -> RankWhere:
     """The thread that runs the cell's body (else one in a function of the cell, a thread the
-    cell started; else the first one) of a live rank's dump."""
+    cell started; else the main thread, which faulthandler dumps last: a session's rank between
+    cells waits there for the next one, while its helper threads read sockets and probes) of a
+    live rank's dump."""
     threads = parse_faulthandler(dump)
     if not threads:
         return RankWhere(rank, "unknown", note="its stack dump was empty", dump=path)
     body = [t for t in threads if any(f.file == cell and f.func == "<module>" for f in t)]
     in_cell = [t for t in threads if any(f.file == cell for f in t)]
-    return RankWhere(rank, "live", (body or in_cell or threads)[0], dump=path)
+    return RankWhere(rank, "live", (body or in_cell or threads[-1:])[0], dump=path)
 
 
 def where_from_record(rank: int, record: dict[str, Any]) -> RankWhere:

@@ -12,7 +12,7 @@ CHROMIUM ?= /usr/bin/chromium
 BIN      := $(VENV)/bin
 SUDO     := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: demo test bench floors node
+.PHONY: demo test bench floors node netns-tools
 
 $(VENV)/.installed: pyproject.toml labextension/package.json labextension/yarn.lock | node
 	$(PYTHON) -m venv $(VENV)
@@ -24,7 +24,7 @@ $(VENV)/.installed: pyproject.toml labextension/package.json labextension/yarn.l
 demo: $(VENV)/.installed
 	$(BIN)/python scripts/run_notebook.py notebooks/quickstart.ipynb
 
-test: $(VENV)/.installed $(LABEXT_BUILD) $(CHROMIUM)
+test: $(VENV)/.installed $(LABEXT_BUILD) $(CHROMIUM) | netns-tools
 	$(BIN)/ruff check elastic_nb tests scripts benchmarks
 	$(BIN)/mypy
 	ELASTIC_NB_CHROMIUM=$(CHROMIUM) $(BIN)/python -m pytest
@@ -46,6 +46,13 @@ node:
 	@command -v node >/dev/null 2>&1 || { \
 		$(SUDO) apt-get update -qq && \
 		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nodejs; }
+
+# tests/test_loopback.py gives this machine a second address (a veth into a network namespace,
+# root only, as CI runs) and a kernel a hostname of its own: iproute2's ip and util-linux's unshare.
+netns-tools:
+	@command -v ip >/dev/null 2>&1 && command -v unshare >/dev/null 2>&1 || { \
+		$(SUDO) apt-get update -qq && \
+		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2 util-linux; }
 
 # The browser tests drive Debian's Chromium (Playwright's own download does not work here).
 $(CHROMIUM):

@@ -119,9 +119,10 @@ def every_job_ends_whole(
     no_stray_processes first so that that one's check runs last, after the kernels'
     shutdown.)"""
     kernels = [
-        request.getfixturevalue(name)
+        k
         for name in ("kernel", "fresh_kernel")
         if name in request.fixturenames
+        and isinstance(k := request.getfixturevalue(name), Kernel)  # not a parameter's name
     ]
     before = [len(k.executions) for k in kernels]
     yield

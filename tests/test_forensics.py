@@ -76,17 +76,29 @@ def test_desync_names_the_rank_that_skipped_with_every_stack(
     assert_job_gone(ex.job_id)
 
 
-def test_desync_against_a_rank_that_finished(kernel: Kernel, cache_home: Path) -> None:
-    # Rank 1 skips the all_reduce and leaves the cell: certain at once, not after the timeout.
-    ex = kernel.run(DESYNC.replace("--collective-timeout 5", "").replace("time.sleep(120)\n", ""))
+@pytest.mark.parametrize("skipper", [1, 0])
+def test_desync_against_a_rank_that_finished(
+    kernel: Kernel, cache_home: Path, skipper: int
+) -> None:
+    # A rank skips the all_reduce and leaves the cell: certain at once, not after the timeout.
+    # Either rank may be the culprit (rank 0 too: no rank is the waiter by position).
+    waiter = 1 - skipper
+    cell = (
+        DESYNC.replace("--collective-timeout 5", "")
+        .replace("time.sleep(120)\n", "")
+        .replace("dist.get_rank() != 1", f"dist.get_rank() != {skipper}")
+    )
+    ex = kernel.run(cell)
     assert ex.ename == "JobFailed"
     assert ex.error["evalue"] == (
-        "desync: rank 1 left the cell after 1 collective (its last: all_reduce #1); "
-        "rank 0 waits in all_reduce #2 (cell line 7: dist.all_reduce(x)   # rank 1 skips this one)"
+        f"desync: rank {skipper} left the cell after 1 collective (its last: all_reduce #1); "
+        f"rank {waiter} waits in all_reduce #2 (cell line 7: dist.all_reduce(x)   # rank 1 "
+        "skips this one)"
     )
-    took = _since_it_left(ex, cache_home, 1)
+    took = _since_it_left(ex, cache_home, skipper)
     assert took < DESYNC_AFTER_LEAVING_S, took
-    assert run_summary(cache_home, ex.job_id)["cause"] == "desync"
+    s = run_summary(cache_home, ex.job_id)
+    assert s["cause"] == "desync" and s["failure"]["rank"] == skipper
     assert_job_gone(ex.job_id)
 
 

@@ -8,6 +8,7 @@ or done record; the launcher's EXIT and EXITS messages); the book is where they 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import anyio
 
@@ -37,6 +38,7 @@ class RankBook:
         self.behind: dict[int, list[int]] = {}  # attempt -> ranks a desync verdict blamed
         self.launcher_exits: dict[int, dict[int, int]] = {}  # attempt -> rank -> code (EXITS)
         self._exits: dict[tuple[int, int], anyio.Event] = {}  # forked ranks' reported ends
+        self._records: dict[tuple[int, int], tuple[Path, Path]] = {}  # done, failure
 
     def add(self, attempt: int, rank: int, pid: int, started_at: float) -> RankState:
         r = RankState(attempt, rank, pid=pid, started_at=started_at)
@@ -140,10 +142,19 @@ class RankBook:
         return sorted(found, key=lambda r: r.failed_at or 0.0)
 
     def read_records(self, r: RankState) -> None:
+        """The rank's done or failure record, once it has left one (looked for every poll of
+        a running rank: the paths are made once)."""
+        key = (r.attempt, r.rank)
+        paths = self._records.get(key)
+        if paths is None:
+            paths = self._records[key] = (
+                self.rd.done(r.attempt, r.rank),
+                self.rd.failure(r.attempt, r.rank),
+            )
         if r.done is None:
-            r.done = read_json(self.rd.done(r.attempt, r.rank))
+            r.done = read_json(paths[0])
         if r.failure is None and r.done is None:
-            r.failure = read_json(self.rd.failure(r.attempt, r.rank))
+            r.failure = read_json(paths[1])
 
     def blame(self, attempt: int, desync: Desync) -> list[RankState]:
         """Write on each culprit what it did (a rank that left early exited 0, but it is the one

@@ -1,0 +1,121 @@
+"""What the CPU suite can only simulate, on a real GPU: a pushed CUDA tensor, a real CUDA OOM, a
+--preload that initialises CUDA, --nproc gpu through NVML, and NCCL's own collective timeout.
+Marked `cuda`: skipped where torch sees no CUDA device (tests/conftest.py), run by the GPU run.
+The CPU stand-ins stay beside them (test_success, test_forensics, test_warm, test_gpus)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.kernel import Kernel, assert_job_gone, run_summary
+
+pytestmark = [pytest.mark.e2e, pytest.mark.cuda]
+
+
+def _gpus() -> int:
+    import torch
+
+    return int(torch.cuda.device_count())
+
+
+def test_a_pushed_cuda_tensor_arrives_on_the_cpu(kernel: Kernel) -> None:
+    """The notebook's tensor lives on cuda:0; every rank gets it on the CPU (else each would
+    restore it on cuda:0 before the cell picks its own device)."""
+    kernel.ok("import torch\nt = torch.arange(4.0, device='cuda')\n")
+    ex = kernel.ok(
+        "%%elastic --nproc 2 --push t\n"
+        "import torch, os\n"
+        "print('device', t.device.type, t.sum().item(), flush=True)\n"
+        "t.to(f'cuda:{int(os.environ[\"LOCAL_RANK\"]) % torch.cuda.device_count()}').sum().item()\n"
+    )
+    assert ex.stdout.count("device cpu 6.0") == 2, ex.stdout
+    assert ex.result == "6.0"
+
+
+def test_a_real_cuda_oom_is_reported_with_its_figures(kernel: Kernel, cache_home: Path) -> None:
+    ex = kernel.run(
+        "%%elastic --nproc 1\n"
+        "import torch\n"
+        "keep = torch.empty(1 << 28, device='cuda')  # 1 GiB held\n"
+        "x = torch.empty(1 << 50, device='cuda')  # 4 PiB: never there\n"
+    )
+    assert ex.ename == "JobFailed"
+    assert "cause: cuda_oom" in ex.traceback
+    m = re.search(
+        r"rank 0 ran out of CUDA memory on GPU (\d+) at cell line 4 \(requested [\d.]+ \w+, "
+        r"allocated ([\d.]+) GiB, reserved ([\d.]+) GiB\)",
+        ex.stderr,
+    )
+    assert m, ex.stderr
+    assert float(m[2]) >= 1.0  # the GiB it held
+    assert run_summary(cache_home, ex.job_id)["cause"] == "cuda_oom"
+    assert_job_gone(ex.job_id)
+
+
+def test_a_preload_that_initialises_cuda_is_refused_with_the_way_out(
+    fresh_kernel: Kernel, tmp_path: Path
+) -> None:
+    (tmp_path / "cuda_at_import.py").write_text("import torch\ntorch.zeros(1, device='cuda')\n")
+    ex = fresh_kernel.run("%%elastic --nproc 1 --preload cuda_at_import\nprint('never')\n")
+    assert ex.ename == "JobFailed", ex.traceback
+    assert (
+        "drop cuda_at_import from --preload, or run the cell with --start-method spawn"
+        in (ex.error["evalue"])
+    )
+    assert "never" not in ex.stdout
+    # The way out works: spawned ranks import it themselves.
+    ok = fresh_kernel.ok(
+        "%%elastic --nproc 1 --preload cuda_at_import --start-method spawn\n"
+        "import torch\ntorch.ones(1, device='cuda').item()\n"
+    )
+    assert ok.result == "1.0"
+
+
+def test_nproc_gpu_counts_what_the_ranks_would_see(kernel: Kernel) -> None:
+    n = _gpus()
+    ex = kernel.ok("%%elastic --nproc gpu\nimport os\nprint('world', os.environ['WORLD_SIZE'])\n")
+    assert ex.stdout.count(f"world {n}") == n
+    kernel.ok("import os\nos.environ['CUDA_VISIBLE_DEVICES'] = '0'")
+    try:
+        ex = kernel.ok(
+            "%%elastic --nproc gpu\nimport os\nprint('world', os.environ['WORLD_SIZE'])\n"
+        )
+        assert ex.stdout.count("world 1") == 1
+    finally:
+        kernel.ok("os.environ.pop('CUDA_VISIBLE_DEVICES', None)")
+
+
+def test_nccls_own_collective_timeout_names_the_rank_that_never_came(
+    kernel: Kernel, cache_home: Path
+) -> None:
+    """Rank 1 sleeps past --collective-timeout while rank 0 waits in a NCCL all_reduce: NCCL's
+    watchdog line is read as this torch prints it, every stack is taken while both live, and
+    the cell fails naming rank 1 (not the rank NCCL's SIGABRT reaches first). NCCL needs a GPU
+    per rank."""
+    if _gpus() < 2:
+        pytest.skip(
+            "a NCCL timeout needs two ranks, each with a GPU of its own: this machine has one"
+        )
+    ex = kernel.run(
+        "%%elastic --nproc 2 --collective-timeout 20\n"
+        "import os, time, torch, torch.distributed as dist\n"
+        "torch.cuda.set_device(int(os.environ['LOCAL_RANK']))\n"
+        "dist.init_process_group('nccl')\n"
+        "x = torch.ones(1, device='cuda')\n"
+        "dist.all_reduce(x)\n"
+        "torch.cuda.synchronize()\n"
+        "if dist.get_rank() == 1:\n"
+        "    time.sleep(600)\n"
+        "dist.all_reduce(x)\n"
+        "torch.cuda.synchronize()\n",
+        timeout=300,
+    )
+    assert ex.ename == "JobFailed"
+    assert "Watchdog caught collective operation timeout" in ex.stderr + ex.stdout
+    assert ex.error["evalue"].startswith("desync: rank 1 never entered"), ex.error["evalue"]
+    s = run_summary(cache_home, ex.job_id)
+    assert s["failure"]["rank"] == 1
+    assert_job_gone(ex.job_id)

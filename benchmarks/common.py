@@ -172,7 +172,8 @@ class Elastic:
         clear(self.directory)
         cell = f"%%elastic {flags} --env BENCH_DIR={self.directory}\n{body}"
         t0 = time.time()
-        ex = self.kernel.run(cell, timeout=timeout)
+        with self.kernel.tree.paused():  # the tests' process watch: not in torchrun's turn
+            ex = self.kernel.run(cell, timeout=timeout)
         end = ex.error_at or ex.idle_at
         assert end is not None
         return Run(t0, end, read_marks(self.directory), execution=ex, output=ex.stdout + ex.stderr)

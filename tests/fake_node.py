@@ -17,7 +17,7 @@ from elastic_nb.common import protocol
 from elastic_nb.common.rundir import RunDir
 from elastic_nb.common.spec import JobSpec
 from elastic_nb.supervisor.forensics.watchdogs import Agent
-from elastic_nb.supervisor.processes.node import Node, StackDump, Survivor
+from elastic_nb.supervisor.processes.node import MemoryReading, Node, StackDump, Survivor
 from elastic_nb.supervisor.ranks.rank_state import RankState
 
 LAUNCHER_PID = 4242
@@ -37,6 +37,9 @@ class FakeNode(Node):
         self.dumps: dict[int, str] = {}  # rank -> what its stack dump says
         self.recorders: dict[int, dict[str, Any]] = {}  # rank -> its flight recorder's answer
         self.probe_gate: anyio.Event | None = None  # set: probes answer; unset: they wait
+        self.memory = MemoryReading({}, {}, None, gpus=False)  # what read_memory finds
+        self.cuda: dict[int, protocol.CudaMemory] = {}  # rank -> its allocator's answer
+        self.kills: int | None = None  # the OOM killer's count where the ranks run
         self.stopped = False
         self.closed = False
 
@@ -118,14 +121,26 @@ class FakeNode(Node):
             for r in ranks
         }
 
-    async def probe(self, r: RankState, n: int, what: str, wait_s: float) -> dict[str, Any] | None:
+    async def probe(self, r: RankState, what: str, wait_s: float) -> dict[str, Any] | None:
+        if what == protocol.PROBE_MEMORY:
+            return {"cuda": self.cuda.get(r.rank)}
         if self.probe_gate is not None:
             await self.probe_gate.wait()  # a rank slow to answer: the look takes its time
         record = self.recorders.get(r.rank)
-        return {**record, "req": n} if record is not None else None
+        return dict(record) if record is not None else None
 
     def oom_kills(self) -> int | None:
-        return None
+        return self.kills
+
+    def read_memory(self, ranks: list[RankState]) -> MemoryReading:
+        live = {r.rank for r in ranks}
+        m = self.memory
+        return MemoryReading(
+            {k: v for k, v in m.rss.items() if k in live},
+            {k: v for k, v in m.gpu.items() if k in live},
+            m.limit,
+            m.gpus,
+        )
 
     # ---- the end ------------------------------------------------------------------------------
 

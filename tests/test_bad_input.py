@@ -184,3 +184,24 @@ def test_bad_session_default_is_refused_at_config_time(kernel: Kernel, log_dir: 
         "--max-restarts -1: must be at least 0",
     )
     assert "no session defaults" in kernel.ok("%elastic config").stdout
+
+
+def test_memory_history_where_the_ranks_see_no_gpu(kernel: Kernel, log_dir: Path) -> None:
+    """--memory-history records CUDA allocations: on a job whose ranks see no GPU (here: an empty
+    CUDA_VISIBLE_DEVICES, on any machine) it is refused before anything starts, as a session's
+    default is for the next cell."""
+    refused = (
+        "--memory-history records CUDA allocations, and no NVIDIA GPU is visible to the ranks "
+        "(CUDA_VISIBLE_DEVICES included): leave the flag out for a CPU job"
+    )
+    _fails(
+        kernel,
+        f"%%elastic --nproc 2 --memory-history --env CUDA_VISIBLE_DEVICES= --log-dir {log_dir}\n1\n",
+        "UsageError",
+        refused,
+    )
+    kernel.ok("%elastic config --memory-history --env CUDA_VISIBLE_DEVICES=")
+    try:
+        _fails(kernel, f"%%elastic --nproc 2 --log-dir {log_dir}\n1\n", "UsageError", refused)
+    finally:
+        kernel.ok("%elastic config reset")

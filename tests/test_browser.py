@@ -43,8 +43,10 @@ def test_rank_chips_appear_while_the_cell_runs(page: Any, lab: LabServer) -> Non
         [
             "%%elastic --nproc 2\n"
             "import os, time\n"
+            "held = []\n"
             "for step in range(10_000):\n"
             "    print(f'rank {os.environ[\"RANK\"]} step {step}', flush=True)\n"
+            "    held.append(b'\\x01' * 2_000_000 * int(os.environ['RANK']))  # rank 1 grows\n"
             "    time.sleep(0.2)\n"
         ],
     )
@@ -58,6 +60,19 @@ def test_rank_chips_appear_while_the_cell_runs(page: Any, lab: LabServer) -> Non
         )
         expect(chip).to_have_class(has_class("enb-s-running"))
     expect(dash.locator(".enb-chip")).to_have_count(2)
+    # Each chip draws its rank's memory: a sparkline of its samples (one a second) and the
+    # latest figure; rank 1's climbs.
+    for r in (0, 1):
+        chip = dash.locator(f'.enb-chip[data-rank="{r}"]')
+        expect(chip.locator(".enb-spark polyline.enb-spark-host")).to_have_attribute(
+            "points", re.compile(r"^(\S+ ){3,}\S+$"), timeout=30_000
+        )
+        expect(chip.locator(".enb-chip-mem-text")).to_have_text(re.compile(r"^\d+ MiB host$"))
+    points = dash.locator('.enb-chip[data-rank="1"] polyline.enb-spark-host').get_attribute(
+        "points"
+    )
+    heights = [float(p.split(",")[1]) for p in (points or "").split()]
+    assert heights[-1] < heights[0], points  # higher up the chip: more memory
     nb.expect_running(1)
     expect(dash.locator(".enb-state")).to_have_text("running")
     expect(dash.locator(".enb-hint")).to_contain_text("Interrupt the kernel", use_inner_text=True)

@@ -1,4 +1,5 @@
-"""What the CPU suite can only simulate, on a real GPU: a pushed CUDA tensor, a real CUDA OOM, a
+"""What the CPU suite can only simulate, on a real GPU: a pushed CUDA tensor, a real CUDA OOM (and
+with --memory-history, what filled the GPU, read from a real snapshot), GPU memory samples, a
 --preload that initialises CUDA, --nproc gpu through NVML, and NCCL's own collective timeout.
 Marked `cuda`: skipped where torch sees no CUDA device (tests/conftest.py), run by the GPU run.
 The CPU stand-ins stay beside them (test_success, test_forensics, test_warm, test_gpus)."""
@@ -118,4 +119,72 @@ def test_nccls_own_collective_timeout_names_the_rank_that_never_came(
     assert ex.error["evalue"].startswith("desync: rank 1 never entered"), ex.error["evalue"]
     s = run_summary(cache_home, ex.job_id)
     assert s["failure"]["rank"] == 1
+    assert_job_gone(ex.job_id)
+
+
+def test_a_real_cuda_oom_with_memory_history_names_the_lines_that_filled_the_gpu(
+    kernel: Kernel, cache_home: Path
+) -> None:
+    """--memory-history: the report lists the cell lines whose live allocations held the GPU,
+    largest first, and names torch's snapshot, which loads as torch's own format. Without the
+    flag (the test above) the report says how to turn it on."""
+    import pickle
+
+    from elastic_nb.rank.memory import largest
+
+    ex = kernel.run(
+        "%%elastic --nproc 1 --memory-history\n"
+        "import torch\n"
+        "weights = [torch.empty(1 << 28, device='cuda') for _ in range(3)]  # 3 GiB\n"
+        "acts = torch.empty(1 << 28, device='cuda')  # 1 GiB\n"
+        "x = torch.empty(1 << 50, device='cuda')  # 4 PiB: never there\n"
+    )
+    assert ex.ename == "JobFailed"
+    text = ex.error["evalue"] + ex.traceback
+    m = re.search(
+        r"what filled GPU \d+ \(live allocations by the cell line that made them\):\n"
+        r"\s+([\d.]+) GiB  cell line 3: weights = .*\(3 blocks\)\n"
+        r"\s+([\d.]+) GiB  cell line 4: acts = .*\(1 block\)",
+        text,
+    )
+    assert m, text
+    assert float(m[1]) == 3.0 and float(m[2]) == 1.0
+    path = re.search(
+        r"torch's memory snapshot: (\S+) \(drop it on https://pytorch.org/memory_viz\)", text
+    )
+    assert path, text
+    snapshot = pickle.loads(Path(path[1]).read_bytes())
+    cell = Path(run_summary(cache_home, ex.job_id)["run_dir"]) / "cell.py"
+    assert [g["line"] for g in largest(snapshot, cell)[:2]] == [3, 4]
+    assert_job_gone(ex.job_id)
+
+
+def test_gpu_memory_is_sampled_and_the_kernel_and_supervisor_hold_no_context(
+    fresh_kernel: Kernel,
+) -> None:
+    """A rank holding 1 GiB on its GPU: %elastic status prints NVML's figure and the allocator's,
+    and NVML sees no process of the kernel or the supervisor on any GPU."""
+    from elastic_nb.common import nvml
+    from tests.kernel import supervisor_socket, wait_for
+
+    kernel = fresh_kernel  # one that never touched CUDA (the push test's kernel did)
+
+    ex = kernel.ok(
+        "%%elastic --nproc 1 --bg\n"
+        "import torch, time\n"
+        "keep = torch.empty(1 << 28, device='cuda')\n"
+        "time.sleep(20)\n"
+    )
+    supervisor_socket(kernel)  # the supervisor answers
+
+    def status() -> str:
+        return kernel.ok("%elastic status").stdout
+
+    assert wait_for(lambda: "allocated by torch" in status(), timeout=60), status()
+    line = next(x for x in status().splitlines() if x.strip().startswith("rank 0:"))
+    assert re.search(r"on GPU \d+ \(1\.0 GiB allocated by torch\)", line), line
+    sup = int(re.search(r"supervisor: pid (\d+)", status())[1])  # type: ignore[index]
+    seen = nvml.memory()
+    assert seen is not None and kernel.pid not in seen.by_pid and sup not in seen.by_pid
+    kernel.ok("_.stop()")
     assert_job_gone(ex.job_id)

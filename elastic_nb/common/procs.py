@@ -15,18 +15,24 @@ import os
 import signal
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
 
 import psutil
 
 __all__ = [
     "MARKER",
     "SLOT",
+    "MemoryLimit",
     "children",
     "job_processes",
     "kill_job",
     "mark_process",
+    "memory_limit",
+    "oom_kills",
     "pidfd_open",
     "reap_orphans",
+    "rss",
     "set_child_subreaper",
     "signal_group",
     "zombie_exit_code",
@@ -210,29 +216,108 @@ def proc_state(pid: int) -> tuple[str, str] | None:
     return letter, text
 
 
-def oom_kills() -> int | None:
-    """How many processes the kernel's OOM killer has ended in this process's memory cgroup
-    (v2 memory.events, or v1 memory.oom_control); None where neither is readable. Never the
-    machine-wide count: an unrelated OOM kill elsewhere must not relabel a rank's SIGKILL.
-    Compare two readings."""
+def _memory_cgroups(pid: int | str) -> list[tuple[int, Path]]:
+    """The memory cgroup directories of a process, (version, path): v2's unified hierarchy
+    (mounted at /sys/fs/cgroup, or /sys/fs/cgroup/unified beside v1), v1's memory controller."""
     try:
-        with open("/proc/self/cgroup") as f:
+        with open(f"/proc/{pid}/cgroup") as f:
             groups = [line.strip().split(":", 2) for line in f]
     except OSError:
-        return None
+        return []
+    found: list[tuple[int, Path]] = []
     for fields in groups:
         if len(fields) != 3:
             continue
         hierarchy, controllers, path = fields
         if hierarchy == "0" and not controllers:
-            name = f"/sys/fs/cgroup{path}/memory.events"
+            for root in ("/sys/fs/cgroup", "/sys/fs/cgroup/unified"):
+                d = Path(root + path)
+                if (d / "memory.max").exists() or (d / "memory.events").exists():
+                    found.append((2, d))
+                    break
         elif "memory" in controllers.split(","):
-            name = f"/sys/fs/cgroup/memory{path}/memory.oom_control"
-        else:
-            continue
+            found.append((1, Path(f"/sys/fs/cgroup/memory{path}")))
+    return found
+
+
+def oom_kills(pid: int | str = "self") -> int | None:
+    """How many processes the kernel's OOM killer has ended in `pid`'s memory cgroup (v2
+    memory.events, or v1 memory.oom_control); None where neither is readable. Never the
+    machine-wide count: an unrelated OOM kill elsewhere must not relabel a rank's SIGKILL.
+    Compare two readings."""
+    for version, d in _memory_cgroups(pid):
+        name = d / ("memory.events" if version == 2 else "memory.oom_control")
         with contextlib.suppress(OSError, ValueError, StopIteration), open(name) as f:
             return next(int(line.split()[1]) for line in f if line.startswith("oom_kill "))
     return None
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+_UNLIMITED = 1 << 62  # v1 says "no limit" with a number near 2**63 (rounded to pages)
+
+
+def rss(pid: int) -> int | None:
+    """A process's resident memory in bytes, from /proc/PID/statm; None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * _PAGE
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+@dataclass(frozen=True)
+class MemoryLimit:
+    """What bounds a process's memory, and how much of that is used (bytes)."""
+
+    used: int
+    limit: int
+    what: str  # "its cgroup's memory.max (/path)", or "this machine's memory"
+
+
+def memory_limit(pid: int | str = "self") -> MemoryLimit | None:
+    """The tightest bound on `pid`'s memory: its memory cgroup's limit, or an ancestor's (v2
+    memory.max, v1 memory.limit_in_bytes), with what that cgroup uses less the page cache the
+    kernel would drop first (inactive_file: the working set, as the kubelet counts it); the
+    machine's memory (total less available) where no cgroup sets one. None if nothing can be
+    read."""
+    best: MemoryLimit | None = None
+    for version, d in _memory_cgroups(pid):
+        if version == 2:
+            root, names = Path("/sys/fs/cgroup"), ("memory.max", "memory.current", "inactive_file")
+        else:
+            root = Path("/sys/fs/cgroup/memory")
+            names = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+        limit_file, usage_file, inactive = names
+        for group in [d, *d.parents]:
+            if not group.is_relative_to(root):
+                break
+            with contextlib.suppress(OSError, ValueError):
+                text = (group / limit_file).read_text().strip()
+                limit = _UNLIMITED if text == "max" else int(text)
+                if limit < _UNLIMITED and (best is None or limit < best.limit):
+                    used = int((group / usage_file).read_text()) - _stat(group, inactive)
+                    name = f"/{group.relative_to(root)}" if group != root else "/"
+                    best = MemoryLimit(max(used, 0), limit, f"its cgroup's {limit_file} ({name})")
+    if best is not None:
+        return best
+    try:
+        with open("/proc/meminfo") as f:
+            info = {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in f)}
+        return MemoryLimit(
+            info["MemTotal"] - info["MemAvailable"], info["MemTotal"], "this machine's memory"
+        )
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def _stat(group: Path, key: str) -> int:
+    """One figure of a cgroup's memory.stat (0 if it is not there)."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in (group / "memory.stat").read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == key:
+                return int(value)
+    return 0
 
 
 def set_child_subreaper() -> None:

@@ -79,8 +79,12 @@ __all__ = [
     "VERSION",
     "Alert",
     "Chip",
+    "CudaMemory",
     "FrameDecoder",
+    "GpuShare",
     "LogBatch",
+    "MemoryPeak",
+    "MemorySample",
     "Message",
     "ProtocolError",
     "Summary",
@@ -93,7 +97,8 @@ __all__ = [
     "summary",
 ]
 
-VERSION = 4  # 2: log batches are records; 3: sessions; 4: typed messages, a reply's data
+VERSION = 5  # 2: log batches are records; 3: sessions; 4: typed messages, a reply's data;
+# 5: memory samples
 
 # kernel -> supervisor
 HELLO: Final = "hello"
@@ -143,9 +148,11 @@ STACK_SIGNAL = signal.SIGUSR1
 # dumped last, and its outermost frame stays put), so that a dump is read whole, not as written.
 STACKS_END_MARK = "# elastic_nb: each dump below ends with: "
 
-# What a probe asks a rank's flight recorder for (elastic_nb/recorder.py answers).
+# What a probe asks a rank (rank/recorder.py answers): its flight recorder, each group's last
+# collective or every entry too; or its CUDA allocator's memory figures.
 PROBE_STATUS = "status"
 PROBE_FULL = "full"
+PROBE_MEMORY = "memory"
 
 # A header line longer than this is a corrupt stream, not a message.
 _MAX_HEADER = 16 * 1024 * 1024
@@ -252,6 +259,48 @@ class LogBatch(TypedDict):
     progress: str | None  # the latest state of a \r progress bar, if one is being drawn
 
 
+class CudaMemory(TypedDict):
+    """A rank's CUDA allocator, as torch.cuda.memory_stats counts it (bytes)."""
+
+    device: int
+    allocated: int
+    reserved: int
+    peak: int  # the most allocated at once since the rank started (or its peak was reset)
+    total: int  # the device's memory
+
+
+class GpuShare(TypedDict):
+    """What NVML says of a rank's process and its GPU (bytes): the process's share, its CUDA
+    context and NCCL's buffers included (what the allocator does not count), and the device."""
+
+    index: int  # NVML's numbering, as nvidia-smi's
+    process: int
+    used: int  # by every process on the device
+    total: int
+
+
+class MemorySample(TypedDict):
+    """One rank's memory at time t (at most one a second): its host memory (RSS, read by the
+    supervisor from /proc: no cost to the rank), its CUDA allocator's figures (asked of the rank
+    only when NVML sees its process on a GPU) and NVML's."""
+
+    attempt: int
+    rank: int
+    t: float
+    rss: int | None
+    cuda: CudaMemory | None
+    gpu: GpuShare | None
+
+
+class MemoryPeak(TypedDict):
+    """A rank's highest figures over a job (bytes; None: never seen)."""
+
+    rss: int | None
+    cuda: int | None  # the allocator's peak
+    gpu: int | None  # NVML's, the process's share
+    gpu_index: int | None
+
+
 class Summary(TypedDict):
     """A finished job: summary.json, the END message, what the cell raises or returns."""
 
@@ -276,6 +325,7 @@ class Summary(TypedDict):
     result: bool  # rank 0 left a value for the cell
     lines: int
     session: str | None  # the session whose ranks ran the cell (%elastic up), if one
+    memory: dict[str, MemoryPeak]  # rank -> its peaks, as sampled each second
 
 
 def summary(job: str, outcome: str, reason: str, **known: Any) -> Summary:
@@ -302,6 +352,7 @@ def summary(job: str, outcome: str, reason: str, **known: Any) -> Summary:
         "result": False,
         "lines": 0,
         "session": None,
+        "memory": {},
     }
     unknown = set(known) - set(s)
     if unknown:
@@ -434,6 +485,7 @@ class Update(_Update, total=False):
     ranks: dict[str, Chip]
     alerts: list[Alert]
     logs: list[LogBatch]
+    memory: list[MemorySample]  # each rank's samples since the last update
 
 
 class End(TypedDict):

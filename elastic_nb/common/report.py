@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+from typing import Any
 
 from elastic_nb.common.protocol import Summary
 
@@ -18,7 +19,12 @@ __all__ = [
     "describe_exit",
     "failure_headline",
     "failure_report",
+    "memory_figures",
+    "oom_lines",
+    "peaks_line",
+    "rate",
     "signal_name",
+    "size",
     "start_line",
     "summary_line",
 ]
@@ -99,6 +105,7 @@ def failure_report(s: Summary) -> list[str]:
         lines.append("")
         lines.append(f"--- rank {f['rank']} (attempt {f['attempt']}) ---")
         lines.extend(_cell_traceback(record["traceback"], s["run_dir"]).rstrip("\n").splitlines())
+        lines.extend(oom_lines(record.get("memory")))
     elif tail := s.get("launcher_log_tail"):
         lines.append("")
         lines.append("--- launcher.log (last lines) ---")
@@ -125,6 +132,58 @@ def failure_report(s: Summary) -> list[str]:
     return lines
 
 
+def peaks_line(s: Summary) -> str | None:
+    """Each rank's peak memory over the job, as sampled each second; None if never sampled."""
+    peaks = s.get("memory") or {}
+    parts = [
+        f"rank {rank} {memory_figures(p['rss'], p['gpu'], p['gpu_index'], p['cuda'])}"
+        for rank, p in peaks.items()
+    ]
+    return "[elastic_nb] peak memory: " + " · ".join(parts) if parts else None
+
+
+def memory_figures(
+    rss: int | None, gpu: int | None, gpu_index: int | None, cuda: int | None
+) -> str:
+    """'412 MiB host, 31.2 GiB on GPU 0 (28.0 GiB allocated by torch)'."""
+    text = f"{size(rss)} host" if rss is not None else "host memory unknown"
+    if gpu is not None:
+        text += f", {size(gpu)} on GPU {gpu_index}"
+        if cuda is not None:
+            text += f" ({size(cuda)} allocated by torch)"
+    elif cuda is not None:
+        text += f", {size(cuda)} of CUDA memory allocated by torch"
+    return text
+
+
+def oom_lines(memory: dict[str, Any] | None) -> list[str]:
+    """At a CUDA OOM (a failure record's memory report): what filled the GPU, by the cell lines
+    whose allocations were live (--memory-history), or how to see that next time."""
+    if not memory:
+        return []
+    history = memory.get("history")
+    if history is None:
+        return [
+            "what filled the GPU: run the cell again with --memory-history (a session's next "
+            "cells: %elastic config --memory-history) and this report lists the cell lines "
+            "whose allocations held it"
+        ]
+    gpu = f"GPU {memory['device']}" if memory.get("device") is not None else "the GPU"
+    out = [f"what filled {gpu} (live allocations by the cell line that made them):"]
+    for g in history["largest"]:
+        if g["line"] is None:
+            where = g["what"]
+        else:
+            cell = f"cell of job {g['job']}, line" if g["job"] else "cell line"
+            where = f"{cell} {g['line']}: {g['what']}"
+        blocks = f"{g['blocks']:,} block{'s' if g['blocks'] != 1 else ''}"
+        out.append(f"  {size(g['bytes']):>8}  {where}  ({blocks})")
+    out.append(
+        f"torch's memory snapshot: {history['snapshot']} (drop it on https://pytorch.org/memory_viz)"
+    )
+    return out
+
+
 def _cell_traceback(text: str, run_dir: str) -> str:
     """Show the cell's frames as the cell, not as the file the ranks ran; a frame of an earlier
     cell (a function a session cell defined) as that cell, named by its job."""
@@ -132,6 +191,22 @@ def _cell_traceback(text: str, run_dir: str) -> str:
     parent = re.escape(os.path.dirname(run_dir))
     earlier = re.compile(rf'File "{parent}/([0-9a-f]{{8}})/cell\.py", line ')
     return earlier.sub(r"%%elastic cell of job \1, line ", text)
+
+
+def size(n: float) -> str:
+    """Bytes as a person reads them: 412 MiB, 74.1 GiB."""
+    if n >= 2**30:
+        return f"{n / 2**30:.1f} GiB"
+    if n >= 2**20:
+        return f"{n / 2**20:.0f} MiB"
+    return f"{n / 2**10:.0f} KiB"
+
+
+def rate(per_minute: float | None) -> str | None:
+    """'+1.2 GiB per minute'; None for no rate, or less than a MiB a minute."""
+    if per_minute is None or abs(per_minute) < 2**20:
+        return None
+    return f"{'+' if per_minute > 0 else '-'}{size(abs(per_minute))} per minute"
 
 
 def signal_name(signum: int) -> str:

@@ -22,6 +22,7 @@ Its layout is defined here and nowhere else::
             rank-<R>.probe        a FIFO: the supervisor asks the live rank for its collectives
             rank-<R>.probe.json   the rank's answer, the latest one
             fr-rank-<R>           NCCL's flight-recorder dump on a collective timeout
+            rank-<R>.memory.pickle    the CUDA allocator's snapshot at an OOM (--memory-history)
 """
 
 from __future__ import annotations
@@ -124,6 +125,10 @@ class RunDir:
 
     def probe_answer(self, attempt: int, rank: int) -> Path:
         return self.attempt(attempt) / f"rank-{rank}.probe.json"
+
+    def memory_snapshot(self, attempt: int, rank: int) -> Path:
+        """torch's CUDA memory snapshot at an OOM (--memory-history): pytorch.org/memory_viz."""
+        return self.attempt(attempt) / f"rank-{rank}.memory.pickle"
 
     def flight_recorder(self, attempt: int, rank: int) -> Path:
         """What NCCL dumps there on a collective timeout (pickled, torch's format)."""

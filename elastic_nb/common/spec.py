@@ -63,6 +63,7 @@ class JobSpec:
     heartbeat_timeout: float
     async_error_handling: int
     hang_after: float | None
+    memory_history: bool  # record CUDA allocations' stacks; at an OOM, what filled the GPU
     push: tuple[str, ...]
     pull: tuple[str, ...]
     pull_rank: int

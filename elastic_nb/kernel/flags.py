@@ -255,6 +255,7 @@ def job_spec(
         heartbeat_timeout=parse_seconds("--heartbeat-timeout", o["heartbeat_timeout"]),
         async_error_handling=parse_async_error_handling(o["async_error_handling"]),
         hang_after=parse_optional_seconds("--hang-after", o["hang_after"]),
+        memory_history=bool(o["memory_history"]),
         push=push,
         pull=pull,
         pull_rank=pull_rank,
@@ -280,6 +281,11 @@ def preflight(spec: JobSpec) -> None:
     for module in spec.preload:
         if importlib.util.find_spec(module.split(".")[0]) is None:  # no import: it may be heavy
             raise SpecError(f"--preload {module}: no such module for {sys.executable}")
+    if spec.memory_history and gpus.visible_gpu_count({**os.environ, **spec.env}) == 0:
+        raise SpecError(
+            "--memory-history records CUDA allocations, and no NVIDIA GPU is visible to the "
+            "ranks (CUDA_VISIBLE_DEVICES included): leave the flag out for a CPU job"
+        )
     _check_writable_dir(spec.log_dir)
     host, port = spec.rdzv_endpoint.rsplit(":", 1)
     if int(port):

@@ -2,7 +2,7 @@
 
 The kernel must never hold a CUDA context: it would pin GPU memory for the kernel's lifetime, and a
 process that has initialised CUDA cannot hand CUDA to a child it forks. So the count comes from
-NVML (the driver's management library, which creates no context), read with CUDA's rules for
+NVML (common/nvml.py: the driver's management library, which creates no context), read with CUDA's rules for
 `CUDA_VISIBLE_DEVICES`, the same rules torch.cuda applies on its own NVML path:
 
 - unset: every GPU; an empty value: none;
@@ -18,20 +18,15 @@ mode on, CUDA itself counts them in a throwaway process given the job's environm
 
 from __future__ import annotations
 
-import ctypes
 import os
 import subprocess
 import sys
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+
+from elastic_nb.common import nvml
+from elastic_nb.common.nvml import Gpu
 
 CUDA_COUNT_TIMEOUT_S = 60.0  # cuInit on a GPU without persistence mode can take many seconds
-
-
-@dataclass(frozen=True)
-class Gpu:
-    uuid: str  # "GPU-…", as NVML names it
-    mig: bool  # MIG mode currently enabled
 
 
 def visible_gpu_count(
@@ -122,31 +117,7 @@ def _uuids_to_ordinals(candidates: list[str], uuids: list[str]) -> list[int]:
 
 def nvml_gpus() -> list[Gpu] | None:
     """Every GPU the driver knows, from NVML; None when there is no NVIDIA driver."""
-    try:
-        nvml = ctypes.CDLL("libnvidia-ml.so.1")
-    except OSError:
-        return None
-    if nvml.nvmlInit_v2() != 0:
-        return None
-    try:
-        count = ctypes.c_uint(0)
-        if nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) != 0:
-            return None
-        found = []
-        for index in range(count.value):
-            handle = ctypes.c_void_p()
-            if nvml.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(handle)) != 0:
-                return None
-            buf = ctypes.create_string_buffer(96)
-            if nvml.nvmlDeviceGetUUID(handle, buf, len(buf)) != 0:
-                return None
-            current, pending = ctypes.c_uint(0), ctypes.c_uint(0)
-            # NVML_ERROR_NOT_SUPPORTED on GPUs without MIG: mode stays 0 (disabled).
-            nvml.nvmlDeviceGetMigMode(handle, ctypes.byref(current), ctypes.byref(pending))
-            found.append(Gpu(uuid=buf.value.decode("ascii"), mig=current.value == 1))
-        return found
-    finally:
-        nvml.nvmlShutdown()
+    return nvml.gpus()
 
 
 _CUDA_COUNT = """

@@ -1,15 +1,39 @@
-"""What ``%elastic jobs`` and ``%elastic logs`` print: this kernel's jobs as a table, and a job's
-rank logs from its run directory."""
+"""What ``%elastic jobs``, ``%elastic logs`` and ``%elastic status`` print: this kernel's jobs as
+a table, a job's rank logs from its run directory, its ranks' memory now."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from typing import Any
 
+from elastic_nb.common.report import memory_figures, rate, size
 from elastic_nb.common.rundir import RunDir
 from elastic_nb.kernel.job_handle import JobHandle
 
-__all__ = ["jobs_table", "print_logs"]
+__all__ = ["jobs_table", "memory_lines", "print_logs"]
+
+
+def memory_lines(ranks: dict[str, dict[str, Any]]) -> list[str]:
+    """One line per rank from the supervisor's latest samples (RankGroup.memory_now)."""
+    out = []
+    for rank, m in ranks.items():
+        s = m["sample"]
+        cuda, gpu = s["cuda"], s["gpu"]
+        line = f"rank {rank}: " + memory_figures(
+            s["rss"],
+            gpu["process"] if gpu else None,
+            gpu["index"] if gpu else None,
+            cuda["allocated"] if cuda else None,
+        )
+        host = [f"peak {size(m['rss_peak'])}"] if m["rss_peak"] else []
+        if growth := rate(m["growth"]):
+            host.append(growth)
+        if host:
+            line += f"; host {', '.join(host)}"
+        if gpu and gpu["total"]:
+            line += f"; GPU {gpu['index']} {size(gpu['used'])} of {size(gpu['total'])} in use"
+        out.append(line)
+    return out
 
 
 def jobs_table(jobs: Iterable[JobHandle], running: dict[str, dict[str, Any]]) -> list[str]:

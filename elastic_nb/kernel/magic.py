@@ -58,7 +58,7 @@ from elastic_nb.kernel.cell import explicit_timeouts, prepare_cell
 from elastic_nb.kernel.client import current_client, get_client
 from elastic_nb.kernel.flags import SpecError, job_spec, preflight
 from elastic_nb.kernel.job_handle import JobHandle, Renderer
-from elastic_nb.kernel.listings import jobs_table, print_logs
+from elastic_nb.kernel.listings import jobs_table, memory_lines, print_logs
 from elastic_nb.kernel.options import OPTIONS, Option, add_arguments
 from elastic_nb.kernel.render_text import TextRenderer
 from elastic_nb.kernel.session_handle import (
@@ -222,6 +222,10 @@ class ElasticMagics(Magics):
                 f"{s['attempt']}, restarts {s['restarts']}/{s['max_restarts']}, "
                 f"{s['cells_run']} cells run"
             )
+        for owner, ranks in st.get("memory", {}).items():
+            if ranks:
+                print(f"  memory of {owner}'s ranks (sampled each second):")
+                print("\n".join(f"    {line}" for line in memory_lines(ranks)))
         w = st.get("warm")
         if w is None:
             print(

@@ -219,6 +219,20 @@ OPTIONS: tuple[Option, ...] = (
         shown="120",
         per_cell=True,
     ),
+    # torch's allocation history costs each allocation a stack (about 2 µs) and each rank some
+    # memory: off unless asked (torch/cuda/memory.py, _record_memory_history).
+    Option(
+        "memory_history",
+        ("--memory-history",),
+        False,
+        "record every CUDA allocation's Python stack in each rank; at a CUDA OOM the report "
+        "names the cell lines whose allocations filled the GPU and keeps torch's snapshot "
+        "(for pytorch.org/memory_viz) in the run directory",
+        _ENV,
+        action="store_true",
+        shown="",
+        per_cell=True,
+    ),
     Option(
         "push",
         ("--push",),

@@ -106,5 +106,8 @@ class TextRenderer:
         """Lines are written as they come (IOPub batches them)."""
 
     def end(self, summary: Summary) -> None:
+        peaks = report.peaks_line(summary) if self._mode == "live" else None
+        if peaks:
+            self._out.write(peaks + "\n")
         self._out.write(report.summary_line(summary) + "\n")
         self._out.flush()

@@ -33,7 +33,7 @@ from elastic_nb.common import loopback, modules, procs
 from elastic_nb.common.protocol import STACK_SIGNAL, STACKS_END_MARK
 from elastic_nb.common.rundir import RunDir, write_json
 from elastic_nb.common.spec import MANAGED_ENV, JobSpec
-from elastic_nb.rank import recorder
+from elastic_nb.rank import memory, recorder
 from elastic_nb.rank.outcomes import dump, dump_result, record_failure
 
 __all__ = ["Rank", "bootstrap", "prepare", "refuse_a_bad_fork", "run_cell"]
@@ -100,6 +100,7 @@ def run_cell(
     exit_note = None
     try:
         with around:
+            memory.record_history(spec.memory_history)
             _restore(rd, meta, namespace)
             phase = "cell"
             try:

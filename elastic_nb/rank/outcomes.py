@@ -14,6 +14,7 @@ from typing import Any
 
 from elastic_nb.common import pickling
 from elastic_nb.common.rundir import RunDir, write_atomic, write_json
+from elastic_nb.rank import memory
 
 __all__ = ["dump", "dump_result", "record_failure"]
 
@@ -46,7 +47,7 @@ def record_failure(
         "cell_line": where.lineno if where else None,
         "line_text": (where.line or "").strip() if where else None,
         "traceback": text,
-        "memory": _memory_report(exc),
+        "memory": _memory_report(exc, rd, attempt, rank),
     }
     try:
         write_json(rd.failure(attempt, rank), record)
@@ -61,8 +62,12 @@ _REQUESTED = re.compile(r"Tried to allocate ([\d.]+ [KMGT]?i?B)")
 _GPU = re.compile(r"\bGPU (\d+)\b")
 
 
-def _memory_report(exc: BaseException) -> dict[str, Any] | None:
-    """For a CUDA out-of-memory error: what was asked for and what the allocator held."""
+def _memory_report(
+    exc: BaseException, rd: RunDir, attempt: int, rank: int
+) -> dict[str, Any] | None:
+    """For a CUDA out-of-memory error: what was asked for and what the allocator held, and with
+    --memory-history what filled the device (its snapshot, and the largest live allocations by
+    the cell line that made them)."""
     if not type(exc).__name__.endswith("OutOfMemoryError"):
         return None
     m = _REQUESTED.search(str(exc))
@@ -80,6 +85,9 @@ def _memory_report(exc: BaseException) -> dict[str, Any] | None:
             report["allocated"] = torch.cuda.memory_allocated(device)
             report["reserved"] = torch.cuda.memory_reserved(device)
             report["summary"] = torch.cuda.memory_summary(device, abbreviated=True)
+            history = memory.snapshot_at_oom(rd.memory_snapshot(attempt, rank), rd.cell)
+            if history is not None:
+                report["history"] = history
     except Exception as e:
         report["error"] = repr(e)
     return report

@@ -28,8 +28,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from elastic_nb.common.protocol import PROBE_FULL
+from elastic_nb.common.protocol import PROBE_FULL, PROBE_MEMORY
 from elastic_nb.common.rundir import write_json
+from elastic_nb.rank.memory import cuda_memory
 
 __all__ = ["serve_probes", "snapshot", "write_final"]
 
@@ -87,7 +88,7 @@ def write_final(path: Path, cell: str) -> None:
 
 
 def serve_probes(fifo: Path, answer: Path, cell: str) -> None:
-    """Answer the supervisor's probes from a thread: it writes ``"<n> status|full"`` into the
+    """Answer the supervisor's probes from a thread: it writes ``"<n> status|full|memory"`` into the
     FIFO, this thread writes the snapshot, tagged with n, to `answer`. Opening a FIFO blocks
     until the other side opens it: an idle rank pays nothing. Where no FIFO can be made (a
     --log-dir on a file system without them), the rank runs without: the supervisor then
@@ -112,8 +113,12 @@ def _serve(fifo: Path, answer: Path, cell: str) -> None:
             request = lines[-1].split() if lines else []
             if len(request) < 2 or not request[0].isdigit():
                 continue
+            record: dict[str, Any]
             try:
-                record = snapshot(cell, full=request[1] == PROBE_FULL)
+                if request[1] == PROBE_MEMORY:
+                    record = {"time": time.time(), "cuda": cuda_memory()}
+                else:
+                    record = snapshot(cell, full=request[1] == PROBE_FULL)
             except Exception as e:
                 record = {"time": time.time(), "error": repr(e)}
             write_json(answer, {**record, "req": int(request[0])})

@@ -243,6 +243,11 @@ class Supervisor:
                 "running": [j.id for j in self._jobs.values() if j.running],
                 "sessions": [s.info() for s in self._sessions.values() if s.running],
                 "warm": self._launchers.describe(),
+                "memory": {
+                    g.id: g.memory_now()
+                    for g in (*self._jobs.values(), *self._sessions.values())
+                    if g.running
+                },
             }
         if msg["kind"] == protocol.UP:
             return await self._up(conn, msg)

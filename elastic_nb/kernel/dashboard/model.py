@@ -6,7 +6,8 @@ and into a pending *delta*; `take_delta` hands that delta out once, numbered, fo
 send as one message. `snapshot` is the whole state, for a view that starts late (a reload) and
 for the notebook file. Memory is bounded whatever the log volume: a tail of `TAIL_LINES` per
 rank and `ALL_LINES` across ranks, and of those no more than `TAIL_CHARS` and `ALL_CHARS`
-characters (the tailer cuts each line at a few thousand), the newest `MAX_ALERTS` alerts.
+characters (the tailer cuts each line at a few thousand), the newest `MAX_ALERTS` alerts, and
+each rank's last `MEMORY_SAMPLES` memory samples (one a second: its sparkline).
 
 The browser side (``dashboard.js``) applies the same deltas to the same structure with the same
 bounds, so a view never needs more than the snapshot and what follows it.
@@ -23,7 +24,15 @@ from elastic_nb.common.protocol import Summary
 from elastic_nb.common.rundir import RunDir
 from elastic_nb.common.spec import JobSpec
 
-__all__ = ["ALL_CHARS", "ALL_LINES", "MAX_ALERTS", "TAIL_CHARS", "TAIL_LINES", "DashboardState"]
+__all__ = [
+    "ALL_CHARS",
+    "ALL_LINES",
+    "MAX_ALERTS",
+    "MEMORY_SAMPLES",
+    "TAIL_CHARS",
+    "TAIL_LINES",
+    "DashboardState",
+]
 
 TAIL_LINES = 1000  # per rank, in its tab
 ALL_LINES = 2000  # the "all ranks" tab
@@ -31,6 +40,7 @@ TAIL_CHARS = 250_000  # characters of a rank's tab: the newest lines that fit
 ALL_CHARS = 500_000  # characters of the "all ranks" tab
 MAX_ALERTS = 100
 MAX_ALERT_TEXT = 200_000  # characters of an alert's detail (stacks of many ranks fit)
+MEMORY_SAMPLES = 300  # per rank: its last five minutes
 
 Delta = dict[str, Any]
 
@@ -68,6 +78,9 @@ class DashboardState:
         self.all: collections.deque[list[Any]] = collections.deque()
         self._chars: dict[str | None, int] = {}  # characters held: per rank's tail, None: all
         self.progress: dict[str, list[str]] = {}
+        # rank -> its samples as [t, host bytes, GPU bytes or None] (the sparkline) and its last
+        # sample whole (the chip's figures)
+        self.memory: dict[str, dict[str, Any]] = {}
         self.summary: dict[str, Any] | None = None
         self._delta: Delta = {}
 
@@ -94,6 +107,9 @@ class DashboardState:
                 self._progress(str(rank), [stream, progress])
             elif lines and self.progress.get(str(rank), [stream])[0] == stream:
                 self._progress(str(rank), None)  # the bar's line finished
+        for sample in msg.get("memory", ()):
+            if sample["attempt"] == self.header["attempt"]:
+                self._memory(str(sample["rank"]), sample)
 
     def end(self, summary: Summary) -> None:
         """The job's end: the final state, its outcome in the last attempt, and what the
@@ -162,6 +178,8 @@ class DashboardState:
             self._delta["attempts"] = self.attempts
 
     def _new_attempt(self, attempt: int) -> None:
+        self.memory = {}  # new processes: their memory starts afresh (dashboard.js alike)
+        self._delta.pop("memory", None)
         while len(self.attempts) <= attempt:
             self.attempts.append(_attempt(len(self.attempts), time.time() - self.header["started"]))
         self._delta["attempts"] = self.attempts
@@ -206,6 +224,17 @@ class DashboardState:
             size -= len(q.popleft()[-1])
         self._chars[key] = size
 
+    def _memory(self, rank: str, sample: dict[str, Any]) -> None:
+        gpu, cuda = sample.get("gpu"), sample.get("cuda")
+        device = gpu["process"] if gpu else cuda["reserved"] if cuda else None
+        point = [sample["t"], sample["rss"], device]
+        m = self.memory.setdefault(rank, {"series": collections.deque(maxlen=MEMORY_SAMPLES)})
+        m["series"].append(point)
+        m["last"] = sample
+        d = self._delta.setdefault("memory", {}).setdefault(rank, {"samples": []})
+        d["samples"].append(point)
+        d["last"] = sample
+
     def _progress(self, rank: str, bar: list[str] | None) -> None:
         """A rank's unfinished ``\r`` line ([stream, text]), shown live under its lines."""
         if bar is None and rank not in self.progress:
@@ -239,6 +268,7 @@ class DashboardState:
                 "tail_chars": TAIL_CHARS,
                 "all_chars": ALL_CHARS,
                 "alerts": MAX_ALERTS,
+                "memory": MEMORY_SAMPLES,
             },
             "header": dict(self.header),
             "ranks": dict(self.ranks),
@@ -247,6 +277,9 @@ class DashboardState:
             "tails": {r: list(t) for r, t in self.tails.items()},
             "all": list(self.all),
             "progress": dict(self.progress),
+            "memory": {
+                r: {"series": list(m["series"]), "last": m["last"]} for r, m in self.memory.items()
+            },
             "summary": self.summary,
         }
 

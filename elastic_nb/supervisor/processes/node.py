@@ -16,6 +16,7 @@ implementation of the same interface, not a second path through the job.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import select
 import time
@@ -28,7 +29,8 @@ from typing import Any
 import anyio
 import psutil
 
-from elastic_nb.common import procs, protocol
+from elastic_nb.common import nvml, procs, protocol
+from elastic_nb.common.procs import MemoryLimit
 from elastic_nb.common.rundir import RunDir, read_json
 from elastic_nb.common.spec import JobSpec
 from elastic_nb.supervisor.forensics.watchdogs import Agent
@@ -37,10 +39,11 @@ from elastic_nb.supervisor.processes.launcher_process import Launcher
 from elastic_nb.supervisor.processes.process_tree import ProcessTree
 from elastic_nb.supervisor.ranks.rank_state import RankState
 
-__all__ = ["LocalNode", "Node", "StackDump", "Survivor"]
+__all__ = ["LocalNode", "MemoryReading", "Node", "StackDump", "Survivor"]
 
 POLL_S = 0.05  # how often a rank without a pidfd is looked at
 STACK_POLL_S = 0.02
+PROBE_POLL_S = (0.001, 0.01)  # a probe's answer is looked for after 1 ms, 2, 4, then every 10
 _TAIL = 1024  # bytes: enough for a dump's last line
 
 
@@ -52,6 +55,16 @@ class StackDump:
     path: str  # the file that keeps every dump of the rank
     state: tuple[str, str] | None  # its process state when asked (letter, words); None: gone
     asked: bool  # False: it could not be asked (not running our bootstrap yet, or gone)
+
+
+@dataclass(frozen=True)
+class MemoryReading:
+    """What a node reads of its ranks' memory without asking them."""
+
+    rss: dict[int, int]  # rank -> resident bytes
+    gpu: dict[int, protocol.GpuShare]  # rank -> NVML's figures, for ranks it sees on a GPU
+    limit: MemoryLimit | None  # what bounds the host memory of the node's ranks
+    gpus: bool  # the node has GPUs NVML can see: its ranks may hold CUDA memory
 
 
 @dataclass(frozen=True)
@@ -136,13 +149,19 @@ class Node(ABC):
         at most)."""
 
     @abstractmethod
-    async def probe(self, r: RankState, n: int, what: str, wait_s: float) -> dict[str, Any] | None:
-        """Ask a live rank's flight recorder (probe number `n`, protocol.PROBE_*); its answer, or
-        None if it did not answer within `wait_s`."""
+    async def probe(self, r: RankState, what: str, wait_s: float) -> dict[str, Any] | None:
+        """Ask a live rank (protocol.PROBE_*: its flight recorder, its CUDA memory); its
+        answer, or None if it did not answer within `wait_s`. One probe of a rank at a time:
+        each answer carries the number of the probe it answers."""
 
     @abstractmethod
     def oom_kills(self) -> int | None:
         """How many processes the OOM killer has ended where the ranks run (None: unknown)."""
+
+    @abstractmethod
+    def read_memory(self, ranks: list[RankState]) -> MemoryReading:
+        """The live ranks' memory now, read without asking them (a few file reads, NVML's
+        figures where it is there)."""
 
     # ---- the end ---------------------------------------------------------------------------
 
@@ -188,6 +207,8 @@ class LocalNode(Node):
         self._tree: ProcessTree | None = None
         self._spec: JobSpec | None = None
         self._pidfds: dict[tuple[int, int], int] = {}  # open while a rank is watched
+        self._probe_numbers = itertools.count(1)
+        self._probe_locks: dict[tuple[int, int], anyio.Lock] = {}
 
     # ---- the launcher --------------------------------------------------------------------------
 
@@ -312,7 +333,11 @@ class LocalNode(Node):
             out[rank] = StackDump(_read_from(path, size), str(path), state, asked=True)
         return out
 
-    async def probe(self, r: RankState, n: int, what: str, wait_s: float) -> dict[str, Any] | None:
+    async def probe(self, r: RankState, what: str, wait_s: float) -> dict[str, Any] | None:
+        async with self._probe_locks.setdefault((r.attempt, r.rank), anyio.Lock()):
+            return await self._probe(r, next(self._probe_numbers), what, wait_s)
+
+    async def _probe(self, r: RankState, n: int, what: str, wait_s: float) -> dict[str, Any] | None:
         rd = self.rd
         try:
             fd = os.open(rd.probe(r.attempt, r.rank), os.O_WRONLY | os.O_NONBLOCK)
@@ -325,16 +350,34 @@ class LocalNode(Node):
         finally:
             os.close(fd)
         answer = rd.probe_answer(r.attempt, r.rank)
+        delay = PROBE_POLL_S[0]  # a rank answers within a millisecond or two, most often
         with anyio.move_on_after(wait_s):
             while True:
                 record = _read_record(answer)
                 if record is not None and record.get("req") == n:
                     return record
-                await anyio.sleep(0.01)
+                await anyio.sleep(delay)
+                delay = min(2 * delay, PROBE_POLL_S[1])
         return None
 
     def oom_kills(self) -> int | None:
         return procs.oom_kills()
+
+    def read_memory(self, ranks: list[RankState]) -> MemoryReading:
+        rss = {r.rank: v for r in ranks if r.pid and (v := procs.rss(r.pid)) is not None}
+        gpu: dict[int, protocol.GpuShare] = {}
+        seen = nvml.memory()
+        for r in ranks:
+            if seen is not None and r.pid is not None and r.pid in seen.by_pid:
+                index, held = seen.by_pid[r.pid]
+                gpu[r.rank] = protocol.GpuShare(
+                    index=index,
+                    process=held,
+                    used=seen.used.get(index, 0),
+                    total=seen.total.get(index, 0),
+                )
+        limit = procs.memory_limit(self.launcher_pid or "self")  # its ranks' cgroup
+        return MemoryReading(rss, gpu, limit, gpus=bool(seen and seen.total))
 
     # ---- the end ---------------------------------------------------------------------------
 

@@ -30,8 +30,6 @@ class Probes:
         self._rd = rd
         self._live_done = live_done
         self._cell = str(rd.cell)
-        self._n = 0
-        self._lock = anyio.Lock()  # one probe in a FIFO at a time: answers carry one number
         # Group members a rank reported earlier: a group it destroyed before leaving the cell
         # is gone from c10d's registry by the time it writes its final record.
         self._members: dict[tuple[int, int], dict[str, list[int]]] = {}
@@ -48,7 +46,7 @@ class Probes:
             if h is not None:
                 out[r.rank] = h
 
-        async with self._lock, anyio.create_task_group() as tg:
+        async with anyio.create_task_group() as tg:
             for r in ranks:
                 tg.start_soon(one, r)
         return out
@@ -80,7 +78,4 @@ class Probes:
         return h
 
     async def _ask(self, r: RankState, full: bool) -> dict | None:
-        self._n += 1
-        return await self._node.probe(
-            r, self._n, PROBE_FULL if full else PROBE_STATUS, PROBE_WAIT_S
-        )
+        return await self._node.probe(r, PROBE_FULL if full else PROBE_STATUS, PROBE_WAIT_S)

@@ -12,7 +12,7 @@ import signal
 from dataclasses import dataclass
 from typing import Any
 
-from elastic_nb.common.report import describe_exit, signal_name
+from elastic_nb.common.report import describe_exit, signal_name, size
 
 __all__ = [
     "NCCL_TIMEOUT_MARKS",
@@ -72,6 +72,7 @@ class RankState:
     gone_at: float | None = None  # the same moment on the monotonic clock, for intervals
     exit_code: int | None = None  # N, or -SIG
     oom_killed: bool = False  # the kernel's OOM killer fired while it died
+    rss_peak: int | None = None  # the most host memory it was seen holding (sampled each second)
     armed: bool = False  # its stack dump handler is registered: it runs our bootstrap
     watchdog: dict[str, Any] | None = None  # NCCL's watchdog said it timed out: {time, line}
     blame: str | None = None  # what a desync verdict found it did ("left the cell after 7 ...")
@@ -132,7 +133,8 @@ class RankState:
         if self.exit_code == 0 and self.died_at is not None and self.done is None:
             return "exited with code 0 before finishing the cell (os._exit?)"
         if self.oom_killed and self.exit_code == -signal.SIGKILL:
-            return "killed by SIGKILL from the kernel's OOM killer (host memory)"
+            peak = f"; it peaked at {size(self.rss_peak)} resident" if self.rss_peak else ""
+            return f"killed by SIGKILL from the kernel's OOM killer (host memory{peak})"
         return describe_exit(self.exit_code)
 
     def label(self, teardown_at: float | None) -> str:

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from elastic_nb.common.report import oom_lines
 from elastic_nb.common.spec import JobSpec
 from elastic_nb.supervisor.forensics.collectives import CertainDesync, History
 from elastic_nb.supervisor.forensics.desync import Desync
@@ -111,7 +112,8 @@ def oom_alert(r: RankState) -> tuple[str, str]:
     title += f" at cell line {line}" if line else ""
     if facts:
         title += f" ({', '.join(facts)})"
-    text = "\n".join(x for x in (mem.get("summary"), mem.get("error"), OOM_HINT) if x)
+    found = "\n".join(oom_lines(mem))
+    text = "\n".join(x for x in (found, mem.get("summary"), mem.get("error"), OOM_HINT) if x)
     return title, text
 
 
@@ -125,7 +127,10 @@ class DesyncWatch:
     def __init__(self, collector: EvidenceCollector) -> None:
         self._collector = collector
         self._before: dict[int, History] = {}
-        self._looked = -LOOK_IDLE_S
+        # The first look is one interval after the watch starts: at its start every rank has just
+        # entered the cell, and a look then only delays the end of a cell that takes
+        # milliseconds (a session's `x = 1` waited 10 ms for it).
+        self._looked = time.monotonic()
         self._unconfirmed: dict[str, float] = {}  # findings a full look did not bear out, when
         self.last: Evidence | None = None  # the latest full look, whatever it found
 

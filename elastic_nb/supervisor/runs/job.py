@@ -60,6 +60,8 @@ from elastic_nb.supervisor.runs.reporter import Send
 
 __all__ = ["Job"]
 
+WATCH_S = 0.25  # the zombie watchdog and --hang-after look this often
+
 
 class Job(RankGroup):
     def __init__(
@@ -78,6 +80,7 @@ class Job(RankGroup):
         self._created_mono = time.monotonic()
         self._leftovers: list[dict[str, Any]] = []
         self._watchdog_fired = False  # the zombie watchdog stopped the agent
+        self._next_watch = 0.0  # monotonic: the watchdogs' next look
         self._collector = EvidenceCollector(node, self.rd, source)
         # Diagnoses: at most one per attempt at a time; a failure that comes while one is under
         # way waits for it.
@@ -149,8 +152,13 @@ class Job(RankGroup):
         # act on a failure at once.
         for r in self.book.new_failures(self.attempt):
             self.evaluate(r)
-        self._watch_agent()
-        self._watch_silence()
+        # The watchdogs' bounds are seconds: a look every WATCH_S (each reads the launcher's
+        # /proc entries) is all they need.
+        now = time.monotonic()
+        if now >= self._next_watch:
+            self._next_watch = now + WATCH_S
+            self._watch_agent()
+            self._watch_silence()
 
     async def _launcher_ended(self, outcome: tuple[str, str]) -> tuple[str, str]:
         # torchelastic gives up the moment a rank fails; a diagnosis under way (stacks taken
@@ -413,4 +421,5 @@ class Job(RankGroup):
             diagnosis=self.finding.record if self.finding else None,
             leftovers=self._leftovers,
             lines=self.tailer.lines_total(),
+            memory=self.memory.peaks.record(),
         )

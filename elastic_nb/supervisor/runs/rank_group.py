@@ -5,8 +5,8 @@ share, from the launcher's start to the kernel hearing the end:
 
 * start: a launcher from the node, given the group's run directory, spec and environment;
 * observe: the launcher's messages (each rank's start and exit), a watcher per rank (its node
-  says when it went, its records how), and a poll loop that tails the ranks' logs and flushes
-  the group's news to the kernel (at most every FLUSH_S);
+  says when it went, its records how), a poll loop that tails the ranks' logs and flushes the
+  group's news to the kernel (at most every FLUSH_S), and each rank's memory once a second;
 * end: once the group's outcome is decided, the teardown of every process of it, a wait for the
   launcher's last word, the summary, and the END message.
 
@@ -30,6 +30,7 @@ from elastic_nb.common.spec import JobSpec
 from elastic_nb.supervisor.forensics.watchdogs import Silence
 from elastic_nb.supervisor.processes.node import Node
 from elastic_nb.supervisor.ranks.log_tailer import LogTailer
+from elastic_nb.supervisor.ranks.memory_watch import SAMPLE_S, MemoryWatch
 from elastic_nb.supervisor.ranks.rank_book import RankBook
 from elastic_nb.supervisor.ranks.rank_state import NCCL_TIMEOUT_MARKS, TORCH_LOG_NOISE, RankState
 from elastic_nb.supervisor.runs import summary
@@ -41,6 +42,7 @@ log = logging.getLogger(__name__)
 
 POLL_S = 0.05  # log tail and record polling
 FLUSH_S = 0.1  # one update per group per flush: at most 10 messages a second
+CUDA_WAIT_S = 0.5  # for a rank's allocator figures (its probe thread answers in milliseconds)
 
 
 class RankGroup:
@@ -58,6 +60,7 @@ class RankGroup:
         self.report = Reporter(group_id, send)
         self.tailer = LogTailer(marks=NCCL_TIMEOUT_MARKS, noise=TORCH_LOG_NOISE)
         self.silence = Silence(last_activity=time.monotonic())  # --hang-after's clock
+        self.memory = MemoryWatch()
         self.teardown_at: float | None = None  # when ending the ranks began (our clock)
         self._outcome: tuple[str, str] | None = None
         self._decided = anyio.Event()
@@ -90,6 +93,19 @@ class RankGroup:
         """About the group, to whoever follows it."""
         self.report.alert(kind, severity, title, rank=rank)
 
+    def memory_now(self) -> dict[str, dict[str, Any]]:
+        """Each rank's latest memory sample, its peak and its growth per minute (host memory):
+        what %elastic status prints."""
+        a = self.attempt
+        return {
+            str(rank): {
+                "sample": s,
+                "rss_peak": self.memory.rss_peak(a, rank),
+                "growth": self.memory.growth(a, rank, "rss"),
+            }
+            for rank, s in sorted(self.memory.latest(a).items())
+        }
+
     def signal(self, ranks: list[RankState], sig: int) -> None:
         for r in ranks:
             self.node.signal(r, sig)
@@ -115,6 +131,7 @@ class RankGroup:
                 self._tg = tg
                 tg.start_soon(self._read_launcher)
                 tg.start_soon(self._poll_loop)
+                tg.start_soon(self._sample_memory)
                 self._start_tasks(tg)
                 await self._decided.wait()
                 # Rank watchers and the launcher reader keep running through the teardown, and
@@ -161,6 +178,7 @@ class RankGroup:
 
     def _on_start(self, attempt: int, rank: int, pid: int) -> None:
         if attempt > self.attempt:
+            self.memory.forget(self.attempt)
             self._new_attempt(attempt)
             self.attempt = attempt
         r = self.book.add(attempt, rank, pid, time.time())
@@ -179,6 +197,7 @@ class RankGroup:
         self.silence.activity(r.gone_at)
         kills, base = self.node.oom_kills(), self._oom_base  # None: no OOM count where it ran
         r.oom_killed = kills is not None and base is not None and kills > base
+        r.rss_peak = self.memory.rss_peak(r.attempt, r.rank)
         self.book.read_records(r)
         self.report.event("rank.exit", attempt=r.attempt, rank=r.rank, code=r.exit_code)
         self._rank_ended(r)
@@ -194,6 +213,46 @@ class RankGroup:
                 await self._flush()
                 next_flush = time.monotonic() + FLUSH_S
             await anyio.sleep(POLL_S)
+
+    async def _sample_memory(self) -> None:
+        """Each live rank's memory once a second, to the dashboard (batched into the next
+        update) and against its limits. Read by the node, at no cost to the ranks; a rank's
+        CUDA allocator is asked only where the node has GPUs."""
+        while True:
+            attempt = self.attempt
+            ranks = [r for r in self.book.of(attempt) if r.died_at is None and r.pid is not None]
+            if ranks:
+                reading = self.node.read_memory(ranks)
+                cuda = await self._cuda_memory(ranks) if reading.gpus else {}
+                t = time.time()
+                for r in ranks:
+                    sample = protocol.MemorySample(
+                        attempt=attempt,
+                        rank=r.rank,
+                        t=t,
+                        rss=reading.rss.get(r.rank),
+                        cuda=cuda.get(r.rank),
+                        gpu=reading.gpu.get(r.rank),
+                    )
+                    self.memory.add(sample)
+                    for report in self._memory_reports():
+                        report.memory(sample)
+                for rank, title in self.memory.alerts(attempt, reading.limit):
+                    self.alert("memory", "warning", title, rank=rank)
+            await anyio.sleep(SAMPLE_S)
+
+    async def _cuda_memory(self, ranks: list[RankState]) -> dict[int, protocol.CudaMemory | None]:
+        """Each rank's CUDA allocator figures, asked all at once (None: no CUDA in it yet)."""
+        out: dict[int, protocol.CudaMemory | None] = {}
+
+        async def ask(r: RankState) -> None:
+            answer = await self.node.probe(r, protocol.PROBE_MEMORY, CUDA_WAIT_S)
+            out[r.rank] = (answer or {}).get("cuda")
+
+        async with anyio.create_task_group() as tg:
+            for r in ranks:
+                tg.start_soon(ask, r)
+        return out
 
     async def _teardown(self) -> None:
         """Leave nothing behind: what the kind does first (`_before_teardown`), then SIGTERM,
@@ -274,6 +333,10 @@ class RankGroup:
 
     def _poll(self) -> None:
         """Each poll (every POLL_S)."""
+
+    def _memory_reports(self) -> list[Reporter]:
+        """Who is sent the ranks' memory samples."""
+        return [self.report]
 
     async def _flush(self) -> None:
         await self.report.flush(self.attempt, self.tailer)

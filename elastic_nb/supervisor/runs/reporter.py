@@ -37,6 +37,7 @@ class Reporter:
         self._events: TextIO | None = None
         self._ranks: dict[int, protocol.Chip] = {}
         self._alerts: list[protocol.Alert] = []
+        self._memory: list[protocol.MemorySample] = []
         self._state_dirty = True
         self.seq = 0  # of the latest message in `history`
         self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY)
@@ -77,6 +78,10 @@ class Reporter:
         self.recent_alerts.append(alert)
         self.event("alert", **alert)
 
+    def memory(self, sample: protocol.MemorySample) -> None:
+        """A rank's memory sample, for the next update."""
+        self._memory.append(sample)
+
     async def flush(self, attempt: int, tailer: LogTailer | None) -> None:
         """One UPDATE with what changed; the tailer's new lines too, if given one."""
         update = protocol.Update(kind=protocol.UPDATE, job=self.job_id)
@@ -88,6 +93,8 @@ class Reporter:
             self._ranks = {}
         if self._alerts:
             update["alerts"], self._alerts = self._alerts, []
+        if self._memory:
+            update["memory"], self._memory = self._memory, []
         logs = [b.record() for b in tailer.take()] if tailer is not None else []
         if logs:
             update["logs"] = logs

@@ -61,6 +61,7 @@ def summarize(
     diagnosis: dict[str, Any] | None,
     leftovers: list[dict[str, Any]],
     lines: int,
+    memory: dict[str, protocol.MemoryPeak],
 ) -> protocol.Summary:
     root = verdict.root
     failure = None
@@ -98,6 +99,7 @@ def summarize(
         leftovers=leftovers,
         result=rd.result(attempt).exists(),
         lines=lines,
+        memory=memory,
     )
 
 

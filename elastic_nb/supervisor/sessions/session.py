@@ -41,7 +41,7 @@ from elastic_nb.supervisor.ranks.rank_links import Link, RankLinks
 from elastic_nb.supervisor.ranks.rank_state import RankState
 from elastic_nb.supervisor.runs import summary
 from elastic_nb.supervisor.runs.rank_group import RankGroup
-from elastic_nb.supervisor.runs.reporter import Send
+from elastic_nb.supervisor.runs.reporter import Reporter, Send
 from elastic_nb.supervisor.sessions.followed import Followed
 from elastic_nb.supervisor.sessions.journal import Journal, cells
 from elastic_nb.supervisor.sessions.session_cell import SessionCell, failure_words
@@ -109,6 +109,9 @@ class Session(RankGroup):
             raise RuntimeError(f"session {self.id} has ended: {self._outcome[1]}")
         self.cells[cell.id] = cell
         self.followed.add(cell)
+        cell.peaks = self.memory.follow()
+        for sample in self.memory.recent(self.attempt):  # its dashboard's memory from the start
+            cell.report.memory(sample)
         self._in.send_nowait(cell)
 
     def stop_cell(self, cell_id: str, reason: str) -> None:
@@ -254,6 +257,9 @@ class Session(RankGroup):
         if cell is not None and cell.no is not None and cell.attempt == attempt:
             cell.on_watchdog(rank, line)
 
+    def _memory_reports(self) -> list[Reporter]:
+        return [c.report for c in self.followed.cells]
+
     async def _flush(self) -> None:
         await self.followed.flush(self.attempt, self.current)
         await self.report.flush(self.attempt, None)
@@ -385,6 +391,7 @@ class Session(RankGroup):
         ranks: list[RankState],
         teardown_at: float | None = None,
     ) -> None:
+        self.memory.unfollow(cell.peaks)
         logs = self.followed.conclude(cell, outcome, reason, ranks, teardown_at, self.current)
         self.task_group.start_soon(self.followed.end, cell, logs, self.attempt)
 
@@ -396,6 +403,7 @@ class Session(RankGroup):
             else:
                 why = ("stopped", f"the session ended before the cell ran: {reason}")
             ranks = cell.ranks(self.book.of(cell.attempt)) if cell.no is not None else []
+            self.memory.unfollow(cell.peaks)
             logs = self.followed.conclude(cell, *why, ranks, time.time(), self.current)
             await self.followed.end(cell, logs, self.attempt)
 

@@ -34,6 +34,7 @@ from elastic_nb.common.rundir import RunDir, read_json, write_json
 from elastic_nb.common.spec import TEARS_DOWN, JobSpec
 from elastic_nb.supervisor.forensics.verdict import Verdict, analyze
 from elastic_nb.supervisor.ranks.evidence import EvidenceCollector
+from elastic_nb.supervisor.ranks.memory_watch import Peaks
 from elastic_nb.supervisor.ranks.rank_state import RankState
 from elastic_nb.supervisor.runs import summary
 from elastic_nb.supervisor.runs.diagnosis import (
@@ -89,6 +90,7 @@ class SessionCell:
         self.attempt = 0
         self.finding: Finding | None = None  # a desync found while it ran
         self.restarted_to: int | None = None  # the session's attempt after the restart it brought
+        self.peaks = Peaks()  # its ranks' memory peaks while the kernel follows it
         self.watchdog: tuple[int, str, float] | None = None  # NCCL's timeout line: rank, line, when
         self._oom_told: set[int] = set()  # ranks whose CUDA OOM has had its alert
 
@@ -293,6 +295,7 @@ class SessionCell:
                 r.failure = read_json(self.rd.failure(self.attempt, s.rank))
             if s.died_at is not None and r.done is None and r.failure is None:
                 r.died_at, r.exit_code, r.oom_killed = s.died_at, s.exit_code, s.oom_killed
+                r.rss_peak = s.rss_peak
             out.append(r)
         return out
 
@@ -345,6 +348,7 @@ class SessionCell:
             diagnosis=self.finding.record if self.finding else None,
             leftovers=[],
             lines=lines,
+            memory=self.peaks.record(),
         )
         result["session"] = self.session_id
         if self.restarted_to is not None:

@@ -20,7 +20,9 @@ function fromSnapshot(snap) {
   d.tails ??= {};
   d.all ??= [];
   d.progress ??= {};
+  d.memory ??= {};
   d.limits ??= { tail: 1000, all: 2000, alerts: 100 };
+  d.limits.memory ??= 300;
   d.limits.tail_chars ??= Infinity;
   d.limits.all_chars ??= Infinity;
   d.alertsSeen = d.alerts.length; // ever received: the list itself drops the oldest
@@ -45,7 +47,11 @@ function apply(d, delta) {
   if (delta.seq <= d.seq) return false; // already in the snapshot this store started from
   d.seq = delta.seq;
   d.offset = Date.now() / 1000 - delta.now;
-  if (delta.header) Object.assign(d.header, delta.header);
+  if (delta.header) {
+    // A new attempt's ranks are new processes: their memory starts afresh (as in the kernel).
+    if (delta.header.attempt !== undefined && delta.header.attempt !== d.header.attempt) d.memory = {};
+    Object.assign(d.header, delta.header);
+  }
   if (delta.ranks) Object.assign(d.ranks, delta.ranks);
   if (delta.alerts) {
     d.alerts.push(...delta.alerts);
@@ -65,6 +71,12 @@ function apply(d, delta) {
   for (const [rank, bar] of Object.entries(delta.progress ?? {})) {
     if (bar === null) delete d.progress[rank];
     else d.progress[rank] = bar;
+  }
+  for (const [rank, m] of Object.entries(delta.memory ?? {})) {
+    const mine = (d.memory[rank] ??= { series: [], last: null });
+    mine.series.push(...m.samples);
+    trim(mine.series, d.limits.memory);
+    mine.last = m.last;
   }
   if (delta.summary) d.summary = delta.summary;
   return true;
@@ -144,6 +156,61 @@ function duration(s) {
   const h = Math.floor(m / 60);
   const ss = String(Math.floor(s % 60)).padStart(2, "0");
   return h ? `${h}:${String(m % 60).padStart(2, "0")}:${ss}` : `${m}:${ss}`;
+}
+
+function bytes(n) {
+  if (n === null || n === undefined) return "?";
+  if (n >= 2 ** 30) return `${(n / 2 ** 30).toFixed(1)} GiB`;
+  if (n >= 2 ** 20) return `${Math.round(n / 2 ** 20)} MiB`;
+  return `${Math.round(n / 2 ** 10)} KiB`;
+}
+
+// A rank's memory over its last minutes: host memory (a line) and GPU memory (a second line, if
+// it holds any), each scaled to its own range.
+const SPARK_W = 120;
+const SPARK_H = 22;
+function sparkline(series) {
+  if (series.length < 2) return "";
+  const t0 = series[0][0];
+  const span = Math.max(series.at(-1)[0] - t0, 1);
+  const line = (i, cls) => {
+    const points = series.filter((p) => p[i] !== null && p[i] !== undefined);
+    if (points.length < 2) return "";
+    const values = points.map((p) => p[i]);
+    const top = Math.max(...values);
+    // From its lowest point to its top, over at least a quarter of the top: growth shows,
+    // a few MiB of jitter does not fill the box.
+    const range = Math.max(top - Math.min(...values), top / 4) || 1;
+    const y = (v) => SPARK_H - 1 - ((v - (top - range)) / range) * (SPARK_H - 3);
+    const xy = points
+      .map((p) => `${(((p[0] - t0) / span) * SPARK_W).toFixed(1)},${y(p[i]).toFixed(1)}`)
+      .join(" ");
+    const x0 = (((points[0][0] - t0) / span) * SPARK_W).toFixed(1);
+    const x1 = (((points.at(-1)[0] - t0) / span) * SPARK_W).toFixed(1);
+    return `<polygon class="${cls} enb-spark-area" points="${x0},${SPARK_H} ${xy} ${x1},${SPARK_H}"/><polyline class="${cls}" points="${xy}"/>`;
+  };
+  return `<svg class="enb-spark" viewBox="0 0 ${SPARK_W} ${SPARK_H}" width="${SPARK_W}" height="${SPARK_H}" preserveAspectRatio="none">${line(1, "enb-spark-host")}${line(2, "enb-spark-gpu")}</svg>`;
+}
+
+// The chip's memory: its sparkline, the latest figures, and in its title the peaks it shows.
+function memoryChip(m) {
+  if (!m?.last) return "";
+  const last = m.last;
+  const device = last.gpu ?? null;
+  const cuda = last.cuda ?? null;
+  let figures = `${bytes(last.rss)} host`;
+  if (device) figures += ` · GPU ${device.index}: ${bytes(device.process)}`;
+  else if (cuda) figures += ` · GPU ${cuda.device}: ${bytes(cuda.reserved)}`;
+  const peak = (i) => Math.max(...m.series.map((p) => p[i] ?? 0));
+  const span = m.series.length > 1 ? m.series.at(-1)[0] - m.series[0][0] : 0;
+  const title = [
+    `host memory (RSS): ${bytes(last.rss)}, peak ${bytes(peak(1))} over the last ${duration(span)}`,
+    device ? `GPU ${device.index}: this rank ${bytes(device.process)} (NVML), the device ${bytes(device.used)} of ${bytes(device.total)}` : "",
+    cuda ? `torch's allocator: ${bytes(cuda.allocated)} allocated, ${bytes(cuda.reserved)} reserved, peak ${bytes(cuda.peak)} of ${bytes(cuda.total)}` : "",
+  ]
+    .filter(Boolean)
+    .join("\n");
+  return `<span class="enb-chip-mem" title="${esc(title)}">${sparkline(m.series)}<span class="enb-chip-mem-text">${esc(figures)}</span></span>`;
 }
 
 const RUNNING = new Set(["starting", "rendezvous", "running", "restarting"]);
@@ -228,7 +295,7 @@ class View {
   draw(delta) {
     const all = delta === null;
     this.drawHeader();
-    if (all || delta.ranks || delta.lines || delta.progress || delta.header) this.drawChips();
+    if (all || delta.ranks || delta.lines || delta.progress || delta.header || delta.memory) this.drawChips();
     if (all || delta.alerts) this.drawAlerts(all);
     if (all || delta.attempts) this.drawAttempts();
     if (all || delta.ranks) this.drawTabs();
@@ -290,7 +357,7 @@ class View {
         return `<div class="enb-chip enb-s-${esc(c.state)}" data-rank="${esc(r)}" title="${esc(title)}">
           <span class="enb-chip-rank">rank ${esc(r)}</span>
           <span class="enb-chip-label">${esc(c.label ?? c.state)}</span>
-          <span class="enb-chip-last">${esc(last)}</span></div>`;
+          <span class="enb-chip-last">${esc(last)}</span>${memoryChip(this.data.memory[r])}</div>`;
       })
       .join("");
   }

@@ -262,6 +262,16 @@ checkpoint.save(3, model, opt, extra=extra, directory=url)
 model, opt = build(2)
 step = checkpoint.load(model, opt, directory=url)
 emit("url", {"step": step, "params": flat(model), "draws": draws()})
+
+# keep=2 keeps the two newest steps; a step before the newest is refused (it would never load).
+for step in (4, 5, 6):
+    checkpoint.save(step, model, opt, keep=2, directory=DIRECTORY)
+try:
+    checkpoint.save(5, model, opt, directory=DIRECTORY)
+    refused = None
+except ValueError as e:
+    refused = str(e)
+emit("kept", {"steps": checkpoint.Checkpoints(DIRECTORY).steps(), "listing": listing(DIRECTORY), "refused": refused})
 """
 
 
@@ -284,9 +294,13 @@ def test_round_trip_brings_back_model_optimizer_step_rng_and_extras(
     # each rank got its own RNG states back, not rank 0's
     assert loaded[0]["draws"] != loaded[1]["draws"]
     assert saved[0]["optim"], "Adam's state was saved"
-    (step_dir,) = [p for p in ckpt.iterdir() if p.name.startswith("step-")]
-    assert step_dir.name.startswith("step-000000000003-")
-    assert (step_dir / "COMMITTED").exists() and (step_dir / ".metadata").exists()
+    kept = emitted(tmp_path, "kept", 2)
+    for rank in range(2):
+        assert kept[rank]["steps"] == [5, 6]
+        assert [n.split("-")[1] for n in kept[rank]["listing"]] == ["000000000005", "000000000006"]
+        assert "step 5 is before the newest step" in kept[rank]["refused"]
+    step_dir = Path(records(tmp_path)[0]["path"])
+    assert step_dir.parent == ckpt and step_dir.name.startswith("step-000000000003-")
     (url_step,) = url_dir.iterdir()
     assert url_step.name.startswith("step-000000000003-") and (url_step / "COMMITTED").exists()
 
@@ -593,9 +607,14 @@ loaded = ckpt.load(fresh, fresh_opt)
 emit("gated", {"opened": opened, "loaded": loaded, "is_snapshot": same(fresh, snapshot),
                "moved": not same(model, snapshot)})
 
+# The next save waits for the one in flight: when save(3) returns, step 2 is committed.
+ckpt.save(2, model, opt, async_save=True)
+ckpt.save(3, model, opt, async_save=True)
+two = [n for n in os.listdir(os.environ["CKPT"]) if n.startswith("step-000000000002-")]
+emit("next", {"two_committed": bool(two) and os.path.exists(os.path.join(os.environ["CKPT"], two[0], "COMMITTED"))})
+
 # Ungated: the steps training does while the whole state is written. Every rank steps as long
 # as any rank's save is in flight (DDP needs the same number of steps on every rank).
-ckpt.save(2, model, opt, async_save=True)
 steps = 0
 while True:
     saving = torch.tensor([int(ckpt.in_flight)])
@@ -616,7 +635,8 @@ def test_async_save_lets_training_go_on_while_it_writes(launcher: Launcher, tmp_
         assert seen["loaded"] == 1 and seen["moved"], rank
         assert seen["is_snapshot"], f"rank {rank}: step 1 holds a later state than save(1)'s"
     saves = [r for r in records(tmp_path) if r["event"] == "saved"]
-    assert [(r["step"], r["async"]) for r in saves] == [(1, True), (2, True)]
+    assert [(r["step"], r["async"]) for r in saves] == [(1, True), (2, True), (3, True)]
+    assert [seen["two_committed"] for seen in emitted(tmp_path, "next", 2)] == [True, True]
     for r in saves:
         assert r["overlapped_s"] > 0 and r["blocked_s"] + r["overlapped_s"] == pytest.approx(
             r["seconds"]
@@ -624,6 +644,6 @@ def test_async_save_lets_training_go_on_while_it_writes(launcher: Launcher, tmp_
         assert r["bytes"] > 250e6
     free = emitted(tmp_path, "free", 2)
     print(
-        f"async save of {saves[1]['bytes'] / 1e6:.0f} MB: {saves[1]['blocked_s']:.2f} s blocked, "
-        f"{saves[1]['overlapped_s']:.2f} s beside training, {free[0]['steps']} steps meanwhile"
+        f"async save of {saves[2]['bytes'] / 1e6:.0f} MB: {saves[2]['blocked_s']:.2f} s blocked, "
+        f"{saves[2]['overlapped_s']:.2f} s beside training, {free[0]['steps']} steps meanwhile"
     )

@@ -625,6 +625,18 @@ while True:
     steps += 1
 ckpt.wait()
 emit("free", {"steps": steps})
+
+# The script ends with a save in flight, its write held until the process is exiting (a
+# multiprocessing finalizer, as a forked rank runs them before os._exit): it is finished first.
+from multiprocessing import util
+
+exiting = threading.Event()
+def held(*args, **kwargs):
+    exiting.wait(timeout=60)
+    return write_item(*args, **kwargs)
+dcp_files._write_item = held
+ckpt.save(4, model, opt, async_save=True)
+util.Finalize(None, exiting.set, exitpriority=100)
 """
 
 
@@ -635,7 +647,7 @@ def test_async_save_lets_training_go_on_while_it_writes(launcher: Launcher, tmp_
         assert seen["loaded"] == 1 and seen["moved"], rank
         assert seen["is_snapshot"], f"rank {rank}: step 1 holds a later state than save(1)'s"
     saves = [r for r in records(tmp_path) if r["event"] == "saved"]
-    assert [(r["step"], r["async"]) for r in saves] == [(1, True), (2, True), (3, True)]
+    assert [(r["step"], r["async"]) for r in saves] == [(s, True) for s in (1, 2, 3, 4)]
     assert [seen["two_committed"] for seen in emitted(tmp_path, "next", 2)] == [True, True]
     for r in saves:
         assert r["overlapped_s"] > 0 and r["blocked_s"] + r["overlapped_s"] == pytest.approx(

@@ -137,6 +137,7 @@ class Checkpoints:
         keep: int | None = 3,
         async_save: bool = False,
         rng: bool = True,
+        fsync: bool = False,
     ) -> None:
         """Save `step` from every rank: the model, the optimizer, `extra` (small picklable values
         such as the epoch or the sampler's position, taken from rank 0) and every rank's RNG
@@ -144,7 +145,11 @@ class Checkpoints:
         steps are removed (None keeps all).
 
         With `async_save`, the state is copied to memory and written by a thread while training
-        goes on; `wait()` (or the next save or load) waits for it and raises its error."""
+        goes on; `wait()` (or the next save or load) waits for it and raises its error.
+
+        A committed step survives the death of any process (the kernel holds what was written,
+        as it holds a file torch.save wrote). With `fsync`, every file is on disk before the step
+        counts, so it also survives the machine losing power (P14 measures the cost)."""
         if step < 0 or (keep is not None and keep < 1):
             raise ValueError(f"step must be >= 0 and keep >= 1 or None (got {step}, {keep})")
         self.wait()
@@ -156,17 +161,21 @@ class Checkpoints:
         if not layout.shared:
             self._refuse_sharded(model_state, layout)
         leader = ranks.rank == layout.leader
-        newest = None
+        # What could fail on one rank alone travels in the gather below, so that every rank
+        # raises instead of the others waiting there for it.
+        mine: dict[str, Any] = {"rng": rng_state() if rng else None, "newest": None}
         if leader:
-            self._dir.clean()
-            committed = self._dir.committed()
-            newest = committed[-1][0] if committed else None
-        mine: dict[str, Any] = {"rng": rng_state() if rng else None, "newest": newest}
+            mine.update(self._newest())
         if ranks.rank == 0:
-            mine.update(extra=dict(extra or {}), nonce=secrets.token_hex(4))
+            mine["nonce"] = secrets.token_hex(4)
+            try:
+                mine["extra"] = pickle.dumps(dict(extra or {}))
+            except Exception as e:
+                mine["error"] = f"extra= cannot be saved: {type(e).__name__}: {e}"
         # Also the barrier between the leaders' cleaning above and anyone's writing below.
         everyone = ranks.all_gather(mine)
-        newest = max((e["newest"] for e in everyone if e["newest"] is not None), default=None)
+        _raise_any(everyone)
+        newest = max((e["newest"][0] for e in everyone if e["newest"]), default=None)
         if newest is not None and step < newest:
             raise ValueError(
                 f"elastic_nb.checkpoint: step {step} is before the newest step saved in "
@@ -175,14 +184,14 @@ class Checkpoints:
             )
         meta = {
             "step": step,
-            "extra": everyone[0]["extra"],
+            "extra": pickle.loads(everyone[0]["extra"]),
             "rng": [e["rng"] for e in everyone],
             "world_size": ranks.world,
         }
         state = {"model": model_state, "optim": optim_state, _META: pickle.dumps(meta)}
         name = step_name(step, everyone[0]["nonce"])
         path = self._dir.path(name)
-        commit = Commit(self._dir, ranks, layout, step, name, started, async_save, keep)
+        commit = Commit(self._dir, ranks, layout, step, name, started, async_save, keep, fsync)
         # Shared: every rank writes its part through DCP's collectives. A directory per node:
         # each node's leader writes a whole copy alone (the state is replicated: checked above).
         kwargs: dict[str, Any] | None = None
@@ -195,10 +204,12 @@ class Checkpoints:
         import torch.distributed.checkpoint as dcp
 
         error: BaseException | None = None
+        url = self._dir.fs is not None
         if not async_save:
             if kwargs is not None:
                 try:
-                    dcp.save(state, checkpoint_id=path, **kwargs)
+                    writer = _writer(path, url=url, fsync=fsync, background=False)
+                    dcp.save(state, storage_writer=writer, **kwargs)
                 except Exception as e:
                     error = e  # still to the commit: the other ranks wait there for this one
             commit(error)
@@ -208,8 +219,7 @@ class Checkpoints:
             try:
                 response = dcp.async_save(
                     state,
-                    checkpoint_id=path,
-                    storage_writer=None if self._dir.fs is not None else _background_writer(path),
+                    storage_writer=_writer(path, url=url, fsync=fsync, background=True),
                     async_stager=self._async_stager(),
                     **kwargs,
                 )
@@ -219,6 +229,9 @@ class Checkpoints:
                 error = e
         commit.returned = time.time()
         if self._thread is None:
+            # Not a daemon: a rank that exits with a save in flight finishes it first (the
+            # interpreter's exit, and multiprocessing's for a forked rank (process.py, _bootstrap),
+            # join it in threading._shutdown).
             self._thread = ThreadPoolExecutor(1, thread_name_prefix="elastic_nb-checkpoint")
         self._pending = self._thread.submit(commit.after, upload, error)
 
@@ -238,13 +251,9 @@ class Checkpoints:
         self.wait()
         started = time.time()
         ranks, layout = self._prepare()
-        newest = None
-        if ranks.rank == layout.leader:
-            self._dir.clean()
-            committed = self._dir.committed()
-            newest = committed[-1] if committed else None
-        everyone = ranks.all_gather(newest)
-        held = [(e[0], r) for r, e in enumerate(everyone) if e is not None]
+        everyone = ranks.all_gather(self._newest() if ranks.rank == layout.leader else {})
+        _raise_any(everyone)
+        held = [(e["newest"][0], r) for r, e in enumerate(everyone) if e.get("newest")]
         if not held:
             if ranks.rank == 0:
                 record(
@@ -261,7 +270,7 @@ class Checkpoints:
         # The ranks agree on the newest step, and read it from the lowest rank that holds it.
         step = max(s for s, _ in held)
         src = min(r for s, r in held if s == step)
-        _, name, marker = everyone[src]
+        _, name, marker = everyone[src]["newest"]
         path = self._dir.path(name)
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -333,6 +342,15 @@ class Checkpoints:
                 self._thread.shutdown(wait=True)
                 self._thread = None
 
+    def _newest(self) -> dict[str, Any]:
+        """A leader's word before a save or a load: its newest committed step after tidying, or
+        why it could not list them."""
+        try:
+            committed = self._dir.tidy()
+        except OSError as e:
+            return {"error": f"cannot list {self.directory}: {e}"}
+        return {"newest": committed[-1] if committed else None}
+
     def _prepare(self) -> tuple[Ranks, Layout]:
         ranks = Ranks()
         if self._layout is None or self._layout[0] is not ranks.group:
@@ -365,6 +383,12 @@ class Checkpoints:
         return self._stager
 
 
+def _raise_any(everyone: list[dict[str, Any]]) -> None:
+    errors = [f"rank {r}: {e['error']}" for r, e in enumerate(everyone) if e.get("error")]
+    if errors:
+        raise RuntimeError("elastic_nb.checkpoint: " + "; ".join(errors))
+
+
 def _optimizers(optimizer: Optimizers) -> Any:
     return () if optimizer is None else optimizer
 
@@ -380,25 +404,31 @@ def _quiet_no_dist() -> None:
     )
 
 
-_WRITER: Any = None
+_BACKGROUND: dict[type, type] = {}
 
 
-def _background_writer(path: str) -> Any:
-    """DCP's FileSystemWriter, whose writing yields the CPU to training. DCP calls write_data in
-    the upload thread it starts for each async_save and ends after it (_async_thread_executor.py),
+def _writer(path: str, *, url: bool, fsync: bool, background: bool) -> Any:
+    """DCP's writer for `path` (FsspecWriter for a URL, as DCP's own _storage_utils.py picks).
+    `background`: one whose writing yields the CPU to training. DCP calls write_data in the
+    upload thread it starts for each async_save and ends after it (_async_thread_executor.py),
     so the nice value set there reaches no other thread."""
-    global _WRITER
-    if _WRITER is None:
-        from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint import FileSystemWriter
 
-        class BackgroundWriter(FileSystemWriter):
+    base: type = FileSystemWriter
+    if url:
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+        base = FsspecWriter
+    if background and base not in _BACKGROUND:
+
+        class BackgroundWriter(base):  # type: ignore[valid-type,misc]
             def write_data(self, plan: Any, planner: Any) -> Any:
                 with contextlib.suppress(OSError, AttributeError):  # per thread on Linux
                     os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _WRITER_NICE)
                 return super().write_data(plan, planner)
 
-        _WRITER = BackgroundWriter
-    return _WRITER(path)
+        _BACKGROUND[base] = BackgroundWriter
+    return (_BACKGROUND[base] if background else base)(path, sync_files=fsync)
 
 
 # The module-level functions: one Checkpoints per directory, per process.
@@ -421,11 +451,12 @@ def save(
     keep: int | None = 3,
     async_save: bool = False,
     rng: bool = True,
+    fsync: bool = False,
     directory: str | os.PathLike[str] | None = None,
 ) -> None:
     """`Checkpoints(directory).save(...)`; the default directory is one per notebook."""
     _checkpoints(directory).save(
-        step, model, optimizer, extra=extra, keep=keep, async_save=async_save, rng=rng
+        step, model, optimizer, extra=extra, keep=keep, async_save=async_save, rng=rng, fsync=fsync
     )
 
 

@@ -52,6 +52,7 @@ class Commit:
     started: float  # when save() was called (time.time())
     async_save: bool
     keep: int | None
+    fsync: bool
     returned: float | None = None  # when save() gave control back to training (async)
 
     def after(self, upload: Future[Any] | None, error: BaseException | None) -> None:
@@ -87,7 +88,7 @@ class Commit:
                 size = self.directory.size(self.name)
                 marker = {"step": self.step, "time": committed, "bytes": size}
                 marker.update(world_size=self.ranks.world, shared=self.layout.shared)
-                self.directory.commit(self.name, marker)
+                self.directory.commit(self.name, marker, fsync=self.fsync)
                 self.directory.clean(self.keep)
             except OSError as e:
                 failed = e

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 import secrets
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
     from elastic_nb.checkpoint.ranks import Ranks
 
 COMMITTED = "COMMITTED"
+log = logging.getLogger("elastic_nb.checkpoint")
 _STEP = re.compile(r"^step-(\d+)-([0-9a-f]+)$")
 _PROBE = ".probe-"
 
@@ -76,8 +78,17 @@ class Directory:
         found.sort(key=lambda e: (e[0], e[2].get("time", 0.0)))
         return found
 
-    def commit(self, name: str, marker: dict[str, Any]) -> None:
-        self._write(self.path(name, COMMITTED), json.dumps(marker).encode())
+    def tidy(self) -> list[tuple[int, str, dict[str, Any]]]:
+        """`clean()`, then the committed steps: what a leader does before a save or a load. A
+        failure to remove is only logged (the next tidy tries again); one to list is raised."""
+        try:
+            self.clean()
+        except OSError as e:
+            log.warning("elastic_nb.checkpoint: could not clean %s: %s", self.root, e)
+        return self.committed()
+
+    def commit(self, name: str, marker: dict[str, Any], *, fsync: bool) -> None:
+        self._write(self.path(name, COMMITTED), json.dumps(marker).encode(), fsync=fsync)
 
     def clean(self, keep: int | None = None) -> None:
         """Remove what no load may read (uncommitted steps, an older copy of a step saved again,
@@ -171,18 +182,25 @@ class Directory:
         except FileNotFoundError:
             return []
 
-    def _write(self, path: str, data: bytes) -> None:
+    def _write(self, path: str, data: bytes, *, fsync: bool = False) -> None:
         """All or nothing: a reader never sees half of it (a rename here; one PUT on an object
-        store)."""
+        store). `fsync`: on disk, the rename included, before this returns."""
         if self.fs is not None:
             self.fs.pipe_file(path, data)
             return
         tmp = f"{path}.tmp-{secrets.token_hex(4)}"
         with open(tmp, "wb") as f:
             f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
         os.replace(tmp, path)
+        if fsync:
+            folder = os.open(os.path.dirname(path), os.O_RDONLY)
+            try:
+                os.fsync(folder)
+            finally:
+                os.close(folder)
 
     def _read(self, path: str) -> bytes | None:
         try:

@@ -404,6 +404,9 @@ def test_a_rank_killed_mid_save_leaves_the_previous_step_loadable(
             assert [n for n in after if n.startswith("step-")] == [
                 n for n in after if n.startswith("step-000000000001-")
             ], f"the half-written step 2 is left behind (attempt {attempt}): {after}"
+    # and when the run is over, nothing of either step 2 is left, nor anything being removed
+    (step1,) = [n for n in emitted(tmp_path, "attempt2", 2)[0]["after"] if n.startswith("step-")]
+    assert os.listdir(tmp_path / "ckpt") == [step1]
     # The step-2 directory rank 0's death left had everything DCP needs to load it, but no
     # COMMITTED: only the marker kept it from being loaded.
     before = emitted(tmp_path, "attempt1", 2)[0]["before"]

@@ -281,6 +281,8 @@ class Checkpoints:
         import torch.distributed.checkpoint as dcp
 
         if layout.shared:
+            if ranks.group is None:
+                _quiet_no_dist()
             dcp.load(
                 state, checkpoint_id=path, process_group=ranks.group, no_dist=ranks.group is None
             )

@@ -4,6 +4,7 @@ a probe, never assumed), and its steps: which are committed, what is removed, wh
     step-000000001200-3f9a1c2e/   a DCP checkpoint (.metadata, __R_0.distcp, ...) and COMMITTED
     step-000000001300-77b0e4d1/   no COMMITTED: being written, or left by a rank that died; never
                                   loaded, and removed by the next save or load
+    .removing-<token>-step-.../   a step being removed (one beyond keep, or uncommitted)
     .probe-<rank>-<token>         a probe's file, there for the moment of the probe
 
 A step's directory carries a random suffix: saving a step again (after a failure, or a step a
@@ -19,6 +20,7 @@ import os
 import re
 import secrets
 import shutil
+import threading
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -30,6 +32,9 @@ COMMITTED = "COMMITTED"
 log = logging.getLogger("elastic_nb.checkpoint")
 _STEP = re.compile(r"^step-(\d+)-([0-9a-f]+)$")
 _PROBE = ".probe-"
+_REMOVING = ".removing-"
+# What this process's threads are removing (_REMOVING directories), so that clean() leaves them.
+_BEING_REMOVED: set[str] = set()
 
 
 def step_name(step: int, nonce: str) -> str:
@@ -102,15 +107,33 @@ class Directory:
             if _STEP.match(name) and name not in kept:
                 self._remove(self.path(name, COMMITTED))
                 self.remove_step(name)
+            elif name.startswith(_REMOVING) and self.path(name) not in _BEING_REMOVED:
+                self.remove_step(name)  # what a process that died while removing it left
             elif name.startswith(_PROBE):
                 self._remove(self.path(name))
 
     def remove_step(self, name: str) -> None:
+        """Remove an uncommitted step. On a local disk its directory is renamed away at once and
+        its files removed by a thread: unlinking a GB-sized step took 0.2 s of a 1.5 s save here
+        (P14). A URL's files are removed here (a rename copies on an object store)."""
         if self.fs is not None:
             with contextlib.suppress(FileNotFoundError):
                 self.fs.rm(self.path(name), recursive=True)
-        else:
-            shutil.rmtree(self.path(name), ignore_errors=True)
+            return
+        doomed = self.path(f"{_REMOVING}{secrets.token_hex(4)}-{name}")
+        try:
+            os.rename(self.path(name), doomed)
+        except FileNotFoundError:
+            return
+        _BEING_REMOVED.add(doomed)
+
+        def remove() -> None:
+            shutil.rmtree(doomed, ignore_errors=True)
+            _BEING_REMOVED.discard(doomed)
+
+        # Not a daemon: a process that ends meanwhile finishes it first (Python joins it at
+        # exit); one killed leaves the rest to the next clean().
+        threading.Thread(target=remove, name="elastic_nb-checkpoint-rm").start()
 
     def size(self, name: str) -> int:
         if self.fs is not None:

@@ -77,7 +77,9 @@ _META = "elastic_nb"
 # The nice value of the thread that writes an async save. Where training keeps every core busy,
 # Linux's scheduler gives a nice-10 thread about a tenth of a core it shares with a nice-0 one
 # (weights 110 and 1024): training slows by about that much and the write still makes progress;
-# where cores are idle (training on GPUs), the write runs at full speed.
+# where cores are idle (training on GPUs), the write runs at full speed. Measured here (2 ranks on
+# 2 cores, 100M parameters, steps while 1.2 GB are written): nice 0 slowed the step 1.40x, nice
+# 10 1.15x, nice 19 1.27x (a writer that starved while holding the GIL held training up).
 _WRITER_NICE = 10
 
 

@@ -19,6 +19,7 @@ import argparse
 import itertools
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -156,8 +157,13 @@ def main() -> None:
     out = os.path.join(tmp, "result.json")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "BENCH_TMP": tmp}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    subprocess.run([*cmd, __file__, "--runs", str(args.runs), "--worker", out], env=env, check=True)
-    r = json.loads(Path(out).read_text())
+    try:
+        subprocess.run(
+            [*cmd, __file__, "--runs", str(args.runs), "--worker", out], env=env, check=True
+        )
+        r = json.loads(Path(out).read_text())
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # GBs of checkpoints
     print(
         f"{r['params'][0] / 1e6:.1f}M parameters + Adam: {r['bytes_ours'][0] / 1e9:.2f} GB "
         f"(elastic_nb), {r['bytes_torch'][0] / 1e9:.2f} GB (torch.save); 2 ranks, gloo, "

@@ -25,6 +25,7 @@ BENCHMARKS = [
     "throughput.py",
     "quickstart.py",
     "session.py",
+    "checkpoint.py",
 ]
 _BLOCK = re.compile(r"(<!-- results -->\n).*?(<!-- /results -->)", re.S)
 

@@ -35,14 +35,17 @@ def lab(tmp_path_factory: pytest.TempPathFactory, cache_home: Path) -> Iterator[
     yield from serve(tmp_path_factory, cache_home, "lab")
 
 
-def test_rank_chips_appear_while_the_cell_runs(page: Any, lab: LabServer) -> None:
+def test_rank_chips_appear_while_the_cell_runs(page: Any, lab: LabServer, tmp_path: Path) -> None:
     nb = open_notebook(
         page,
         lab,
         "running.ipynb",
         [
-            "%%elastic --nproc 2\n"
-            "import os, time\n"
+            f"%%elastic --nproc 2 --env ELASTIC_NB_CHECKPOINT_DIR={tmp_path}\n"
+            "import os, time, torch, torch.distributed as dist\n"
+            "from elastic_nb import checkpoint\n"
+            "dist.init_process_group()\n"
+            "checkpoint.save(3, torch.nn.Linear(2, 2))\n"
             "held = []\n"
             "for step in range(10_000):\n"
             "    print(f'rank {os.environ[\"RANK\"]} step {step}', flush=True)\n"
@@ -60,6 +63,10 @@ def test_rank_chips_appear_while_the_cell_runs(page: Any, lab: LabServer) -> Non
         )
         expect(chip).to_have_class(has_class("enb-s-running"))
     expect(dash.locator(".enb-chip")).to_have_count(2)
+    # The header names the latest checkpoint, its age and size.
+    expect(dash.locator(".enb-checkpoint")).to_have_text(
+        re.compile(r"^checkpoint: step 3 · [\d.]+ s ago · \d+ KiB$")
+    )
     # Each chip draws its rank's memory: a sparkline of its samples (one a second) and the
     # latest figure; rank 1's climbs.
     for r in (0, 1):

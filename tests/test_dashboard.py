@@ -386,3 +386,19 @@ def _wait(predicate: Any) -> None:
     from tests.kernel import wait_for
 
     assert wait_for(predicate, timeout=5)
+
+
+def test_the_header_keeps_the_latest_checkpoint(tmp_path: Path) -> None:
+    from elastic_nb.kernel.dashboard.model import DashboardState
+
+    dash = DashboardState("cafe0001", str(tmp_path), job_spec({"nproc": 2}))
+    assert dash.snapshot()["header"]["checkpoint"] is None
+    saved = [
+        {"event": "saved", "step": step, "time": 1.0, "bytes": 10, "seconds": 0.5}
+        for step in (100, 150, 200)
+    ]
+    dash.apply({"checkpoints": saved[:2]})
+    dash.apply({"checkpoints": saved[2:]})
+    delta = dash.take_delta()
+    assert delta is not None and delta["header"]["checkpoint"]["step"] == 200
+    assert dash.snapshot()["header"]["checkpoint"]["step"] == 200

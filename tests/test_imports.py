@@ -104,6 +104,7 @@ WALLS = {
     "launcher": {"common", "rank"},
     "supervisor": {"common"},
     "server": {"common"},
+    "checkpoint": {"common"},  # the cells' API, run in the ranks
 }
 # Inside the supervisor: pure judgements import no part that does I/O; the parts that own
 # processes and learn from ranks do not know jobs or sessions; the service knows everything.

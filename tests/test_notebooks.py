@@ -204,11 +204,21 @@ def test_elastic_restarts_and_checkpoints(tmp_path: Path) -> None:
         assert f"[rank {rank}] attempt 1: the all_reduce gives 2.0" in once
     assert re.search(r"job [0-9a-f]{8} succeeded · 2 ranks · restarts 1/2", once)
     assert "Out: 1" in once
-    # The checkpoint: attempt 1 resumes from step 9's, and the history is whole.
-    ckpt = cell_output(out, nb, "%%elastic --nproc 2 --max-restarts 1 --push ckpt_dir")
-    assert "attempt 0 failed: rank 1 RuntimeError: rank 1 lost its device at step 12 (once)" in ckpt
+    # The checkpoint: attempt 1 resumes from step 9's, says what the failure cost, and the
+    # history (the checkpoint's extra) is whole.
+    ckpt = cell_output(out, nb, "%%elastic --nproc 2 --max-restarts 1 --env ELASTIC_NB_CHECKPOINT")
+    assert "[elastic_nb] checkpoint saved: step 4 (" in ckpt
+    assert "[elastic_nb] checkpoint saved: step 9 (" in ckpt
+    assert re.search(
+        r"attempt 0 failed: rank 1 RuntimeError: rank 1 lost its device at step 12 \(once\) "
+        r"\(cell line 22\); restarting as attempt 1 \(restart 1/1\); the last checkpoint is step "
+        r"9, saved [\d.]+ s before rank 1 failed \(about [\d.]+ s of work to redo\)",
+        ckpt,
+    ), ckpt
+    assert re.search(r"resumed from step 9, saved [\d.]+ s before rank 1 failed: about", ckpt)
     for rank in range(2):
-        assert f"[rank {rank}] attempt 1: resumed from the checkpoint of step 9" in ckpt
+        assert f"[rank {rank}] attempt 0: starts at step 0" in ckpt
+        assert f"[rank {rank}] attempt 1: starts at step 10" in ckpt
         assert f"[rank {rank}] rank {rank}: attempt 1 trained steps 10 to 19" in ckpt
     assert re.search(r"job [0-9a-f]{8} succeeded · 2 ranks · restarts 1/1", ckpt)
     assert re.search(r"20 losses, from [0-9.]+ at step 0 to [0-9.]+ at step 19", out)

@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 from elastic_nb.checkpoint.commit import RECORD_FILE, RUN_DIR_ENV, Commit, record
 from elastic_nb.checkpoint.directory import Directory, Layout, step_name
 from elastic_nb.checkpoint.ranks import Ranks, rng_state, set_rng_state, sharded
+from elastic_nb.common.spec import CHECKPOINT_DIR_ENV
 
 if TYPE_CHECKING:
     import torch
@@ -68,8 +69,9 @@ __all__ = [
     "wait",
 ]
 
-# Overrides the default directory of every rank it is given to (e.g. `--env` on the magic).
-DIRECTORY_ENV = "ELASTIC_NB_CHECKPOINT_DIR"
+# Overrides the default directory of every rank it is given to (`--env` on the magic, or the
+# kernel's own environment).
+DIRECTORY_ENV = CHECKPOINT_DIR_ENV
 # Our own values (the step, extra, every rank's RNG) travel in DCP's state dict as one pickled
 # bytes value: DCP flattens nested dicts into keys, and a load must name every key it reads
 # before it knows how many ranks saved RNG states.
@@ -216,7 +218,7 @@ class Checkpoints:
                     error = e  # still to the commit: the other ranks wait there for this one
             commit(error)
             return
-        upload: Future[Any] | None = None
+        upload: Any = None  # DCP's Future (an AsyncSaveResponse only with async staging)
         if kwargs is not None:
             try:
                 response = dcp.async_save(
@@ -225,7 +227,6 @@ class Checkpoints:
                     async_stager=self._async_stager(),
                     **kwargs,
                 )
-                # An AsyncSaveResponse only with asynchronous staging, which ours does not ask for.
                 upload = getattr(response, "upload_completion", response)
             except Exception as e:
                 error = e
@@ -270,7 +271,7 @@ class Checkpoints:
                 )
             return None
         # The ranks agree on the newest step, and read it from the lowest rank that holds it.
-        step = max(s for s, _ in held)
+        step = int(max(s for s, _ in held))
         src = min(r for s, r in held if s == step)
         _, name, marker = everyone[src]["newest"]
         path = self._dir.path(name)
@@ -425,7 +426,7 @@ def _writer(path: str, *, url: bool, fsync: bool, background: bool) -> Any:
         base = FsspecWriter
     if background and base not in _BACKGROUND:
 
-        class BackgroundWriter(base):  # type: ignore[valid-type,misc]
+        class BackgroundWriter(base):
             def write_data(self, plan: Any, planner: Any) -> Any:
                 with contextlib.suppress(OSError, AttributeError):  # per thread on Linux
                     os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _WRITER_NICE)

@@ -19,11 +19,10 @@ from typing import Any
 
 from elastic_nb.checkpoint.directory import Directory, Layout
 from elastic_nb.checkpoint.ranks import Ranks
+from elastic_nb.common.rundir import CHECKPOINTS as RECORD_FILE
+from elastic_nb.common.rundir import RUN_DIR_ENV
 
-RECORD_FILE = "checkpoints.jsonl"
-RUN_DIR_ENV = "ELASTIC_NB_RUN_DIR"
-
-log = logging.getLogger("elastic_nb.checkpoint")
+log = logging.getLogger(__name__)
 
 
 def record(event: dict[str, Any]) -> None:

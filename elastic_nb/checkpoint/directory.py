@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from elastic_nb.checkpoint.ranks import Ranks
 
 COMMITTED = "COMMITTED"
-log = logging.getLogger("elastic_nb.checkpoint")
+log = logging.getLogger(__name__)
 _STEP = re.compile(r"^step-(\d+)-([0-9a-f]+)$")
 _PROBE = ".probe-"
 _REMOVING = ".removing-"
@@ -228,7 +228,7 @@ class Directory:
     def _read(self, path: str) -> bytes | None:
         try:
             if self.fs is not None:
-                return self.fs.cat_file(path)
+                return bytes(self.fs.cat_file(path))
             with open(path, "rb") as f:
                 return f.read()
         except (FileNotFoundError, NotADirectoryError):

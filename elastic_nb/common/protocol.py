@@ -326,6 +326,7 @@ class Summary(TypedDict):
     lines: int
     session: str | None  # the session whose ranks ran the cell (%elastic up), if one
     memory: dict[str, MemoryPeak]  # rank -> its peaks, as sampled each second
+    checkpoint: dict[str, Any] | None  # the latest saved (its record), words on what a failure cost
 
 
 def summary(job: str, outcome: str, reason: str, **known: Any) -> Summary:
@@ -353,6 +354,7 @@ def summary(job: str, outcome: str, reason: str, **known: Any) -> Summary:
         "lines": 0,
         "session": None,
         "memory": {},
+        "checkpoint": None,
     }
     unknown = set(known) - set(s)
     if unknown:
@@ -486,6 +488,7 @@ class Update(_Update, total=False):
     alerts: list[Alert]
     logs: list[LogBatch]
     memory: list[MemorySample]  # each rank's samples since the last update
+    checkpoints: list[dict[str, Any]]  # checkpoints saved since the last update (their records)
 
 
 class End(TypedDict):

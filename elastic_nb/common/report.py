@@ -16,7 +16,9 @@ from elastic_nb.common.protocol import Summary
 
 __all__ = [
     "CAUSE_HINTS",
+    "checkpoint_words",
     "describe_exit",
+    "duration",
     "failure_headline",
     "failure_report",
     "memory_figures",
@@ -100,6 +102,9 @@ def failure_report(s: Summary) -> list[str]:
     hint = (f or {}).get("hint") or CAUSE_HINTS.get(s.get("cause") or "")
     if hint:
         lines.append(f"cause: {s['cause']} ({hint})")
+    checkpoint = s.get("checkpoint")
+    if checkpoint and f:
+        lines.append(f"checkpoint: {checkpoint['words']} ({checkpoint['path']})")
     record = f.get("record") if f else None
     if f and record:
         lines.append("")
@@ -200,6 +205,31 @@ def size(n: float) -> str:
     if n >= 2**20:
         return f"{n / 2**20:.0f} MiB"
     return f"{n / 2**10:.0f} KiB"
+
+
+def checkpoint_words(saved: dict[str, Any]) -> str:
+    """A saved checkpoint (elastic_nb.checkpoint's record): 'step 1200 (1.2 GiB, written in
+    3.1 s, 0.2 s of it blocking training)'."""
+    how = f"written in {duration(saved['seconds'])}"
+    if saved.get("async") and saved.get("blocked_s") is not None:
+        how += f", {duration(saved['blocked_s'])} of it blocking training"
+    sized = f"{size(saved['bytes'])}, " if saved.get("bytes") else ""
+    return f"step {saved['step']} ({sized}{how})"
+
+
+def duration(seconds: float) -> str:
+    """A span as a person says it: 0.04 s, 1.4 s, 14 s, 3 min 5 s, 2 h 10 min."""
+    if seconds < 1:
+        return f"{seconds:.2f} s"
+    if seconds < 10:
+        return f"{seconds:.1f} s"
+    if seconds < 60:
+        return f"{seconds:.0f} s"
+    if seconds < 3600:
+        m, s = divmod(round(seconds), 60)
+        return f"{m} min {s} s" if s else f"{m} min"
+    h, m = divmod(round(seconds) // 60, 60)
+    return f"{h} h {m} min" if m else f"{h} h"
 
 
 def rate(per_minute: float | None) -> str | None:

@@ -10,6 +10,7 @@ Its layout is defined here and nowhere else::
         launcher.log              the launcher's own output (torchelastic's logging)
         events.jsonl              every event the supervisor saw, one JSON object a line
         summary.json              the outcome, written when the job ends
+        checkpoints.jsonl         each checkpoint rank 0 saved or loaded (elastic_nb.checkpoint)
         attempt-<K>/              one per attempt; a restart never deletes an earlier one
             rank-<R>.out|err      the rank's stdout/stderr, captured at the fd level
             rank-<R>.failure.json what the rank raised, with our own sub-second clock
@@ -34,7 +35,10 @@ import stat
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RunDir"]
+__all__ = ["CHECKPOINTS", "RUN_DIR_ENV", "RunDir"]
+
+RUN_DIR_ENV = "ELASTIC_NB_RUN_DIR"  # every rank's: its job's (or session's) run directory
+CHECKPOINTS = "checkpoints.jsonl"
 
 _ATTEMPT = re.compile(r"attempt-(\d+)\Z")
 
@@ -58,6 +62,10 @@ class RunDir:
     @property
     def spec(self) -> Path:
         return self.path / "spec.json"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / CHECKPOINTS
 
     @property
     def cell(self) -> Path:

@@ -10,7 +10,12 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["MANAGED_ENV", "TEARS_DOWN", "JobSpec"]
+__all__ = ["CHECKPOINT_DIR_ENV", "MANAGED_ENV", "TEARS_DOWN", "USER_ENV", "JobSpec"]
+
+# elastic_nb's variables a user may give the ranks (--env): where elastic_nb.checkpoint keeps a
+# notebook's checkpoints.
+CHECKPOINT_DIR_ENV = "ELASTIC_NB_CHECKPOINT_DIR"
+USER_ENV = frozenset({CHECKPOINT_DIR_ENV})
 
 # Variables torchelastic or elastic_nb set for every rank: a rank takes these from its own start,
 # never from the job's environment (a forked rank adopts the job's), and --env may not set them.

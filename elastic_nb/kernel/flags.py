@@ -17,7 +17,7 @@ import tempfile
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from elastic_nb.common.spec import MANAGED_ENV, JobSpec
+from elastic_nb.common.spec import MANAGED_ENV, USER_ENV, JobSpec
 from elastic_nb.kernel import gpus
 from elastic_nb.kernel.options import ASYNC_ERROR_HANDLING, DEFAULTS
 
@@ -173,7 +173,7 @@ def parse_env(value: Any) -> dict[str, str]:
     for key in env:
         if not _NAME.match(key):
             raise SpecError(f"--env {key}=...: not a valid environment variable name")
-        if key in MANAGED_ENV or key.startswith(MANAGED_PREFIX):
+        if key in MANAGED_ENV or (key.startswith(MANAGED_PREFIX) and key not in USER_ENV):
             raise SpecError(
                 f"--env {key}=...: {key} is set by the launcher for every rank and cannot be overridden"
             )

@@ -84,6 +84,9 @@ class TextRenderer:
                     self._progress_at[(rank, name)] = now
                     text.append(f"{prefix}{progress}\n")
             self._write(stream, "".join(text), attempt)
+        # After the lines of the same update: the ranks printed those first.
+        for saved in msg.get("checkpoints", ()) if self._mode == "live" else ():
+            self._out.write(f"[elastic_nb] checkpoint saved: {report.checkpoint_words(saved)}\n")
         self._out.flush()
         self._err.flush()
 

@@ -17,7 +17,7 @@ import threading
 import time
 from typing import Any
 
-from elastic_nb.common import protocol
+from elastic_nb.common import protocol, report
 from elastic_nb.common.errors import ElasticError, SupervisorDied
 from elastic_nb.common.protocol import Summary
 from elastic_nb.common.spec import JobSpec
@@ -181,6 +181,10 @@ def describe(info: dict[str, Any]) -> str:
         "  ranks: "
         + ", ".join(f"{r['rank']} (pid {r['pid']}, {r['state']})" for r in info["ranks"]),
     ]
+    saved = info.get("checkpoint")
+    if saved:
+        ago = report.duration(max(0.0, time.time() - saved["time"]))
+        out.append(f"  latest checkpoint: {saved['words']}, saved {ago} ago, in {saved['path']}")
     journal = info["journal"]
     out.append(f"  replay journal ({len(journal)} cells that succeeded, replayed after a restart):")
     for e in journal:

@@ -19,7 +19,7 @@ import sys
 from typing import Any
 
 from elastic_nb.common import loopback, modules, procs, protocol
-from elastic_nb.common.rundir import RunDir
+from elastic_nb.common.rundir import RUN_DIR_ENV, RunDir
 from elastic_nb.common.spec import TEARS_DOWN, JobSpec
 from elastic_nb.launcher.observe import observe_agent
 from elastic_nb.launcher.pipe import Channel
@@ -192,7 +192,7 @@ def _apply_environment(spec: JobSpec, job_id: str, rd: RunDir) -> None:
     }.items():
         env.setdefault(name, value)
     env["ELASTIC_NB_JOB"] = job_id
-    env["ELASTIC_NB_RUN_DIR"] = str(rd.path)
+    env[RUN_DIR_ENV] = str(rd.path)
     env.setdefault("PYTHONUNBUFFERED", "1")  # rank logs are files: no block buffering
     if spec.nproc > 1:
         # torchrun's rule: N ranks each spinning up all cores' OpenMP threads thrash the machine.

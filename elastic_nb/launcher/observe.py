@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 from elastic_nb.common import protocol
+from elastic_nb.common.rundir import RUN_DIR_ENV
 from elastic_nb.launcher.pipe import Channel
 
 __all__ = ["observe_agent"]
@@ -113,7 +114,7 @@ def observe_agent(channel: Channel) -> None:
         def _is_done(self: Any) -> bool:
             done = original_is_done(self)
             if done:
-                run_dir = os.environ["ELASTIC_NB_RUN_DIR"]
+                run_dir = os.environ[RUN_DIR_ENV]
                 open(os.path.join(run_dir, "test-agent-read-results"), "w").close()
                 time.sleep(float(hold))
             return done

@@ -65,6 +65,7 @@ class DashboardState:
             "attempt": 0,
             "started": time.time(),
             "wall_s": None,
+            "checkpoint": None,  # the latest saved (elastic_nb.checkpoint's record)
         }
         self.ranks: dict[str, dict[str, Any]] = {
             str(r): self._waiting_chip(r, 0) for r in range(nproc)
@@ -93,6 +94,8 @@ class DashboardState:
             self._new_attempt(int(attempt))
         if "state" in msg:
             self._header(state=msg["state"])
+        if msg.get("checkpoints"):
+            self._header(checkpoint=msg["checkpoints"][-1])
         for rank, chip in msg.get("ranks", {}).items():
             self._chip(rank, chip)
         for alert in msg.get("alerts", ()):

@@ -131,7 +131,10 @@ class Job(RankGroup):
     def _new_attempt(self, attempt: int) -> None:
         found = self.finding
         desync = found.desync.text if found and found.desync else None
-        self.report.alert(**summary.restart_alert(self.book, attempt - 1, desync, self.spec))
+        self.poll_checkpoints()  # a save committed just before the failure counts
+        self.report.alert(
+            **summary.restart_alert(self.book, attempt - 1, desync, self.spec, self.checkpoints)
+        )
 
     def _on_rank_started(self, r: RankState) -> None:
         self.show(r)
@@ -220,6 +223,7 @@ class Job(RankGroup):
 
     def _fail_attempt(self, r: RankState, kind: str, reason: str | None = None) -> None:
         self.book.failed_attempts.add(r.attempt)
+        self.last_failure = (r.failed_at or time.time(), f"rank {r.rank}")
         self.report.event("attempt.failed", attempt=r.attempt, rank=r.rank, kind=kind)
         # An exit(0) without finishing leaves torchelastic waiting forever for a return value
         # (multiprocessing/api.py, _poll): no restart would come, so it ends the job.
@@ -391,6 +395,7 @@ class Job(RankGroup):
 
     async def _summarize(self, outcome: str, reason: str) -> protocol.Summary:
         self.tailer.poll(final=True)
+        self.poll_checkpoints()
         self.book.settle()
         current = self.book.of(self.attempt)
         behind = self.book.behind.get(self.attempt)
@@ -422,4 +427,5 @@ class Job(RankGroup):
             leftovers=self._leftovers,
             lines=self.tailer.lines_total(),
             memory=self.memory.peaks.record(),
+            checkpoints=self.checkpoints,
         )

@@ -6,7 +6,8 @@ share, from the launcher's start to the kernel hearing the end:
 * start: a launcher from the node, given the group's run directory, spec and environment;
 * observe: the launcher's messages (each rank's start and exit), a watcher per rank (its node
   says when it went, its records how), a poll loop that tails the ranks' logs and flushes the
-  group's news to the kernel (at most every FLUSH_S), and each rank's memory once a second;
+  group's news to the kernel (at most every FLUSH_S) and follows the checkpoints its cells save
+  and load, and each rank's memory once a second;
 * end: once the group's outcome is decided, the teardown of every process of it, a wait for the
   launcher's last word, the summary, and the END message.
 
@@ -25,10 +26,12 @@ import anyio
 from anyio.abc import TaskGroup
 
 from elastic_nb.common import protocol
+from elastic_nb.common.report import checkpoint_words, duration
 from elastic_nb.common.rundir import write_json
 from elastic_nb.common.spec import JobSpec
 from elastic_nb.supervisor.forensics.watchdogs import Silence
 from elastic_nb.supervisor.processes.node import Node
+from elastic_nb.supervisor.ranks.checkpoint_log import CheckpointLog
 from elastic_nb.supervisor.ranks.log_tailer import LogTailer
 from elastic_nb.supervisor.ranks.memory_watch import SAMPLE_S, MemoryWatch
 from elastic_nb.supervisor.ranks.rank_book import RankBook
@@ -61,6 +64,10 @@ class RankGroup:
         self.tailer = LogTailer(marks=NCCL_TIMEOUT_MARKS, noise=TORCH_LOG_NOISE)
         self.silence = Silence(last_activity=time.monotonic())  # --hang-after's clock
         self.memory = MemoryWatch()
+        self.checkpoints = CheckpointLog(self.rd.checkpoints)
+        # The latest failure that ended an attempt (when, and who: "rank 2"), for the words of
+        # the resume that follows it.
+        self.last_failure: tuple[float, str] | None = None
         self.teardown_at: float | None = None  # when ending the ranks began (our clock)
         self._outcome: tuple[str, str] | None = None
         self._decided = anyio.Event()
@@ -208,11 +215,52 @@ class RankGroup:
             self.tailer.poll()
             for attempt, rank, _, line in self.tailer.take_marked():
                 self._on_watchdog_line(attempt, rank, line)
+            self.poll_checkpoints()
             self._poll()
             if time.monotonic() >= next_flush:
                 await self._flush()
                 next_flush = time.monotonic() + FLUSH_S
             await anyio.sleep(POLL_S)
+
+    def poll_checkpoints(self) -> None:
+        """What the cells' checkpoints did since the last poll: a save to the header, a resume
+        said with what the failure before it cost."""
+        for record in self.checkpoints.poll():
+            fields = {k: v for k, v in record.items() if k != "event"}
+            self.report.event(f"checkpoint.{record['event']}", **fields)
+            if record["event"] == "saved":
+                for report in self._followers():
+                    report.checkpoint(record)
+            elif record.get("step") is not None:
+                title = self._resume_words(record)
+                for report in self._followers():
+                    report.alert("checkpoint", "info", title)
+
+    def _resume_words(self, loaded: dict[str, Any]) -> str:
+        """'resumed from step 1200, saved 14 s before rank 2 failed: about 14 s of work
+        redone (loaded in 0.4 s, from rank 0's copy)'."""
+        saved_at = loaded.get("saved_time")
+        words = f"resumed from step {loaded['step']}"
+        failure = self.last_failure
+        if saved_at is not None and failure is not None and saved_at <= failure[0]:
+            lost = duration(failure[0] - saved_at)
+            words += f", saved {lost} before {failure[1]} failed: about {lost} of work redone"
+        elif saved_at is not None:
+            words += f", saved {duration(max(0.0, loaded['time'] - saved_at))} earlier"
+        source = loaded.get("from")
+        how = f"loaded in {duration(loaded['seconds'])}"
+        if source and source != "shared":
+            how += f", from {source}'s copy"
+        if loaded.get("saved_world_size") not in (None, loaded.get("world_size")):
+            how += (
+                f"; saved by {loaded['saved_world_size']} ranks, loaded by {loaded['world_size']}"
+            )
+        return f"{words} ({how})"
+
+    def checkpoint_info(self) -> dict[str, Any] | None:
+        """The latest saved checkpoint, with its words (%elastic session, the summary)."""
+        latest = self.checkpoints.latest
+        return {**latest, "words": checkpoint_words(latest)} if latest else None
 
     async def _sample_memory(self) -> None:
         """Each live rank's memory once a second, to the dashboard (batched into the next
@@ -235,7 +283,7 @@ class RankGroup:
                         gpu=reading.gpu.get(r.rank),
                     )
                     self.memory.add(sample)
-                    for report in self._memory_reports():
+                    for report in self._followers():
                         report.memory(sample)
                 for rank, title in self.memory.alerts(attempt, reading.limit):
                     self.alert("memory", "warning", title, rank=rank)
@@ -334,8 +382,8 @@ class RankGroup:
     def _poll(self) -> None:
         """Each poll (every POLL_S)."""
 
-    def _memory_reports(self) -> list[Reporter]:
-        """Who is sent the ranks' memory samples."""
+    def _followers(self) -> list[Reporter]:
+        """Who is sent the ranks' news (memory samples, checkpoints)."""
         return [self.report]
 
     async def _flush(self) -> None:

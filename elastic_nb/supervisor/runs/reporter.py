@@ -38,6 +38,7 @@ class Reporter:
         self._ranks: dict[int, protocol.Chip] = {}
         self._alerts: list[protocol.Alert] = []
         self._memory: list[protocol.MemorySample] = []
+        self._checkpoints: list[dict[str, Any]] = []
         self._state_dirty = True
         self.seq = 0  # of the latest message in `history`
         self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY)
@@ -78,6 +79,10 @@ class Reporter:
         self.recent_alerts.append(alert)
         self.event("alert", **alert)
 
+    def checkpoint(self, saved: dict[str, Any]) -> None:
+        """A checkpoint saved (elastic_nb.checkpoint's record), for the next update."""
+        self._checkpoints.append(saved)
+
     def memory(self, sample: protocol.MemorySample) -> None:
         """A rank's memory sample, for the next update."""
         self._memory.append(sample)
@@ -95,6 +100,8 @@ class Reporter:
             update["alerts"], self._alerts = self._alerts, []
         if self._memory:
             update["memory"], self._memory = self._memory, []
+        if self._checkpoints:
+            update["checkpoints"], self._checkpoints = self._checkpoints, []
         logs = [b.record() for b in tailer.take()] if tailer is not None else []
         if logs:
             update["logs"] = logs

@@ -17,6 +17,7 @@ from elastic_nb.common.rundir import RunDir
 from elastic_nb.common.spec import JobSpec
 from elastic_nb.supervisor.forensics.verdict import Verdict, analyze
 from elastic_nb.supervisor.processes.node import Survivor
+from elastic_nb.supervisor.ranks.checkpoint_log import CheckpointLog, cost_words
 from elastic_nb.supervisor.ranks.rank_book import RankBook
 from elastic_nb.supervisor.ranks.rank_state import RankState
 
@@ -62,6 +63,7 @@ def summarize(
     leftovers: list[dict[str, Any]],
     lines: int,
     memory: dict[str, protocol.MemoryPeak],
+    checkpoints: CheckpointLog,
 ) -> protocol.Summary:
     root = verdict.root
     failure = None
@@ -100,7 +102,19 @@ def summarize(
         result=rd.result(attempt).exists(),
         lines=lines,
         memory=memory,
+        checkpoint=_checkpoint(checkpoints, outcome, root),
     )
+
+
+def _checkpoint(log: CheckpointLog, outcome: str, root: RankState | None) -> dict[str, Any] | None:
+    """The latest checkpoint saved, and after a failure what it cost."""
+    latest = log.latest
+    if latest is None:
+        return None
+    words = f"the last checkpoint is {report.checkpoint_words(latest)}"
+    if outcome == "failed" and root is not None and root.failed_at is not None:
+        words = cost_words(log, root.failed_at, f"rank {root.rank}") or words
+    return {**latest, "words": words}
 
 
 def cause(outcome: str, failure: dict[str, Any] | None, zombie: bool) -> str | None:
@@ -161,23 +175,24 @@ def closing_alerts(
 
 
 def restart_alert(
-    book: RankBook, attempt: int, desync: str | None, spec: JobSpec
+    book: RankBook, attempt: int, desync: str | None, spec: JobSpec, checkpoints: CheckpointLog
 ) -> dict[str, Any]:
     """`attempt` failed and the next starts: who broke it (`desync`: the verdict's words, if a
-    desync did)."""
+    desync did), and what it cost where the cell saves checkpoints."""
     verdict = analyze(book.of(attempt), None, book.behind.get(attempt))
     root = verdict.root
     if verdict.cause == "desync" and desync:
         why = f"desync: {desync}"
     else:
         why = f"rank {root.rank} {root.failure_summary()}" if root else "it failed"
-    return dict(
-        kind="restart",
-        severity="warning",
-        title=f"attempt {attempt} failed: {why}; restarting as attempt {attempt + 1} "
-        f"(restart {attempt + 1}/{spec.max_restarts})",
-        rank=root.rank if root else None,
+    title = (
+        f"attempt {attempt} failed: {why}; restarting as attempt {attempt + 1} "
+        f"(restart {attempt + 1}/{spec.max_restarts})"
     )
+    if root is not None and root.failed_at is not None:
+        cost = cost_words(checkpoints, root.failed_at, f"rank {root.rank}")
+        title += f"; {cost}" if cost else ""
+    return dict(kind="restart", severity="warning", title=title, rank=root.rank if root else None)
 
 
 def unkillable(survivors: list[Survivor]) -> dict[str, Any]:

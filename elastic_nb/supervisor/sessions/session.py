@@ -36,6 +36,7 @@ from elastic_nb.common import protocol
 from elastic_nb.common.spec import JobSpec
 from elastic_nb.supervisor.forensics.watchdogs import Silence
 from elastic_nb.supervisor.processes.node import Node
+from elastic_nb.supervisor.ranks.checkpoint_log import cost_words
 from elastic_nb.supervisor.ranks.evidence import EvidenceCollector
 from elastic_nb.supervisor.ranks.rank_links import Link, RankLinks
 from elastic_nb.supervisor.ranks.rank_state import RankState
@@ -110,6 +111,7 @@ class Session(RankGroup):
         self.cells[cell.id] = cell
         self.followed.add(cell)
         cell.peaks = self.memory.follow()
+        cell.checkpoints = self.checkpoints
         for sample in self.memory.recent(self.attempt):  # its dashboard's memory from the start
             cell.report.memory(sample)
         self._in.send_nowait(cell)
@@ -130,6 +132,7 @@ class Session(RankGroup):
 
     def info(self) -> dict[str, Any]:
         """What ``%elastic session`` shows."""
+        self.poll_checkpoints()
         ranks = []
         for r in self.book.of(self.attempt):
             linked = self._ranks.linked(r)
@@ -147,6 +150,7 @@ class Session(RankGroup):
             "journal": self.journal.info(),
             "replays": self.journal.replays,
             "run_dir": str(self.rd),
+            "checkpoint": self.checkpoint_info(),
             "created": self.created,
             "reason": self.ended(),
         }
@@ -230,7 +234,12 @@ class Session(RankGroup):
         book.failed_attempts.add(r.attempt)
         if self.current is not None:
             self.current.poke()  # it ran on this attempt: its end is decided now
-        why = self.restart_why = f"rank {r.rank} {r.failure_summary()}"
+        why = f"rank {r.rank} {r.failure_summary()}"
+        failed_at = r.failed_at or time.time()
+        self.last_failure = (failed_at, f"rank {r.rank}")
+        self.poll_checkpoints()  # a save committed just before the failure counts
+        cost = cost_words(self.checkpoints, failed_at, f"rank {r.rank}")
+        self.restart_why = f"{why}; {cost}" if cost else why
         if r.attempt >= self.spec.max_restarts:
             m = self.spec.max_restarts
             self._decide("failed", f"{why}; no restarts are left ({m}/{m})")
@@ -241,7 +250,7 @@ class Session(RankGroup):
             "warning",
             f"{why}: the session restarts its ranks as attempt {r.attempt + 1} "
             f"(restart {r.attempt + 1}/{self.spec.max_restarts}), then replays "
-            f"{cells(replays)}",
+            f"{cells(replays)}" + (f"; {cost}" if cost else ""),
             rank=r.rank,
         )
         if r.kind(None) == "exit0":
@@ -257,7 +266,7 @@ class Session(RankGroup):
         if cell is not None and cell.no is not None and cell.attempt == attempt:
             cell.on_watchdog(rank, line)
 
-    def _memory_reports(self) -> list[Reporter]:
+    def _followers(self) -> list[Reporter]:
         return [c.report for c in self.followed.cells]
 
     async def _flush(self) -> None:
@@ -370,6 +379,7 @@ class Session(RankGroup):
     ) -> None:
         if not cell.running:
             return  # the session's end closed it
+        self.poll_checkpoints()  # what the cell saved reaches it before its end
         ranks = cell.ranks(self.book.of(cell.attempt))
         cell.oom_alerts(ranks)
         if restarts and self.ended() is None:

@@ -33,6 +33,7 @@ from elastic_nb.common import protocol
 from elastic_nb.common.rundir import RunDir, read_json, write_json
 from elastic_nb.common.spec import TEARS_DOWN, JobSpec
 from elastic_nb.supervisor.forensics.verdict import Verdict, analyze
+from elastic_nb.supervisor.ranks.checkpoint_log import CheckpointLog
 from elastic_nb.supervisor.ranks.evidence import EvidenceCollector
 from elastic_nb.supervisor.ranks.memory_watch import Peaks
 from elastic_nb.supervisor.ranks.rank_state import RankState
@@ -91,6 +92,7 @@ class SessionCell:
         self.finding: Finding | None = None  # a desync found while it ran
         self.restarted_to: int | None = None  # the session's attempt after the restart it brought
         self.peaks = Peaks()  # its ranks' memory peaks while the kernel follows it
+        self.checkpoints = CheckpointLog(self.rd.checkpoints)  # its session's, once submitted
         self.watchdog: tuple[int, str, float] | None = None  # NCCL's timeout line: rank, line, when
         self._oom_told: set[int] = set()  # ranks whose CUDA OOM has had its alert
 
@@ -349,6 +351,7 @@ class SessionCell:
             leftovers=[],
             lines=lines,
             memory=self.peaks.record(),
+            checkpoints=self.checkpoints,
         )
         result["session"] = self.session_id
         if self.restarted_to is not None:

@@ -233,6 +233,7 @@ class View {
         <span class="enb-world"></span>
         <span class="enb-restarts"></span>
         <span class="enb-worst"></span>
+        <span class="enb-checkpoint"></span>
         <span class="enb-actions">
           <button class="enb-stacks" title="every rank's Python stack, now">Stacks</button>
           <button class="enb-stop" title="SIGTERM every rank, SIGKILL after the grace">Stop</button>
@@ -331,6 +332,17 @@ class View {
       : `restarts ${h.attempt}/${h.max_restarts}`;
     this.q(".enb-worst").textContent =
       h.worst_case_s != null ? `stuck collective fails within ${h.worst_case_s} s` : "";
+    const saved = h.checkpoint;
+    const checkpoint = this.q(".enb-checkpoint");
+    checkpoint.hidden = !saved;
+    if (saved) {
+      const age = Date.now() / 1000 - this.data.offset - saved.time;
+      checkpoint.textContent = `checkpoint: step ${saved.step} · ${duration(age)} ago${saved.bytes ? ` · ${bytes(saved.bytes)}` : ""}`;
+      checkpoint.title =
+        `saved in ${duration(saved.seconds)}` +
+        (saved.async ? ` (async: ${duration(saved.blocked_s)} blocking training, ${duration(saved.overlapped_s)} beside it)` : "") +
+        ` by ${saved.world_size} rank${saved.world_size === 1 ? "" : "s"}\n${saved.path}`;
+    }
     this.q(".enb-rundir").textContent = `run dir: ${h.run_dir}`;
     this.q(".enb-actions").hidden = !(h.background && running);
     this.q(".enb-hint").hidden = !!h.background || !running;

@@ -307,6 +307,68 @@ def test_stacks_on_request(tmp_path: Path) -> None:
         c.close()
 
 
+def test_stacks_come_from_the_probe_thread_while_other_threads_run(tmp_path: Path) -> None:
+    """faulthandler's signal handler walks every thread's frames without the GIL: beside a
+    thread that runs Python (the probe thread reading the flight recorder for the desync
+    watch), that crashed a rank with SIGSEGV (CI, test_session's desync test). A stack request
+    goes to the probe thread, which dumps holding the GIL. The cell replaces the signal's
+    handler with one that leaves a mark: no rank is signalled, yet every request is answered,
+    while a helper thread of the cell runs Python all along."""
+    marks = tmp_path / "signalled"
+    c = SupervisorClient()
+    try:
+        job = submit(
+            c,
+            tmp_path,
+            2,
+            "import os, signal, threading, time\n"
+            f"signal.signal(signal.SIGUSR1, lambda *_: open({str(marks)!r}, 'a').write('x'))\n"
+            "def churn():\n"
+            "    while True:\n"
+            "        sorted(str(i) for i in range(2000))\n"
+            "threading.Thread(target=churn, daemon=True).start()\n"
+            "print('up', flush=True)\n"
+            "while True:\n"
+            "    time.sleep(0.01)\n",
+        )
+        logs = [tmp_path / job.id / "attempt-0" / f"rank-{r}.out" for r in (0, 1)]
+        assert wait_for(lambda: all(p.exists() and "up" in p.read_text() for p in logs), 60)
+        for _ in range(10):
+            text = c.stacks(job.id)
+            assert "rank 0 · cell line 10: time.sleep(0.01)" in text, text
+            assert "rank 1 · cell line 10: time.sleep(0.01)" in text, text
+        assert not marks.exists()
+        c.stop(job.id)
+        assert job.follow(Recorder())["outcome"] == "stopped"
+        assert_job_gone(job.id)
+    finally:
+        c.close()
+
+
+def test_stacks_of_a_rank_that_holds_the_gil_in_native_code(tmp_path: Path) -> None:
+    """A main thread inside one long native call (here builtins.sum over a range) keeps the
+    GIL, so the probe thread cannot answer: the rank is signalled instead, and faulthandler
+    answers without the GIL (no other thread can run Python meanwhile)."""
+    c = SupervisorClient()
+    try:
+        job = submit(
+            c,
+            tmp_path,
+            2,
+            "while True:\n    print('up', flush=True)\n    total = sum(range(10**9))\n",
+        )
+        logs = [tmp_path / job.id / "attempt-0" / f"rank-{r}.out" for r in (0, 1)]
+        assert wait_for(lambda: all(p.exists() and "up" in p.read_text() for p in logs), 60)
+        text = c.stacks(job.id)
+        assert "rank 0 · cell line 4: total = sum(range(10**9))" in text, text
+        assert "rank 1 · cell line 4: total = sum(range(10**9))" in text, text
+        c.stop(job.id)
+        assert job.follow(Recorder())["outcome"] == "stopped"
+        assert_job_gone(job.id)
+    finally:
+        c.close()
+
+
 def test_cuda_oom_is_its_own_cause(kernel: Kernel, cache_home: Path) -> None:
     ex = kernel.run(
         "%%elastic --nproc 3\n"

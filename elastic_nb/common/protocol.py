@@ -141,18 +141,25 @@ SESSION_SOCKET_ENV = "ELASTIC_NB_SESSION_SOCKET"
 # is built on it.
 TICK_EVERY_S = 0.25
 
-# The supervisor asks a rank for every thread's Python stack with this signal; the worker's
-# faulthandler answers into the rank's .stacks file (no GIL needed: it works mid-collective).
+# The supervisor asks a rank for every thread's Python stack through its probe thread
+# (PROBE_STACKS), which has faulthandler write them into the rank's .stacks file while it holds
+# the GIL: no other thread moves its frames then. Only a rank whose probe thread cannot start
+# (the main thread holds the GIL in native code, or the rank has no probe thread) is sent this
+# signal instead: faulthandler answers it without the GIL, safe only while no other thread runs
+# Python (walking the frames of a thread that runs can crash the rank: it did, beside a probe).
 STACK_SIGNAL = signal.SIGUSR1
 # The .stacks file's first line: how every dump in it ends (the main thread, the oldest, is
 # dumped last, and its outermost frame stays put), so that a dump is read whole, not as written.
 STACKS_END_MARK = "# elastic_nb: each dump below ends with: "
 
 # What a probe asks a rank (rank/recorder.py answers): its flight recorder, each group's last
-# collective or every entry too; or its CUDA allocator's memory figures.
+# collective or every entry too; or its CUDA allocator's memory figures; or every thread's stack
+# (``"<n> stacks <deadline>"``: answered into the .stacks file, unless the wall clock is past
+# the deadline, when the supervisor has signalled the rank instead).
 PROBE_STATUS = "status"
 PROBE_FULL = "full"
 PROBE_MEMORY = "memory"
+PROBE_STACKS = "stacks"
 
 # A header line longer than this is a corrupt stream, not a message.
 _MAX_HEADER = 16 * 1024 * 1024

@@ -264,7 +264,6 @@ def _arm_forensics(rd: RunDir, attempt: int, rank: int) -> None:
     fatal signal (NCCL's watchdog aborts with SIGABRT), the flight recorder on request (the
     desync watch's probes), and NCCL's flight-recorder dumps."""
     os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", str(rd.flight_recorder_prefix(attempt)))
-    recorder.serve_probes(rd.probe(attempt, rank), rd.probe_answer(attempt, rank), str(rd.cell))
     faulthandler.enable(file=sys.stderr, all_threads=True)
     # The supervisor signals only ranks whose .stacks file exists: create it under another name
     # and rename it once the handler is armed (the signal's default action would kill the rank).
@@ -275,6 +274,9 @@ def _arm_forensics(rd: RunDir, attempt: int, rank: int) -> None:
     if end is not None:
         stacks.write(f"{STACKS_END_MARK}{end}\n")
     faulthandler.register(STACK_SIGNAL, file=stacks, all_threads=True, chain=False)
+    recorder.serve_probes(
+        rd.probe(attempt, rank), rd.probe_answer(attempt, rank), str(rd.cell), stacks
+    )
     os.replace(tmp, final)
 
 

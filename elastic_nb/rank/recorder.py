@@ -19,6 +19,8 @@ Imported in every rank before torch (by the worker): torch is read only if the c
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import json
 import os
 import pickle
@@ -26,9 +28,9 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
-from elastic_nb.common.protocol import PROBE_FULL, PROBE_MEMORY
+from elastic_nb.common.protocol import PROBE_FULL, PROBE_MEMORY, PROBE_STACKS
 from elastic_nb.common.rundir import write_json
 from elastic_nb.rank.memory import cuda_memory
 
@@ -87,23 +89,25 @@ def write_final(path: Path, cell: str) -> None:
         sys.stderr.write(f"elastic_nb: could not record this rank's collectives: {e!r}\n")
 
 
-def serve_probes(fifo: Path, answer: Path, cell: str) -> None:
+def serve_probes(fifo: Path, answer: Path, cell: str, stacks: TextIO) -> None:
     """Answer the supervisor's probes from a thread: it writes ``"<n> status|full|memory"`` into the
-    FIFO, this thread writes the snapshot, tagged with n, to `answer`. Opening a FIFO blocks
-    until the other side opens it: an idle rank pays nothing. Where no FIFO can be made (a
-    --log-dir on a file system without them), the rank runs without: the supervisor then
-    finds a desync at the collective timeout, from the records ranks leave."""
+    FIFO, this thread writes the snapshot, tagged with n, to `answer`; ``"<n> stacks <deadline>"``
+    has every thread's stack written to `stacks` (see protocol.STACK_SIGNAL). Opening a FIFO
+    blocks until the other side opens it: an idle rank pays nothing. Where no FIFO can be made
+    (a --log-dir on a file system without them), the rank runs without: the supervisor then
+    finds a desync at the collective timeout, from the records ranks leave, and signals the
+    rank for its stacks."""
     try:
         os.mkfifo(fifo, 0o600)
     except OSError as e:
         sys.stderr.write(f"elastic_nb: no desync probes for this rank ({fifo}: {e})\n")
         return
     threading.Thread(
-        target=_serve, args=(fifo, answer, cell), name="elastic_nb-probe", daemon=True
+        target=_serve, args=(fifo, answer, cell, stacks), name="elastic_nb-probe", daemon=True
     ).start()
 
 
-def _serve(fifo: Path, answer: Path, cell: str) -> None:
+def _serve(fifo: Path, answer: Path, cell: str, stacks: TextIO) -> None:
     while True:
         try:
             with open(fifo, "rb") as f:
@@ -112,6 +116,13 @@ def _serve(fifo: Path, answer: Path, cell: str) -> None:
             # waits for the last one only.
             request = lines[-1].split() if lines else []
             if len(request) < 2 or not request[0].isdigit():
+                continue
+            if request[1] == PROBE_STACKS:
+                # faulthandler called with the GIL held: no other thread moves its frames
+                # meanwhile. Past the deadline the supervisor has signalled the rank instead.
+                with contextlib.suppress(ValueError, IndexError):
+                    if time.time() <= float(request[2]):
+                        faulthandler.dump_traceback(file=stacks, all_threads=True)
                 continue
             record: dict[str, Any]
             try:

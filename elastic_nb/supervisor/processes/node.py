@@ -43,6 +43,9 @@ __all__ = ["LocalNode", "MemoryReading", "Node", "StackDump", "Survivor"]
 
 POLL_S = 0.05  # how often a rank without a pidfd is looked at
 STACK_POLL_S = 0.02
+STACKS_BY_THREAD_S = (
+    0.5  # a rank's probe thread begins a stack dump within this, or it is signalled
+)
 PROBE_POLL_S = (0.001, 0.01)  # a probe's answer is looked for after 1 ms, 2, 4, then every 10
 _TAIL = 1024  # bytes: enough for a dump's last line
 
@@ -296,22 +299,47 @@ class LocalNode(Node):
         rd = self.rd
         out: dict[int, StackDump] = {}
         asked: dict[int, tuple[Path, int, tuple[str, str]]] = {}
-        for r in ranks:
-            path = rd.stacks(r.attempt, r.rank)
-            state = procs.proc_state(r.pid) if r.pid is not None else None
-            if state is None or not path.exists():
-                out[r.rank] = StackDump("", str(path), state, asked=False)
-                continue
-            size = path.stat().st_size  # before the signal: the answer may come at once
-            if self.signal(r, protocol.STACK_SIGNAL):
+        unreachable: set[int] = set()
+        async with anyio.create_task_group() as tg:
+            for r in ranks:
+                path = rd.stacks(r.attempt, r.rank)
+                state = procs.proc_state(r.pid) if r.pid is not None else None
+                if state is None or not path.exists():
+                    out[r.rank] = StackDump("", str(path), state, asked=False)
+                    continue
+                size = path.stat().st_size  # before asking: the answer may come at once
                 asked[r.rank] = (path, size, state)
-            else:
-                out[r.rank] = StackDump("", str(path), None, asked=False)
+                tg.start_soon(self._ask_stacks, r, path, size, unreachable)
+            await self._read_stacks(asked, unreachable, out, wait_s)
+        return out
+
+    async def _ask_stacks(self, r: RankState, path: Path, size: int, unreachable: set[int]) -> None:
+        """Through the rank's probe thread, once it is free (see protocol.STACK_SIGNAL); by the
+        signal where its dump has not begun within STACKS_BY_THREAD_S."""
+        deadline = time.time() + STACKS_BY_THREAD_S  # the rank compares its own clock with it
+        with anyio.move_on_after(STACKS_BY_THREAD_S):
+            async with self._probe_locks.setdefault((r.attempt, r.rank), anyio.Lock()):
+                request = f"{next(self._probe_numbers)} {protocol.PROBE_STACKS} {deadline:.3f}"
+                while not self._send_probe(r, request):
+                    await anyio.sleep(STACK_POLL_S)  # its thread answers another probe
+                while os.stat(path).st_size == size:
+                    await anyio.sleep(STACK_POLL_S)
+                return
+        if os.stat(path).st_size == size and not self.signal(r, protocol.STACK_SIGNAL):
+            unreachable.add(r.rank)
+
+    async def _read_stacks(
+        self,
+        asked: dict[int, tuple[Path, int, tuple[str, str]]],
+        unreachable: set[int],
+        out: dict[int, StackDump],
+        wait_s: float,
+    ) -> None:
         ends = {rank: _dump_end(path) for rank, (path, _, _) in asked.items()}
         last: dict[int, int] = {}
         answered: set[int] = set()
         with anyio.move_on_after(wait_s):
-            while len(answered) < len(asked):
+            while len(answered | unreachable) < len(asked):
                 await anyio.sleep(STACK_POLL_S)
                 for rank, (path, size, _) in asked.items():
                     now = os.stat(path).st_size
@@ -330,26 +358,33 @@ class LocalNode(Node):
                             answered.add(rank)
                     last[rank] = now
         for rank, (path, size, state) in asked.items():
-            out[rank] = StackDump(_read_from(path, size), str(path), state, asked=True)
-        return out
+            if rank in unreachable:
+                out[rank] = StackDump("", str(path), None, asked=False)
+            else:
+                out[rank] = StackDump(_read_from(path, size), str(path), state, asked=True)
 
     async def probe(self, r: RankState, what: str, wait_s: float) -> dict[str, Any] | None:
         async with self._probe_locks.setdefault((r.attempt, r.rank), anyio.Lock()):
             return await self._probe(r, next(self._probe_numbers), what, wait_s)
 
-    async def _probe(self, r: RankState, n: int, what: str, wait_s: float) -> dict[str, Any] | None:
-        rd = self.rd
+    def _send_probe(self, r: RankState, request: str) -> bool:
+        """False where no probe thread listens: not armed yet, busy answering, or gone."""
         try:
-            fd = os.open(rd.probe(r.attempt, r.rank), os.O_WRONLY | os.O_NONBLOCK)
+            fd = os.open(self.rd.probe(r.attempt, r.rank), os.O_WRONLY | os.O_NONBLOCK)
         except OSError:
-            return None  # no probe thread listening: not armed yet, or gone
+            return False
         try:
-            os.write(fd, f"{n} {what}\n".encode())
+            os.write(fd, f"{request}\n".encode())
+            return True
         except OSError:
-            return None
+            return False
         finally:
             os.close(fd)
-        answer = rd.probe_answer(r.attempt, r.rank)
+
+    async def _probe(self, r: RankState, n: int, what: str, wait_s: float) -> dict[str, Any] | None:
+        if not self._send_probe(r, f"{n} {what}"):
+            return None
+        answer = self.rd.probe_answer(r.attempt, r.rank)
         delay = PROBE_POLL_S[0]  # a rank answers within a millisecond or two, most often
         with anyio.move_on_after(wait_s):
             while True:

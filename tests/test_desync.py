@@ -336,5 +336,6 @@ def test_a_rank_without_a_fifo_runs_on_without_probes(
 
     taken = tmp_path / "rank-0.probe"
     taken.write_text("not a fifo")  # mkfifo fails here as on a file system without FIFOs
-    recorder.serve_probes(taken, tmp_path / "rank-0.probe.json", CELL)
+    with open(tmp_path / "rank-0.stacks", "a") as stacks:
+        recorder.serve_probes(taken, tmp_path / "rank-0.probe.json", CELL, stacks)
     assert "no desync probes for this rank" in capsys.readouterr().err

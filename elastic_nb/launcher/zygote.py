@@ -23,6 +23,7 @@ from __future__ import annotations
 import array
 import contextlib
 import ctypes
+import gc
 import json
 import os
 import signal
@@ -69,6 +70,12 @@ def main(fd: int) -> None:
     for name in PRELOAD:
         with contextlib.suppress(ImportError):  # a module another torch lays out elsewhere
             importlib.import_module(name)
+    # What torch allocated lives as long as every launcher: out of the collector's way. Else a
+    # full collection walks it in the launcher, wherever the job's allocations happen to
+    # trigger one: about 80 ms inside the rendezvous, measured (P1), and the pages it writes
+    # are copied out of the zygote's.
+    gc.collect()
+    gc.freeze()
     sys.stdout.flush()
     sys.stderr.flush()
     sock.send(json.dumps({"ready": os.getpid()}).encode())

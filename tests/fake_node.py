@@ -63,7 +63,14 @@ class FakeNode(Node):
 
     # ---- the launcher -------------------------------------------------------------------------
 
-    async def start(self, group: str, spec: JobSpec, env: dict[str, str]) -> bool:
+    async def start(
+        self,
+        group: str,
+        spec: JobSpec,
+        env: dict[str, str],
+        plan: protocol.LaunchRound | None = None,
+    ) -> bool:
+        self.oom_base = self.kills
         return True
 
     async def messages(self) -> AsyncIterator[protocol.LauncherNews]:
@@ -169,5 +176,5 @@ class FakeNode(Node):
         self._launcher_exited.set()
         return []
 
-    def close(self) -> None:
+    def close(self, ended: bool = True) -> None:
         self.closed = True

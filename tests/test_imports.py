@@ -97,7 +97,7 @@ def test_the_walker_sees_a_cycle() -> None:
 # (load_ipython_extension); rank/ is imported by the launcher (its entry points) and never
 # imports the kernel or the supervisor.
 WALLS = {
-    "elastic_nb": {"common", "kernel"},
+    "elastic_nb": {"common", "kernel", "cli"},
     "common": set(),
     "kernel": {"common"},
     "rank": {"common"},
@@ -105,6 +105,10 @@ WALLS = {
     "supervisor": {"common"},
     "server": {"common"},
     "checkpoint": {"common"},  # the cells' API, run in the ranks
+    # the command line: `elastic-nb join` runs a join agent (the supervisor of its machine's
+    # processes, supervisor/nodes/join_agent.py); `runs` and `logs` read run directories
+    "cli": {"common", "supervisor"},
+    "__main__": {"cli"},  # python -m elastic_nb: the command line
 }
 # Inside the supervisor: pure judgements import no part that does I/O; the parts that own
 # processes and learn from ranks do not know jobs or sessions; the service knows everything.
@@ -113,9 +117,12 @@ SUPERVISOR_WALLS = {
     "ranks": {"forensics", "processes.node"},
     # a node reports the agent as the zombie watchdog judges it
     "processes": {"ranks.rank_state", "forensics.watchdogs"},
-    "runs": {"forensics", "ranks", "processes"},
+    # other machines: a remote node (a second Node), the cluster of agents, the join agent (a
+    # LocalNode of its own machine's)
+    "nodes": {"processes", "ranks.rank_state", "forensics.watchdogs"},
+    "runs": {"forensics", "ranks", "processes", "nodes"},
     "sessions": {"forensics", "ranks", "processes", "runs"},
-    "service": {"forensics", "ranks", "processes", "runs", "sessions", "overview"},
+    "service": {"forensics", "ranks", "processes", "runs", "sessions", "overview", "nodes"},
     "overview": {"ranks", "runs", "sessions"},
     "__main__": {"service"},
 }
@@ -170,8 +177,10 @@ def test_only_the_process_parts_of_the_supervisor_touch_processes() -> None:
     for mod, path in _modules().items():
         if not mod.startswith("elastic_nb.supervisor.") or ".processes" in mod:
             continue
-        if mod == "elastic_nb.supervisor.service":
-            continue  # the supervisor's own process: subreaper, its kernel's lifeline
+        if mod in ("elastic_nb.supervisor.service", "elastic_nb.supervisor.nodes.join_agent"):
+            # the supervisor's own process (subreaper, its kernel's lifeline), and a join
+            # agent's (the subreaper of its machine's launchers)
+            continue
         for node in ast.walk(ast.parse(path.read_text())):
             names = []
             if isinstance(node, ast.Import):

@@ -39,9 +39,12 @@ def test_the_readme_table_is_the_declaration() -> None:
 
 def test_every_field_of_a_spec_is_a_flag_and_has_one_default() -> None:
     assert list(DEFAULTS) == [o.dest for o in OPTIONS]  # one declaration each
-    not_flags = {"cwd", "sys_path", "stop_grace", "session"}  # the kernel's, the supervisor's
-    only_checked = {"nnodes"}  # validated (a single node), not carried
-    assert {f.name for f in fields(JobSpec)} - not_flags == set(DEFAULTS) - only_checked
+    # the kernel's (ship: the notebook's modules a cell on other machines imports), the
+    # supervisor's
+    not_flags = {"cwd", "sys_path", "stop_grace", "session", "ship"}
+    split = {"nnodes": {"nnodes_min", "nnodes_max"}}  # one flag, two fields (MIN:MAX)
+    fields_of_flags = set(DEFAULTS) - set(split) | set().union(*split.values())
+    assert {f.name for f in fields(JobSpec)} - not_flags == fields_of_flags
 
 
 @pytest.mark.parametrize("option", [o for o in OPTIONS if o.torchrun], ids=lambda o: o.dest)

@@ -28,8 +28,9 @@ def test_new_failures_come_in_the_order_they_happened(tmp_path: Path) -> None:
     """Rank 1 timed out, and its peer error then reached rank 0: one poll reads both, and the
     job must act on rank 1's timeout first (its diagnosis takes the stacks)."""
     rd = RunDir(str(tmp_path))
-    book = RankBook(rd, FakeNode(rd))
-    r0, r1 = book.add(0, 0, pid=101, started_at=1.0), book.add(0, 1, pid=102, started_at=1.0)
+    book, node = RankBook(rd), FakeNode(rd)
+    r0 = book.add(0, 0, pid=101, started_at=1.0, node=node)
+    r1 = book.add(0, 1, pid=102, started_at=1.0, node=node)
     rd.attempt(0).mkdir(parents=True)
     write_json(rd.failure(0, 0), {"rank": 0, "time": 5.2, "type": "RuntimeError", "message": "x"})
     write_json(rd.failure(0, 1), {"rank": 1, "time": 5.0, "type": "RuntimeError", "message": "y"})
@@ -39,8 +40,9 @@ def test_new_failures_come_in_the_order_they_happened(tmp_path: Path) -> None:
 
 def test_the_rank_book_meets_records_exits_and_blame(tmp_path: Path) -> None:
     rd = RunDir(str(tmp_path))
-    book = RankBook(rd, FakeNode(rd))
-    r0, r1 = book.add(0, 0, pid=101, started_at=1.0), book.add(0, 1, pid=102, started_at=1.0)
+    book, node = RankBook(rd), FakeNode(rd)
+    r0 = book.add(0, 0, pid=101, started_at=1.0, node=node)
+    r1 = book.add(0, 1, pid=102, started_at=1.0, node=node)
     assert book.of(0) == [r0, r1] and book.of(1) == []
     assert book.chip(r1, None)["state"] == "running"
     # Seen gone before the launcher said how rank 1 ended: EXITS makes it judgeable.
@@ -69,7 +71,8 @@ def test_the_end_waits_for_the_launchers_last_word_on_how_its_ranks_ended(tmp_pa
     status) is still in its pipe: hear_out holds the end until that is taken in and every rank
     watcher has seen its rank gone; without it the verdict said "its exit status never came"."""
     rd = RunDir(str(tmp_path))
-    book = RankBook(rd, LocalNode(rd, LauncherPool(str(tmp_path / "pool")), list, lambda: None))
+    book = RankBook(rd)
+    node = LocalNode(rd, LauncherPool(str(tmp_path / "pool")), list, lambda: None)
     # A fork server stand-in: it reaps its child at once, so only its word says how it ended.
     server = subprocess.Popen(
         [
@@ -84,7 +87,7 @@ def test_the_end_waits_for_the_launchers_last_word_on_how_its_ranks_ended(tmp_pa
     )
     assert server.stdout is not None
     pid = int(server.stdout.readline())
-    r = book.add(0, 0, pid=pid, started_at=time.time())
+    r = book.add(0, 0, pid=pid, started_at=time.time(), node=node)
     heard = anyio.Event()
 
     async def main() -> None:

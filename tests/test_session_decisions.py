@@ -41,7 +41,10 @@ def test_an_answer_that_lands_while_the_watch_looks_ends_the_cell_at_once(tmp_pa
     spec = job_spec({"nproc": "2", "log_dir": str(tmp_path)}, cwd=str(tmp_path))
     node = FakeNode(RunDir.of(spec.log_dir, "5e5510a1"))
     group = RankGroup("5e5510a1", spec, node, _nothing)
-    ranks = [group.book.add(0, rank, pid=100 + rank, started_at=time.time()) for rank in (0, 1)]
+    ranks = [
+        group.book.add(0, rank, pid=100 + rank, started_at=time.time(), node=node)
+        for rank in (0, 1)
+    ]
     links = [Link(r, _Stream()) for r in ranks]  # type: ignore[arg-type]
     cell = SessionCell("ce11ce11", spec, "a = a + 1\n", {}, None, _nothing, "5e5510a1")
     cell.rd.attempt(0).mkdir(parents=True)

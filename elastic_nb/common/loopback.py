@@ -22,6 +22,12 @@ first, on our socket, and torch's own constructor finds it: no torch argument is
 gloo and NCCL open listening sockets of their own, on the interface they pick (gloo: whatever
 this machine's hostname resolves to; NCCL: the first non-loopback interface); `interface_env`
 names the loopback interface for both.
+
+A multi-node job cannot keep to loopback: its ranks meet across machines. There each node's
+ranks use the interface of the node's address (the one the notebook's machine and the other
+nodes reach it at), and rank 0's process-group store listens on that address alone rather than
+on every interface (`NODE_ADDR_ENV`). The rendezvous store still lives on the notebook's
+loopback: other machines reach it only through their join agent's authenticated channel.
 """
 
 from __future__ import annotations
@@ -33,9 +39,16 @@ import os
 import socket
 from typing import Any
 
-__all__ = ["HOST", "interface_env", "patch_process_group_store", "rendezvous_server"]
+__all__ = [
+    "HOST",
+    "NODE_ADDR_ENV",
+    "interface_env",
+    "patch_process_group_store",
+    "rendezvous_server",
+]
 
 HOST = "127.0.0.1"
+NODE_ADDR_ENV = "ELASTIC_NB_NODE_ADDR"  # a multi-node job's rank: its node's address
 
 
 def rendezvous_server(port: int) -> Any:
@@ -61,7 +74,7 @@ def patch_process_group_store() -> None:
 
     @functools.wraps(original)
     def _create_c10d_store(hostname: str, port: int, rank: int, *args: Any, **kwargs: Any) -> Any:
-        host = _loopback_ipv4(hostname)
+        host = _own_ipv4(hostname)
         # The agent's store (TORCHELASTIC_USE_AGENT_STORE) makes every rank a client; a host
         # that is not loopback is the cell's own choice.
         if rank != 0 or host is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
@@ -81,11 +94,11 @@ def patch_process_group_store() -> None:
     rendezvous._create_c10d_store = _create_c10d_store
 
 
-def interface_env() -> dict[str, str]:
+def interface_env(ifname: str | None = None) -> dict[str, str]:
     """gloo's and NCCL's socket interface: loopback (their bootstrap and, for NCCL, its proxy
-    and socket transport listen there). NCCL's data moves over NVLink, PCIe or shared memory
-    within a node; its sockets only carry the bootstrap."""
-    name = _loopback_interface()
+    and socket transport listen there), or `ifname` across machines. NCCL's data moves over
+    NVLink, PCIe or shared memory within a node; its sockets only carry the bootstrap."""
+    name = ifname or _loopback_interface()
     return {"GLOO_SOCKET_IFNAME": name, "NCCL_SOCKET_IFNAME": f"={name}"}  # '=': exactly
 
 
@@ -113,9 +126,12 @@ def _serve(host: str, port: int) -> Any:
     return store
 
 
-def _loopback_ipv4(hostname: str) -> str | None:
+def _own_ipv4(hostname: str) -> str | None:
+    """The address to serve a store on: a loopback one, or this node's in a multi-node job."""
     if hostname == "localhost":
         return HOST
+    if hostname and hostname == os.environ.get(NODE_ADDR_ENV):
+        return hostname
     try:
         addr = ipaddress.ip_address(hostname)
     except ValueError:

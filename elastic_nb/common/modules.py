@@ -10,7 +10,9 @@ __all__ = [
     "NAMED",
     "RANK_BOOTSTRAP",
     "RANK_SESSION_LOOP",
+    "ROLE_ENV",
     "SERVER_EXTENSION",
+    "STORE_ROLE",
     "SUPERVISOR",
     "WARMUP",
 ]
@@ -22,6 +24,11 @@ RANK_BOOTSTRAP = "elastic_nb.rank.bootstrap"  # a one-off job's rank
 RANK_SESSION_LOOP = "elastic_nb.rank.session_loop"  # a session's rank
 WARMUP = "elastic_nb.launcher.warmup"  # what a fork server imports for every rank it forks
 SERVER_EXTENSION = "elastic_nb.server"  # the Jupyter server extension (jupyter-config/ names it)
+
+# What a fork of the zygote becomes (its fork request's environment says): a launcher (the
+# default), or a multi-node group's rendezvous store (launcher/store_host.py).
+ROLE_ENV = "ELASTIC_NB_LAUNCHER_ROLE"
+STORE_ROLE = "store"
 
 NAMED = (
     SUPERVISOR,

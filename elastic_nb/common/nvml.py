@@ -12,7 +12,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Gpu", "GpuMemory", "gpus", "memory"]
+__all__ = ["Gpu", "GpuMemory", "gpus", "memory", "names"]
 
 _SUCCESS = 0
 _INSUFFICIENT_SIZE = 7
@@ -99,6 +99,19 @@ def gpus() -> list[Gpu] | None:
         # NVML_ERROR_NOT_SUPPORTED on GPUs without MIG: mode stays 0 (disabled).
         nvml.nvmlDeviceGetMigMode(handle, ctypes.byref(current), ctypes.byref(pending))
         found.append(Gpu(uuid=buf.value.decode("ascii"), mig=current.value == 1))
+    return found
+
+
+def names() -> list[str]:
+    """Every GPU's product name ("NVIDIA H100 80GB HBM3"), in NVML's order; [] without a
+    driver."""
+    nvml = _nvml()
+    handles = _handles(nvml) if nvml else None
+    found = []
+    for handle in handles or []:
+        buf = ctypes.create_string_buffer(96)
+        if nvml.nvmlDeviceGetName(handle, buf, len(buf)) == _SUCCESS:
+            found.append(buf.value.decode("utf-8", "replace"))
     return found
 
 

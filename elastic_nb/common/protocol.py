@@ -24,6 +24,9 @@ Kernel -> supervisor                      Supervisor -> kernel
                                             for the kernel: updates, end)
   down {req, session, reason?}              end the session (reason: who asked, as stop's)
   session {req, session}                    the session: ranks, attempt, restarts, journal
+  nodes {req}                               the machines (this one, the join agents)
+  join {req, host, port, new_token}         the line that starts a join agent elsewhere
+                                            (the agents' channel opens at the first one)
 
 The JupyterLab panel's server extension -> supervisor (elastic_nb.server), one connection per
 request: hello {version, role: "panel"}, then one of stop {req, job, reason: "panel"},
@@ -43,6 +46,8 @@ Launcher -> supervisor
   exits {attempt, codes: {rank: code}}      agent closed an attempt (exit codes, -N = signal N)
   tick {t}                                  agent monitor loop is alive (every TICK_EVERY_S)
   result {ok, error?}                       elastic_launch returned or raised
+  store {port}                              a multi-node group's rendezvous store host (a
+                                            launcher in that role) serves on 127.0.0.1:port
 
 Every message kind is a TypedDict below (its `kind` a literal): senders build one, mypy checks
 it, and a reader takes a frame only through the parser of its channel (`kernel_request`,
@@ -64,6 +69,30 @@ Supervisor -> rank (the desync watch; a FIFO per rank, see rundir.RunDir.probe)
   "<n> status" or "<n> full"                the rank's flight recorder: each group's last
                                             collective, or every entry too; the rank answers
                                             into rank-R.probe.json, tagged "req": n
+
+Join agent <-> supervisor (a node on another machine; one ZeroMQ connection per agent, CURVE:
+mutually authenticated and encrypted, see supervisor/nodes/channel.py). A frame is the same
+header, and its blob travels as a second ZeroMQ frame.
+
+Agent -> supervisor                       Supervisor -> agent
+  node_hello {version, info}                welcome {version, node, info} | refused {error}
+  beat {t, groups}                          beat {t}                 (both ways, every BEAT_S)
+  launcher {group, msg}                     open {req, group, spec, env, plan} + files (a tar)
+  launcher_exit {group, outcome, reason}    cell {req, group, cell} + files (a session cell's)
+  rank_gone {group, attempt, rank, t, code} signal {group, attempt, rank, sig}
+  file {group, path, offset} + bytes        stacks {req, group, ranks, wait_s}
+  memory {group, reading}                   probe {req, group, attempt, rank, what, wait_s}
+  answer {req, ok, data, error?}            ranks_up {group}
+  stream_open {group, stream, to, peer}     leftovers {req, group, grace, stuck}
+  stream_data {group, stream} + bytes       stop {req, group, grace} | close {group}
+  stream_close {group, stream}              stream_data / stream_close (the other way)
+  bye {reason}                              bye {reason}
+
+A stream is a connection a process on the agent's machine opened to the agent's loopback
+listeners: a launcher's to the rendezvous store ("store": the supervisor connects it to the
+group's store on its own loopback), or a session rank's to its session ("session": the peer's
+pid as the agent saw it). `file` mirrors what the node's ranks leave into the notebook's run
+directory, appended at `offset` (-1: the whole file, replaced).
 """
 
 from __future__ import annotations
@@ -87,18 +116,22 @@ __all__ = [
     "MemorySample",
     "Message",
     "ProtocolError",
+    "Round",
     "Summary",
+    "assignment",
     "encode",
     "kernel_news",
     "kernel_request",
     "launcher_news",
+    "node_news",
+    "node_order",
     "rank_news",
     "session_order",
     "summary",
 ]
 
-VERSION = 5  # 2: log batches are records; 3: sessions; 4: typed messages, a reply's data;
-# 5: memory samples
+VERSION = 6  # 2: log batches are records; 3: sessions; 4: typed messages, a reply's data;
+# 5: memory samples; 6: nodes (join agents)
 
 # kernel -> supervisor
 HELLO: Final = "hello"
@@ -113,6 +146,8 @@ WARM: Final = "warm"
 UP: Final = "up"
 DOWN: Final = "down"
 SESSION: Final = "session"
+NODES: Final = "nodes"
+JOIN: Final = "join"
 # the JupyterLab panel (the server extension) -> supervisor; any other request above works too
 OVERVIEW: Final = "overview"  # every job, session and session cell, as the panel lists them
 EVENTS: Final = "events"  # what a job's renderer was sent, since a sequence number
@@ -128,6 +163,7 @@ EXIT: Final = "exit"
 EXITS: Final = "exits"
 TICK: Final = "tick"
 RESULT: Final = "result"
+STORE: Final = "store"
 # supervisor <-> a session's ranks
 RANK_HELLO: Final = "rank_hello"
 RUN: Final = "run"
@@ -136,6 +172,35 @@ INTERRUPT: Final = "interrupt"
 BYE: Final = "bye"
 # Where a session's ranks find its socket (set in their environment by the supervisor).
 SESSION_SOCKET_ENV = "ELASTIC_NB_SESSION_SOCKET"
+# join agent -> supervisor
+NODE_HELLO: Final = "node_hello"
+BEAT: Final = "beat"
+LAUNCHER: Final = "launcher"
+LAUNCHER_EXIT: Final = "launcher_exit"
+RANK_GONE: Final = "rank_gone"
+FILE: Final = "file"
+MEMORY: Final = "memory"
+ANSWER: Final = "answer"
+STREAM_OPEN: Final = "stream_open"
+STREAM_DATA: Final = "stream_data"
+STREAM_CLOSE: Final = "stream_close"
+# supervisor -> join agent (and BEAT, STREAM_DATA, STREAM_CLOSE, BYE)
+WELCOME: Final = "welcome"
+REFUSED: Final = "refused"
+OPEN: Final = "open"
+CELL: Final = "cell"
+SIGNAL: Final = "signal"
+PROBE: Final = "probe"
+RANKS_UP: Final = "ranks_up"
+LEFTOVERS: Final = "leftovers"
+CLOSE: Final = "close"
+# What a stream connects to: a launcher's rendezvous store, or a session's rank to its session.
+STREAM_STORE = "store"
+STREAM_SESSION = "session"
+# Both sides of a join agent's channel say they live this often; one silent for LOST_AFTER_S is
+# gone (the README promises a node that leaves is known within 2 s).
+BEAT_S = 0.25
+LOST_AFTER_S = 1.75
 
 # The launcher reports its agent's monitor loop at most this often; the zombie watchdog's bound
 # is built on it.
@@ -253,6 +318,22 @@ class Chip(TypedDict, total=False):
     attempt: int
     pid: int | None
     detail: str  # the whole story, for a failed or stopped rank
+    node: str  # a multi-node job's: where the rank runs, "node 1 (gpu-b)"
+
+
+class Round(TypedDict):
+    """A multi-node job's round: its nodes, why it began, and what the change cost."""
+
+    attempt: int
+    nodes: list[str]  # "node 0 (here)", "node 1 (gpu-b)"
+    world_size: int
+    why: str  # "first round", "node 2 (gpu-c) joined", "node 1 (gpu-b) left: connection lost"
+    counted: bool  # it spent a restart of the job's budget (failures, departures; not arrivals)
+    restarts: int  # restarts spent once it began
+    started: float  # when the change began (wall clock)
+    stop_s: float | None  # ending the last round's ranks
+    rendezvous_s: float | None  # its launchers' rendezvous
+    running_s: float | None  # from the change to every rank of the round running
 
 
 class LogBatch(TypedDict):
@@ -461,6 +542,19 @@ class Overview(TypedDict):
     req: int
 
 
+class Nodes(TypedDict):
+    kind: Literal["nodes"]
+    req: int
+
+
+class Join(TypedDict):
+    kind: Literal["join"]
+    req: int
+    host: str | None  # where agents reach this machine (None: its primary address)
+    port: int  # 0: a free port (only when the channel is not open yet)
+    new_token: bool  # replace the token: agents holding the old one are dropped
+
+
 class Events(TypedDict):
     kind: Literal["events"]
     req: int
@@ -496,6 +590,7 @@ class Update(_Update, total=False):
     logs: list[LogBatch]
     memory: list[MemorySample]  # each rank's samples since the last update
     checkpoints: list[dict[str, Any]]  # checkpoints saved since the last update (their records)
+    rounds: list[Round]  # a multi-node job's rounds so far (the whole timeline, when it changed)
 
 
 class End(TypedDict):
@@ -551,6 +646,11 @@ class Result(_Result, total=False):
     failures: dict[str, Any]
 
 
+class StoreUp(TypedDict):
+    kind: Literal["store"]
+    port: int
+
+
 class RankHello(TypedDict):
     kind: Literal["rank_hello"]
     rank: int
@@ -579,6 +679,227 @@ class Bye(TypedDict):
     kind: Literal["bye"]
 
 
+# ---- the launcher's assignment (supervisor -> launcher, one JSON line on its stdin) ----------
+
+
+class LaunchRound(TypedDict):
+    """A multi-node job's round, as one node's launcher runs it: `nnodes` launchers (one a node)
+    meet in torch's c10d rendezvous at `endpoint` (the group's store, reached on this machine's
+    loopback), with no restarts of their own: the supervisor starts the next round."""
+
+    attempt: int  # the round's attempt number (torch's restart count starts at 0 in each)
+    nnodes: int
+    run_id: str
+    endpoint: str  # 127.0.0.1:PORT, on the launcher's machine
+    addr: str  # this node's address: rank 0's process-group store and gloo listen there
+    ifname: str  # the interface holding it (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME)
+
+
+class Assignment(TypedDict):
+    job: str
+    run_dir: str
+    env: dict[str, str]
+    round: LaunchRound | None  # None: a single-node job (torch's own restarts)
+
+
+# ---- join agent <-> supervisor ------------------------------------------------------------
+
+
+class NodeInfo(TypedDict):
+    """A machine that can run ranks, as `%elastic nodes` lists it."""
+
+    name: str  # its host name
+    addr: str  # the address other nodes reach it at
+    pid: int  # the join agent's (or the supervisor's, for the notebook's machine)
+    cpus: int
+    gpus: list[str]  # NVML's names, in NVML's order
+    python: str
+    torch: str | None
+    cuda: str | None
+    elastic_nb: str
+    workdir: str  # where its run directories and per-job working directories are
+
+
+class GroupBeat(TypedDict):
+    """A group's processes on an agent's machine, as its LocalNode sees them now."""
+
+    launcher: int | None
+    launcher_alive: bool
+    state: list[str] | None  # the launcher's process state (letter, words)
+    tick_age: float | None  # seconds since its agent's monitor loop last ticked
+    running: bool  # some process of the group lives there
+    zombies: list[list[int]]  # [attempt, rank]: dead and unreaped
+    oom_kills: int | None  # the OOM killer's kills where the ranks run, since the group began
+
+
+class NodeHello(TypedDict):
+    kind: Literal["node_hello"]
+    version: int
+    info: NodeInfo
+
+
+class Welcome(TypedDict):
+    kind: Literal["welcome"]
+    version: int
+    node: int  # its number in this supervisor's list (0 is the notebook's machine)
+    info: NodeInfo  # the notebook's machine
+
+
+class Refused(TypedDict):
+    kind: Literal["refused"]
+    error: str
+
+
+class Beat(TypedDict):
+    kind: Literal["beat"]
+    t: float  # the sender's wall clock
+    groups: dict[str, GroupBeat]  # the agent's: each group it serves (the supervisor's: {})
+
+
+class LauncherSaid(TypedDict):
+    kind: Literal["launcher"]
+    group: str
+    msg: dict[str, Any]  # a launcher message (launcher_news checks it)
+
+
+class LauncherExit(TypedDict):
+    kind: Literal["launcher_exit"]
+    group: str
+    outcome: str
+    reason: str
+
+
+class RankGone(TypedDict):
+    kind: Literal["rank_gone"]
+    group: str
+    attempt: int
+    rank: int
+    t: float  # when the agent saw it go (its clock)
+    code: int | None
+
+
+class FileChunk(TypedDict):
+    kind: Literal["file"]
+    group: str
+    root: str  # "": the group's run directory; else the session cell's (its id) it is in
+    path: str  # relative to that run directory
+    offset: int  # where the blob goes; -1: the blob starts the whole file anew
+
+
+class MemoryRead(TypedDict):
+    kind: Literal["memory"]
+    group: str
+    rss: dict[str, int]
+    gpu: dict[str, GpuShare]
+    limit: dict[str, Any] | None  # procs.MemoryLimit's fields
+    gpus: bool
+
+
+class _Answer(TypedDict):
+    kind: Literal["answer"]
+    req: int
+    ok: bool
+    data: dict[str, Any]
+
+
+class Answer(_Answer, total=False):
+    error: str
+
+
+class StreamOpen(TypedDict):
+    kind: Literal["stream_open"]
+    group: str
+    stream: int
+    to: str  # STREAM_STORE or STREAM_SESSION
+    peer: int | None  # the connecting process's pid (SO_PEERCRED), as the agent saw it
+
+
+class StreamData(TypedDict):
+    kind: Literal["stream_data"]
+    group: str
+    stream: int
+
+
+class StreamClose(TypedDict):
+    kind: Literal["stream_close"]
+    group: str
+    stream: int
+
+
+class NodeBye(TypedDict):
+    kind: Literal["bye"]
+    reason: str
+
+
+class Open(TypedDict):
+    kind: Literal["open"]
+    req: int
+    group: str
+    spec: dict[str, Any]
+    env: dict[str, str]  # --env: the agent's own environment is the ranks' base
+    round: dict[str, Any]  # attempt, nnodes, run_id (the node fills in its endpoint, address)
+    session: bool
+
+
+class CellFiles(TypedDict):
+    kind: Literal["cell"]
+    req: int
+    group: str
+    cell: str
+
+
+class Signal(TypedDict):
+    kind: Literal["signal"]
+    group: str
+    attempt: int
+    rank: int
+    sig: int
+
+
+class NodeStacks(TypedDict):
+    kind: Literal["stacks"]
+    req: int
+    group: str
+    ranks: list[list[int]]  # [attempt, rank]
+    wait_s: float
+
+
+class Probe(TypedDict):
+    kind: Literal["probe"]
+    req: int
+    group: str
+    attempt: int
+    rank: int
+    what: str
+    wait_s: float
+
+
+class RanksUp(TypedDict):
+    kind: Literal["ranks_up"]
+    group: str
+
+
+class Leftovers(TypedDict):
+    kind: Literal["leftovers"]
+    req: int
+    group: str
+    grace: float
+    stuck: bool
+
+
+class NodeStop(TypedDict):
+    kind: Literal["stop"]
+    req: int
+    group: str
+    grace: float
+
+
+class Close(TypedDict):
+    kind: Literal["close"]
+    group: str
+    ended: bool  # the group has ended (else only its round here: another may follow)
+
+
 # What each channel carries; a reader takes a frame only through its channel's parser.
 KernelRequest = (
     Hello
@@ -593,12 +914,45 @@ KernelRequest = (
     | SessionInfo
     | Overview
     | Events
+    | Nodes
+    | Join
 )
 KernelNews = Hello | Reply | Update | End
-LauncherNews = Ready | Rendezvous | Start | Exit | Exits | Tick | Result
+LauncherNews = Ready | Rendezvous | Start | Exit | Exits | Tick | Result | StoreUp
 RankNews = RankHello | Ran
 SessionOrder = Run | Interrupt | Bye
-Message = KernelRequest | KernelNews | LauncherNews | RankNews | SessionOrder
+NodeNews = (
+    NodeHello
+    | Beat
+    | LauncherSaid
+    | LauncherExit
+    | RankGone
+    | FileChunk
+    | MemoryRead
+    | Answer
+    | StreamOpen
+    | StreamData
+    | StreamClose
+    | NodeBye
+)
+NodeOrder = (
+    Welcome
+    | Refused
+    | Beat
+    | Open
+    | CellFiles
+    | Signal
+    | NodeStacks
+    | Probe
+    | RanksUp
+    | Leftovers
+    | NodeStop
+    | Close
+    | StreamData
+    | StreamClose
+    | NodeBye
+)
+Message = KernelRequest | KernelNews | LauncherNews | RankNews | SessionOrder | NodeNews | NodeOrder
 
 
 def kernel_request(frame: Frame) -> KernelRequest:
@@ -624,6 +978,24 @@ def rank_news(frame: Frame) -> RankNews:
 def session_order(frame: Frame) -> SessionOrder:
     """A frame from the supervisor, as a session's rank reads it, checked."""
     return typing.cast(SessionOrder, _check(frame, SessionOrder))
+
+
+def node_news(frame: Frame) -> NodeNews:
+    """A frame from a join agent, checked."""
+    return typing.cast(NodeNews, _check(frame, NodeNews))
+
+
+def node_order(frame: Frame) -> NodeOrder:
+    """A frame from the supervisor, as a join agent reads it, checked."""
+    return typing.cast(NodeOrder, _check(frame, NodeOrder))
+
+
+def assignment(frame: Frame) -> Assignment:
+    """The launcher's assignment, checked (it has no kind: it is the line's one message)."""
+    for key, hint in typing.get_type_hints(Assignment).items():
+        if key not in frame or not _fits(frame[key], hint):
+            raise ProtocolError(f"the assignment's {key} is missing or not a {_name(hint)}")
+    return typing.cast(Assignment, frame)
 
 
 _KINDS: dict[object, dict[str, type]] = {}

@@ -12,7 +12,7 @@ import re
 import signal
 from typing import Any
 
-from elastic_nb.common.protocol import Summary
+from elastic_nb.common.protocol import Round, Summary
 
 __all__ = [
     "CAUSE_HINTS",
@@ -25,6 +25,7 @@ __all__ = [
     "oom_lines",
     "peaks_line",
     "rate",
+    "round_line",
     "signal_name",
     "size",
     "start_line",
@@ -51,22 +52,67 @@ CAUSE_HINTS = {
     "deadline": "the job ran past --timeout",
     "interrupted": "stopped on request before the ranks finished",
     "launcher": "the launcher failed before any rank did; see launcher.log",
+    "node_lost": "the node this rank ran on left (its agent died, its machine or the network "
+    "to it went): --max-restarts lets the job go on without it, %elastic nodes lists the nodes",
+    "nodes": "the job's nodes did not come (too few joined agents): %elastic join-command prints "
+    "the line that adds one, %elastic nodes lists those there are",
 }
 
 
 def start_line(
-    job: str, nproc: int, worst_case_s: float | None = None, session: str | None = None
+    job: str,
+    nproc: int,
+    worst_case_s: float | None = None,
+    session: str | None = None,
+    nodes: tuple[int, int] = (1, 1),
 ) -> str:
-    """What a cell says as its job starts: its id, its ranks (a session's, for a session's cell)
-    and the worst case a stuck collective can hold the cell."""
+    """What a cell says as its job starts: its id, its ranks (a session's, for a session's cell;
+    across machines, `nproc` on each of MIN to MAX `nodes`) and the worst case a stuck
+    collective can hold the cell."""
     worst = (
         f" (a stuck collective fails the cell within {worst_case_s:g} s)"
         if worst_case_s is not None
         else ""
     )
     ranks = f"{nproc} rank{'s' if nproc != 1 else ''}"
+    if nodes != (1, 1):
+        count = f"{nodes[0]}" if nodes[0] == nodes[1] else f"{nodes[0]} to {nodes[1]}"
+        ranks += f" on each of {count} nodes"
     what = f"on session {session}'s {ranks}" if session else f"starting {ranks}"
     return f"[elastic_nb] job {job}: {what}{worst}"
+
+
+def round_line(entry: Round, ranks: dict[int, str]) -> str:
+    """A multi-node job's round, once every rank of it runs: its nodes and their ranks, why it
+    began, what the change took. `ranks`: rank -> its node."""
+    by_node: dict[str, list[int]] = {}
+    for rank, node in sorted(ranks.items()):
+        by_node.setdefault(node, []).append(rank)
+    where = "; ".join(f"{node}: ranks {_spans(rs)}" for node, rs in by_node.items())
+    took = f", running {entry['running_s']:.1f} s after it began" if entry["running_s"] else ""
+    spent = (
+        f" (restart {entry['restarts']})"
+        if entry["counted"]
+        else " (no restart spent)"
+        if entry["attempt"]
+        else ""
+    )
+    return (
+        f"[elastic_nb] attempt {entry['attempt']}: {entry['why']}{spent} · world size "
+        f"{entry['world_size']} · {where or ', '.join(entry['nodes'])}{took}"
+    )
+
+
+def _spans(ranks: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5'."""
+    out, start = [], None
+    for i, r in enumerate(ranks):
+        if start is None:
+            start = r
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            out.append(f"{start}-{r}" if r != start else f"{r}")
+            start = None
+    return ", ".join(out)
 
 
 def summary_line(s: Summary) -> str:
@@ -92,7 +138,12 @@ def failure_headline(s: Summary) -> str:
     if f["cause"] == "desync":
         return f"desync: {f['summary']}"
     first = "failed first" if s["world_size"] > 1 else "failed"
-    return f"rank {f['rank']} {first}: {f['summary']}"
+    return f"{_rank(f)} {first}: {f['summary']}"
+
+
+def _rank(r: dict[str, Any]) -> str:
+    """'rank 3', or across machines 'node 1 (gpu-b) rank 3'."""
+    return f"{r['node']} rank {r['rank']}" if r.get("node") else f"rank {r['rank']}"
 
 
 def failure_report(s: Summary) -> list[str]:
@@ -108,7 +159,7 @@ def failure_report(s: Summary) -> list[str]:
     record = f.get("record") if f else None
     if f and record:
         lines.append("")
-        lines.append(f"--- rank {f['rank']} (attempt {f['attempt']}) ---")
+        lines.append(f"--- {_rank(f)} (attempt {f['attempt']}) ---")
         lines.extend(_cell_traceback(record["traceback"], s["run_dir"]).rstrip("\n").splitlines())
         lines.extend(oom_lines(record.get("memory")))
     elif tail := s.get("launcher_log_tail"):
@@ -128,7 +179,7 @@ def failure_report(s: Summary) -> list[str]:
             delay = (
                 f" (+{o['delay']:.2f} s)" if o.get("delay") is not None and o["delay"] >= 0 else ""
             )
-            lines.append(f"rank {o['rank']}: {o['text']}{delay}")
+            lines.append(f"{_rank(o)}: {o['text']}{delay}")
     if s.get("session"):
         # What the failure did to the session's ranks: kept, restarted and replayed, or ended.
         lines.append("")

@@ -32,12 +32,16 @@ import json
 import os
 import re
 import stat
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CHECKPOINTS", "RUN_DIR_ENV", "RunDir"]
+__all__ = ["ATTEMPT_BASE_ENV", "CHECKPOINTS", "RUN_DIR_ENV", "RunDir", "attempt_of"]
 
 RUN_DIR_ENV = "ELASTIC_NB_RUN_DIR"  # every rank's: its job's (or session's) run directory
+# A multi-node job's round starts at this attempt (each round is an elastic_launch of its own,
+# whose restart count starts at 0); unset for a single-node job, whose restarts are torch's.
+ATTEMPT_BASE_ENV = "ELASTIC_NB_ATTEMPT_BASE"
 CHECKPOINTS = "checkpoints.jsonl"
 
 _ATTEMPT = re.compile(r"attempt-(\d+)\Z")
@@ -172,6 +176,11 @@ class RunDir:
     def flight_recorder_prefix(self, attempt: int) -> Path:
         """TORCH_FR_DUMP_TEMP_FILE: NCCL appends the rank to this prefix."""
         return self.attempt(attempt) / "fr-rank-"
+
+
+def attempt_of(env: Mapping[str, str]) -> int:
+    """A rank's attempt, from its environment (torch's restart count within its round)."""
+    return int(env.get("TORCHELASTIC_RESTART_COUNT") or 0) + int(env.get(ATTEMPT_BASE_ENV) or 0)
 
 
 def _check_private(st: os.stat_result, path: Path) -> None:

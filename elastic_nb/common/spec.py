@@ -85,6 +85,18 @@ class JobSpec:
     # torchelastic's (shutdown_timeout, 30 s by default) for the ranks. A notebook waits on it.
     stop_grace: float = 2.0
     session: bool = False  # the ranks of a session (%elastic up): they run cells until down
+    # Across machines (--nnodes MIN:MAX): this many nodes each run `nproc` ranks; the notebook's
+    # machine is one of them unless `remote_only`. `ship`: the notebook's own modules the cell
+    # imports (files beside it), sent to every other node.
+    nnodes_min: int = 1
+    nnodes_max: int = 1
+    remote_only: bool = False
+    ship: tuple[str, ...] = ()
+
+    @property
+    def multi_node(self) -> bool:
+        """Ranks on join agents' machines: rounds of the supervisor's (runs/rounds.py)."""
+        return self.nnodes_max > 1 or self.remote_only
 
     @property
     def worst_case_s(self) -> float | None:
@@ -99,7 +111,7 @@ class JobSpec:
 
     @property
     def world_size(self) -> int:
-        # Single node only: --nnodes other than 1 is refused (kernel.flags).
+        """Ranks on one node; a multi-node group's world is its round's (RankGroup.world_size)."""
         return self.nproc
 
     # ---- transport ----------------------------------------------------------------------
@@ -125,4 +137,4 @@ class JobSpec:
         return cls.from_dict(json.loads(text))
 
 
-_TUPLES = ("push", "pull", "preload", "sys_path")
+_TUPLES = ("push", "pull", "preload", "sys_path", "ship")

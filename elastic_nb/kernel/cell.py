@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import ast
 import builtins
+import importlib.util
 import inspect
+import os
 import re
+import sys
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -24,7 +27,7 @@ from typing import Any
 from elastic_nb.common import pickling
 from elastic_nb.common.errors import CellError
 
-__all__ = ["PreparedCell", "explicit_timeouts", "prepare_cell"]
+__all__ = ["PreparedCell", "explicit_timeouts", "notebook_modules", "prepare_cell"]
 
 # The calls whose timeout= argument overrides --collective-timeout.
 _GROUP_CALLS = frozenset({"init_process_group", "new_group", "new_subgroups", "init_device_mesh"})
@@ -163,3 +166,42 @@ def explicit_timeouts(source: str) -> list[int]:
         if name in _GROUP_CALLS and any(k.arg == "timeout" for k in node.keywords):
             lines.append(node.lineno)
     return sorted(lines)
+
+
+def notebook_modules(source: str, cwd: str) -> tuple[str, ...]:
+    """The notebook's own modules a cell on other machines needs: files or packages under the
+    kernel's working directory (beside the notebook, not installed), that the cell imports or
+    the notebook has imported (a function of theirs pickles by reference). Their paths; sent to
+    every other node, first on its ranks' sys.path."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module.split(".")[0])
+    names.update(n.split(".")[0] for n in list(sys.modules) if n and not n.startswith("_"))
+    root = os.path.realpath(cwd)
+    found: set[str] = set()
+    for name in names:
+        path = _local_module(name, root)
+        if path is not None:
+            found.add(path)
+    return tuple(sorted(found))
+
+
+def _local_module(name: str, root: str) -> str | None:
+    module = sys.modules.get(name)
+    origin = getattr(module, "__file__", None) if module is not None else None
+    if origin is None and module is None:
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            return None
+        origin = spec.origin if spec is not None and spec.has_location else None
+    if not origin:
+        return None
+    path = os.path.realpath(str(origin))
+    if not path.startswith(root + os.sep) or "-packages" + os.sep in path:
+        return None
+    # A package travels whole (its directory); a module as its file.
+    return os.path.dirname(path) if os.path.basename(path) == "__init__.py" else path

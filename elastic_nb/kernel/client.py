@@ -369,6 +369,16 @@ class SupervisorClient:
     def status(self) -> dict[str, Any]:
         return self.request(protocol.Status(kind=protocol.STATUS, req=self.next_req()))
 
+    def nodes(self) -> dict[str, Any]:
+        return self.request(protocol.Nodes(kind=protocol.NODES, req=self.next_req()))
+
+    def join(self, host: str | None, port: int, new_token: bool) -> dict[str, Any]:
+        return self.request(
+            protocol.Join(
+                kind=protocol.JOIN, req=self.next_req(), host=host, port=port, new_token=new_token
+            )
+        )
+
 
 _client: SupervisorClient | None = None
 _client_lock = threading.Lock()

@@ -87,8 +87,9 @@ def parse_nproc(value: Any, env: Mapping[str, str]) -> int:
     return parse_int("--nproc", text, minimum=1)
 
 
-def check_single_node(nnodes: str, endpoint: str) -> None:
-    text = nnodes.strip()
+def parse_nnodes(value: Any) -> tuple[int, int]:
+    """--nnodes N or MIN:MAX, as (MIN, MAX)."""
+    text = str(value).strip()
     parts = text.split(":")
     if len(parts) > 2:
         raise SpecError(f"--nnodes {text}: expected N or MIN:MAX")
@@ -100,12 +101,40 @@ def check_single_node(nnodes: str, endpoint: str) -> None:
         raise SpecError(f"--nnodes {text}: a job needs at least one node")
     if lo > hi:
         raise SpecError(f"--nnodes {text}: MIN ({lo}) is larger than MAX ({hi})")
-    if (lo, hi) != (1, 1):
-        raise SpecError(
-            f"--nnodes {text}: a multi-node job needs a rendezvous every node can reach "
-            f"(--rdzv-endpoint HOST:PORT on a shared host, not {endpoint}) and an agent on each "
-            "node; this version of elastic_nb runs single-node jobs only, so use --nnodes 1"
-        )
+    return lo, hi
+
+
+# What torch's c10d rendezvous reads from --rdzv-conf (elastic/rendezvous/dynamic_rendezvous.py,
+# create_handler; c10d_rendezvous_backend.py), each a whole number of seconds (or attempts).
+C10D_CONF = (
+    "join_timeout",
+    "last_call_timeout",
+    "close_timeout",
+    "heartbeat_timeout",
+    "keep_alive_interval",
+    "keep_alive_max_attempt",
+    "read_timeout",
+)
+
+
+def parse_rdzv_conf(value: Any, backend: str) -> dict[str, str]:
+    conf = parse_pairs("--rdzv-conf", value, split_commas=True)
+    if backend != "c10d":
+        return conf
+    for key, val in conf.items():
+        if key == "timeout":
+            raise SpecError(
+                "--rdzv-conf timeout=...: torch's c10d rendezvous ignores it (only the etcd and "
+                "static backends read it; LaunchConfig sets it to 900 for nothing): use "
+                "join_timeout=S, how long a rendezvous waits for its nodes"
+            )
+        if key not in C10D_CONF:
+            raise SpecError(
+                f"--rdzv-conf {key}=...: not a setting of the c10d rendezvous (it reads "
+                f"{', '.join(C10D_CONF)})"
+            )
+        parse_int(f"--rdzv-conf {key}", val, minimum=1)
+    return conf
 
 
 def parse_endpoint(text: str) -> str:
@@ -117,8 +146,9 @@ def parse_endpoint(text: str) -> str:
         raise SpecError(f"--rdzv-endpoint {text}: port {port_n} is out of range")
     if not is_local_host(host.strip("[]")):
         raise SpecError(
-            f"--rdzv-endpoint {text}: {host} is not this machine; a remote rendezvous means a "
-            "multi-node job, which this version does not run (use localhost:PORT)"
+            f"--rdzv-endpoint {text}: {host} is not this machine; the rendezvous belongs to the "
+            "notebook's machine (other nodes reach it through their join agent), so name a "
+            "port here: localhost:PORT"
         )
     return f"{host}:{port_n}"
 
@@ -204,7 +234,8 @@ def job_spec(
 
     env = parse_env(o["env"])
     nproc = parse_nproc(o["nproc"], {**os.environ, **env})
-    check_single_node(str(o["nnodes"]), str(o["rdzv_endpoint"]))
+    nnodes_min, nnodes_max = parse_nnodes(o["nnodes"])
+    remote_only = bool(o["remote_only"])
     max_restarts = parse_int("--max-restarts", o["max_restarts"], minimum=0)
     monitor_interval = parse_seconds("--monitor-interval", o["monitor_interval"])
     if monitor_interval > 10:
@@ -223,8 +254,13 @@ def job_spec(
     rdzv_backend = str(o["rdzv_backend"])
     if rdzv_backend not in RDZV_BACKENDS:
         raise SpecError(
-            f"--rdzv-backend {rdzv_backend}: single-node jobs rendezvous with "
+            f"--rdzv-backend {rdzv_backend}: elastic_nb's jobs rendezvous with "
             f"{' or '.join(RDZV_BACKENDS)}"
+        )
+    if rdzv_backend == "static" and (nnodes_max > 1 or remote_only):
+        raise SpecError(
+            "--rdzv-backend static fixes every node's rank ahead: a job across machines "
+            "rendezvous with c10d, whose rounds follow nodes as they join and leave"
         )
     rdzv_endpoint = parse_endpoint(str(o["rdzv_endpoint"]))
     if rdzv_backend == "static" and rdzv_endpoint.rsplit(":", 1)[1] == "0":
@@ -233,8 +269,8 @@ def job_spec(
     if rdzv_id is not None and not re.fullmatch(r"[A-Za-z0-9_.\-]+", str(rdzv_id)):
         raise SpecError(f"--rdzv-id {rdzv_id!r}: use letters, digits, '.', '_' and '-'")
     pull_rank = parse_int("--pull-rank", o["pull_rank"], minimum=0)
-    if pull_rank >= nproc:
-        raise SpecError(f"--pull-rank {pull_rank}: the job has ranks 0..{nproc - 1}")
+    if pull_rank >= nproc * nnodes_min:
+        raise SpecError(f"--pull-rank {pull_rank}: the job has ranks 0..{nproc * nnodes_min - 1}")
     push = parse_names("--push", o["push"])
     preload = parse_names("--preload", o["preload"], dotted=True)
     pull = parse_names("--pull", o["pull"])
@@ -248,7 +284,7 @@ def job_spec(
         rdzv_backend=rdzv_backend,
         rdzv_endpoint=rdzv_endpoint,
         rdzv_id=None if rdzv_id is None else str(rdzv_id),
-        rdzv_conf=parse_pairs("--rdzv-conf", o["rdzv_conf"], split_commas=True),
+        rdzv_conf=parse_rdzv_conf(o["rdzv_conf"], rdzv_backend),
         env=env,
         timeout=parse_optional_seconds("--timeout", o["timeout"]),
         collective_timeout=parse_optional_seconds("--collective-timeout", o["collective_timeout"]),
@@ -268,6 +304,9 @@ def job_spec(
         sys_path=tuple(sys_path),
         replay=bool(o["replay"]),
         one_off=bool(o["one_off"]),
+        nnodes_min=nnodes_min,
+        nnodes_max=nnodes_max,
+        remote_only=remote_only,
     )
 
 

@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from elastic_nb.common.report import memory_figures, rate, size
+from elastic_nb.common.run_records import rank_logs
 from elastic_nb.common.rundir import RunDir
 from elastic_nb.kernel.job_handle import JobHandle
 
@@ -63,19 +64,7 @@ def print_logs(job: JobHandle, rank: int | None, attempt: int | None, tail: int)
     """Every rank's (or one rank's) stdout and stderr of an attempt (the last by default); a
     session's cell reads its session's logs."""
     rd = RunDir(job.ranks_run_dir)
-    attempts = rd.attempts()
-    if not attempts:
+    if not rd.attempts():
         print(f"job {job.id} has no logs yet ({rd})")
         return
-    attempt = attempts[-1] if attempt is None else attempt
-    for r in range(job.spec.nproc) if rank is None else [rank]:
-        paths = [(s, rd.log(attempt, r, s)) for s in ("out", "err")]
-        paths = [(s, p) for s, p in paths if p.exists() and p.stat().st_size]
-        if not paths:
-            print(f"==> rank {r}, attempt {attempt}: no output <==")
-        for stream, path in paths:
-            lines = path.read_text(errors="replace").splitlines()
-            shown = lines[-tail:] if tail else lines
-            print(f"==> rank {r} std{stream}, attempt {attempt}: {path} ({len(lines)} lines) <==")
-            for text in shown:
-                print(f"[rank {r}] {text}")
+    print("\n".join(rank_logs(rd, rank, attempt, tail)))

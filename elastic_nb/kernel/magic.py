@@ -20,6 +20,11 @@ Manage jobs and session defaults with the line magic::
     %elastic stacks [JOB]                          # every rank's Python stack, now
     %elastic status                                # the supervisor process
 
+Other machines join this notebook's jobs (``--nnodes MIN:MAX``)::
+
+    %elastic join-command                          # the line to run there: elastic-nb join ...
+    %elastic nodes                                 # this machine and every joined one
+
 Keep ranks up across cells (a session: names stay defined; a restart replays the cells)::
 
     %elastic up --nproc 4 [launch flags]           # then a bare %%elastic runs on them
@@ -54,11 +59,12 @@ from IPython.display import display
 from elastic_nb.common.errors import Refused
 from elastic_nb.common.protocol import Summary
 from elastic_nb.common.spec import JobSpec
-from elastic_nb.kernel.cell import explicit_timeouts, prepare_cell
+from elastic_nb.kernel.cell import explicit_timeouts, notebook_modules, prepare_cell
 from elastic_nb.kernel.client import current_client, get_client
 from elastic_nb.kernel.flags import SpecError, job_spec, preflight
 from elastic_nb.kernel.job_handle import JobHandle, Renderer
 from elastic_nb.kernel.listings import jobs_table, memory_lines, print_logs
+from elastic_nb.kernel.nodes import join_command, nodes_table
 from elastic_nb.kernel.options import OPTIONS, Option, add_arguments
 from elastic_nb.kernel.render_text import TextRenderer
 from elastic_nb.kernel.session_handle import (
@@ -115,6 +121,21 @@ class ElasticMagics(Magics):
         except SpecError as e:
             raise UsageError(str(e)) from None
 
+    def _check_nodes(self, spec: JobSpec) -> None:
+        """A job across machines needs this notebook open to other machines' agents."""
+        if not spec.multi_node:
+            return
+        if get_client().nodes()["listening"] is None:
+            count = f"{spec.nnodes_min}" + (
+                f":{spec.nnodes_max}" if spec.nnodes_max != spec.nnodes_min else ""
+            )
+            where = "on joined nodes only" if spec.remote_only else "on other machines too"
+            raise UsageError(
+                f"--nnodes {count}: the job runs {where}, and none can join yet: "
+                "%elastic join-command opens this notebook to them and prints the line to run "
+                "on each (then %elastic nodes lists them)"
+            )
+
     def _cell(self, line: str, cell: str) -> Any:
         options = self._options(line)
         session = self._live_session()
@@ -134,6 +155,7 @@ class ElasticMagics(Magics):
             preflight(spec)
         except SpecError as e:
             raise UsageError(str(e)) from None
+        self._check_nodes(spec)
         if spec.collective_timeout is not None:
             for lineno in explicit_timeouts(prepared.source):
                 print(
@@ -143,6 +165,9 @@ class ElasticMagics(Magics):
                 )
         if session is not None:
             spec = dataclasses.replace(spec, session=True)
+        if spec.multi_node or (session is not None and session.spec.multi_node):
+            # Other machines import the notebook's own modules too: they travel with the cell.
+            spec = dataclasses.replace(spec, ship=notebook_modules(prepared.source, spec.cwd))
         job = JobHandle.submit(
             get_client(),
             spec,
@@ -181,7 +206,7 @@ class ElasticMagics(Magics):
                 display(dash.widget)  # a background job is shown as the cell's result
             return _Both(dash, TextRenderer(job.id, job.ranks_run_dir, mode="summary"))
         text = TextRenderer(job.id, job.ranks_run_dir, mode="quiet" if spec.background else "live")
-        text.start(spec.nproc, spec.worst_case_s, job.session)
+        text.start(spec.nproc, spec.worst_case_s, job.session, (spec.nnodes_min, spec.nnodes_max))
         return text
 
     # ---- %elastic -----------------------------------------------------------------------------
@@ -198,6 +223,8 @@ class ElasticMagics(Magics):
             "up": self._up,
             "down": self._down,
             "session": self._session_info,
+            "nodes": self._nodes,
+            "join-command": self._join_command,
         }
         if command not in handlers:
             raise UsageError(
@@ -327,10 +354,13 @@ class ElasticMagics(Magics):
         except ValueError as e:
             raise UsageError(str(e)) from None
         spec = dataclasses.replace(self._spec(launch), session=True)
+        if spec.multi_node:
+            spec = dataclasses.replace(spec, ship=notebook_modules("", spec.cwd))
         try:
             preflight(spec)
         except SpecError as e:
             raise UsageError(str(e)) from None
+        self._check_nodes(spec)
         session = SessionHandle(get_client(), spec, launch)
         session.start()
         self.session = session
@@ -353,6 +383,20 @@ class ElasticMagics(Magics):
             print(describe(session.info()))
         except Refused as e:
             raise UsageError(e.reason) from None
+
+    # ---- nodes ------------------------------------------------------------------------------
+
+    def _join_command(self, rest: str) -> None:
+        """The line that makes another machine a node of this notebook's jobs."""
+        try:
+            print(join_command(get_client(), rest))
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        except Refused as e:
+            raise UsageError(e.reason) from None
+
+    def _nodes(self, rest: str) -> None:
+        print("\n".join(nodes_table(get_client().nodes())))
 
     def _job(self, job_id: str | None) -> JobHandle:
         if not self.jobs:

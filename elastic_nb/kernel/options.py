@@ -64,9 +64,20 @@ OPTIONS: tuple[Option, ...] = (
         "nnodes",
         ("--nnodes",),
         "1",
-        "nodes; only 1 in this version: more nodes need a rendezvous every node reaches",
+        "machines, each running --nproc ranks: this one and join agents (%elastic join-command); "
+        "MIN:MAX starts once MIN are there and grows to MAX as more join",
         _RANKS,
         metavar="N|MIN:MAX",
+    ),
+    Option(
+        "remote_only",
+        ("--remote-only",),
+        False,
+        "run no ranks on the notebook's machine (a laptop or a login node driving GPU machines): "
+        "only on joined nodes",
+        _RANKS,
+        action="store_true",
+        shown="off",
     ),
     Option(
         "max_restarts",
@@ -338,7 +349,8 @@ def add_arguments(add: Any, group: Any) -> list[Any]:
             current = o.group
             decorators.append(group(current))
         shown = shown_default(o)
-        help_text = o.help + (f" (default: {shown})" if shown else "")
+        # argparse %-formats help: a "%elastic ..." in it must reach the reader as written.
+        help_text = (o.help + (f" (default: {shown})" if shown else "")).replace("%", "%%")
         if o.action in ("store_true", "store_false") and len(o.flags) == 2:
             # --no-X / --X: one option, two flags that set it each way.
             for flag, action, shown_help in zip(

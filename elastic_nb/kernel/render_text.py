@@ -49,18 +49,33 @@ class TextRenderer:
         self._err = err or sys.stderr
         self._progress_at: dict[tuple[int, str], float] = {}
         self._left = MAX_CELL_CHARS  # of rank output this cell may still print
+        self._where: dict[int, str] = {}  # a multi-node job's ranks: rank -> its node
+        self._rounds_said = 0  # rounds whose line was printed
 
     def start(
-        self, nproc: int, worst_case_s: float | None = None, session: str | None = None
+        self,
+        nproc: int,
+        worst_case_s: float | None = None,
+        session: str | None = None,
+        nodes: tuple[int, int] = (1, 1),
     ) -> None:
         if self._mode == "summary":
             return
-        self._out.write(report.start_line(self._job, nproc, worst_case_s, session) + "\n")
+        self._out.write(report.start_line(self._job, nproc, worst_case_s, session, nodes) + "\n")
         self._out.flush()
 
     def update(self, msg: dict[str, Any]) -> None:
         if self._mode == "summary":
             return
+        for rank, chip in msg.get("ranks", {}).items():
+            if chip.get("node"):
+                self._where[int(rank)] = chip["node"]
+        for entry in msg.get("rounds", ())[self._rounds_said :]:
+            if entry["running_s"] is None:
+                break  # said once every rank of it runs (its ranks' nodes are known then)
+            ranks = {r: n for r, n in self._where.items() if n in entry["nodes"]}
+            self._out.write(report.round_line(entry, ranks) + "\n")
+            self._rounds_said += 1
         for alert in msg.get("alerts", ()):
             if alert["kind"] == "failure":
                 continue  # the error the cell raises says it, traceback and all

@@ -19,7 +19,7 @@ import sys
 from typing import Any
 
 from elastic_nb.common import loopback, modules, procs, protocol
-from elastic_nb.common.rundir import RUN_DIR_ENV, RunDir
+from elastic_nb.common.rundir import ATTEMPT_BASE_ENV, RUN_DIR_ENV, RunDir
 from elastic_nb.common.spec import TEARS_DOWN, JobSpec
 from elastic_nb.launcher.observe import observe_agent
 from elastic_nb.launcher.pipe import Channel
@@ -30,7 +30,7 @@ _PR_SET_PDEATHSIG = 1
 def main() -> None:
     channel = Channel(os.dup(1))
     os.dup2(2, 1)
-    _die_with_parent()
+    die_with_parent()
     sys.stdout = sys.stderr
 
     # Warm: everything up to READY happens before there is a job; the supervisor hands us one
@@ -52,23 +52,27 @@ def main() -> None:
     line = sys.stdin.readline()
     if not line:
         return  # the supervisor let us go without a job
-    assignment = json.loads(line)
-    job_id, rd = assignment["job"], RunDir(assignment["run_dir"])
+    assignment = protocol.assignment(json.loads(line))
+    job_id, rd, plan = assignment["job"], RunDir(assignment["run_dir"]), assignment["round"]
     procs.mark_process(job_id)
     _log_to(rd.launcher_log)
     spec = JobSpec.from_json(rd.spec.read_text())
     os.environ.clear()
     os.environ.update(assignment["env"])
-    _apply_environment(spec, job_id, rd)
+    _apply_environment(spec, job_id, rd, plan)
     job_env = dict(os.environ)
     # Spawned ranks start from this process's environment; forked ones from the fork server's.
     start_env = warm_env if spec.start_method == "forkserver" else job_env
     code = 0
     try:
-        # The rendezvous store serves on a socket of ours on 127.0.0.1 (loopback.py), held for
-        # the job's life; torch's c10d or static backend finds it at the endpoint it is given.
-        rdzv_server = loopback.rendezvous_server(_endpoint_port(spec.rdzv_endpoint))
-        config = _launch_config(spec, rd, job_id, f"{loopback.HOST}:{rdzv_server.port}")
+        if plan is None:
+            # The rendezvous store serves on a socket of ours on 127.0.0.1 (loopback.py), held
+            # for the job's life; torch's c10d or static backend finds it at that endpoint.
+            rdzv_server = loopback.rendezvous_server(_endpoint_port(spec.rdzv_endpoint))
+            endpoint = f"{loopback.HOST}:{rdzv_server.port}"
+        else:
+            endpoint = plan["endpoint"]  # the group's store, on the notebook's machine
+        config = _launch_config(spec, rd, job_id, endpoint, plan)
         # A session's ranks run cells until the supervisor says bye; a job's run its one cell.
         entrypoint = serve if spec.session else bootstrap
         elastic_launch(config, entrypoint)(str(rd.path), job_env, start_env)
@@ -161,7 +165,7 @@ def _log_to(path: Any) -> None:
     os.close(fd)
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """If the supervisor dies, SIGTERM reaches us; torch's handler then stops the ranks."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
@@ -170,12 +174,17 @@ def _die_with_parent() -> None:
         sys.exit(1)  # the supervisor died before the signal was armed
 
 
-def _apply_environment(spec: JobSpec, job_id: str, rd: RunDir) -> None:
+def _apply_environment(
+    spec: JobSpec, job_id: str, rd: RunDir, plan: protocol.LaunchRound | None
+) -> None:
     """Ranks inherit this process's environment (torchelastic only adds its rank variables)."""
     env = os.environ
-    # gloo's and NCCL's own listening sockets on loopback too (loopback.py): over the kernel's
-    # environment, under --env.
-    env.update(loopback.interface_env())
+    # gloo's and NCCL's own listening sockets on loopback (loopback.py), or, across machines,
+    # on the interface of the node's address: over the kernel's environment, under --env.
+    env.update(loopback.interface_env(plan["ifname"] if plan else None))
+    if plan is not None:
+        env[ATTEMPT_BASE_ENV] = str(plan["attempt"])
+        env[loopback.NODE_ADDR_ENV] = plan["addr"]
     env.update(spec.env)
     # Failure forensics for NCCL (inert on gloo). --env and the kernel's environment win.
     for name, value in {
@@ -209,7 +218,13 @@ def _endpoint_port(endpoint: str) -> int:
     return int(endpoint.rsplit(":", 1)[1])
 
 
-def _launch_config(spec: JobSpec, rd: RunDir, job_id: str, rdzv_endpoint: str) -> Any:
+def _launch_config(
+    spec: JobSpec,
+    rd: RunDir,
+    job_id: str,
+    rdzv_endpoint: str,
+    plan: protocol.LaunchRound | None,
+) -> Any:
     from torch.distributed.launcher.api import LaunchConfig
 
     from elastic_nb.launcher.run_logs import RunDirLogsSpecs
@@ -230,10 +245,24 @@ def _launch_config(spec: JobSpec, rd: RunDir, job_id: str, rdzv_endpoint: str) -
         "start_method": spec.start_method,
         "logs_specs": RunDirLogsSpecs(rd),
     }
+    local_addr = loopback.HOST
+    if plan is not None:
+        # A round of a multi-node job: exactly its nodes, every launcher a client of the group's
+        # store (no launcher is its host: it lives with the notebook's supervisor), and no
+        # restarts of torch's own: a failure or a change of nodes is the next round, the
+        # supervisor's (the restart budget is the job's, not each agent's: pytorch#108158).
+        kwargs.update(
+            min_nodes=plan["nnodes"],
+            max_nodes=plan["nnodes"],
+            run_id=plan["run_id"],
+            max_restarts=0,
+        )
+        rdzv_configs["is_host"] = False
+        local_addr = plan["addr"]
     # MASTER_ADDR, the address rank 0's process-group store is reached at (and, in the ranks,
     # bound to: loopback.patch_process_group_store); torch's default is this machine's FQDN.
     if "local_addr" in LaunchConfig.__dataclass_fields__:
-        kwargs["local_addr"] = loopback.HOST
+        kwargs["local_addr"] = local_addr
     # Not in every torch (absent from 2.11's LaunchConfig); where it is, 30 s by default.
     if "shutdown_timeout" in LaunchConfig.__dataclass_fields__:
         kwargs["shutdown_timeout"] = max(1, round(spec.stop_grace))

@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from elastic_nb.common import protocol
-from elastic_nb.common.rundir import RUN_DIR_ENV
+from elastic_nb.common.rundir import ATTEMPT_BASE_ENV, RUN_DIR_ENV, attempt_of
 from elastic_nb.launcher.pipe import Channel
 
 __all__ = ["observe_agent"]
@@ -32,7 +32,10 @@ class _EventHandler(logging.Handler):
         try:
             event = json.loads(record.getMessage())
             md = event["metadata"]
-            attempt = int(md.get("agent_restarts") or 0)
+            # In a multi-node round, torch counts from 0 from the round's first attempt on (the
+            # launcher's environment names that attempt once it has a job).
+            restarts = int(md.get("agent_restarts") or 0)
+            attempt = restarts + int(os.environ.get(ATTEMPT_BASE_ENV) or 0)
             state = md.get("state")
             if state == "START" and md.get("global_rank") is not None:
                 self._channel.send(
@@ -98,7 +101,7 @@ def observe_agent(channel: Channel) -> None:
         for local_rank, proc in enumerate(self._pc.processes):
             env = self.envs[local_rank]
             codes[env["RANK"]] = proc.exitcode
-        attempt = int(self.envs[0]["TORCHELASTIC_RESTART_COUNT"])
+        attempt = attempt_of(self.envs[0])
         channel.send(protocol.Exits(kind=protocol.EXITS, attempt=attempt, codes=codes))
 
     MultiprocessContext._close = _close  # type: ignore[method-assign]
@@ -169,7 +172,7 @@ def _report_forked_exits(channel: Channel, context: Any) -> None:
         original_start(self)
         if self.start_method != "forkserver":
             return  # spawned ranks are this process's children: the supervisor sees them die
-        attempt = int(self.envs[0]["TORCHELASTIC_RESTART_COUNT"])
+        attempt = attempt_of(self.envs[0])
         ranks = {int(self.envs[i]["RANK"]): p for i, p in enumerate(self._pc.processes)}
         threading.Thread(target=watch, args=(attempt, ranks), daemon=True).start()
 

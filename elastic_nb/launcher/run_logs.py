@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs, Std
 
-from elastic_nb.common.rundir import RunDir
+from elastic_nb.common.rundir import RunDir, attempt_of
 
 
 class RunDirLogsSpecs(LogsSpecs):
@@ -26,7 +26,7 @@ class RunDirLogsSpecs(LogsSpecs):
         error_files: dict[int, str] = {}
         for local_rank, env in envs.items():
             rank = int(env["RANK"])
-            attempt = int(env["TORCHELASTIC_RESTART_COUNT"])
+            attempt = attempt_of(env)
             self._run_dir.attempt(attempt).mkdir(parents=True, exist_ok=True)
             stdouts[local_rank] = str(self._run_dir.log(attempt, rank, "out"))
             stderrs[local_rank] = str(self._run_dir.log(attempt, rank, "err"))

@@ -156,8 +156,10 @@ def _become_launcher(
         os.environ.clear()
         os.environ.update(env)
         sys.argv = [sys.argv[0]]
-        from elastic_nb.launcher.agent import main as launcher_main
-
+        if env.get(modules.ROLE_ENV) == modules.STORE_ROLE:
+            from elastic_nb.launcher.store_host import main as launcher_main
+        else:
+            from elastic_nb.launcher.agent import main as launcher_main
         launcher_main()
         code = 0
     except SystemExit as e:

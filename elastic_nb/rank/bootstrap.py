@@ -31,7 +31,7 @@ from typing import Any
 
 from elastic_nb.common import loopback, modules, procs
 from elastic_nb.common.protocol import STACK_SIGNAL, STACKS_END_MARK
-from elastic_nb.common.rundir import RunDir, write_json
+from elastic_nb.common.rundir import RunDir, attempt_of, write_json
 from elastic_nb.common.spec import MANAGED_ENV, JobSpec
 from elastic_nb.rank import memory, recorder
 from elastic_nb.rank.outcomes import dump, dump_result, record_failure
@@ -73,7 +73,7 @@ def prepare(run_dir: str, env: dict[str, str], start_env: dict[str, str]) -> Ran
     _adopt_environment(env, start_env)
     rd = RunDir(run_dir)
     rank = int(os.environ["RANK"])
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    attempt = attempt_of(os.environ)
     spec = JobSpec.from_json(rd.spec.read_text())
     _prepare_process(spec, rd)
     _arm_forensics(rd, attempt, rank)

@@ -27,9 +27,11 @@ from elastic_nb.common import procs, protocol, registry
 from elastic_nb.common.rundir import RunDir
 from elastic_nb.common.spec import JobSpec
 from elastic_nb.supervisor import overview
+from elastic_nb.supervisor.nodes.cluster import Cluster
 from elastic_nb.supervisor.processes.launcher_pool import LauncherPool
 from elastic_nb.supervisor.processes.node import LocalNode
 from elastic_nb.supervisor.runs.job import Job
+from elastic_nb.supervisor.runs.rounds import Machines
 from elastic_nb.supervisor.sessions.session import Session
 from elastic_nb.supervisor.sessions.session_cell import SessionCell
 
@@ -87,6 +89,7 @@ class Supervisor:
         self._socket_dir: Path | None = None
         self._started = time.time()
         self._tg: TaskGroup | None = None
+        self._cluster: Cluster | None = None  # the join agents, once a join command is asked
 
     async def run(self) -> None:
         procs.set_child_subreaper()
@@ -111,6 +114,8 @@ class Supervisor:
         finally:
             self._launchers.close()
             with anyio.CancelScope(shield=True):
+                if self._cluster is not None:
+                    await self._cluster.close()
                 await listener.aclose()
             with contextlib.suppress(OSError):
                 os.unlink(path)
@@ -158,6 +163,28 @@ class Supervisor:
         return LocalNode(
             RunDir.of(spec.log_dir, group_id), self._launchers, self.orphans, self.reap
         )
+
+    def _place(self, spec: JobSpec, group_id: str, env: dict[str, str]) -> dict[str, Any]:
+        """Where a group runs: this machine's node, or, across machines, the cluster's nodes
+        a round at a time (its rendezvous store a process of this machine's pool)."""
+        if not spec.multi_node:
+            return {"node": self._local_node(spec, group_id), "machines": None}
+        if self._cluster is None or self._cluster.listener is None:
+            raise RuntimeError(
+                f"--nnodes {spec.nnodes_min}:{spec.nnodes_max} needs joined nodes, and none can "
+                "join yet: %elastic join-command opens this notebook to them and prints the "
+                "line to run on each"
+            )
+        port = int(spec.rdzv_endpoint.rsplit(":", 1)[1])
+        return {
+            "node": None,
+            "machines": Machines(
+                cluster=self._cluster,
+                local=lambda: self._local_node(spec, group_id),
+                store=lambda: self._launchers.store(env, port),
+                end_store=self._launchers.end_store,
+            ),
+        }
 
     def _shutdown(self) -> None:
         """Stop every job; the task group ends when the last one has torn down."""
@@ -261,7 +288,38 @@ class Supervisor:
         if msg["kind"] == protocol.EVENTS:
             report = overview.reporter_of(msg["job"], self._jobs, self._sessions)
             return {"events": report.events_since(msg["since"]), "seq": report.seq}
+        if msg["kind"] == protocol.NODES:
+            return self._nodes()
+        if msg["kind"] == protocol.JOIN:
+            return await self._join(msg)
         raise protocol.ProtocolError(f"{msg['kind']!r} is not a request")
+
+    # ---- nodes ---------------------------------------------------------------------------------
+
+    def _nodes(self) -> dict[str, Any]:
+        """This machine and the join agents (%elastic nodes, the panel)."""
+        if self._cluster is None:
+            from elastic_nb.common import machine
+
+            here = machine.describe(machine.primary_address(), "")
+            return {"listening": None, "here": {"node": 0, **here, "state": "here"}, "agents": []}
+        return self._cluster.describe()
+
+    async def _join(self, msg: protocol.Join) -> dict[str, Any]:
+        """The join command (the agents' channel opened at the first ask); a new token drops
+        the agents holding the old one."""
+        assert self._tg is not None
+        if self._cluster is None:
+            self._cluster = Cluster(self._tg, msg["host"])
+        if self._cluster.listener is None:
+            await self._cluster.serve(msg["host"] or "0.0.0.0", msg["port"])
+        elif msg["port"] and msg["port"] != self._cluster.listener.port:
+            raise ValueError(
+                f"agents already join on port {self._cluster.listener.port}: --port cannot "
+                "change it while this supervisor runs"
+            )
+        dropped = await self._cluster.new_token() if msg["new_token"] else 0
+        return {"command": self._cluster.join_command(), "dropped": dropped}
 
     async def _submit(
         self, conn: Connection, msg: protocol.Submit, blob: bytes | None
@@ -284,15 +342,16 @@ class Supervisor:
             await anyio.to_thread.run_sync(cell.prepare)
             session.submit(cell)
             return {"job": job_id}
+        env = msg["env"] or dict(os.environ)
         job = Job(
             job_id,
             spec,
             msg["cell"]["source"],
             msg["cell"]["meta"],
             blob,
-            env=msg["env"] or dict(os.environ),
-            node=self._local_node(spec, job_id),
+            env=env,
             send=conn.send,
+            **self._place(spec, job_id, env),
         )
         self._forget_old_jobs()
         self._jobs[job_id] = job  # the id is taken from here on, even while prepare runs
@@ -368,13 +427,14 @@ class Supervisor:
         if session_id in self._sessions or session_id in self._jobs or not session_id.isalnum():
             raise ValueError(f"session id {session_id!r} is taken or malformed")
         assert self._socket_dir is not None
+        env = msg["env"] or dict(os.environ)
         session = Session(
             session_id,
             spec,
-            env=msg["env"] or dict(os.environ),
+            env=env,
             send=conn.send,
-            node=self._local_node(spec, session_id),
             socket_dir=self._socket_dir,
+            **self._place(spec, session_id, env),
         )
         self._sessions[session_id] = session
         try:

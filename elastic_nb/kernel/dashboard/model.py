@@ -50,7 +50,7 @@ class DashboardState:
         self, job_id: str, run_dir: str, spec: JobSpec, session: str | None = None
     ) -> None:
         """`run_dir`: where the ranks' logs are (a session's cell: the session's)."""
-        nproc = spec.nproc
+        nproc = spec.nproc * spec.nnodes_min  # a multi-node job's first round may be larger
         self._rd = RunDir(run_dir)
         self.seq = 0
         self.header: dict[str, Any] = {
@@ -58,6 +58,8 @@ class DashboardState:
             "session": session,
             "run_dir": run_dir,
             "world_size": nproc,
+            "nodes": [spec.nnodes_min, spec.nnodes_max],
+            "restarts": 0,
             "max_restarts": spec.max_restarts,
             "worst_case_s": spec.worst_case_s,
             "background": spec.background,
@@ -89,6 +91,8 @@ class DashboardState:
 
     def apply(self, msg: dict[str, Any]) -> None:
         """Fold one supervisor update (protocol.UPDATE) in."""
+        if msg.get("rounds"):
+            self._rounds(msg["rounds"])
         attempt = msg.get("attempt")
         if attempt is not None and attempt > self.header["attempt"]:
             self._new_attempt(int(attempt))
@@ -149,6 +153,20 @@ class DashboardState:
         }
         self._delta["summary"] = self.summary
 
+    def _rounds(self, rounds: list[dict[str, Any]]) -> None:
+        """A multi-node job's timeline: each attempt's round (its nodes, world size, why, what
+        the change took), the current world size and the restarts spent."""
+        for entry in rounds:
+            attempt = entry["attempt"]
+            while len(self.attempts) <= attempt:
+                self.attempts.append(
+                    _attempt(len(self.attempts), entry["started"] - self.header["started"])
+                )
+            self.attempts[attempt]["round"] = entry
+        last = rounds[-1]
+        self._header(world_size=last["world_size"], restarts=last["restarts"])
+        self._delta["attempts"] = self.attempts
+
     def _header(self, **fields: Any) -> None:
         self.header.update(fields)
         self._delta.setdefault("header", {}).update(fields)
@@ -187,7 +205,12 @@ class DashboardState:
             self.attempts.append(_attempt(len(self.attempts), time.time() - self.header["started"]))
         self._delta["attempts"] = self.attempts
         self._header(attempt=attempt)
-        for rank in self.ranks:
+        world = self.header["world_size"]
+        for rank in [r for r in self.ranks if int(r) >= world]:
+            # A smaller world (a node left): its ranks' chips go (their tabs keep their lines).
+            del self.ranks[rank]
+            self._delta.setdefault("ranks", {})[rank] = None
+        for rank in [str(r) for r in range(world)]:
             self._chip(rank, self._waiting_chip(int(rank), attempt))
             self._progress(rank, None)
             self._append(rank, "note", [f"── attempt {attempt} ──"])

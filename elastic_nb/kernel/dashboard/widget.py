@@ -80,7 +80,8 @@ class Dashboard:
         self.state = DashboardState(job_id, run_dir, spec, session)
         # The dashboard's header says what the start line says; the line itself is the
         # display's text, for readers without widgets (the cell prints it nowhere else).
-        start = report.start_line(job_id, spec.nproc, spec.worst_case_s, session)
+        nodes = (spec.nnodes_min, spec.nnodes_max)
+        start = report.start_line(job_id, spec.nproc, spec.worst_case_s, session, nodes)
         self.widget = DashboardWidget(snapshot=self.state.snapshot(), text=start)
         self._snapshot_at = self._sent_at = time.monotonic()
         self._actions = {"stop": on_stop, "stacks": on_stacks}

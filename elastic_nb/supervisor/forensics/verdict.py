@@ -21,7 +21,7 @@ __all__ = ["FAILED", "Verdict", "analyze"]
 
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGKILL)
 # A rank's own failure, as opposed to a consequence of another rank's.
-_REAL = ("exception", "oom", "host_oom", "exit", "exit0", "signal")
+_REAL = ("exception", "oom", "host_oom", "exit", "exit0", "signal", "lost")
 # The kinds (`RankState.kind`) of a rank that failed, on its own or as a consequence.
 FAILED = frozenset((*_REAL, "collective_timeout", "peer"))
 # The cause class of a job's failure, by the root rank's kind.
@@ -34,6 +34,7 @@ CAUSES = {
     "signal": "signal",
     "collective_timeout": "collective_timeout",
     "peer": "peer",
+    "lost": "node_lost",
 }
 
 
@@ -103,7 +104,13 @@ def analyze(
         if root is not None and r.failed_at is not None and root.failed_at is not None:
             delay = r.failed_at - root.failed_at
         others.append(
-            {"rank": r.rank, "kind": kind, "text": _describe(r, kind, root), "delay": delay}
+            {
+                "rank": r.rank,
+                "node": r.where,
+                "kind": kind,
+                "text": _describe(r, kind, root),
+                "delay": delay,
+            }
         )
     started = {r.rank for r in ranks}
     others.extend(
@@ -120,7 +127,7 @@ def analyze(
 def _describe(r: RankState, kind: str, root: RankState | None) -> str:
     after = ""
     if root is not None:
-        after = f" after rank {root.rank} {'left the cell' if root.done else 'failed'}"
+        after = f" after {root.name} {'left the cell' if root.done else 'failed'}"
     if kind == "done":
         return "finished the cell"
     if kind == "running":

@@ -28,7 +28,7 @@ from typing import Any
 import psutil
 from anyio.abc import TaskGroup
 
-from elastic_nb.common import procs, report
+from elastic_nb.common import modules, procs, protocol, report
 from elastic_nb.common.spec import JobSpec
 from elastic_nb.supervisor.processes.launcher_process import Launcher
 from elastic_nb.supervisor.processes.zygote_process import Zygote, ZygoteFailed, log_tail
@@ -52,6 +52,7 @@ class LauncherPool:
         self._log_stem = log_stem
         self._count = 0
         self._idle: Launcher | None = None
+        self._stores: set[Launcher] = set()
         self._zygote: Zygote | None = None
         self._tg: TaskGroup | None = None
         # What the next warm launcher is made for: a cell's environment, preload and sys.path.
@@ -72,8 +73,25 @@ class LauncherPool:
         return self._idle
 
     def pids(self) -> set[int]:
-        """Our children the pool owns: the zygote and the idle launcher."""
-        return {p.pid for p in (self._zygote, self._idle) if p is not None}
+        """Our children the pool owns: the zygote, the idle launcher, the rendezvous stores."""
+        return {p.pid for p in (self._zygote, self._idle, *self._stores) if p is not None}
+
+    async def store(self, env: dict[str, str], port: int) -> tuple[Launcher, int]:
+        """A multi-node group's rendezvous store: a fork of the zygote in the store role, serving
+        on 127.0.0.1 (`port`; 0: a free one). Returns it and its port; `end_store` ends it."""
+        zygote = self._zygote_for(env)
+        role = {modules.ROLE_ENV: modules.STORE_ROLE, "ELASTIC_NB_STORE_PORT": str(port)}
+        store = await self._fork(zygote, {**env, **role}, (), ())
+        self._stores.add(store)
+        async for msg in store.messages:
+            if msg["kind"] == protocol.STORE:
+                return store, msg["port"]
+        self.end_store(store)
+        raise ZygoteFailed(f"the rendezvous store did not start: {log_tail(store.log_path)}")
+
+    def end_store(self, store: Launcher) -> None:
+        self._stores.discard(store)
+        store.discard()
 
     async def take(self, spec: JobSpec, env: dict[str, str]) -> Launcher:
         """A launcher for this job: the warm one if it can serve it, else a fork of the zygote
@@ -164,6 +182,8 @@ class LauncherPool:
     def close(self) -> None:
         self._closed = True
         self.drop_idle()
+        for store in list(self._stores):
+            self.end_store(store)
         self._drop_zygote()
 
     def _zygote_for(self, env: dict[str, str]) -> Zygote:

@@ -119,15 +119,23 @@ class Launcher:
             await anyio.sleep(0.02)
         return code
 
-    def assign(self, job_id: str, run_dir: str, env: dict[str, str]) -> bytes:
+    def assign(
+        self,
+        job_id: str,
+        run_dir: str,
+        env: dict[str, str],
+        plan: protocol.LaunchRound | None = None,
+    ) -> bytes:
         """Make it the job's; returns the assignment for the caller to write (off the loop:
         an environment can be larger than a pipe's buffer). The ranks get the job's
-        environment, marked with its id (procs.MARKER: how its processes are found)."""
+        environment, marked with its id (procs.MARKER: how its processes are found); `plan`:
+        the round of a multi-node job it runs."""
         self.job = job_id
         env = {**env, procs.MARKER: job_id, "ELASTIC_NB_SUPERVISOR_PID": str(os.getpid())}
         if "matplotlib_inline" in env.get("MPLBACKEND", ""):
             env["MPLBACKEND"] = "Agg"  # the kernel's inline backend means nothing in a rank
-        return json.dumps({"job": job_id, "run_dir": run_dir, "env": env}).encode() + b"\n"
+        line = protocol.Assignment(job=job_id, run_dir=run_dir, env=env, round=plan)
+        return json.dumps(line).encode() + b"\n"
 
     def outcome(self, log: Path) -> tuple[str, str]:
         """How the job ends by the launcher's account, once it has exited."""

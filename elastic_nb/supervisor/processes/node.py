@@ -19,6 +19,7 @@ import contextlib
 import itertools
 import os
 import select
+import socket
 import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable
@@ -39,7 +40,7 @@ from elastic_nb.supervisor.processes.launcher_process import Launcher
 from elastic_nb.supervisor.processes.process_tree import ProcessTree
 from elastic_nb.supervisor.ranks.rank_state import RankState
 
-__all__ = ["LocalNode", "MemoryReading", "Node", "StackDump", "Survivor"]
+__all__ = ["LocalNode", "MemoryReading", "Node", "StackDump", "Survivor", "stacks_of"]
 
 POLL_S = 0.05  # how often a rank without a pidfd is looked at
 STACK_POLL_S = 0.02
@@ -84,15 +85,32 @@ class Node(ABC):
 
     name = "this machine"
 
-    def __init__(self, rd: RunDir) -> None:
+    def __init__(self, rd: RunDir, number: int = 0, host: str | None = None) -> None:
         self.rd = rd
+        self.number = number  # 0: the notebook's machine; a join agent's, in join order
+        self.host = host or socket.gethostname()
+        self.oom_base: int | None = None  # the OOM killer's count when the group started here
+        self.clock_offset = 0.0  # add to this node's wall clock for ours (0: it is ours)
+
+    @property
+    def label(self) -> str:
+        """How messages name it: 'node 1 (gpu-b)'."""
+        return f"node {self.number} ({self.host})"
 
     # ---- the launcher --------------------------------------------------------------------------
 
     @abstractmethod
-    async def start(self, group: str, spec: JobSpec, env: dict[str, str]) -> bool:
+    async def start(
+        self,
+        group: str,
+        spec: JobSpec,
+        env: dict[str, str],
+        plan: protocol.LaunchRound | None = None,
+    ) -> bool:
         """Give a launcher the group's work (its spec and the ranks' environment; the run
-        directory is the node's); True if the launcher was started ahead of it (warm)."""
+        directory is the node's), and for a multi-node job the round it is part of (`plan`:
+        the node fills in its own endpoint, address and interface); True if the launcher was
+        started ahead of it (warm)."""
 
     @abstractmethod
     def messages(self) -> AsyncIterator[protocol.LauncherNews]:
@@ -122,6 +140,11 @@ class Node(ABC):
     def ranks_up(self, spec: JobSpec) -> None:  # noqa: B027 - a hint a node may ignore
         """Every rank of the first attempt runs: a moment for the node to get ready for the next
         group (a warm launcher)."""
+
+    async def cell_dir(self, cell_id: str, rd: RunDir) -> str:
+        """A session cell's run directory as this node's ranks reach it (on this machine, the
+        cell's own; another machine's node sends the cell's files there first)."""
+        return str(rd.path)
 
     # ---- ranks -----------------------------------------------------------------------------
 
@@ -189,8 +212,9 @@ class Node(ABC):
         """SIGTERM, `grace`, SIGKILL to everything of the group here; what survived it all."""
 
     @abstractmethod
-    def close(self) -> None:
-        """The group has ended: its logs kept in its run directory, what the node holds freed."""
+    def close(self, ended: bool = True) -> None:
+        """The group's round has ended here (`ended`: the group itself): its logs kept in its
+        run directory, what the node holds for it freed."""
 
 
 class LocalNode(Node):
@@ -204,7 +228,7 @@ class LocalNode(Node):
         orphans: Callable[[], list[psutil.Process]],
         reap: Callable[[], None],
     ) -> None:
-        super().__init__(rd)
+        super().__init__(rd, 0)
         self._pool, self._orphans, self._reap = pool, orphans, reap
         self._launcher: Launcher | None = None
         self._tree: ProcessTree | None = None
@@ -215,9 +239,16 @@ class LocalNode(Node):
 
     # ---- the launcher --------------------------------------------------------------------------
 
-    async def start(self, group: str, spec: JobSpec, env: dict[str, str]) -> bool:
+    async def start(
+        self,
+        group: str,
+        spec: JobSpec,
+        env: dict[str, str],
+        plan: protocol.LaunchRound | None = None,
+    ) -> bool:
+        self.oom_base = self.oom_kills()
         launcher = await self._pool.take(spec, env)
-        line = launcher.assign(group, str(self.rd), env)  # before any await: ours now
+        line = launcher.assign(group, str(self.rd), env, plan)  # before any await: ours now
         self._launcher, self._spec = launcher, spec
         self._tree = ProcessTree(group, launcher.proc, self._orphans)
         await anyio.to_thread.run_sync(launcher.write_assignment, line)
@@ -439,7 +470,7 @@ class LocalNode(Node):
         self._reap()
         return [Survivor(pid, st[1] if (st := procs.proc_state(pid)) else "gone") for pid in pids]
 
-    def close(self) -> None:
+    def close(self, ended: bool = True) -> None:
         launcher = self._launcher
         if launcher is None or self._spec is None:
             return
@@ -450,6 +481,22 @@ class LocalNode(Node):
                 f.write(text)
             launcher.log_path.unlink()
         self._pool.job_ended(self._spec, started=launcher.ready)
+
+
+async def stacks_of(
+    ranks: list[RankState], node_of: Callable[[RankState], Node], wait_s: float
+) -> dict[int, StackDump]:
+    """Every given live rank's stack, each asked through its node, all nodes at once."""
+    out: dict[int, StackDump] = {}
+    nodes = {id(node_of(r)): node_of(r) for r in ranks}
+
+    async def ask(node: Node) -> None:
+        out.update(await node.stacks([r for r in ranks if node_of(r) is node], wait_s))
+
+    async with anyio.create_task_group() as tg:
+        for node in nodes.values():
+            tg.start_soon(ask, node)
+    return out
 
 
 def _dump_end(path: Path) -> str | None:

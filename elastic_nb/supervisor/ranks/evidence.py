@@ -9,6 +9,7 @@ collective number. The job decides what to make of the answers; nothing here end
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import anyio
@@ -27,7 +28,7 @@ from elastic_nb.supervisor.forensics.stacks import (
     where_from_dump,
     where_from_record,
 )
-from elastic_nb.supervisor.processes.node import Node
+from elastic_nb.supervisor.processes.node import Node, stacks_of
 from elastic_nb.supervisor.ranks.probes import Probes
 from elastic_nb.supervisor.ranks.rank_state import RankState
 
@@ -46,16 +47,20 @@ class Evidence:
 
 class EvidenceCollector:
     def __init__(
-        self, node: Node, rd: RunDir, source: str, cell: os.PathLike[str] | None = None
+        self,
+        rd: RunDir,
+        node_of: Callable[[RankState], Node],
+        source: str,
+        cell: os.PathLike[str] | None = None,
     ) -> None:
         """`rd`: the run directory of the ranks' group (their records); `cell`: the cell's file,
         when it is not the run directory's own: a session's cell has a run directory of its
         own, and its ranks' stacks and probes are the session's (its ranks live on after the
         cell)."""
-        self._node = node
         self._cell = str(cell or rd.cell)
         self._lines = source.splitlines()
-        self._probes = Probes(node, rd, live_done=cell is not None)
+        self._node_of = node_of
+        self._probes = Probes(rd, node_of, live_done=cell is not None)
 
     async def collect(self, ranks: list[RankState]) -> Evidence:
         """Every rank's stack and flight recorder, now. `ranks` (one attempt's) carry their
@@ -104,7 +109,7 @@ class EvidenceCollector:
                 where[r.rank] = RankWhere(r.rank, "exited", note=r.failure_summary())
             else:
                 live.append(r)
-        for rank, dump in (await self._node.stacks(live, STACKS_WAIT_S)).items():
+        for rank, dump in (await stacks_of(live, self._node_of, STACKS_WAIT_S)).items():
             if not dump.asked:
                 note = "not yet running the cell" if dump.state else "gone"
                 where[rank] = RankWhere(rank, "unknown", note=note)

@@ -9,6 +9,8 @@ the verdict then rests on the other ranks and on the stacks.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import anyio
 
 from elastic_nb.common.protocol import PROBE_FULL, PROBE_STATUS
@@ -23,11 +25,13 @@ PROBE_WAIT_S = 1.0  # a rank answers in milliseconds; a full dump of 2,000 entri
 
 
 class Probes:
-    def __init__(self, node: Node, rd: RunDir, live_done: bool = False) -> None:
+    def __init__(
+        self, rd: RunDir, node_of: Callable[[RankState], Node], live_done: bool = False
+    ) -> None:
         """`live_done`: a rank that finished the cell lives on and answers probes (a session's
         rank, back in its loop); a job's rank has left its final record instead."""
-        self._node = node
         self._rd = rd
+        self._node_of = node_of
         self._live_done = live_done
         self._cell = str(rd.cell)
         # Group members a rank reported earlier: a group it destroyed before leaving the cell
@@ -78,4 +82,5 @@ class Probes:
         return h
 
     async def _ask(self, r: RankState, full: bool) -> dict | None:
-        return await self._node.probe(r, PROBE_FULL if full else PROBE_STATUS, PROBE_WAIT_S)
+        node = self._node_of(r)
+        return await node.probe(r, PROBE_FULL if full else PROBE_STATUS, PROBE_WAIT_S)

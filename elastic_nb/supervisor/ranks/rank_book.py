@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import anyio
 
@@ -29,9 +30,9 @@ HEAR_OUT_POLL_S = 0.005  # a rank watcher woken by the launcher's word runs with
 
 
 class RankBook:
-    def __init__(self, rd: RunDir, node: Node) -> None:
+    def __init__(self, rd: RunDir) -> None:
         self.rd = rd
-        self.node = node  # where the ranks run
+        self._nodes: dict[tuple[int, int], Node] = {}  # where each rank runs
         self.ranks: dict[tuple[int, int], RankState] = {}
         self.failed_attempts: set[int] = set()
         self.zombies: set[tuple[int, int]] = set()  # (attempt, rank) dead and left unreaped
@@ -40,10 +41,15 @@ class RankBook:
         self._exits: dict[tuple[int, int], anyio.Event] = {}  # forked ranks' reported ends
         self._records: dict[tuple[int, int], tuple[Path, Path]] = {}  # done, failure
 
-    def add(self, attempt: int, rank: int, pid: int, started_at: float) -> RankState:
+    def add(self, attempt: int, rank: int, pid: int, started_at: float, node: Node) -> RankState:
         r = RankState(attempt, rank, pid=pid, started_at=started_at)
         self.ranks[(attempt, rank)] = r
+        self._nodes[(attempt, rank)] = node
         return r
+
+    def node(self, r: RankState) -> Node:
+        """The node the rank runs on: everything done to it goes through its node."""
+        return self._nodes[(r.attempt, r.rank)]
 
     def get(self, attempt: int, rank: int) -> RankState | None:
         return self.ranks.get((attempt, rank))
@@ -93,8 +99,8 @@ class RankBook:
 
         A forked rank is its fork server's, reaped at once: the launcher says how it ended
         (protocol.EXIT), within milliseconds, or up to `wait_s` on a loaded machine."""
-        gone = await self.node.wait_gone(r)
-        if r.exit_code is None and forked:
+        gone = await self.node(r).wait_gone(r)
+        if r.exit_code is None and forked and r.lost is None:
             with anyio.move_on_after(wait_s):
                 await self.exit_reported(r).wait()
         return gone
@@ -115,7 +121,7 @@ class RankBook:
         live = [r for r in self.of(attempt) if r.died_at is None]
         for r in live:
             if not r.armed:
-                r.armed = self.node.armed(r)
+                r.armed = self.node(r).armed(r)
                 if not r.armed:
                     return False
         return any(r.done is None and r.failure is None for r in live)
@@ -151,10 +157,12 @@ class RankBook:
                 self.rd.done(r.attempt, r.rank),
                 self.rd.failure(r.attempt, r.rank),
             )
+        node = self._nodes.get(key)
+        shift = node.clock_offset if node is not None else 0.0
         if r.done is None:
-            r.done = read_json(paths[0])
+            r.done = _on_our_clock(read_json(paths[0]), shift)
         if r.failure is None and r.done is None:
-            r.failure = read_json(paths[1])
+            r.failure = _on_our_clock(read_json(paths[1]), shift)
 
     def blame(self, attempt: int, desync: Desync) -> list[RankState]:
         """Write on each culprit what it did (a rank that left early exited 0, but it is the one
@@ -187,4 +195,14 @@ class RankBook:
         chip = Chip(state=state, label=label, attempt=r.attempt, pid=r.pid)
         if state in ("failed", "stopped", "zombie"):
             chip["detail"] = r.failure_summary()
+        if r.where is not None:
+            chip["node"] = r.where
         return chip
+
+
+def _on_our_clock(record: dict[str, Any] | None, shift: float) -> dict[str, Any] | None:
+    """A record a rank stamped with its machine's clock, on ours (who failed first is judged by
+    these stamps across machines)."""
+    if record is not None and shift and isinstance(record.get("time"), (int, float)):
+        record["time"] = float(record["time"]) + shift
+    return record

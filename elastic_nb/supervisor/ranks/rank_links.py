@@ -12,7 +12,7 @@ import struct
 from collections.abc import Awaitable, Callable
 
 import anyio
-from anyio.abc import SocketStream
+from anyio.abc import ByteStream
 
 from elastic_nb.common import protocol
 from elastic_nb.supervisor.ranks.rank_book import RankBook
@@ -28,7 +28,7 @@ HELLO_WAIT_S = 5.0  # a rank's hello may come before the agent's START event nam
 class Link:
     """One rank's connection."""
 
-    def __init__(self, r: RankState, stream: SocketStream) -> None:
+    def __init__(self, r: RankState, stream: ByteStream) -> None:
         self.r = r
         self._stream = stream
         self._lock = anyio.Lock()
@@ -67,10 +67,11 @@ class RankLinks:
         """Every rank of the attempt is connected and alive."""
         links = self.of(attempt)
         # alive, even if its watcher has not run yet: a cell sent now would meet a dead rank
-        return len(links) == nproc and all(self._book.node.alive(link.r) for link in links)
+        return len(links) == nproc and all(self._book.node(link.r).alive(link.r) for link in links)
 
-    async def serve(self, stream: SocketStream) -> None:
-        """One connection (the listener's handler): a hello, then the rank's answers."""
+    async def serve(self, stream: ByteStream, peer: int | None = None) -> None:
+        """One connection (the listener's handler, or a rank on another machine whose agent
+        relays it, `peer` its pid as the agent saw it): a hello, then the rank's answers."""
         decoder = protocol.FrameDecoder()
         link: Link | None = None
         try:
@@ -84,7 +85,7 @@ class RankLinks:
                     if link is None:
                         if msg["kind"] != protocol.RANK_HELLO:
                             raise protocol.ProtocolError(f"{msg['kind']!r} before rank_hello")
-                        link = await self._hello(stream, msg)
+                        link = await self._hello(stream, msg, peer)
                         if link is None:
                             return
                     elif msg["kind"] == protocol.RAN:
@@ -95,12 +96,16 @@ class RankLinks:
             with contextlib.suppress(Exception):
                 await stream.aclose()
 
-    async def _hello(self, stream: SocketStream, msg: protocol.RankHello) -> Link | None:
-        """A rank of ours, by its pid (the kernel's word on the peer, not the message's)."""
+    async def _hello(
+        self, stream: ByteStream, msg: protocol.RankHello, peer: int | None
+    ) -> Link | None:
+        """A rank of ours, by its pid (the kernel's word on the peer, not the message's; on
+        another machine, its kernel's word as its agent heard it)."""
         attempt, rank = msg["attempt"], msg["rank"]
         await self._until(lambda: self._book.get(attempt, rank) is not None, HELLO_WAIT_S)
         r = self._book.get(attempt, rank)
-        peer = _peer_pid(stream)
+        if peer is None:
+            peer = _peer_pid(stream)
         if r is None:
             why = "no such rank"
         elif r.died_at is not None:
@@ -125,8 +130,10 @@ class RankLinks:
         return link
 
 
-def _peer_pid(stream: SocketStream) -> int | None:
-    sock = stream.extra(anyio.abc.SocketAttribute.raw_socket)
+def _peer_pid(stream: ByteStream) -> int | None:
+    sock = stream.extra(anyio.abc.SocketAttribute.raw_socket, None)
+    if sock is None:
+        return None
     with contextlib.suppress(OSError):
         creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
         pid: int = struct.unpack("3i", creds)[0]

@@ -76,6 +76,13 @@ class RankState:
     armed: bool = False  # its stack dump handler is registered: it runs our bootstrap
     watchdog: dict[str, Any] | None = None  # NCCL's watchdog said it timed out: {time, line}
     blame: str | None = None  # what a desync verdict found it did ("left the cell after 7 ...")
+    where: str | None = None  # a multi-node job's: its node, "node 1 (gpu-b)"
+    lost: str | None = None  # its node left with it: "node 1 (gpu-b) left: connection lost"
+
+    @property
+    def name(self) -> str:
+        """How reports name it: 'rank 3', or 'node 1 (gpu-b) rank 3' across machines."""
+        return f"{self.where} rank {self.rank}" if self.where else f"rank {self.rank}"
 
     @property
     def failed_at(self) -> float | None:
@@ -85,7 +92,7 @@ class RankState:
 
     def kind(self, teardown_at: float | None) -> str:
         """done | running | exception | oom | collective_timeout | peer | terminated | exit |
-        exit0 | signal | host_oom"""
+        exit0 | signal | host_oom | lost (its node left)"""
         if self.done is not None:
             return "done"
         if self.failure is not None:
@@ -106,6 +113,8 @@ class RankState:
             return "exception"
         if self.watchdog is not None:
             return "collective_timeout"  # whatever signal NCCL's abort then ends it with
+        if self.lost is not None:
+            return "lost"
         if self.died_at is None:
             return "running"
         if teardown_at is not None and self.died_at >= teardown_at:
@@ -130,6 +139,8 @@ class RankState:
             return text
         if self.watchdog is not None:
             return watchdog_summary(self.watchdog["line"])
+        if self.lost is not None:
+            return f"was lost: {self.lost}"
         if self.exit_code == 0 and self.died_at is not None and self.done is None:
             return "exited with code 0 before finishing the cell (os._exit?)"
         if self.oom_killed and self.exit_code == -signal.SIGKILL:
@@ -146,6 +157,8 @@ class RankState:
             return str(self.failure["type"]).rsplit(".", 1)[-1]
         if self.watchdog is not None:
             return "collective timeout (NCCL)"
+        if kind == "lost":
+            return "lost with its node"
         if kind == "exit0":
             return "exited 0 early"
         if self.exit_code is not None and self.exit_code < 0:

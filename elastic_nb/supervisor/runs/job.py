@@ -57,6 +57,7 @@ from elastic_nb.supervisor.runs.diagnosis import (
 )
 from elastic_nb.supervisor.runs.rank_group import RankGroup
 from elastic_nb.supervisor.runs.reporter import Send
+from elastic_nb.supervisor.runs.rounds import Machines
 
 __all__ = ["Job"]
 
@@ -72,16 +73,17 @@ class Job(RankGroup):
         meta: dict[str, Any],
         payload: bytes | None,
         env: dict[str, str],
-        node: Node,
+        node: Node | None,
         send: Send,
+        machines: Machines | None = None,
     ) -> None:
-        super().__init__(job_id, spec, node, send)
+        super().__init__(job_id, spec, node, send, machines)
         self._source, self._meta, self._payload, self._env = source, meta, payload, env
         self._created_mono = time.monotonic()
         self._leftovers: list[dict[str, Any]] = []
         self._watchdog_fired = False  # the zombie watchdog stopped the agent
         self._next_watch = 0.0  # monotonic: the watchdogs' next look
-        self._collector = EvidenceCollector(node, self.rd, source)
+        self._collector = EvidenceCollector(self.rd, self.book.node, source)
         # Diagnoses: at most one per attempt at a time; a failure that comes while one is under
         # way waits for it.
         self._under_way: set[int] = set()  # attempts being diagnosed
@@ -129,6 +131,8 @@ class Job(RankGroup):
         self.report.set_state("rendezvous")
 
     def _new_attempt(self, attempt: int) -> None:
+        if self.multi_node:
+            return  # its round said why it began (rounds.Rounds)
         found = self.finding
         desync = found.desync.text if found and found.desync else None
         self.poll_checkpoints()  # a save committed just before the failure counts
@@ -139,8 +143,9 @@ class Job(RankGroup):
     def _on_rank_started(self, r: RankState) -> None:
         self.show(r)
         self.report.set_state("running")
-        if r.attempt == 0 and len(self.book.of(0)) == self.spec.nproc:
-            self.node.ranks_up(self.spec)
+        if r.attempt == 0 and len(self.book.of(0)) == self.world_size:
+            for node in self.nodes:
+                node.ranks_up(self.spec)
 
     def _rank_ended(self, r: RankState) -> None:
         self.evaluate(r)
@@ -153,8 +158,9 @@ class Job(RankGroup):
     def _poll(self) -> None:
         # Records land before the process exits (torch and Python teardown can take a while):
         # act on a failure at once.
-        for r in self.book.new_failures(self.attempt):
-            self.evaluate(r)
+        if self.attempt not in self.replaced:
+            for r in self.book.new_failures(self.attempt):
+                self.evaluate(r)
         # The watchdogs' bounds are seconds: a look every WATCH_S (each reads the launcher's
         # /proc entries) is all they need.
         now = time.monotonic()
@@ -177,9 +183,10 @@ class Job(RankGroup):
     async def _before_teardown(self, outcome: str) -> None:
         # After a success, name what the cell left running before the teardown ends it.
         if outcome == "succeeded":
-            self._leftovers = await self.node.leftovers_after_success(
-                self.spec.stop_grace, lambda: self._watchdog_fired
-            )
+            for node in self.nodes:
+                self._leftovers += await node.leftovers_after_success(
+                    self.spec.stop_grace, lambda: self._watchdog_fired
+                )
 
     async def _deadline(self, timeout: float) -> None:
         """--timeout, counted from the job's creation on the monotonic clock."""
@@ -195,6 +202,8 @@ class Job(RankGroup):
             self.report.chip(r.rank, self.book.chip(r, self.teardown_at))
 
     def evaluate(self, r: RankState) -> None:
+        if r.attempt in self.replaced:
+            return  # a new round ended it: no failure of its own
         self.show(r)
         kind = r.kind(self.teardown_at)
         if kind in FAILED:
@@ -204,7 +213,7 @@ class Job(RankGroup):
             self._rank_failed(r, kind)
         elif kind == "done":
             ranks = self.book.of(r.attempt)
-            if len(ranks) == self.spec.nproc and all(x.done and x.died_at for x in ranks):
+            if len(ranks) == self.world_size and all(x.done and x.died_at for x in ranks):
                 self._decide("succeeded", "every rank finished the cell")
 
     def _rank_failed(self, r: RankState, kind: str) -> None:
@@ -223,15 +232,19 @@ class Job(RankGroup):
 
     def _fail_attempt(self, r: RankState, kind: str, reason: str | None = None) -> None:
         self.book.failed_attempts.add(r.attempt)
-        self.last_failure = (r.failed_at or time.time(), f"rank {r.rank}")
+        self.last_failure = (r.failed_at or time.time(), r.name)
         self.report.event("attempt.failed", attempt=r.attempt, rank=r.rank, kind=kind)
         # An exit(0) without finishing leaves torchelastic waiting forever for a return value
         # (multiprocessing/api.py, _poll): no restart would come, so it ends the job.
-        if r.attempt >= self.spec.max_restarts or kind == "exit0":
-            self._decide("failed", reason or f"rank {r.rank} {r.failure_summary()}")
+        if not self.restarts_left(r.attempt) or (kind == "exit0" and not self.multi_node):
+            self._decide("failed", reason or f"{r.name} {r.failure_summary()}")
             return
         self.report.set_state("restarting")
-        if kind == "desync":
+        if self.multi_node:
+            # The next round, with the nodes there are (its own ranks' failure or departure
+            # spends a restart); the others of this round are ended with it.
+            self.new_round(reason or f"{r.name} {r.failure_summary()}", counted=True)
+        elif kind == "desync":
             # In torch's eyes nothing has failed: the waiting ranks would sit in their
             # collective until its timeout. Ending them makes the agent restart the group now.
             waiting = [x for x in self.book.of(r.attempt) if x.died_at is None and x.done is None]
@@ -240,21 +253,24 @@ class Job(RankGroup):
     # ---- watchdogs ----------------------------------------------------------------------------
 
     def _watch_agent(self) -> None:
-        """The zombie watchdog (`watchdogs.agent_stuck` judges): say so, and stop the launcher,
-        SIGTERM breaks the agent's stuck wait."""
-        if self._watchdog_fired or not self.node.launcher_alive():
-            return
-        stuck = agent_stuck(
-            self.book.all(),
-            self.book.of(self.attempt),
-            self.spec,
-            self.node.agent(),
-            self.teardown_at,
-            ticking=not self.decided and self.state == "running",
-            unreaped=self.node.unreaped,
-        )
-        if stuck is None:
-            return
+        """The zombie watchdog (`watchdogs.agent_stuck` judges), for each node's agent: say so,
+        and stop the launcher, SIGTERM breaks the agent's stuck wait."""
+        for node in self.nodes:
+            if self._watchdog_fired or not node.launcher_alive():
+                continue
+            stuck = agent_stuck(
+                [r for r in self.book.all() if self.book.node(r) is node],
+                [r for r in self.book.of(self.attempt) if self.book.node(r) is node],
+                self.spec,
+                node.agent(),
+                self.teardown_at,
+                ticking=not self.decided and self.state == "running",
+                unreaped=node.unreaped,
+            )
+            if stuck is not None:
+                self._agent_stuck(stuck)
+
+    def _agent_stuck(self, stuck: Any) -> None:
         self._watchdog_fired = True
         if stuck.zombie is not None:
             self.book.zombies.add((stuck.zombie.attempt, stuck.zombie.rank))
@@ -323,7 +339,7 @@ class Job(RankGroup):
     async def _watch_desync(self) -> None:
         """The desync watch (`diagnosis.DesyncWatch`), one per attempt, while every rank of it
         has started and one still runs the cell."""
-        if self.spec.nproc < 2:
+        if self.spec.nproc < 2 and not self.multi_node:
             return  # one rank cannot fall out of step with itself
         attempt, watch = -1, DesyncWatch(self._collector)
         while True:
@@ -336,7 +352,7 @@ class Job(RankGroup):
                 self.decided
                 or self._under_way
                 or self.state != "running"
-                or len(ranks) < self.spec.nproc
+                or len(ranks) < self.world_size
                 or attempt in self.book.failed_attempts
                 or not live
             ):
@@ -399,7 +415,7 @@ class Job(RankGroup):
         self.book.settle()
         current = self.book.of(self.attempt)
         behind = self.book.behind.get(self.attempt)
-        verdict = analyze(current, self.teardown_at, behind, self.spec.nproc)
+        verdict = analyze(current, self.teardown_at, behind, self.world_size)
         for r in current:
             self.report.chip(r.rank, self.book.chip(r, self.teardown_at, verdict.root))
         result = self._verdict_summary(outcome, reason, verdict)
@@ -428,4 +444,6 @@ class Job(RankGroup):
             lines=self.tailer.lines_total(),
             memory=self.memory.peaks.record(),
             checkpoints=self.checkpoints,
+            world_size=self.world_size,
+            restarts=self.restarts,
         )

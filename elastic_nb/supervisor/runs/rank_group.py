@@ -1,15 +1,19 @@
 """A rank group: ranks that torchelastic starts, restarts and ends together, under one run
-directory, on a node. A one-off job (`job.Job`: its ranks run one cell) and a session
-(`sessions.session.Session`: its ranks run cell after cell) are rank groups; this is what they
-share, from the launcher's start to the kernel hearing the end:
+directory, on one node or several. A one-off job (`job.Job`: its ranks run one cell) and a
+session (`sessions.session.Session`: its ranks run cell after cell) are rank groups; this is what
+they share, from the launcher's start to the kernel hearing the end:
 
-* start: a launcher from the node, given the group's run directory, spec and environment;
-* observe: the launcher's messages (each rank's start and exit), a watcher per rank (its node
+* start: a launcher on each of its nodes, given the group's run directory, spec and environment
+  (a single-node group: this machine's node, for its whole life, torch restarting its ranks; a
+  multi-node group: a round at a time, `rounds.Rounds`);
+* observe: the launchers' messages (each rank's start and exit), a watcher per rank (its node
   says when it went, its records how), a poll loop that tails the ranks' logs and flushes the
   group's news to the kernel (at most every FLUSH_S) and follows the checkpoints its cells save
   and load, and each rank's memory once a second;
-* end: once the group's outcome is decided, the teardown of every process of it, a wait for the
-  launcher's last word, the summary, and the END message.
+* end: once the group's outcome is decided, the teardown of every process of it on every node, a
+  wait for the launchers' last word, the summary, and the END message.
+
+Everything done to a rank goes through the node it runs on (`RankState.node`).
 
 What decides the outcome is each kind's own business (the hooks below); the group keeps the
 mechanics in one place, so that a job and a session see ranks, logs and their end alike.
@@ -20,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -27,17 +32,21 @@ from anyio.abc import TaskGroup
 
 from elastic_nb.common import protocol
 from elastic_nb.common.report import checkpoint_words, duration
-from elastic_nb.common.rundir import write_json
+from elastic_nb.common.rundir import RunDir, write_json
 from elastic_nb.common.spec import JobSpec
 from elastic_nb.supervisor.forensics.watchdogs import Silence
-from elastic_nb.supervisor.processes.node import Node
-from elastic_nb.supervisor.ranks.checkpoint_log import CheckpointLog
+from elastic_nb.supervisor.nodes.cluster import AgentLink
+from elastic_nb.supervisor.nodes.files import INPUTS
+from elastic_nb.supervisor.nodes.remote_node import RemoteNode
+from elastic_nb.supervisor.processes.node import Node, Survivor
+from elastic_nb.supervisor.ranks.checkpoint_log import CheckpointLog, cost_words
 from elastic_nb.supervisor.ranks.log_tailer import LogTailer
 from elastic_nb.supervisor.ranks.memory_watch import SAMPLE_S, MemoryWatch
 from elastic_nb.supervisor.ranks.rank_book import RankBook
 from elastic_nb.supervisor.ranks.rank_state import NCCL_TIMEOUT_MARKS, TORCH_LOG_NOISE, RankState
 from elastic_nb.supervisor.runs import summary
 from elastic_nb.supervisor.runs.reporter import Reporter, Send
+from elastic_nb.supervisor.runs.rounds import Machines, Rounds
 
 __all__ = ["RankGroup"]
 
@@ -51,15 +60,36 @@ CUDA_WAIT_S = 0.5  # for a rank's allocator figures (its probe thread answers in
 class RankGroup:
     kind = "job"  # what the logs and errors call it
 
-    def __init__(self, group_id: str, spec: JobSpec, node: Node, send: Send) -> None:
+    def __init__(
+        self,
+        group_id: str,
+        spec: JobSpec,
+        node: Node | None,
+        send: Send,
+        machines: Machines | None = None,
+    ) -> None:
+        """`node`: a single-node group's (this machine's); `machines`: where a multi-node
+        group's nodes come from, a round at a time."""
         self.id = group_id
         self.spec = spec
-        self.node = node
-        self.rd = node.rd
         self.created = time.time()
         self.attempt = 0
         self.summary: protocol.Summary | None = None
-        self.book = RankBook(self.rd, node)
+        self.nodes: list[Node] = []  # the current round's
+        self._first = node
+        if node is not None:
+            self.rd = node.rd
+            self.rounds: Rounds | None = None
+        else:
+            assert machines is not None, "a group runs on a node or on machines"
+            self.rd = RunDir.of(spec.log_dir, group_id)
+            self.rounds = Rounds(spec, machines)
+        self._round_lock = anyio.Lock()
+        self._changing = False  # a round is ending or starting
+        self.restarts = 0  # spent: a single-node group's is its attempt (torch's count)
+        self.restarts_at: dict[int, int] = {0: 0}  # attempt -> restarts spent when it began
+        self.replaced: set[int] = set()  # attempts a new round ended (no failure of theirs)
+        self.book = RankBook(self.rd)
         self.report = Reporter(group_id, send)
         self.tailer = LogTailer(marks=NCCL_TIMEOUT_MARKS, noise=TORCH_LOG_NOISE)
         self.silence = Silence(last_activity=time.monotonic())  # --hang-after's clock
@@ -71,8 +101,8 @@ class RankGroup:
         self.teardown_at: float | None = None  # when ending the ranks began (our clock)
         self._outcome: tuple[str, str] | None = None
         self._decided = anyio.Event()
-        self._heard = anyio.Event()  # every message of the launcher taken in (book.hear_out)
-        self._oom_base: int | None = None
+        self._heard = anyio.Event()  # every message of the launchers taken in (book.hear_out)
+        self._unheard = 0  # launchers of the current round whose messages are still coming
         self._tg: TaskGroup | None = None
 
     # ---- for the service ----------------------------------------------------------------
@@ -87,7 +117,17 @@ class RankGroup:
 
     @property
     def launcher_pid(self) -> int | None:
-        return self.node.launcher_pid
+        """This machine's launcher of the group, if one runs (the service keeps it its own)."""
+        return next((n.launcher_pid for n in self.nodes if n.number == 0), None)
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the current attempt: a round's nodes' in a multi-node group."""
+        return self.spec.nproc if self.rounds is None else self.rounds.world_size(self.attempt)
+
+    @property
+    def multi_node(self) -> bool:
+        return self.rounds is not None
 
     def ended(self) -> str | None:
         """Why the group ended, once its outcome is decided."""
@@ -115,7 +155,11 @@ class RankGroup:
 
     def signal(self, ranks: list[RankState], sig: int) -> None:
         for r in ranks:
-            self.node.signal(r, sig)
+            self.book.node(r).signal(r, sig)
+
+    def restarts_left(self, attempt: int) -> bool:
+        """A failure in `attempt` can still be restarted from."""
+        return self.restarts_at.get(attempt, self.restarts) < self.spec.max_restarts
 
     @property
     def task_group(self) -> TaskGroup:
@@ -128,23 +172,23 @@ class RankGroup:
         try:
             if self._outcome is not None:
                 return  # stopped before it started
-            self._oom_base = self.node.oom_kills()
             await self._open()
-            warm = await self.node.start(self.id, self.spec, self._launch_env())
-            self.report.event("launcher", pid=self.node.launcher_pid, warm=warm)
-            if warm:
-                self._on_ready()
             async with anyio.create_task_group() as tg:
                 self._tg = tg
-                tg.start_soon(self._read_launcher)
+                if self.rounds is None:
+                    assert self._first is not None
+                    await self.start_nodes([self._first], None)
+                else:
+                    tg.start_soon(self._follow_members)
                 tg.start_soon(self._poll_loop)
                 tg.start_soon(self._sample_memory)
                 self._start_tasks(tg)
                 await self._decided.wait()
-                # Rank watchers and the launcher reader keep running through the teardown, and
-                # until the launcher's last word is heard: they record how and when each ended.
+                # Rank watchers and the launcher readers keep running through the teardown,
+                # and until the launchers' last word is heard: they record how and when each
+                # ended.
                 await self._teardown()
-                if not self.node.launcher_alive():
+                if not any(n.launcher_alive() for n in self.nodes):
                     await self.book.hear_out(self._heard)
                 tg.cancel_scope.cancel()
         except Exception as e:  # a bug of ours must still end the group cleanly
@@ -154,10 +198,180 @@ class RankGroup:
         finally:
             with anyio.CancelScope(shield=True):
                 self._decide(*summary.STOPS["shutdown"])
-                if self.node.running():
+                if any(n.running() for n in self.nodes):
                     await self._teardown()
                 self._close()
                 await self._finish()
+
+    # ---- its nodes ----------------------------------------------------------------------------
+
+    async def start_nodes(self, nodes: list[Node], plan: protocol.LaunchRound | None) -> None:
+        """A launcher on each node (all at once), and a reader of what each says."""
+        self.nodes = nodes
+        self._heard = anyio.Event()
+        self._unheard = len(nodes)
+        env = self._launch_env()
+
+        async def start(node: Node) -> None:
+            warm = await node.start(self.id, self.spec, env, plan)
+            self.report.event("launcher", node=node.label, pid=node.launcher_pid, warm=warm)
+            if warm:
+                self._on_ready()
+            self.task_group.start_soon(self._read_launcher, node)
+
+        async with anyio.create_task_group() as tg:
+            for node in nodes:
+                tg.start_soon(start, node)
+
+    async def stop_nodes(self, ended: bool) -> list[Survivor]:
+        """SIGTERM, grace, SIGKILL to every process of the group on every node of the round (at
+        once), then each node's round closed (`ended`: the group's end); what survived."""
+        survivors: list[Survivor] = []
+
+        async def stop(node: Node) -> None:
+            survivors.extend(
+                await node.stop(
+                    self.spec.stop_grace,
+                    lambda sig, stray: self.report.event(
+                        "teardown", node=node.label, signal=sig, stray=stray
+                    ),
+                )
+            )
+
+        async with anyio.create_task_group() as tg:
+            for node in self.nodes:
+                tg.start_soon(stop, node)
+        if not ended:
+            for node in self.nodes:
+                node.close(ended=False)
+            self.nodes = []
+        return survivors
+
+    def remote_node(self, agent: AgentLink, store_port: int) -> RemoteNode:
+        """A joined machine's node for the next round."""
+        return RemoteNode(self.rd, agent, store_port, self._relayed_rank, self._shipped_files())
+
+    def _shipped_files(self) -> dict[str, Path]:
+        """What another machine's ranks read: the run directory's inputs, and the notebook's
+        own modules the cell imports (into the job's working directory there)."""
+        files = {f"run/{name}": self.rd.path / name for name in INPUTS}
+        for path in self.spec.ship:
+            files[f"cwd/{Path(path).name}"] = Path(path)
+        return files
+
+    # ---- a multi-node group's rounds (rounds.Rounds) ------------------------------------------
+
+    def round_failed(self, why: str) -> None:
+        """A multi-node round ended with no rank to blame (a node left before its ranks started,
+        its launcher died): as a failure, within the budget."""
+        self.report.event("round.failed", why=why)
+        if not self.restarts_left(self.attempt):
+            m = self.spec.max_restarts
+            self._decide("failed", f"{why}; no restarts are left ({m}/{m})")
+            return
+        self.new_round(why, counted=True)
+
+    def new_round(self, why: str, counted: bool) -> None:
+        """A multi-node group's next round (a failure or a departure spends a restart)."""
+        self.task_group.start_soon(self._next_round, why, counted)
+
+    async def _follow_members(self) -> None:
+        """The group's store, its first round, then what changes of members bring: a node that
+        joins while below MAX is a round of its own (no restart spent); one that left before its
+        round's ranks started is a failure with nothing else to say so."""
+        rounds = self.rounds
+        assert rounds is not None
+        await rounds.open_store()
+        await self._next_round("first round", counted=False)
+        while not self.decided:
+            await rounds.cluster.changed.wait()
+            if self.decided or self._changing:
+                continue
+            current = self.nodes
+            lost = [n for n in current if isinstance(n, RemoteNode) and n.lost]
+            if lost and not self.book.of(rounds.next_attempt - 1):
+                self.round_failed(f"{lost[0].label} left: {lost[0].lost}")
+                continue
+            newcomers = rounds.newcomers(current)
+            if newcomers and len(current) < self.spec.nnodes_max:
+                names = ", ".join(a.label() for a in newcomers)
+                await self._next_round(f"{names} joined", counted=False)
+
+    async def _next_round(self, why: str, counted: bool) -> None:
+        """End the round there is and start the next with the nodes there are now."""
+        rounds = self.rounds
+        assert rounds is not None
+        async with self._round_lock:
+            if self.decided:
+                return
+            self._changing = True
+            try:
+                started, stop_s = time.time(), None
+                if self.nodes:
+                    self.replaced.add(rounds.next_attempt - 1)
+                    self.report.set_state("restarting")
+                    await self.stop_nodes(ended=False)
+                    stop_s = time.time() - started
+
+                def waiting(words: str) -> None:
+                    self.report.set_state("waiting")
+                    self.alert("nodes", "info", words)
+
+                nodes = await rounds.gather(
+                    started, waiting, lambda agent: self.remote_node(agent, rounds.store_port)
+                )
+                if isinstance(nodes, str):
+                    self.report.event("round.failed", why=nodes)
+                    self._decide("failed", nodes)
+                    return
+                if counted:
+                    self.restarts += 1
+                entry = rounds.record(nodes, why, counted, self.restarts, started, stop_s)
+                self.restarts_at[entry["attempt"]] = self.restarts
+                self.report.rounds(rounds.timeline)
+                self.report.event("round", **entry)
+                if entry["attempt"] > 0:
+                    self._round_alert(entry)
+                plan = rounds.plan(entry["attempt"], len(nodes), self.id)
+            finally:
+                self._changing = False
+            await self.start_nodes(nodes, plan)
+
+    def _round_alert(self, entry: protocol.Round) -> None:
+        counted = entry["counted"]
+        spent = (
+            f"restart {entry['restarts']}/{self.spec.max_restarts}"
+            if counted
+            else "no restart spent"
+        )
+        title = (
+            f"attempt {entry['attempt']}: {entry['why']}; {len(entry['nodes'])} nodes, "
+            f"world size {entry['world_size']} ({spent})"
+        )
+        if counted and self.last_failure is not None:
+            self.poll_checkpoints()  # a save committed just before the failure counts
+            failed_at, who = self.last_failure
+            cost = cost_words(self.checkpoints, failed_at, who)
+            title += f"; {cost}" if cost else ""
+        self.alert("restart" if counted else "round", "warning" if counted else "info", title)
+
+    async def _round_launcher_ended(self, node: Node, outcome: tuple[str, str]) -> None:
+        """A node's launcher exited. Past its round, or a success (its exit barrier: every
+        node's ranks finished), that says nothing; otherwise the node failed under the round,
+        unless its ranks' ends explain it (judged first, 2 s at most)."""
+        if node not in self.nodes or self._changing or outcome[0] == "succeeded":
+            return
+        with anyio.move_on_after(2.0):
+            while not self.decided and node in self.nodes and not self._changing:
+                if self.attempt_failed(self.attempt):
+                    return
+                await anyio.sleep(0.05)
+        if node in self.nodes and not self.decided and not self._changing:
+            self.round_failed(outcome[1])
+
+    async def _relayed_rank(self, stream: Any, peer: int | None) -> None:
+        """A session's rank on another machine connects (relayed by its agent)."""
+        await stream.aclose()
 
     def _decide(self, outcome: str, reason: str) -> None:
         """The group's outcome, first come first served."""
@@ -168,27 +382,45 @@ class RankGroup:
         self._on_decided(outcome)
         self._decided.set()
 
-    async def _read_launcher(self) -> None:
-        async for msg in self.node.messages():
+    async def _read_launcher(self, node: Node) -> None:
+        async for msg in node.messages():
             fields = {k: v for k, v in msg.items() if k != "kind"}
+            if self.rounds is not None:
+                fields["node"] = node.label
             self.report.event(f"launcher.{msg['kind']}", **fields)
             if msg["kind"] == protocol.READY:
                 self._on_ready()
+            elif msg["kind"] == protocol.RENDEZVOUS and self.rounds is not None:
+                self.rounds.rendezvous(msg["attempt"], msg["seconds"])
+                self.report.rounds(self.rounds.timeline)
             elif msg["kind"] == protocol.START:
-                self._on_start(msg["attempt"], msg["rank"], msg["pid"])
+                self._on_start(node, msg["attempt"], msg["rank"], msg["pid"])
             for r in self.book.take_exits(msg):
                 self._rank_ended(r)  # its exit was unknown when it was seen gone
-        self._heard.set()
+        if node in self.nodes:
+            self._unheard -= 1
+            if self._unheard <= 0:
+                self._heard.set()
         # The pipe's write end lives only in the launcher: EOF means it is exiting.
-        await self.node.launcher_exited()
-        self._decide(*await self._launcher_ended(self.node.launcher_outcome(self.rd.launcher_log)))
+        await node.launcher_exited()
+        outcome = node.launcher_outcome(self.rd.launcher_log)
+        if self.rounds is None:
+            self._decide(*await self._launcher_ended(outcome))
+        else:
+            await self._round_launcher_ended(node, outcome)
 
-    def _on_start(self, attempt: int, rank: int, pid: int) -> None:
+    def _on_start(self, node: Node, attempt: int, rank: int, pid: int) -> None:
         if attempt > self.attempt:
             self.memory.forget(self.attempt)
             self._new_attempt(attempt)
             self.attempt = attempt
-        r = self.book.add(attempt, rank, pid, time.time())
+            if self.rounds is None:  # torch restarted the group: a restart spent
+                self.restarts = self.restarts_at[attempt] = attempt
+        r = self.book.add(attempt, rank, pid, time.time(), node)
+        if self.rounds is not None:
+            r.where = node.label
+            if self.rounds.running(attempt, len(self.book.of(attempt))):
+                self.report.rounds(self.rounds.timeline)
         self.silence.activity(time.monotonic())
         self.tailer.follow(
             attempt, rank, {s: self.rd.log(attempt, rank, s) for s in ("out", "err")}
@@ -202,7 +434,8 @@ class RankGroup:
         # unset): nothing judged it without it; it died when it was seen gone.
         r.died_at, r.gone_at = await self.book.wait_exit(r, forked)
         self.silence.activity(r.gone_at)
-        kills, base = self.node.oom_kills(), self._oom_base  # None: no OOM count where it ran
+        node = self.book.node(r)
+        kills, base = node.oom_kills(), node.oom_base  # None: no OOM count where it ran
         r.oom_killed = kills is not None and base is not None and kills > base
         r.rss_peak = self.memory.rss_peak(r.attempt, r.rank)
         self.book.read_records(r)
@@ -269,32 +502,36 @@ class RankGroup:
         while True:
             attempt = self.attempt
             ranks = [r for r in self.book.of(attempt) if r.died_at is None and r.pid is not None]
-            if ranks:
-                reading = self.node.read_memory(ranks)
-                cuda = await self._cuda_memory(ranks) if reading.gpus else {}
-                t = time.time()
-                for r in ranks:
-                    sample = protocol.MemorySample(
-                        attempt=attempt,
-                        rank=r.rank,
-                        t=t,
-                        rss=reading.rss.get(r.rank),
-                        cuda=cuda.get(r.rank),
-                        gpu=reading.gpu.get(r.rank),
-                    )
-                    self.memory.add(sample)
-                    for report in self._followers():
-                        report.memory(sample)
-                for rank, title in self.memory.alerts(attempt, reading.limit):
-                    self.alert("memory", "warning", title, rank=rank)
+            for node in {id(self.book.node(r)): self.book.node(r) for r in ranks}.values():
+                here = [r for r in ranks if self.book.node(r) is node]
+                await self._sample_node(node, attempt, here)
             await anyio.sleep(SAMPLE_S)
+
+    async def _sample_node(self, node: Node, attempt: int, ranks: list[RankState]) -> None:
+        reading = node.read_memory(ranks)
+        cuda = await self._cuda_memory(ranks) if reading.gpus else {}
+        t = time.time()
+        for r in ranks:
+            sample = protocol.MemorySample(
+                attempt=attempt,
+                rank=r.rank,
+                t=t,
+                rss=reading.rss.get(r.rank),
+                cuda=cuda.get(r.rank),
+                gpu=reading.gpu.get(r.rank),
+            )
+            self.memory.add(sample)
+            for report in self._followers():
+                report.memory(sample)
+        for rank, title in self.memory.alerts(attempt, reading.limit):
+            self.alert("memory", "warning", title, rank=rank)
 
     async def _cuda_memory(self, ranks: list[RankState]) -> dict[int, protocol.CudaMemory | None]:
         """Each rank's CUDA allocator figures, asked all at once (None: no CUDA in it yet)."""
         out: dict[int, protocol.CudaMemory | None] = {}
 
         async def ask(r: RankState) -> None:
-            answer = await self.node.probe(r, protocol.PROBE_MEMORY, CUDA_WAIT_S)
+            answer = await self.book.node(r).probe(r, protocol.PROBE_MEMORY, CUDA_WAIT_S)
             out[r.rank] = (answer or {}).get("cuda")
 
         async with anyio.create_task_group() as tg:
@@ -304,15 +541,12 @@ class RankGroup:
 
     async def _teardown(self) -> None:
         """Leave nothing behind: what the kind does first (`_before_teardown`), then SIGTERM,
-        grace, SIGKILL to every process of the group on its node, and what survived said."""
+        grace, SIGKILL to every process of the group on its nodes, and what survived said."""
         assert self._outcome is not None
         await self._before_teardown(self._outcome[0])
-        if self.node.running() and self.teardown_at is None:
+        if any(n.running() for n in self.nodes) and self.teardown_at is None:
             self.teardown_at = time.time()
-        survivors = await self.node.stop(
-            self.spec.stop_grace,
-            lambda sig, stray: self.report.event("teardown", signal=sig, stray=stray),
-        )
+        survivors = await self.stop_nodes(ended=True)
         if survivors:  # no process of a group may outlive it unsaid
             self.report.event("teardown_failed", pids=[s.pid for s in survivors])
             self.report.alert(**summary.unkillable(survivors))
@@ -330,7 +564,10 @@ class RankGroup:
         with contextlib.suppress(OSError):
             write_json(self.rd.summary, self._summary_record(self.summary))
         self.report.event("end", outcome=outcome)
-        self.node.close()
+        for node in self.nodes:
+            node.close()
+        if self.rounds is not None:
+            self.rounds.close()
         self.tailer.close()
         self.report.close()
         await self.report.end(self.summary)
@@ -342,9 +579,9 @@ class RankGroup:
             self.id,
             outcome,
             reason,
-            world_size=self.spec.world_size,
+            world_size=self.world_size,
             attempt=self.attempt,
-            restarts=self.attempt,
+            restarts=self.restarts,
             max_restarts=self.spec.max_restarts,
             started=self.created,
             ended=ended,

@@ -39,6 +39,7 @@ class Reporter:
         self._alerts: list[protocol.Alert] = []
         self._memory: list[protocol.MemorySample] = []
         self._checkpoints: list[dict[str, Any]] = []
+        self._rounds: list[protocol.Round] | None = None
         self._state_dirty = True
         self.seq = 0  # of the latest message in `history`
         self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY)
@@ -87,6 +88,10 @@ class Reporter:
         """A rank's memory sample, for the next update."""
         self._memory.append(sample)
 
+    def rounds(self, rounds: list[protocol.Round]) -> None:
+        """A multi-node job's timeline changed: the whole of it, for the next update."""
+        self._rounds = [protocol.Round(**r) for r in rounds]
+
     async def flush(self, attempt: int, tailer: LogTailer | None) -> None:
         """One UPDATE with what changed; the tailer's new lines too, if given one."""
         update = protocol.Update(kind=protocol.UPDATE, job=self.job_id)
@@ -102,6 +107,8 @@ class Reporter:
             update["memory"], self._memory = self._memory, []
         if self._checkpoints:
             update["checkpoints"], self._checkpoints = self._checkpoints, []
+        if self._rounds is not None:
+            update["rounds"], self._rounds = self._rounds, None
         logs = [b.record() for b in tailer.take()] if tailer is not None else []
         if logs:
             update["logs"] = logs

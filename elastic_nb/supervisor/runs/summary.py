@@ -64,7 +64,11 @@ def summarize(
     lines: int,
     memory: dict[str, protocol.MemoryPeak],
     checkpoints: CheckpointLog,
+    world_size: int | None = None,
+    restarts: int | None = None,
 ) -> protocol.Summary:
+    """`world_size` and `restarts`: a multi-node group's (its round's world, the restarts its
+    failures and departures spent); else the spec's and the attempt's."""
     root = verdict.root
     failure = None
     if outcome == "failed" and root is not None:
@@ -72,6 +76,7 @@ def summarize(
         said = diagnosis if kind == "desync" and diagnosis is not None else {}
         failure = {
             "rank": root.rank,
+            "node": root.where,
             "attempt": root.attempt,
             "cause": kind,
             "summary": said.get("text") or root.failure_summary(),
@@ -85,9 +90,9 @@ def summarize(
         outcome,
         reason,
         cause=cause(outcome, failure, zombie),
-        world_size=spec.world_size,
+        world_size=spec.world_size if world_size is None else world_size,
         attempt=attempt,
-        restarts=attempt,
+        restarts=attempt if restarts is None else restarts,
         max_restarts=spec.max_restarts,
         worst_case_s=spec.worst_case_s,
         started=created,
@@ -113,7 +118,7 @@ def _checkpoint(log: CheckpointLog, outcome: str, root: RankState | None) -> dic
         return None
     words = f"the last checkpoint is {report.checkpoint_words(latest)}"
     if outcome == "failed" and root is not None and root.failed_at is not None:
-        words = cost_words(log, root.failed_at, f"rank {root.rank}") or words
+        words = cost_words(log, root.failed_at, root.name) or words
     return {**latest, "words": words}
 
 
@@ -156,7 +161,7 @@ def closing_alerts(
                     dict(
                         kind="exit_after_done",
                         severity="warning",
-                        title=f"rank {r.rank} finished the cell, then {how} while exiting",
+                        title=f"{r.name} finished the cell, then {how} while exiting",
                         rank=r.rank,
                     )
                 )
@@ -184,13 +189,13 @@ def restart_alert(
     if verdict.cause == "desync" and desync:
         why = f"desync: {desync}"
     else:
-        why = f"rank {root.rank} {root.failure_summary()}" if root else "it failed"
+        why = f"{root.name} {root.failure_summary()}" if root else "it failed"
     title = (
         f"attempt {attempt} failed: {why}; restarting as attempt {attempt + 1} "
         f"(restart {attempt + 1}/{spec.max_restarts})"
     )
     if root is not None and root.failed_at is not None:
-        cost = cost_words(checkpoints, root.failed_at, f"rank {root.rank}")
+        cost = cost_words(checkpoints, root.failed_at, root.name)
         title += f"; {cost}" if cost else ""
     return dict(kind="restart", severity="warning", title=title, rank=root.rank if root else None)
 

@@ -43,6 +43,7 @@ from elastic_nb.supervisor.ranks.rank_state import RankState
 from elastic_nb.supervisor.runs import summary
 from elastic_nb.supervisor.runs.rank_group import RankGroup
 from elastic_nb.supervisor.runs.reporter import Reporter, Send
+from elastic_nb.supervisor.runs.rounds import Machines
 from elastic_nb.supervisor.sessions.followed import Followed
 from elastic_nb.supervisor.sessions.journal import Journal, cells
 from elastic_nb.supervisor.sessions.session_cell import SessionCell, failure_words
@@ -64,12 +65,14 @@ class Session(RankGroup):
         session_id: str,
         spec: JobSpec,
         env: dict[str, str],
-        node: Node,
+        node: Node | None,
         send: Send,
         socket_dir: Path,
+        machines: Machines | None = None,
     ) -> None:
         preload = tuple(dict.fromkeys((*spec.preload, *SESSION_PRELOAD)))
-        super().__init__(session_id, replace(spec, session=True, preload=preload), node, send)
+        spec = replace(spec, session=True, preload=preload)
+        super().__init__(session_id, spec, node, send, machines)
         self.socket_path = socket_dir / f"session-{session_id}.sock"
         self._env = env
         self._listener: SocketListener | None = None
@@ -141,9 +144,9 @@ class Session(RankGroup):
         return {
             "session": self.id,
             "state": self.state,
-            "world_size": self.spec.world_size,
+            "world_size": self.world_size,
             "attempt": self.attempt,
-            "restarts": self.attempt,
+            "restarts": self.restarts,
             "max_restarts": self.spec.max_restarts,
             "ranks": ranks,
             "cells_run": self.cells_run,
@@ -160,7 +163,7 @@ class Session(RankGroup):
         cell = self.current
         ranks = self.book.of(self.attempt)
         collector = EvidenceCollector(
-            self.node, self.rd, cell.source if cell else "", cell.rd.cell if cell else None
+            self.rd, self.book.node, cell.source if cell else "", cell.rd.cell if cell else None
         )
         ev = await collector.collect(ranks)
         title = f"stacks of every rank of session {self.id}, attempt {self.attempt}"
@@ -191,7 +194,7 @@ class Session(RankGroup):
     def up(self) -> bool:
         """Every rank of the current attempt is connected and alive."""
         return self.attempt not in self.book.failed_attempts and self._ranks.up(
-            self.attempt, self.spec.nproc
+            self.attempt, self.world_size
         )
 
     def ready(self) -> bool:
@@ -228,19 +231,20 @@ class Session(RankGroup):
             self._outcome is not None
             or r.attempt != self.attempt
             or r.attempt in book.failed_attempts
+            or r.attempt in self.replaced
         ):
             self.notify()
             return
         book.failed_attempts.add(r.attempt)
         if self.current is not None:
             self.current.poke()  # it ran on this attempt: its end is decided now
-        why = f"rank {r.rank} {r.failure_summary()}"
+        why = f"{r.name} {r.failure_summary()}"
         failed_at = r.failed_at or time.time()
-        self.last_failure = (failed_at, f"rank {r.rank}")
+        self.last_failure = (failed_at, r.name)
         self.poll_checkpoints()  # a save committed just before the failure counts
-        cost = cost_words(self.checkpoints, failed_at, f"rank {r.rank}")
+        cost = cost_words(self.checkpoints, failed_at, r.name)
         self.restart_why = f"{why}; {cost}" if cost else why
-        if r.attempt >= self.spec.max_restarts:
+        if not self.restarts_left(r.attempt):
             m = self.spec.max_restarts
             self._decide("failed", f"{why}; no restarts are left ({m}/{m})")
             return
@@ -249,11 +253,13 @@ class Session(RankGroup):
             "restart",
             "warning",
             f"{why}: the session restarts its ranks as attempt {r.attempt + 1} "
-            f"(restart {r.attempt + 1}/{self.spec.max_restarts}), then replays "
+            f"(restart {self.restarts + 1}/{self.spec.max_restarts}), then replays "
             f"{cells(replays)}" + (f"; {cost}" if cost else ""),
             rank=r.rank,
         )
-        if r.kind(None) == "exit0":
+        if self.multi_node:
+            self.new_round(why, counted=True)  # the next round: the nodes there are now
+        elif r.kind(None) == "exit0":
             # torchelastic waits forever for the return value of a rank that exited 0
             # (multiprocessing/api.py, _poll): the others' deaths make it restart the group.
             self.signal([x for x in book.of(r.attempt) if x.died_at is None], signal.SIGKILL)
@@ -275,7 +281,7 @@ class Session(RankGroup):
 
     async def _launcher_ended(self, outcome: tuple[str, str]) -> tuple[str, str]:
         how, reason = outcome
-        if how == "failed" and self.attempt >= self.spec.max_restarts:
+        if how == "failed" and not self.restarts_left(self.attempt):
             m = self.spec.max_restarts
             reason = f"no restarts left ({m}/{m}): {reason}"
         return ("ended" if how == "succeeded" else how), reason
@@ -287,11 +293,16 @@ class Session(RankGroup):
         if outcome == "ended":
             for link in self._ranks.of(self.attempt):
                 await link.send(protocol.Bye(kind=protocol.BYE))  # elastic_launch returns
-            await self.node.wait_stopped(self.spec.stop_grace, leftovers_too=False)
+            async with anyio.create_task_group() as tg:
+                for node in self.nodes:
+                    tg.start_soon(node.wait_stopped, self.spec.stop_grace, False)
 
     def _close(self) -> None:
         with contextlib.suppress(OSError):
             self.socket_path.unlink()
+
+    async def _relayed_rank(self, stream: Any, peer: int | None) -> None:
+        await self._ranks.serve(stream, peer)
 
     async def _summarize(self, outcome: str, reason: str) -> protocol.Summary:
         self.tailer.poll(final=True)
@@ -322,8 +333,12 @@ class Session(RankGroup):
         cell.answers = {}
         self.current = cell
         links = self._ranks.of(self.attempt)
+        dirs: dict[int, str] = {}  # node -> the cell's run directory as its ranks see it
         for link in links:
-            await link.send(protocol.Run(kind=protocol.RUN, cell=cell.id, run_dir=str(cell.rd)))
+            node = self.book.node(link.r)
+            if id(node) not in dirs:
+                dirs[id(node)] = await node.cell_dir(cell.id, cell.rd)
+            await link.send(protocol.Run(kind=protocol.RUN, cell=cell.id, run_dir=dirs[id(node)]))
         self.notify()
         return links
 
@@ -507,7 +522,7 @@ class Session(RankGroup):
                 self.task_group.start_soon(self._hang_alert, cell)
 
     async def _hang_alert(self, cell: SessionCell) -> None:
-        collector = EvidenceCollector(self.node, self.rd, cell.source, cell.rd.cell)
+        collector = EvidenceCollector(self.rd, self.book.node, cell.source, cell.rd.cell)
         ev = await collector.collect(self.book.of(self.attempt))
         title = f"no output from any rank for {cell.spec.hang_after:g} s (--hang-after)"
         cell.report.alert("hang", "warning", title, text=ev.stacks)

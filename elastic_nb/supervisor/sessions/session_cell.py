@@ -141,7 +141,7 @@ class SessionCell:
         deadline = self.created + self.spec.timeout if self.spec.timeout else math.inf
         first_failure: float | None = None
         interrupted: float | None = None
-        collector = EvidenceCollector(group.node, group.rd, self.source, self.rd.cell)
+        collector = EvidenceCollector(group.rd, group.book.node, self.source, self.rd.cell)
         watch = DesyncWatch(collector) if len(links) > 1 else None
         watchdog_seen = False
         told: set[int] = set()  # failed ranks whose records were read for an OOM alert
@@ -336,7 +336,7 @@ class SessionCell:
     ) -> protocol.Summary:
         """The cell's summary, written and returned (the closing alerts are queued)."""
         behind = self.finding.desync.behind if self.finding and self.finding.desync else None
-        verdict = analyze(ranks, teardown_at, behind, self.spec.nproc) if ranks else None
+        verdict = analyze(ranks, teardown_at, behind, len(ranks)) if ranks else None
         result = summary.summarize(
             job_id=self.id,
             spec=self.spec,

@@ -52,7 +52,10 @@ function apply(d, delta) {
     if (delta.header.attempt !== undefined && delta.header.attempt !== d.header.attempt) d.memory = {};
     Object.assign(d.header, delta.header);
   }
-  if (delta.ranks) Object.assign(d.ranks, delta.ranks);
+  for (const [rank, chip] of Object.entries(delta.ranks ?? {})) {
+    if (chip === null) delete d.ranks[rank]; // a smaller world: a node left
+    else d.ranks[rank] = chip;
+  }
   if (delta.alerts) {
     d.alerts.push(...delta.alerts);
     d.alertsSeen += delta.alerts.length;
@@ -193,6 +196,20 @@ function sparkline(series) {
 }
 
 // The chip's memory: its sparkline, the latest figures, and in its title the peaks it shows.
+// A multi-node round: its nodes and world, why it began (and whether that spent a restart:
+// failures and departures do, arrivals do not), what the change took.
+function roundWords(r) {
+  const spent = r.attempt === 0 ? "" : r.counted ? ` · restart ${r.restarts}` : " · no restart spent";
+  const took = [
+    r.stop_s != null ? `stopping ${duration(r.stop_s)}` : "",
+    r.rendezvous_s != null ? `rendezvous ${duration(r.rendezvous_s)}` : "",
+    r.running_s != null ? `running after ${duration(r.running_s)}` : "waiting for its ranks",
+  ].filter(Boolean).join(", ");
+  return `<span class="enb-round"><span class="enb-round-why${r.counted ? " enb-round-counted" : ""}">${esc(r.why)}${spent}</span>
+    <span class="enb-round-nodes">${esc(r.nodes.join(", "))} · world size ${r.world_size}</span>
+    <span class="enb-round-took">${esc(took)}</span></span>`;
+}
+
 function memoryChip(m) {
   if (!m?.last) return "";
   const last = m.last;
@@ -327,9 +344,11 @@ class View {
     state.className = `enb-state enb-s-${h.state}`;
     this.q(".enb-elapsed").textContent = duration(elapsed);
     this.q(".enb-world").textContent = `${h.world_size} rank${h.world_size === 1 ? "" : "s"}`;
+    // A multi-node job's restarts are its failures and departures, not its arrivals.
+    const restarts = h.restarts ?? h.attempt;
     this.q(".enb-restarts").textContent = h.session
-      ? `session attempt ${h.attempt} · restarts ${h.attempt}/${h.max_restarts}`
-      : `restarts ${h.attempt}/${h.max_restarts}`;
+      ? `session attempt ${h.attempt} · restarts ${restarts}/${h.max_restarts}`
+      : `restarts ${restarts}/${h.max_restarts}`;
     this.q(".enb-worst").textContent =
       h.worst_case_s != null ? `stuck collective fails within ${h.worst_case_s} s` : "";
     const saved = h.checkpoint;
@@ -366,8 +385,9 @@ class View {
         const title = [c.detail, c.pid ? `pid ${c.pid}` : "", c.log ? `log: ${c.log}` : ""]
           .filter(Boolean)
           .join("\n");
+        const node = c.node ? `<span class="enb-chip-node">${esc(c.node)}</span>` : "";
         return `<div class="enb-chip enb-s-${esc(c.state)}" data-rank="${esc(r)}" title="${esc(title)}">
-          <span class="enb-chip-rank">rank ${esc(r)}</span>
+          <span class="enb-chip-rank">rank ${esc(r)}</span>${node}
           <span class="enb-chip-label">${esc(c.label ?? c.state)}</span>
           <span class="enb-chip-last">${esc(last)}</span>${memoryChip(this.data.memory[r])}</div>`;
       })
@@ -432,17 +452,19 @@ class View {
   drawAttempts() {
     const attempts = this.data.attempts;
     const box = this.q(".enb-attempts");
-    // One attempt's story is the header's and the alerts': the timeline is for restarts.
-    box.hidden = attempts.length < 2;
+    // One attempt's story is the header's and the alerts': the timeline is for restarts, and
+    // for a multi-node job's rounds (its members, from the first one).
+    box.hidden = attempts.length < 2 && !attempts[0]?.round;
     box.innerHTML = attempts
       .map((a) => {
         const ranks = Object.keys(a.ranks)
           .sort((x, y) => x - y)
           .map((r) => `<span class="enb-dot enb-s-${esc(a.ranks[r].state)}" title="rank ${esc(r)}: ${esc(a.ranks[r].label)}">${esc(r)}</span>`)
           .join("");
-        const why = a.why ? `<span class="enb-attempt-why">${esc(a.why)}</span>` : "";
+        const round = a.round ? roundWords(a.round) : "";
+        const why = a.why && !a.round ? `<span class="enb-attempt-why">${esc(a.why)}</span>` : "";
         return `<div class="enb-attempt"><span class="enb-attempt-n">attempt ${a.attempt}</span>
-          <span class="enb-attempt-t">+${duration(a.started)}</span>${ranks}${why}</div>`;
+          <span class="enb-attempt-t">+${duration(a.started)}</span>${ranks}${round}${why}</div>`;
       })
       .join("");
   }

@@ -1,0 +1,89 @@
+"""`elastic-nb` (also ``python -m elastic_nb``): a terminal's side of elastic_nb.
+
+elastic-nb join HOST:PORT --token TOKEN [--workdir DIR] [--addr ADDR] [--rejoin]
+    make this machine a node of a notebook's jobs (the line %elastic join-command prints)
+elastic-nb runs [--log-dir DIR]
+    the latest run directories, with their outcome
+elastic-nb logs RUN [--rank R] [--attempt K] [--tail N] [--log-dir DIR]
+    a run's rank logs
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+__all__ = ["main"]
+
+
+def _default_log_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "elastic_nb" / "runs"
+
+
+def _default_workdir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "elastic_nb" / "agent"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="elastic-nb", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    join = sub.add_parser("join", help="make this machine a node of a notebook's jobs")
+    join.add_argument("endpoint", metavar="HOST:PORT", help="the notebook's supervisor")
+    join.add_argument("--token", required=True, help="from %%elastic join-command")
+    join.add_argument(
+        "--workdir",
+        type=Path,
+        default=_default_workdir(),
+        help="run directories and per-job working directories here (default: %(default)s)",
+    )
+    join.add_argument(
+        "--addr",
+        help="the address other nodes reach this one at (default: the one this machine reaches "
+        "the notebook's from)",
+    )
+    join.add_argument(
+        "--rejoin",
+        action="store_true",
+        help="once the notebook's supervisor is gone (its ranks ended), wait and join again "
+        "instead of exiting (a network cut that heals)",
+    )
+    runs = sub.add_parser("runs", help="the latest run directories")
+    runs.add_argument("--log-dir", type=Path, default=_default_log_dir())
+    logs = sub.add_parser("logs", help="a run's rank logs")
+    logs.add_argument("run", help="a run's id (or its directory)")
+    logs.add_argument("--rank", type=int)
+    logs.add_argument("--attempt", type=int)
+    logs.add_argument("--tail", type=int, default=50, help="lines per file; 0 for all")
+    logs.add_argument("--log-dir", type=Path, default=_default_log_dir())
+    args = parser.parse_args(argv)
+
+    if args.command == "join":
+        from elastic_nb.supervisor.nodes.channel import TokenError
+        from elastic_nb.supervisor.nodes.join_agent import run_agent
+
+        try:
+            return run_agent(args.endpoint, args.token, args.workdir, args.addr, args.rejoin)
+        except TokenError as e:
+            print(f"elastic-nb join: {e}", file=sys.stderr)
+            return 2
+    from elastic_nb.common.run_records import rank_logs, runs_table
+    from elastic_nb.common.rundir import RunDir
+
+    if args.command == "runs":
+        print("\n".join(runs_table(args.log_dir)))
+        return 0
+    path = Path(args.run)
+    rd = RunDir(path if path.is_dir() else args.log_dir / args.run)
+    if not rd.path.is_dir():
+        print(f"elastic-nb logs: no run {args.run} in {args.log_dir}", file=sys.stderr)
+        return 2
+    print("\n".join(rank_logs(rd, args.rank, args.attempt, args.tail)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

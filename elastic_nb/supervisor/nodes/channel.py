@@ -1,0 +1,288 @@
+"""The channel between a supervisor and its join agents: ZeroMQ over TCP with CURVE, mutually
+authenticated and encrypted by libzmq (no cryptography of ours), one connection per agent.
+
+* **Keys.** Each supervisor makes two CURVE key pairs when it first serves agents: its own (the
+  server's) and the agents' (one for all of them). The join command's token carries the server's
+  public key (the agent refuses any other server: CURVE's handshake fails) and the agents' secret
+  key (the supervisor admits no other client key). `--new-token` makes a new agents' pair: the
+  old token is refused from then on.
+* **Admission.** libzmq asks a ZAP handler about every CURVE handshake; ours admits the agents'
+  public key alone (compared in constant time) and logs every refusal with the peer's address.
+  A handshake that fails before that (a wrong server key, replayed or forged bytes) is logged
+  from the socket's monitor. Nothing reaches the supervisor's code from a peer that has not
+  passed both.
+* **Frames.** A message is the protocol's JSON header, and its blob as a second ZeroMQ frame.
+  The supervisor's socket monitor says when a connection drops, naming the peer's address and
+  port (each agent tells its own in its hello): a killed agent is known the moment the kernel
+  closes its connection; a silent one, by its missing heartbeats.
+
+The token is never logged in full: logs name it by its fingerprint.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import hashlib
+import hmac
+import json
+import logging
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import zmq
+import zmq.asyncio
+from zmq.utils import z85
+from zmq.utils.monitor import parse_monitor_message
+
+from elastic_nb.common import protocol
+
+__all__ = ["Dialer", "Keys", "Listener", "TokenError"]
+
+log = logging.getLogger(__name__)
+
+_ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # where libzmq asks (ZMQ RFC 27)
+_DOMAIN = b"elastic_nb"
+_KEY_BYTES = 32
+
+
+class TokenError(ValueError):
+    """A join token that is not one (wrong length or characters)."""
+
+
+@dataclass(frozen=True)
+class Keys:
+    """CURVE keys (Z85 text, as libzmq takes them). The supervisor holds all four; an agent
+    holds what its token gives: the server's public key and the agents' key pair."""
+
+    server_public: bytes
+    client_public: bytes
+    client_secret: bytes
+    server_secret: bytes | None = None
+
+    @classmethod
+    def new(cls) -> Keys:
+        server_public, server_secret = zmq.curve_keypair()
+        client_public, client_secret = zmq.curve_keypair()
+        return cls(server_public, client_public, client_secret, server_secret)
+
+    def with_new_clients(self) -> Keys:
+        """The same server, a new agents' key pair (`--new-token`)."""
+        client_public, client_secret = zmq.curve_keypair()
+        return Keys(self.server_public, client_public, client_secret, self.server_secret)
+
+    def token(self) -> str:
+        """What the join command carries: URL-safe base64, safe to paste into any shell."""
+        raw = z85.decode(self.server_public) + z85.decode(self.client_secret)
+        return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+    @classmethod
+    def from_token(cls, token: str) -> Keys:
+        try:
+            raw = base64.urlsafe_b64decode(token.strip() + "=" * (-len(token.strip()) % 4))
+        except ValueError as e:
+            raise TokenError("the token is not one elastic_nb made (not base64)") from e
+        if len(raw) != 2 * _KEY_BYTES:
+            raise TokenError("the token is not one elastic_nb made (wrong length)")
+        server_public = z85.encode(raw[:_KEY_BYTES])
+        client_secret = z85.encode(raw[_KEY_BYTES:])
+        return cls(server_public, zmq.curve_public(client_secret), client_secret)
+
+    def fingerprint(self) -> str:
+        """A name for the token in logs and listings, from which it cannot be found."""
+        return hashlib.sha256(self.client_public).hexdigest()[:12]
+
+
+def _encode(msg: protocol.Message, blob: bytes | None) -> list[bytes]:
+    header = json.dumps(msg, separators=(",", ":"), default=str).encode()
+    return [header] if blob is None else [header, blob]
+
+
+def _decode(frames: list[bytes]) -> tuple[protocol.Frame, bytes | None]:
+    if not frames or len(frames) > 2:
+        raise protocol.ProtocolError(f"a message of {len(frames)} frames")
+    try:
+        header = json.loads(frames[0])
+    except ValueError as e:
+        raise protocol.ProtocolError(f"not a frame: {frames[0][:80]!r}") from e
+    if not isinstance(header, dict) or not isinstance(header.get("kind"), str):
+        raise protocol.ProtocolError(f"frame without a kind: {frames[0][:80]!r}")
+    return header, frames[1] if len(frames) == 2 else None
+
+
+def _tune(sock: zmq.Socket[Any]) -> None:
+    sock.linger = 0
+    # A ROUTER drops a message for a peer past its high-water mark without a word; file
+    # chunks and pushed objects must never be dropped: no mark (the sender's memory bounds it).
+    sock.sndhwm = 0
+    sock.rcvhwm = 0
+
+
+class Listener:
+    """The supervisor's side: one ROUTER socket that admits agents holding the token."""
+
+    def __init__(self, keys: Keys, host: str, port: int) -> None:
+        assert keys.server_secret is not None
+        self.keys = keys
+        self.refusals: list[str] = []  # what was refused, with the peer's address (newest last)
+        self._ctx = zmq.asyncio.Context()
+        self._zap = self._ctx.socket(zmq.REP)  # bound before any handshake can ask it
+        self._zap.linger = 0
+        self._zap.bind(_ZAP_ENDPOINT)
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        _tune(self._sock)
+        self._sock.curve_server = True
+        self._sock.curve_secretkey = keys.server_secret
+        self._sock.curve_publickey = keys.server_public
+        self._sock.zap_domain = _DOMAIN
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a gone peer raises, never drops unsaid
+        self._monitor = self._sock.get_monitor_socket(
+            zmq.EVENT_DISCONNECTED
+            | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+            | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+            | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+        )
+        # Connections that dropped, by the peer's "ip:port" (the monitor's words for them).
+        self._dropped_out, self.dropped = anyio.create_memory_object_stream[str](1000)
+        try:
+            if port:
+                self._sock.bind(f"tcp://{host}:{port}")
+                self.port = port
+            else:
+                self.port = self._sock.bind_to_random_port(f"tcp://{host}")
+        except zmq.ZMQError as e:
+            self.close()
+            raise OSError(f"cannot listen for agents on {host}:{port or 'a free port'}: {e}") from e
+        self.host = host
+        self._send_lock = anyio.Lock()
+
+    def rotate(self) -> Keys:
+        """A new agents' key pair; the old token is refused from now on."""
+        self.keys = self.keys.with_new_clients()
+        return self.keys
+
+    async def serve_admission(self) -> None:
+        """The ZAP handler and the handshake monitor, until cancelled."""
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._serve_zap)
+            tg.start_soon(self._watch_handshakes)
+
+    async def _serve_zap(self) -> None:
+        while True:
+            frames = await self._zap.recv_multipart()
+            version, request_id, domain, address, _identity, mechanism, *creds = frames
+            key = creds[0] if creds else b""
+            admitted = (
+                mechanism == b"CURVE"
+                and domain == _DOMAIN
+                and hmac.compare_digest(key, z85.decode(self.keys.client_public))
+            )
+            if not admitted:
+                self._refused(
+                    address.decode(errors="replace"), "not holding this supervisor's token"
+                )
+            status, text = (b"200", b"OK") if admitted else (b"400", b"unknown key")
+            await self._zap.send_multipart([version, request_id, status, text, b"agent", b""])
+
+    async def _watch_handshakes(self) -> None:
+        while True:
+            event = parse_monitor_message(await self._monitor.recv_multipart())
+            endpoint = event.get("endpoint", b"")
+            peer = endpoint.decode(errors="replace") if isinstance(endpoint, bytes) else endpoint
+            peer = str(peer).removeprefix("tcp://")
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                with contextlib.suppress(anyio.WouldBlock):
+                    self._dropped_out.send_nowait(peer)
+            elif event["event"] != zmq.EVENT_HANDSHAKE_FAILED_AUTH:  # ZAP has said why for that
+                self._refused(peer, f"its handshake failed ({_handshake_error(event['value'])})")
+
+    def _refused(self, peer: str, why: str) -> None:
+        text = f"refused a connection from {peer or 'an unknown address'}: {why}"
+        log.warning(text)
+        self.refusals.append(text)
+        del self.refusals[:-100]
+
+    async def receive(self) -> tuple[bytes, protocol.Frame, bytes | None, str]:
+        """The next (peer, header, blob, peer's IP address). A frame that is no message raises
+        ProtocolError."""
+        msg = await self._sock.recv_multipart(copy=False)
+        peer = msg[0].bytes
+        address = ""
+        with contextlib.suppress(zmq.ZMQError):
+            address = str(msg[-1].get("Peer-Address"))
+        header, blob = _decode([f.bytes for f in msg[1:]])
+        return peer, header, blob, address
+
+    async def send(self, peer: bytes, msg: protocol.Message, blob: bytes | None = None) -> bool:
+        """False if the peer is gone."""
+        try:
+            async with self._send_lock:
+                await self._sock.send_multipart([peer, *_encode(msg, blob)], copy=blob is None)
+            return True
+        except zmq.ZMQError:
+            return False
+
+    def close(self) -> None:
+        for s in (getattr(self, "_monitor", None), getattr(self, "_sock", None), self._zap):
+            if s is not None:
+                s.close(linger=0)
+        self._ctx.term()
+
+
+class Dialer:
+    """A join agent's side: one DEALER socket to the supervisor named in the token."""
+
+    def __init__(self, keys: Keys, host: str, port: int) -> None:
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        _tune(self._sock)
+        self._sock.curve_serverkey = keys.server_public
+        self._sock.curve_publickey = keys.client_public
+        self._sock.curve_secretkey = keys.client_secret
+        self._sock.routing_id = secrets.token_bytes(8)  # one per connection: a rejoin is new
+        self._monitor = self._sock.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_SUCCEEDED
+            | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+            | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+            | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+        )
+        self._sock.connect(f"tcp://{host}:{port}")
+        self.server = (host, port)
+        self._send_lock = anyio.Lock()
+
+    async def handshake(self) -> None:
+        """Until CURVE's handshake succeeded; raises PermissionError with the reason if it
+        failed (the supervisor refused the token, or is not the one the token names)."""
+        while True:
+            event = parse_monitor_message(await self._monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                return
+            if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                raise PermissionError("the supervisor refused this token (a wrong or old one)")
+            raise PermissionError(
+                "the handshake failed: the supervisor at that address is not the one this "
+                f"token is for ({_handshake_error(event['value'])})"
+            )
+
+    async def receive(self) -> tuple[protocol.Frame, bytes | None]:
+        frames = await self._sock.recv_multipart()
+        return _decode(frames)
+
+    async def send(self, msg: protocol.Message, blob: bytes | None = None) -> None:
+        async with self._send_lock:
+            await self._sock.send_multipart(_encode(msg, blob), copy=blob is None)
+
+    def close(self) -> None:
+        self._monitor.close(linger=0)
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+
+def _handshake_error(code: int) -> str:
+    """libzmq's protocol error, in words: 'zmtp cryptographic' (a key that does not match)."""
+    for name in dir(zmq):
+        if name.startswith("PROTOCOL_ERROR_") and getattr(zmq, name) == code:
+            return name.removeprefix("PROTOCOL_ERROR_").lower().replace("_", " ")
+    return f"error {code}"

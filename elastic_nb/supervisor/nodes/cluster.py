@@ -1,0 +1,200 @@
+"""The machines a supervisor's multi-node jobs run on: this one, and the join agents connected
+now (`%elastic nodes`).
+
+`Cluster` serves the agents' channel (channel.Listener) once the first join command is asked
+for: it admits an agent whose versions match the notebook's (refusing one that differs, naming
+both), numbers it, hears its heartbeat, and knows within `protocol.LOST_AFTER_S` that it left (at
+once when its connection drops). `AgentLink` is one agent: the orders sent to it, the answers
+awaited, and its news routed to the group each concerns (`remote_node.RemoteNode`, one per group
+and round on that agent). Groups learn of a change of members through `changed`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+from anyio.abc import TaskGroup
+
+from elastic_nb.common import machine, protocol
+from elastic_nb.supervisor.nodes.channel import Keys, Listener
+from elastic_nb.supervisor.nodes.remote_node import AgentLink
+
+__all__ = ["Cluster"]
+
+log = logging.getLogger(__name__)
+
+
+class Cluster:
+    """This supervisor's join agents, and how they reach it."""
+
+    def __init__(self, tg: TaskGroup, addr: str | None = None) -> None:
+        self._tg = tg
+        self.addr = addr or machine.primary_address()  # this machine, as the agents reach it
+        self.info = machine.describe(self.addr, "")
+        self.listener: Listener | None = None
+        self.agents: dict[bytes, AgentLink] = {}
+        self._numbers = itertools.count(1)
+        self.refused: list[dict[str, Any]] = []  # version mismatches, newest last
+        self.changed = anyio.Event()  # set (and replaced) at every change of members
+        self._scope: anyio.CancelScope | None = None
+
+    # ---- serving agents --------------------------------------------------------------------
+
+    async def serve(self, host: str, port: int) -> None:
+        """Listen for agents on host:port (0: a free port) until the supervisor ends."""
+        self.listener = Listener(Keys.new(), host, port)
+        if host not in ("0.0.0.0", ""):
+            self.addr = host
+            self.info = machine.describe(self.addr, "")
+        self._tg.start_soon(self._run)
+
+    async def _run(self) -> None:
+        assert self.listener is not None
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self.listener.serve_admission)
+                tg.start_soon(self._receive)
+                tg.start_soon(self._beat)
+                tg.start_soon(self._watch_dropped)
+        finally:
+            self.listener.close()
+
+    def spawn(self, fn: Callable[..., Any], *args: Any) -> None:
+        self._tg.start_soon(fn, *args)
+
+    async def listener_send(
+        self, peer: bytes, msg: protocol.Message, blob: bytes | None = None
+    ) -> bool:
+        return self.listener is not None and await self.listener.send(peer, msg, blob)
+
+    def join_command(self) -> str:
+        assert self.listener is not None
+        host = self.addr if self.listener.host in ("0.0.0.0", "") else self.listener.host
+        return f"elastic-nb join {host}:{self.listener.port} --token {self.listener.keys.token()}"
+
+    async def new_token(self) -> int:
+        """A new token: every agent holding the old one is dropped; how many were."""
+        assert self.listener is not None
+        self.listener.rotate()
+        dropped = [a for a in self.agents.values() if a.ready]
+        for a in dropped:
+            await a.send(protocol.NodeBye(kind=protocol.BYE, reason="the token was replaced"))
+            a.gone("left", "dropped: the join token was replaced")
+        self._notify()
+        return len(dropped)
+
+    def ready(self) -> list[AgentLink]:
+        """The agents that can take ranks now, in join order."""
+        return sorted((a for a in self.agents.values() if a.ready), key=lambda a: a.number)
+
+    def describe(self) -> dict[str, Any]:
+        """What %elastic nodes lists."""
+        return {
+            "listening": None
+            if self.listener is None
+            else {
+                "host": self.listener.host,
+                "port": self.listener.port,
+                "token": self.listener.keys.fingerprint(),
+            },
+            "here": {"node": 0, **self.info, "state": "here"},
+            "agents": [a.describe() for a in sorted(self.agents.values(), key=lambda a: a.number)],
+            "refused": self.refused[-20:] + [{"why": r} for r in self._refusals()],
+        }
+
+    def _refusals(self) -> list[str]:
+        return list(self.listener.refusals[-20:]) if self.listener else []
+
+    def _notify(self) -> None:
+        self.changed.set()
+        self.changed = anyio.Event()
+
+    async def _receive(self) -> None:
+        assert self.listener is not None
+        while True:
+            try:
+                peer, frame, blob, address = await self.listener.receive()
+            except protocol.ProtocolError as e:
+                log.warning("dropped a message from an agent: %s", e)
+                continue
+            agent = self.agents.get(peer)
+            try:
+                msg = protocol.node_news(frame)
+                if agent is None or not agent.ready:
+                    if msg["kind"] == protocol.NODE_HELLO and agent is None:
+                        await self._hello(peer, msg, blob, address)
+                    else:
+                        log.warning("dropped a %s from %s: it has not joined", msg["kind"], address)
+                    continue
+                agent.heard(msg["t"] if msg["kind"] == protocol.BEAT else None)
+                if msg["kind"] == protocol.BYE:
+                    agent.gone("left", f"its agent left: {msg['reason']}")
+                    self._notify()
+                    continue
+                agent.dispatch(msg, blob)
+            except (protocol.ProtocolError, ValueError) as e:
+                log.warning("dropped a message from %s: %s", address or "an agent", e)
+
+    async def _hello(
+        self, peer: bytes, msg: protocol.NodeHello, blob: bytes | None, address: str
+    ) -> None:
+        info = msg["info"]
+        why = None
+        if msg["version"] != protocol.VERSION:
+            why = (
+                f"its elastic_nb speaks protocol {msg['version']}, the notebook's "
+                f"{protocol.VERSION}: install the notebook's elastic_nb "
+                f"({self.info['elastic_nb']}) there"
+            )
+        else:
+            why = machine.mismatch(self.info, info)
+        if why is not None:
+            log.warning("refused %s (%s): %s", info.get("name"), address, why)
+            self.refused.append({"name": info.get("name"), "addr": address, "why": why})
+            await self.listener_send(peer, protocol.Refused(kind=protocol.REFUSED, error=why))
+            return
+        endpoint = (blob or b"").decode(errors="replace")
+        agent = AgentLink(self.listener_send, self.spawn, peer, next(self._numbers), info, endpoint)
+        self.agents[peer] = agent
+        welcome = protocol.Welcome(
+            kind=protocol.WELCOME, version=protocol.VERSION, node=agent.number, info=self.info
+        )
+        await agent.send(welcome)
+        log.info("node %d joined: %s at %s", agent.number, info["name"], address)
+        self._notify()
+
+    async def _beat(self) -> None:
+        """Our heartbeat to every agent, and theirs checked: one silent for LOST_AFTER_S is
+        gone (its machine, or the network to it)."""
+        while True:
+            for agent in list(self.agents.values()):
+                if not agent.ready:
+                    continue
+                silent = time.monotonic() - agent.last_heard
+                if silent > protocol.LOST_AFTER_S:
+                    agent.gone("lost", f"connection lost (silent for {silent:.1f} s)")
+                    self._notify()
+                    continue
+                await agent.send(protocol.Beat(kind=protocol.BEAT, t=time.time(), groups={}))
+            await anyio.sleep(protocol.BEAT_S)
+
+    async def _watch_dropped(self) -> None:
+        """A dropped connection is a lost agent at once (its process died, its machine reset)."""
+        assert self.listener is not None
+        async for endpoint in self.listener.dropped:
+            for agent in self.agents.values():
+                if agent.ready and agent.endpoint == endpoint:
+                    agent.gone("lost", "its connection dropped (the agent or its machine died)")
+                    self._notify()
+
+    async def close(self) -> None:
+        """The supervisor is ending: every agent is told (it ends its ranks at once)."""
+        for agent in self.ready():
+            with anyio.move_on_after(1):
+                await agent.send(protocol.NodeBye(kind=protocol.BYE, reason="the notebook ended"))
+            agent.gone("left", "the notebook's supervisor ended")

@@ -1,0 +1,184 @@
+"""Files between the notebook's machine and a joined node.
+
+* **Out** (`pack`, `unpack`): what a group's ranks read, sent once to each node as a tar: the
+  run directory's inputs (spec, cell, how to run it, pushed objects) and the notebook's own
+  modules the cell imports (they land in the per-job working directory, first on sys.path).
+* **Back** (`Mirror` on the node, `write_chunk` on the notebook's side): everything the node's
+  ranks and launcher leave in their run directory (logs, records, stack dumps, flight
+  recorders, results) is copied into the notebook's run directory as it grows, so that every
+  reader there (the log tailer, the rank book, `%elastic logs`) reads one place, and a node's
+  files are kept up to the moment it vanished. Rank numbers are global, so a rank's files sit
+  where they would on one machine; a node's own files (its launcher's log) go under
+  ``nodes/<node>/``.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import stat
+import tarfile
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+
+__all__ = ["INPUTS", "Mirror", "pack", "unpack", "write_chunk"]
+
+# A run directory's files that come from the notebook (never sent back).
+INPUTS = frozenset({"spec.json", "cell.py", "cell.json", "payload.pkl"})
+CHUNK = 4 << 20  # bytes of one file in one message
+# Probe FIFOs and their answers are the node's own business (the probe's answer travels as one).
+_LOCAL_SUFFIXES = (".probe", ".probe.json", ".tmp")
+
+
+def pack(files: dict[str, Path]) -> bytes:
+    """A tar of `files` (name in the archive -> path here); directories are taken whole."""
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w") as tar:
+        for name, path in files.items():
+            if path.exists():
+                tar.add(str(path), arcname=name, filter=_plain)
+    return out.getvalue()
+
+
+def _plain(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
+    if "__pycache__" in info.name or not (info.isfile() or info.isdir()):
+        return None
+    info.uid = info.gid = 0
+    info.uname = info.gname = ""
+    return info
+
+
+def unpack(blob: bytes, dest: dict[str, Path]) -> None:
+    """Each member under the destination of its first path component (``run/spec.json`` ->
+    ``dest["run"] / "spec.json"``); members elsewhere, absolute or climbing out, are refused."""
+    with tarfile.open(fileobj=io.BytesIO(blob), mode="r") as tar:
+        for member in tar.getmembers():
+            parts = PurePosixPath(member.name).parts
+            if not parts or parts[0] not in dest or ".." in parts or member.name.startswith("/"):
+                raise ValueError(f"unexpected file in a job's files: {member.name!r}")
+            if not (member.isfile() or member.isdir()):
+                raise ValueError(f"not a plain file in a job's files: {member.name!r}")
+            target = dest[parts[0]].joinpath(*parts[1:])
+            if member.isdir():
+                target.mkdir(parents=True, exist_ok=True, mode=0o700)
+                continue
+            target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            source = tar.extractfile(member)
+            assert source is not None
+            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(source.read())
+
+
+@dataclass
+class _Sent:
+    inode: int
+    size: int
+    mtime: int
+
+
+@dataclass
+class Mirror:
+    """A node's side: what grew in its run directories since the last sweep, sent in chunks.
+
+    `roots`: a directory here -> (its group, the name the notebook's side knows it by: "" for
+    the group's run directory, a session cell's id for that cell's); `renames`: a file's
+    relative path -> where it goes instead (the launcher's log, under nodes/<node>/)."""
+
+    send: Callable[[str, str, str, int, bytes], Awaitable[None]]  # group, root, path, offset, data
+    roots: dict[Path, tuple[str, str]] = field(default_factory=dict)
+    renames: dict[str, str] = field(default_factory=dict)
+    _sent: dict[Path, _Sent] = field(default_factory=dict)
+
+    async def sweep(
+        self, group: str | None = None, only: Callable[[Path], bool] | None = None
+    ) -> None:
+        """Send what is new (of `group`'s directories alone, if given). `only`: just these
+        files (a rank's, as it is seen gone)."""
+        for top, (g, root) in list(self.roots.items()):
+            if group is not None and g != group:
+                continue
+            for path in _files(top):
+                if only is None or only(path):
+                    await self._send_new(top, g, root, path)
+
+    def drop(self, group: str) -> None:
+        """The group has ended: its directories are no longer watched."""
+        for top in [t for t, (g, _) in self.roots.items() if g == group]:
+            del self.roots[top]
+            for path in [p for p in self._sent if p.is_relative_to(top)]:
+                del self._sent[path]
+
+    async def _send_new(self, top: Path, group: str, root: str, path: Path) -> None:
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            return
+        last = self._sent.get(path)
+        mtime = st.st_mtime_ns
+        if last is not None and (last.inode, last.size, last.mtime) == (
+            st.st_ino,
+            st.st_size,
+            mtime,
+        ):
+            return
+        rel = path.relative_to(top).as_posix()
+        rel = self.renames.get(rel, rel)
+        replaced = last is None or last.inode != st.st_ino or st.st_size < last.size
+        offset = 0 if replaced else last.size  # type: ignore[union-attr]
+        with open(path, "rb") as f:
+            f.seek(offset)
+            first = True
+            while True:
+                data = f.read(CHUNK)
+                if not data and not first:
+                    break
+                # The first chunk of a replaced file says so (-1): the notebook's copy restarts.
+                await self.send(group, root, rel, -1 if replaced and first else offset, data)
+                offset += len(data)
+                first = False
+                if len(data) < CHUNK:
+                    break
+        self._sent[path] = _Sent(st.st_ino, offset, mtime)
+
+
+def _files(top: Path) -> list[Path]:
+    """The files worth sending under `top` (its top level and its attempt folders)."""
+    out: list[Path] = []
+    try:
+        entries = list(os.scandir(top))
+    except FileNotFoundError:
+        return out
+    for e in entries:
+        if e.is_dir(follow_symlinks=False):
+            if e.name.startswith("attempt-"):
+                out.extend(_files(Path(e.path)))
+            continue
+        if e.name in INPUTS or e.name.endswith(_LOCAL_SUFFIXES) or e.name.startswith("."):
+            continue
+        if stat.S_ISREG(e.stat(follow_symlinks=False).st_mode):
+            out.append(Path(e.path))
+    return out
+
+
+def write_chunk(top: Path, rel: str, offset: int, data: bytes) -> None:
+    """The notebook's side: a chunk of a node's file into the run directory `top`. Files are the
+    user's alone (results are unpickled: rundir.RunDir.read_private checks it)."""
+    parts = PurePosixPath(rel).parts
+    if not parts or ".." in parts or rel.startswith("/"):
+        raise ValueError(f"a node sent a file outside its run directory: {rel!r}")
+    path = top.joinpath(*parts)
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    if offset < 0:
+        # A whole file (a record, a result): replaced at once, as the rank wrote it.
+        tmp = path.with_name(f".{path.name}.mirror.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+        return
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    with os.fdopen(fd, "r+b") as f:
+        f.seek(offset)
+        f.write(data)

@@ -1,0 +1,622 @@
+"""A join agent (``elastic-nb join HOST:PORT --token T``): another machine's part in the notebook's
+jobs, for as long as the notebook's supervisor lives.
+
+It is a supervisor of its own machine's processes, the notebook's supervisor's hands there: a
+zygote and a warm launcher of its own (remote cells start warm), and, for each group (a job or a
+session) the supervisor opens on it, a `LocalNode` that starts that group's launcher for each
+round, watches its ranks, signals them, asks for their stacks and flight recorders, and ends
+their processes, exactly as on the notebook's machine. What its ranks leave in their run
+directory is mirrored to the notebook's (files.Mirror); their connections to the rendezvous store
+and to a session are relayed through the channel, so that nothing of a job listens beyond this
+machine's loopback but what gloo and NCCL must (and rank 0's process-group store).
+
+It hears the supervisor's heartbeat: if the supervisor goes silent (its kernel died, the network
+was cut) the agent ends every process of its groups within `ORPHAN_BOUND_S` and exits, or with
+``--rejoin``, waits to join again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import os
+import shutil
+import signal
+import socket
+import struct
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import psutil
+from anyio.abc import ByteStream, Listener, TaskGroup
+
+from elastic_nb.common import machine, procs, protocol
+from elastic_nb.common.rundir import RunDir
+from elastic_nb.common.spec import JobSpec
+from elastic_nb.supervisor.nodes.channel import Dialer, Keys
+from elastic_nb.supervisor.nodes.files import Mirror, unpack
+from elastic_nb.supervisor.processes.launcher_pool import LauncherPool
+from elastic_nb.supervisor.processes.node import LocalNode
+from elastic_nb.supervisor.ranks.rank_state import RankState
+
+__all__ = ["ORPHAN_BOUND_S", "JoinAgent"]
+
+log = logging.getLogger(__name__)
+
+JOIN_WAIT_S = 15.0  # for the handshake and the welcome
+MIRROR_S = 0.05  # how often what the ranks wrote is sent (the supervisor tails every 0.05 s)
+MEMORY_S = 1.0
+STOP_GRACE_S = 1.0  # ranks' SIGTERM -> SIGKILL once the supervisor is gone
+# The supervisor's silence, the grace, SIGKILL's wait: the most the ranks outlive the notebook.
+ORPHAN_BOUND_S = protocol.LOST_AFTER_S + STOP_GRACE_S + 2.0
+REJOIN_EVERY_S = 2.0
+_READ = 1 << 16
+
+
+class _Group:
+    """One group (a job or a session) the supervisor runs here: its run directory and per-job
+    working directory, its listeners, and the current round's node."""
+
+    def __init__(self, group_id: str, rd: RunDir, cwd: Path, session: bool) -> None:
+        self.id = group_id
+        self.rd = rd
+        self.cwd = cwd
+        self.session = session
+        self.spec: JobSpec | None = None
+        self.node: LocalNode | None = None
+        self.ranks: dict[tuple[int, int], RankState] = {}
+        self.streams: dict[int, ByteStream] = {}
+        self.store: Listener[Any] | None = None  # launchers' connections to the rendezvous
+        self.store_port = 0
+        self.sessions: Listener[Any] | None = None  # session ranks' connections
+        self.socket_path: Path | None = None
+        self.oom_base: int | None = None
+
+
+class JoinAgent:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        keys: Keys,
+        workdir: Path,
+        addr: str | None = None,
+        rejoin: bool = False,
+    ) -> None:
+        self.host, self.port, self.keys = host, port, keys
+        self.workdir = workdir
+        self.addr = addr
+        self.rejoin = rejoin
+        self.info: protocol.NodeInfo | None = None
+        self.node_number: int | None = None
+        self._dialer: Dialer | None = None
+        self._pool: LauncherPool | None = None
+        self._groups: dict[str, _Group] = {}
+        self._stream_ids = itertools.count(1)
+        self._last_heard = time.monotonic()
+        self._mirror = Mirror(self._send_file)
+        self._tg: TaskGroup | None = None
+        self._leaving: str | None = None  # why this membership ends
+        self._stopped = False  # a signal said to leave for good
+        self._said_bye = False  # the supervisor said bye (it ended, or dropped this agent)
+
+    # ---- life ------------------------------------------------------------------------------
+
+    async def run(self) -> int:
+        """Join, serve until the supervisor is gone (or says bye); the exit status."""
+        procs.set_child_subreaper()
+        for d in ("runs", "jobs", "logs", "sockets"):
+            (self.workdir / d).mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._pool = LauncherPool(str(self.workdir / "logs" / "agent"))
+        code = 0
+        try:
+            async with anyio.create_task_group() as tg:
+                self._tg = tg
+                self._pool.attach(tg, dict(os.environ))
+                tg.start_soon(self._watch_signals)
+                while True:
+                    code = await self._serve_once()
+                    if not self.rejoin or code == 2 or self._stopped:
+                        break
+                    await anyio.sleep(REJOIN_EVERY_S)
+                tg.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._end_groups("the agent is leaving")
+            self._pool.close()
+        return code
+
+    async def _serve_once(self) -> int:
+        """One membership: join, serve, and end every group once the supervisor is gone."""
+        self._leaving = None
+        self._said_bye = False
+        dialer = self._dialer = Dialer(self.keys, self.host, self.port)
+        try:
+            with anyio.fail_after(JOIN_WAIT_S):
+                await dialer.handshake()
+                addr = self.addr or _local_address(dialer)
+                self.info = machine.describe(addr, str(self.workdir))
+                hello = protocol.NodeHello(
+                    kind=protocol.NODE_HELLO, version=protocol.VERSION, info=self.info
+                )
+                await dialer.send(hello, (_local_endpoint(dialer) or "").encode())
+                frame, _ = await dialer.receive()
+        except PermissionError as e:
+            _say(f"elastic-nb join: refused: {e}")
+            dialer.close()
+            return 2
+        except TimeoutError:
+            _say(f"elastic-nb join: no supervisor answered at {self.host}:{self.port}")
+            dialer.close()
+            return 1
+        msg = protocol.node_order(frame)
+        if msg["kind"] == protocol.REFUSED:
+            _say(f"elastic-nb join: refused: {msg['error']}")
+            dialer.close()
+            return 2
+        assert msg["kind"] == protocol.WELCOME and self.info is not None
+        self.node_number = msg["node"]
+        _say(
+            f"elastic-nb join: node {msg['node']} ({self.info['name']}, {self.info['addr']}) of "
+            f"the notebook's supervisor on {msg['info']['name']}, {self.host}:{self.port}; "
+            "serving its jobs until it is gone"
+        )
+        self._last_heard = time.monotonic()
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._receive)
+                tg.start_soon(self._beat)
+                tg.start_soon(self._mirror_loop)
+                tg.start_soon(self._memory_loop)
+                tg.start_soon(self._reap_loop)
+                await self._until_gone()
+                tg.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                ended = await self._end_groups(self._leaving or "the supervisor is gone")
+                if not self._said_bye:
+                    with anyio.move_on_after(1):
+                        await dialer.send(protocol.NodeBye(kind=protocol.BYE, reason="leaving"))
+                dialer.close()
+                self._dialer = None
+        _say(f"elastic-nb join: {self._leaving}" + (f"; ended {ended}" if ended else ""))
+        return 0 if self._said_bye or self._stopped else 1
+
+    async def _until_gone(self) -> None:
+        while self._leaving is None:
+            await anyio.sleep(protocol.BEAT_S / 2)
+            if time.monotonic() - self._last_heard > protocol.LOST_AFTER_S:
+                self._leaving = (
+                    f"the notebook's supervisor has been silent for {protocol.LOST_AFTER_S:g} s"
+                )
+
+    async def _watch_signals(self) -> None:
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+            async for sig in signals:
+                self.rejoin = False
+                self._stopped = True
+                self._leaving = f"stopped by {signal.Signals(sig).name}"
+                if self._dialer is None:  # between memberships: nothing runs to end
+                    assert self._tg is not None
+                    self._tg.cancel_scope.cancel()
+                return
+
+    async def _end_groups(self, why: str) -> str:
+        """End every process of every group (SIGTERM, a short grace, SIGKILL)."""
+        groups = list(self._groups.values())
+        count = 0
+        for g in groups:
+            if g.node is not None and g.node.running():
+                count += 1
+                await g.node.stop(STOP_GRACE_S, lambda sig, pids: None)
+            await self._forget(g)
+        self._groups.clear()
+        if count:
+            log.warning("ended the processes of %d group(s): %s", count, why)
+        return f"the processes of {count} job(s)" if count else ""
+
+    # ---- the channel ---------------------------------------------------------------------------
+
+    async def _send(self, msg: protocol.Message, blob: bytes | None = None) -> None:
+        if self._dialer is not None:
+            await self._dialer.send(msg, blob)
+
+    async def _beat(self) -> None:
+        while True:
+            groups = {g.id: self._group_beat(g) for g in self._groups.values() if g.node}
+            await self._send(protocol.Beat(kind=protocol.BEAT, t=time.time(), groups=groups))
+            await anyio.sleep(protocol.BEAT_S)
+
+    def _group_beat(self, g: _Group) -> protocol.GroupBeat:
+        node = g.node
+        assert node is not None
+        agent = node.agent() if node.launcher_pid else None
+        kills = node.oom_kills()
+        return protocol.GroupBeat(
+            launcher=node.launcher_pid,
+            launcher_alive=node.launcher_alive(),
+            state=list(agent.state) if agent and agent.state else None,
+            tick_age=time.monotonic() - agent.last_tick if agent and agent.last_tick else None,
+            running=node.running(),
+            zombies=[[r.attempt, r.rank] for r in g.ranks.values() if node.unreaped(r)],
+            oom_kills=None if kills is None or g.oom_base is None else kills - g.oom_base,
+        )
+
+    async def _receive(self) -> None:
+        assert self._dialer is not None
+        while True:
+            frame, blob = await self._dialer.receive()
+            self._last_heard = time.monotonic()
+            try:
+                msg = protocol.node_order(frame)
+            except protocol.ProtocolError as e:
+                log.warning("dropped a message from the supervisor: %s", e)
+                continue
+            if msg["kind"] == protocol.BYE:
+                assert msg["kind"] == protocol.BYE
+                self._leaving = f"the notebook's supervisor said bye: {msg['reason']}"
+                self._said_bye = True
+                return
+            assert self._tg is not None
+            self._tg.start_soon(self._handle, msg, blob)
+
+    async def _handle(self, msg: protocol.NodeOrder, blob: bytes | None) -> None:
+        req = msg.get("req")
+        try:
+            data = await self._serve(msg, blob)
+        except Exception as e:
+            log.exception("the supervisor's %s failed", msg["kind"])
+            if isinstance(req, int):
+                error = f"{type(e).__name__}: {e}"
+                await self._send(
+                    protocol.Answer(kind=protocol.ANSWER, req=req, ok=False, data={}, error=error)
+                )
+            return
+        if isinstance(req, int):
+            await self._send(protocol.Answer(kind=protocol.ANSWER, req=req, ok=True, data=data))
+
+    async def _serve(self, msg: protocol.NodeOrder, blob: bytes | None) -> dict[str, Any]:
+        kind = msg["kind"]
+        if kind == protocol.BEAT:
+            return {}
+        if kind == protocol.OPEN:
+            assert msg["kind"] == protocol.OPEN
+            return await self._open(msg, blob or b"")
+        if kind == protocol.CELL:
+            assert msg["kind"] == protocol.CELL
+            g = self._group(msg["group"])
+            cell = self.workdir / "runs" / msg["cell"]
+            cell.mkdir(mode=0o700, exist_ok=True)
+            unpack(blob or b"", {"run": cell, "cwd": g.cwd})
+            self._rewrite_spec(RunDir(cell), g)
+            self._mirror.roots[cell] = (g.id, msg["cell"])
+            return {"run_dir": str(cell)}
+        if kind in (protocol.STREAM_DATA, protocol.STREAM_CLOSE):
+            assert msg["kind"] in (protocol.STREAM_DATA, protocol.STREAM_CLOSE)
+            known = self._groups.get(msg["group"])
+            stream = known.streams.get(msg["stream"]) if known else None
+            if stream is not None:
+                if msg["kind"] == protocol.STREAM_DATA and blob:
+                    with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+                        await stream.send(blob)
+                else:
+                    with contextlib.suppress(Exception):
+                        await stream.aclose()
+            return {}
+        g = self._group(str(msg.get("group")))
+        node = g.node
+        if kind == protocol.SIGNAL:
+            assert msg["kind"] == protocol.SIGNAL
+            r = g.ranks.get((msg["attempt"], msg["rank"]))
+            if node is not None and r is not None:
+                node.signal(r, msg["sig"])
+            return {}
+        if kind == protocol.RANKS_UP:
+            if node is not None and g.spec is not None:
+                node.ranks_up(g.spec)
+            return {}
+        if kind == protocol.CLOSE:
+            assert msg["kind"] == protocol.CLOSE
+            if node is not None:
+                node.close()  # its launcher's log into the run directory, the pool warmed
+                g.node = None
+            await self._mirror.sweep(g.id)
+            if msg["ended"]:
+                await self._forget(g)
+                self._groups.pop(g.id, None)
+            return {}
+        assert node is not None, f"group {g.id} has no round running here"
+        if kind == protocol.STACKS:
+            assert msg["kind"] == protocol.STACKS
+            ranks = [g.ranks[(a, r)] for a, r in msg["ranks"] if (a, r) in g.ranks]
+            dumps = await node.stacks(ranks, msg["wait_s"])
+            return {
+                "dumps": {
+                    str(rank): {"text": d.text, "state": d.state, "asked": d.asked}
+                    for rank, d in dumps.items()
+                }
+            }
+        if kind == protocol.PROBE:
+            assert msg["kind"] == protocol.PROBE
+            r = g.ranks.get((msg["attempt"], msg["rank"]))
+            record = await node.probe(r, msg["what"], msg["wait_s"]) if r else None
+            return {"record": record}
+        if kind == protocol.LEFTOVERS:
+            assert msg["kind"] == protocol.LEFTOVERS
+            stuck = msg["stuck"]
+            left = await node.leftovers_after_success(msg["grace"], lambda: stuck)
+            return {"leftovers": left}
+        if kind == protocol.STOP:
+            assert msg["kind"] == protocol.STOP
+            signals: list[list[Any]] = []
+            survivors = await node.stop(msg["grace"], lambda sig, pids: signals.append([sig, pids]))
+            await self._mirror.sweep(g.id)  # everything the ranks left, before the answer
+            return {
+                "survivors": [[s.pid, s.state] for s in survivors],
+                "signals": signals,
+            }
+        raise protocol.ProtocolError(f"{kind!r} is not an order")
+
+    def _group(self, group_id: str) -> _Group:
+        g = self._groups.get(group_id)
+        if g is None:
+            raise KeyError(f"no group {group_id} here")
+        return g
+
+    # ---- a group's round -----------------------------------------------------------------------
+
+    async def _open(self, msg: protocol.Open, blob: bytes) -> dict[str, Any]:
+        group_id = msg["group"]
+        if not group_id.isalnum():
+            raise ValueError(f"group id {group_id!r} is malformed")
+        g = self._groups.get(group_id)
+        if g is None:
+            g = await self._new_group(group_id, msg, blob)
+        spec = g.spec
+        assert spec is not None and self._pool is not None and self.info is not None
+        if g.node is not None:
+            raise RuntimeError(f"group {group_id}'s last round here has not been closed")
+        plan = msg["round"]
+        addr = self.info["addr"]
+        launch = protocol.LaunchRound(
+            attempt=int(plan["attempt"]),
+            nnodes=int(plan["nnodes"]),
+            run_id=str(plan["run_id"]),
+            endpoint=f"127.0.0.1:{g.store_port}",
+            addr=addr,
+            ifname=machine.interface_of(addr) or "lo",
+        )
+        node = LocalNode(g.rd, self._pool, self._orphans, self._reap)
+        g.node = node
+        kills = node.oom_kills()
+        g.oom_base = kills
+        env = dict(os.environ)
+        if g.socket_path is not None:
+            env[protocol.SESSION_SOCKET_ENV] = str(g.socket_path)
+        env.update(msg["env"])
+        warm = await node.start(group_id, spec, env, launch)
+        assert self._tg is not None
+        self._tg.start_soon(self._read_launcher, g, node)
+        return {"warm": warm, "launcher": node.launcher_pid}
+
+    async def _new_group(self, group_id: str, msg: protocol.Open, blob: bytes) -> _Group:
+        rd = RunDir(self.workdir / "runs" / group_id)
+        cwd = self.workdir / "jobs" / group_id
+        rd.path.mkdir(mode=0o700, exist_ok=True)
+        cwd.mkdir(mode=0o700, exist_ok=True)
+        unpack(blob, {"run": rd.path, "cwd": cwd})
+        g = _Group(group_id, rd, cwd, session=msg["session"])
+        g.spec = self._rewrite_spec(rd, g, JobSpec.from_dict(msg["spec"]))
+        self._groups[group_id] = g
+        self._mirror.roots[rd.path] = (group_id, "")
+        self._mirror.renames["launcher.log"] = f"nodes/{self._node_dir()}/launcher.log"
+        assert self._tg is not None
+        store = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
+        g.store, g.store_port = store, store.extra(anyio.abc.SocketAttribute.local_port)
+        self._tg.start_soon(_serve, store, lambda s: self._stream(g, s, protocol.STREAM_STORE))
+        if g.session:
+            g.socket_path = self.workdir / "sockets" / f"session-{group_id}.sock"
+            with contextlib.suppress(FileNotFoundError):
+                g.socket_path.unlink()
+            sessions = await anyio.create_unix_listener(g.socket_path)
+            g.sessions = sessions
+            os.chmod(g.socket_path, 0o600)
+            self._tg.start_soon(
+                _serve, sessions, lambda s: self._stream(g, s, protocol.STREAM_SESSION)
+            )
+        return g
+
+    def _rewrite_spec(self, rd: RunDir, g: _Group, spec: JobSpec | None = None) -> JobSpec:
+        """The spec as this machine runs it: the job's working directory here (the notebook's
+        modules in it, first on sys.path), its run directories under the agent's."""
+        from dataclasses import replace
+
+        spec = spec or JobSpec.from_json(rd.spec.read_text())
+        spec = replace(
+            spec, cwd=str(g.cwd), sys_path=(str(g.cwd),), log_dir=str(self.workdir / "runs")
+        )
+        rd.spec.write_text(spec.to_json())
+        return spec
+
+    def _node_dir(self) -> str:
+        assert self.info is not None
+        return f"{self.node_number}-{self.info['name']}"
+
+    async def _read_launcher(self, g: _Group, node: LocalNode) -> None:
+        """The round's launcher: what it says, to the supervisor; a watcher per rank it starts."""
+        assert self._tg is not None
+        async for msg in node.messages():
+            if msg["kind"] == protocol.START:
+                r = RankState(msg["attempt"], msg["rank"], pid=msg["pid"], started_at=time.time())
+                g.ranks[(r.attempt, r.rank)] = r
+                self._tg.start_soon(self._watch_rank, g, node, r)
+            await self._send(
+                protocol.LauncherSaid(kind=protocol.LAUNCHER, group=g.id, msg=dict(msg))
+            )
+        await node.launcher_exited()
+        outcome, reason = node.launcher_outcome(g.rd.launcher_log)
+        await self._mirror.sweep(g.id)
+        await self._send(
+            protocol.LauncherExit(
+                kind=protocol.LAUNCHER_EXIT, group=g.id, outcome=outcome, reason=reason
+            )
+        )
+
+    async def _watch_rank(self, g: _Group, node: LocalNode, r: RankState) -> None:
+        seen, _ = await node.wait_gone(r)
+        r.died_at = seen
+        # What it left (its last lines, its record), before the supervisor hears it went.
+        prefix = f"rank-{r.rank}."
+        await self._mirror.sweep(g.id, only=lambda p: p.name.startswith(prefix))
+        await self._send(
+            protocol.RankGone(
+                kind=protocol.RANK_GONE,
+                group=g.id,
+                attempt=r.attempt,
+                rank=r.rank,
+                t=seen,
+                code=r.exit_code,
+            )
+        )
+
+    async def _stream(self, g: _Group, stream: ByteStream, to: str) -> None:
+        """A connection to one of the group's listeners here, relayed to the supervisor."""
+        n = next(self._stream_ids)
+        g.streams[n] = stream
+        peer = _peer_pid(stream) if to == protocol.STREAM_SESSION else None
+        await self._send(
+            protocol.StreamOpen(kind=protocol.STREAM_OPEN, group=g.id, stream=n, to=to, peer=peer)
+        )
+        try:
+            while True:
+                try:
+                    data = await stream.receive(_READ)
+                except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
+                    return
+                await self._send(
+                    protocol.StreamData(kind=protocol.STREAM_DATA, group=g.id, stream=n), data
+                )
+        finally:
+            g.streams.pop(n, None)
+            await self._send(protocol.StreamClose(kind=protocol.STREAM_CLOSE, group=g.id, stream=n))
+
+    async def _forget(self, g: _Group) -> None:
+        """A group has ended here: its listeners and streams closed, its files removed (the
+        notebook's run directory has them all)."""
+        for closable in (g.store, g.sessions, *g.streams.values()):
+            if closable is not None:
+                with contextlib.suppress(Exception):
+                    await closable.aclose()
+        cells = [top for top, (group, root) in self._mirror.roots.items() if group == g.id and root]
+        self._mirror.drop(g.id)
+        if g.socket_path is not None:
+            with contextlib.suppress(OSError):
+                g.socket_path.unlink()
+        for path in (g.rd.path, g.cwd, *cells):
+            shutil.rmtree(path, ignore_errors=True)
+
+    # ---- loops ---------------------------------------------------------------------------------
+
+    async def _send_file(self, group: str, root: str, path: str, offset: int, data: bytes) -> None:
+        await self._send(
+            protocol.FileChunk(
+                kind=protocol.FILE, group=group, root=root, path=path, offset=offset
+            ),
+            data,
+        )
+
+    async def _mirror_loop(self) -> None:
+        while True:
+            await self._mirror.sweep()
+            await anyio.sleep(MIRROR_S)
+
+    async def _memory_loop(self) -> None:
+        while True:
+            await anyio.sleep(MEMORY_S)
+            for g in list(self._groups.values()):
+                node = g.node
+                live = [r for r in g.ranks.values() if r.died_at is None and r.pid is not None]
+                if node is None or not live:
+                    continue
+                reading = node.read_memory(live)
+                limit = reading.limit
+                await self._send(
+                    protocol.MemoryRead(
+                        kind=protocol.MEMORY,
+                        group=g.id,
+                        rss={str(k): v for k, v in reading.rss.items()},
+                        gpu={str(k): v for k, v in reading.gpu.items()},
+                        limit=None if limit is None else vars(limit),
+                        gpus=reading.gpus,
+                    )
+                )
+
+    async def _reap_loop(self) -> None:
+        while True:
+            await anyio.sleep(1.0)
+            self._reap()
+
+    def _keep(self) -> set[int]:
+        assert self._pool is not None
+        live = {g.node.launcher_pid for g in self._groups.values() if g.node}
+        return {p for p in live if p} | self._pool.pids()
+
+    def _reap(self) -> None:
+        procs.reap_orphans(keep=self._keep())
+
+    def _orphans(self) -> list[Any]:
+        return procs.orphans(keep=self._keep())
+
+
+async def _serve(listener: Listener[Any], handler: Any) -> None:
+    """Serve until the listener is closed (the group has ended)."""
+    with contextlib.suppress(anyio.ClosedResourceError, OSError):
+        await listener.serve(handler)
+
+
+def _peer_pid(stream: ByteStream) -> int | None:
+    sock = stream.extra(anyio.abc.SocketAttribute.raw_socket)
+    with contextlib.suppress(OSError):
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        pid: int = struct.unpack("3i", creds)[0]
+        return pid
+    return None
+
+
+def _local_endpoint(dialer: Dialer) -> str | None:
+    """Our end of the connection ("ip:port"), as the supervisor's monitor will name it when it
+    drops: this process's one TCP connection to the supervisor's address."""
+    me = psutil.Process()
+    conns = me.net_connections("tcp") if hasattr(me, "net_connections") else me.connections()
+    for c in conns:
+        if c.raddr and (c.raddr.ip, c.raddr.port) == dialer.server and c.laddr:
+            return f"{c.laddr.ip}:{c.laddr.port}"
+    return None
+
+
+def _local_address(dialer: Dialer) -> str:
+    """The address this machine reaches the supervisor from: the other nodes reach it there."""
+    endpoint = _local_endpoint(dialer)
+    return endpoint.rsplit(":", 1)[0] if endpoint else machine.primary_address()
+
+
+def _say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def run_agent(endpoint: str, token: str, workdir: Path, addr: str | None, rejoin: bool) -> int:
+    """`elastic-nb join`: join the supervisor at `endpoint` ("HOST:PORT") with `token`."""
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or not port.isdigit():
+        _say(f"elastic-nb join: {endpoint!r} is not HOST:PORT")
+        return 2
+    keys = Keys.from_token(token)
+    logging.basicConfig(
+        stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s"
+    )
+    agent = JoinAgent(host.strip("[]"), int(port), keys, workdir, addr, rejoin)
+    return anyio.run(agent.run)

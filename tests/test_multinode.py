@@ -127,3 +127,160 @@ def _here() -> str:
     import socket
 
     return socket.gethostname()
+
+
+def _round(k: Kernel, job: str, attempt: int) -> dict:
+    events = run_dir(k.cache_home, job) / "events.jsonl"  # type: ignore[attr-defined]
+    for line in events.read_text().splitlines():
+        e = json.loads(line)
+        if e["event"] == "round" and e["attempt"] == attempt:
+            return e
+    raise AssertionError(f"no round for attempt {attempt} in {events}")
+
+
+def _timeline(k: Kernel, job: str) -> list[dict]:
+    """Each round's entry as the dashboard last got it (running_s filled in)."""
+    events = run_dir(k.cache_home, job) / "events.jsonl"  # type: ignore[attr-defined]
+    running = {}
+    rounds = []
+    for line in events.read_text().splitlines():
+        e = json.loads(line)
+        if e["event"] == "round":
+            rounds.append(e)
+        elif e["event"] == "round.running":
+            running[e["attempt"]] = e["s"]
+    for r in rounds:
+        r["running_s"] = running.get(r["attempt"])
+    return rounds
+
+
+_GROW = """
+import time, torch, torch.distributed as dist
+dist.init_process_group()
+world = dist.get_world_size()
+print("world", world, "attempt", {attempt}, flush=True)
+if world < {want}:
+    time.sleep(60)  # the round is replaced when a node joins
+    raise SystemExit("no node joined")
+x = torch.ones(1)
+dist.all_reduce(x)
+x.item()
+"""
+
+
+def test_a_node_that_joins_is_running_with_the_others_within_seconds(
+    mn_kernel: Kernel, lab: machines.Lab
+) -> None:
+    """--nnodes 1:3 starts with the nodes there are; a node that joins later brings a round with
+    the larger world at once (not last_call's 30 s later), and spends no restart."""
+    k = mn_kernel
+    _ensure_agents(k, lab, 2)
+    late = lab.machines[1]
+    late.stop()
+    machines.wait_joined(lambda: _nodes(k), 1)
+    cell = _GROW.replace("{attempt}", 'os.environ["TORCHELASTIC_RESTART_COUNT"]').replace("{want}", "3")
+    msg_id, ex = k.start("%%elastic --nnodes 1:3 --nproc 1\nimport os" + cell)
+    k.collect(msg_id, ex, timeout=60, until=lambda e: "world 2" in e.stdout)
+    late.join(k.join_line)  # type: ignore[attr-defined]
+    k.collect(msg_id, ex, timeout=120)
+    assert ex.error is None, ex.traceback
+    assert ex.result == "3.0", ex.stdout
+    timeline = _timeline(k, ex.job_id)
+    assert [r["world_size"] for r in timeline] == [2, 3], timeline
+    grew = timeline[1]
+    assert "node" in grew["why"] and "joined" in grew["why"], grew
+    assert not grew["counted"] and grew["restarts"] == 0
+    assert grew["running_s"] is not None and grew["running_s"] <= JOIN_BOUND_S, grew
+    assert re.search(r"attempt 1: node \d \(node-2\) joined \(no restart spent\) · world size 3", ex.stdout), ex.stdout
+    assert "restarts 0/0" in ex.stdout
+    _nothing_left(ex.job_id, lab)
+
+
+_UNTIL_A_NODE_LEAVES = """
+import time, torch, torch.distributed as dist
+dist.init_process_group()
+world = dist.get_world_size()
+print("world", world, flush=True)
+x = torch.ones(1)
+while world == 6:  # until a node leaves (and this round is ended)
+    dist.all_reduce(x)
+    time.sleep(0.05)
+dist.all_reduce(x)
+x.item()
+"""
+
+
+def test_a_node_that_leaves_is_known_in_seconds_and_the_rest_go_on(
+    mn_kernel: Kernel, lab: machines.Lab
+) -> None:
+    """A machine lost mid-job (SIGKILL to its namespace): the survivors run the next round
+    within seconds, not after a collective timeout; the departure is said once and spends one
+    restart; nothing of the job is left on any machine."""
+    k = mn_kernel
+    _ensure_agents(k, lab, 2)
+    msg_id, ex = k.start("%%elastic --nnodes 2:3 --nproc 2 --max-restarts 1" + _UNTIL_A_NODE_LEAVES)
+    k.collect(msg_id, ex, timeout=90, until=lambda e: e.stdout.count("world 6") == 6)
+    lost = lab.machines[1]
+    killed_at = time.time()
+    lost.kill()
+    k.collect(msg_id, ex, timeout=120)
+    assert ex.error is None, ex.traceback
+    assert ex.result == "4.0", ex.stdout
+    timeline = _timeline(k, ex.job_id)
+    assert [r["world_size"] for r in timeline] == [6, 4], timeline
+    left = timeline[1]
+    assert "node-2" in left["why"] and ("lost" in left["why"] or "left" in left["why"]), left
+    assert left["counted"] and left["restarts"] == 1
+    assert left["started"] - killed_at <= 2.0 + 0.5, (left, killed_at)  # known within 2 s
+    running_at = left["started"] + left["running_s"]
+    assert running_at - killed_at <= LEFT_BOUND_S + 1.0, (left, killed_at)
+    assert ex.stdout.count("restart 1/1") == 1, ex.stdout
+    assert "restarts 1/1" in ex.stdout
+    _nothing_left(ex.job_id, lab)
+    assert not lost.processes()  # the machine's namespace ended with its init
+
+
+def test_a_remote_rank_that_raises_is_named_with_its_node_line_and_traceback(
+    mn_kernel: Kernel, lab: machines.Lab
+) -> None:
+    k = mn_kernel
+    _ensure_agents(k, lab, 2)
+    ex = k.run(
+        "%%elastic --nnodes 3 --nproc 1\n"
+        "import torch.distributed as dist\n"
+        "dist.init_process_group()\n"
+        "if dist.get_rank() == 2:\n"
+        "    raise ValueError('rank 2 has had enough')\n"
+        "dist.barrier()\n",
+        timeout=120,
+    )
+    assert ex.ename == "JobFailed", ex.traceback
+    first = ex.traceback.splitlines()[0]
+    assert re.match(
+        r"JobFailed: node \d \(node-\d\) rank 2 failed first: ValueError: rank 2 has had enough \(cell line 5\)",
+        first,
+    ), first
+    assert "--- node" in ex.traceback and "rank 2 (attempt 0) ---" in ex.traceback
+    assert "raise ValueError('rank 2 has had enough')" in ex.traceback
+    _nothing_left(ex.job_id, lab)
+
+
+def test_a_module_beside_the_notebook_travels_to_the_nodes(
+    mn_kernel: Kernel, lab: machines.Lab
+) -> None:
+    """The cell imports a file of the notebook's directory; the other machines have no such
+    file (their /tmp is their own): it travels with the cell."""
+    k = mn_kernel
+    _ensure_agents(k, lab, 2)
+    cwd = Path(k.ok("import os; print(os.getcwd())").stdout.strip())
+    (cwd / "helpers_beside.py").write_text("def greet(rank):\n    return f'hello from {rank}'\n")
+    ex = k.ok(
+        "%%elastic --nnodes 3 --nproc 1\n"
+        "import helpers_beside, torch.distributed as dist\n"
+        "dist.init_process_group()\n"
+        "print(helpers_beside.greet(dist.get_rank()), helpers_beside.__file__)\n",
+        timeout=120,
+    )
+    for rank in range(3):
+        assert f"hello from {rank}" in ex.stdout, ex.stdout
+    assert "/tmp/agent/jobs/" in ex.stdout  # the remote ranks' copy, in their job's directory

@@ -179,8 +179,11 @@ class RunDir:
 
 
 def attempt_of(env: Mapping[str, str]) -> int:
-    """A rank's attempt, from its environment (torch's restart count within its round)."""
-    return int(env.get("TORCHELASTIC_RESTART_COUNT") or 0) + int(env.get(ATTEMPT_BASE_ENV) or 0)
+    """A rank's attempt, from its environment: torch's restart count within its round, past the
+    round's first attempt (the launcher's environment, which a rank's inherits: torch gives the
+    launcher only its own variables of a rank's)."""
+    base = env.get(ATTEMPT_BASE_ENV) or os.environ.get(ATTEMPT_BASE_ENV) or 0
+    return int(env.get("TORCHELASTIC_RESTART_COUNT") or 0) + int(base)
 
 
 def _check_private(st: os.stat_result, path: Path) -> None:

@@ -25,6 +25,7 @@ from elastic_nb.launcher.observe import observe_agent
 from elastic_nb.launcher.pipe import Channel
 
 _PR_SET_PDEATHSIG = 1
+SYNC_POLL_S = 0.02  # how often a node waiting in the rendezvous reads its state (torch: 1 s)
 
 
 def main() -> None:
@@ -124,11 +125,18 @@ def _wait_fork_server() -> None:
 
 
 def _quicken_rendezvous() -> None:
-    """Two costs of torch's dynamic rendezvous that buy a single-node job nothing
+    """Three costs of torch's dynamic rendezvous that buy elastic_nb's jobs nothing
     (elastic/rendezvous/dynamic_rendezvous.py, torch 2.13):
 
     - next_rendezvous() sleeps a random 0-0.3 s in round 0 "to skew the rendezvous attempts
-      across the nodes"; there is one node (the spec refuses more);
+      across the nodes": a single-node job has one node, and a multi-node round's nodes all
+      start at the moment the supervisor says, their store on its machine;
+    - a node waiting for the others polls the store's state every second (the SYNC action's
+      "delay by one second to avoid overloading the backend"), and reads it back from the store
+      at most once a second (_BackendRendezvousStateHolder's cache_duration): a round's last
+      node to arrive was seen about a second late by the others (1 s of every multi-node round,
+      measured). The group's store serves a handful of nodes: a read every SYNC_POLL_S costs it
+      nothing;
     - every recorded event names its method with inspect.stack(), twice, which builds the
       source context of every frame (about 40 ms per launch); the frame's code has the name.
     """
@@ -137,8 +145,8 @@ def _quicken_rendezvous() -> None:
     original_delay = dynamic._delay
 
     def _delay(seconds: Any) -> None:
-        if not isinstance(seconds, tuple):  # a fixed wait (the SYNC poll) is kept
-            original_delay(seconds)
+        if not isinstance(seconds, tuple):  # the random skew (a range) is skipped
+            original_delay(min(float(seconds), SYNC_POLL_S))
 
     def get_method_name(depth: int = 2) -> str:
         try:
@@ -146,8 +154,15 @@ def _quicken_rendezvous() -> None:
         except ValueError:
             return "no_method_name"
 
+    holder = dynamic._BackendRendezvousStateHolder
+    original_init = holder.__init__
+
+    def __init__(self: Any, backend: Any, settings: Any, cache_duration: int = 1) -> None:
+        original_init(self, backend, settings, cache_duration=0)  # the SYNC poll bounds reads
+
     dynamic._delay = _delay
     dynamic.get_method_name = get_method_name
+    holder.__init__ = __init__  # type: ignore[method-assign]
 
 
 def _log_to(path: Any) -> None:

@@ -27,7 +27,9 @@ import hashlib
 import hmac
 import json
 import logging
+import os
 import secrets
+import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -139,13 +141,16 @@ class Listener:
         self._sock.zap_domain = _DOMAIN
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a gone peer raises, never drops unsaid
         self._monitor = self._sock.get_monitor_socket(
-            zmq.EVENT_DISCONNECTED
+            zmq.EVENT_ACCEPTED
+            | zmq.EVENT_DISCONNECTED
             | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
             | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
             | zmq.EVENT_HANDSHAKE_FAILED_AUTH
         )
-        # Connections that dropped, by the peer's "ip:port" (the monitor's words for them).
+        # Connections that dropped, by the peer's "ip:port" (the monitor names the connection
+        # by its descriptor: its peer's address is read when it is accepted).
         self._dropped_out, self.dropped = anyio.create_memory_object_stream[str](1000)
+        self._peers: dict[int, str] = {}  # descriptor -> the peer's "ip:port"
         try:
             if port:
                 self._sock.bind(f"tcp://{host}:{port}")
@@ -187,16 +192,25 @@ class Listener:
             await self._zap.send_multipart([version, request_id, status, text, b"agent", b""])
 
     async def _watch_handshakes(self) -> None:
+        failed: list[str] = []  # reasons of handshakes that failed, until their connection drops
         while True:
             event = parse_monitor_message(await self._monitor.recv_multipart())
             endpoint = event.get("endpoint", b"")
             peer = endpoint.decode(errors="replace") if isinstance(endpoint, bytes) else endpoint
             peer = str(peer).removeprefix("tcp://")
-            if event["event"] == zmq.EVENT_DISCONNECTED:
-                with contextlib.suppress(anyio.WouldBlock):
-                    self._dropped_out.send_nowait(peer)
+            if event["event"] == zmq.EVENT_ACCEPTED:
+                self._peers[event["value"]] = _peer_of(event["value"]) or peer
+            elif event["event"] == zmq.EVENT_DISCONNECTED:
+                who = self._peers.pop(event["value"], peer)
+                if failed:
+                    # The connection whose handshake failed (its reason came first): named now
+                    # that its address is known.
+                    self._refused(who, f"its handshake failed ({failed.pop(0)})")
+                else:
+                    with contextlib.suppress(anyio.WouldBlock):
+                        self._dropped_out.send_nowait(who)
             elif event["event"] != zmq.EVENT_HANDSHAKE_FAILED_AUTH:  # ZAP has said why for that
-                self._refused(peer, f"its handshake failed ({_handshake_error(event['value'])})")
+                failed.append(_handshake_error(event["value"]))
 
     def _refused(self, peer: str, why: str) -> None:
         text = f"refused a connection from {peer or 'an unknown address'}: {why}"
@@ -261,9 +275,14 @@ class Dialer:
                 return
             if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                 raise PermissionError("the supervisor refused this token (a wrong or old one)")
+            why = (
+                os.strerror(event["value"])
+                if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                else _handshake_error(event["value"])
+            )
             raise PermissionError(
                 "the handshake failed: the supervisor at that address is not the one this "
-                f"token is for ({_handshake_error(event['value'])})"
+                f"token is for ({why})"
             )
 
     async def receive(self) -> tuple[protocol.Frame, bytes | None]:
@@ -278,6 +297,16 @@ class Dialer:
         self._monitor.close(linger=0)
         self._sock.close(linger=0)
         self._ctx.term()
+
+
+def _peer_of(fd: int) -> str | None:
+    """The peer's "ip:port" of a connection libzmq holds (a duplicate descriptor, closed here)."""
+    try:
+        with socket.socket(fileno=os.dup(fd)) as s:
+            host, port = s.getpeername()[:2]
+            return f"{host}:{port}"
+    except OSError:
+        return None
 
 
 def _handshake_error(code: int) -> str:

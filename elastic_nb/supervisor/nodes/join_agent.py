@@ -32,7 +32,7 @@ from typing import Any
 
 import anyio
 import psutil
-from anyio.abc import ByteStream, Listener, TaskGroup
+from anyio.abc import ByteStream, SocketListener, TaskGroup
 
 from elastic_nb.common import machine, procs, protocol
 from elastic_nb.common.rundir import RunDir
@@ -48,6 +48,7 @@ __all__ = ["ORPHAN_BOUND_S", "JoinAgent"]
 log = logging.getLogger(__name__)
 
 JOIN_WAIT_S = 15.0  # for the handshake and the welcome
+WARM_WAIT_S = 60.0  # for the first warm launcher (torch's import), before the hello
 MIRROR_S = 0.05  # how often what the ranks wrote is sent (the supervisor tails every 0.05 s)
 MEMORY_S = 1.0
 STOP_GRACE_S = 1.0  # ranks' SIGTERM -> SIGKILL once the supervisor is gone
@@ -70,9 +71,9 @@ class _Group:
         self.node: LocalNode | None = None
         self.ranks: dict[tuple[int, int], RankState] = {}
         self.streams: dict[int, ByteStream] = {}
-        self.store: Listener[Any] | None = None  # launchers' connections to the rendezvous
+        self.store: SocketListener | None = None  # launchers' connections to the rendezvous
         self.store_port = 0
-        self.sessions: Listener[Any] | None = None  # session ranks' connections
+        self.sessions: SocketListener | None = None  # session ranks' connections
         self.socket_path: Path | None = None
         self.oom_base: int | None = None
 
@@ -138,6 +139,11 @@ class JoinAgent:
         try:
             with anyio.fail_after(JOIN_WAIT_S):
                 await dialer.handshake()
+            # Joined means warm: a job that takes this node starts its ranks in a fraction of a
+            # second, not after an import of torch.
+            assert self._pool is not None
+            await self._pool.warmed(WARM_WAIT_S)
+            with anyio.fail_after(JOIN_WAIT_S):
                 addr = self.addr or _local_address(dialer)
                 self.info = machine.describe(addr, str(self.workdir))
                 hello = protocol.NodeHello(
@@ -415,9 +421,14 @@ class JoinAgent:
         self._mirror.roots[rd.path] = (group_id, "")
         self._mirror.renames["launcher.log"] = f"nodes/{self._node_dir()}/launcher.log"
         assert self._tg is not None
-        store = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
-        g.store, g.store_port = store, store.extra(anyio.abc.SocketAttribute.local_port)
-        self._tg.start_soon(_serve, store, lambda s: self._stream(g, s, protocol.STREAM_STORE))
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)  # on loopback alone
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(socket.SOMAXCONN)
+        store = await SocketListener.from_socket(sock)
+        g.store, g.store_port = store, sock.getsockname()[1]
+        self._tg.start_soon(
+            _serve, store, lambda s: self._stream(g, s, protocol.STREAM_STORE), self._tg
+        )
         if g.session:
             g.socket_path = self.workdir / "sockets" / f"session-{group_id}.sock"
             with contextlib.suppress(FileNotFoundError):
@@ -426,7 +437,7 @@ class JoinAgent:
             g.sessions = sessions
             os.chmod(g.socket_path, 0o600)
             self._tg.start_soon(
-                _serve, sessions, lambda s: self._stream(g, s, protocol.STREAM_SESSION)
+                _serve, sessions, lambda s: self._stream(g, s, protocol.STREAM_SESSION), self._tg
             )
         return g
 
@@ -572,10 +583,14 @@ class JoinAgent:
         return procs.orphans(keep=self._keep())
 
 
-async def _serve(listener: Listener[Any], handler: Any) -> None:
-    """Serve until the listener is closed (the group has ended)."""
-    with contextlib.suppress(anyio.ClosedResourceError, OSError):
-        await listener.serve(handler)
+async def _serve(listener: SocketListener, handler: Any, tg: TaskGroup) -> None:
+    """Each connection to `handler`, in `tg`, until the listener is closed (the group ended)."""
+    while True:
+        try:
+            stream = await listener.accept()
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError, OSError):
+            return
+        tg.start_soon(handler, stream)
 
 
 def _peer_pid(stream: ByteStream) -> int | None:

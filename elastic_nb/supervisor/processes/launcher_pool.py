@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import anyio
 import psutil
 from anyio.abc import TaskGroup
 
@@ -71,6 +72,14 @@ class LauncherPool:
     @property
     def idle(self) -> Launcher | None:
         return self._idle
+
+    async def warmed(self, timeout: float) -> bool:
+        """Until a launcher is ready for the next job (torch imported, its fork server up), at
+        most `timeout`; whether one is."""
+        with anyio.move_on_after(timeout):
+            while not (self._idle is not None and self._idle.ready):
+                await anyio.sleep(0.05)
+        return self._idle is not None and self._idle.ready
 
     def pids(self) -> set[int]:
         """Our children the pool owns: the zygote, the idle launcher, the rendezvous stores."""

@@ -421,6 +421,9 @@ class RankGroup:
             r.where = node.label
             if self.rounds.running(attempt, len(self.book.of(attempt))):
                 self.report.rounds(self.rounds.timeline)
+                entry = self.rounds.entry(attempt)
+                assert entry is not None
+                self.report.event("round.running", attempt=attempt, s=entry["running_s"])
         self.silence.activity(time.monotonic())
         self.tailer.follow(
             attempt, rank, {s: self.rd.log(attempt, rank, s) for s in ("out", "err")}

@@ -129,9 +129,24 @@ class Rounds:
             with anyio.move_on_after(self.last_call):
                 while here + len(cluster.ready()) < spec.nnodes_max:
                     await cluster.changed.wait()
+        agents = await self._alive_since(since) if self.timeline else cluster.ready()
         nodes: list[Node] = [self.machines.local()] if here else []
-        nodes.extend(remote(a) for a in cluster.ready()[: spec.nnodes_max - here])
+        nodes.extend(remote(a) for a in agents[: spec.nnodes_max - here])
+        if len(nodes) < spec.nnodes_min:
+            return f"only {len(nodes)} of the {spec.nnodes_min} nodes it needs are left"
         return nodes
+
+    async def _alive_since(self, since: float) -> list[AgentLink]:
+        """The ready agents heard from since the change began (a heartbeat every BEAT_S): one
+        whose machine died with the round it ends is not heard again, so the next round does
+        not count on it only to fail (and spend a restart) once its loss is known."""
+        deadline = time.monotonic() + protocol.LOST_AFTER_S
+        while time.monotonic() < deadline:
+            agents = self.cluster.ready()
+            if all(a.last_heard_wall > since for a in agents):
+                break
+            await anyio.sleep(protocol.BEAT_S / 4)
+        return [a for a in self.cluster.ready() if a.last_heard_wall > since]
 
     def record(
         self,

@@ -54,12 +54,20 @@ class Machine:
     agent: subprocess.Popen[bytes] | None = None
     _log_file: object = field(default=None, repr=False)
 
-    def join(self, line: str, *extra: str, env: dict[str, str] | None = None) -> None:
+    def join(
+        self,
+        line: str,
+        *extra: str,
+        env: dict[str, str] | None = None,
+        python_code: str | None = None,
+    ) -> None:
         """Start the join agent with the line %elastic join-command printed (the python of this
-        suite stands in for the one a machine would have)."""
+        suite stands in for the one a machine would have; `python_code` instead of `-m
+        elastic_nb`: a machine that differs, patched before the agent starts)."""
         words = line.split()
         assert words[:2] == ["elastic-nb", "join"], line
-        agent = [sys.executable, "-m", "elastic_nb", *words[1:], "--workdir", "/tmp/agent", *extra]
+        start = ["-c", python_code] if python_code else ["-m", "elastic_nb"]
+        agent = [sys.executable, *start, *words[1:], "--workdir", "/tmp/agent", *extra]
         script = (
             'mount -t tmpfs tmpfs /tmp && mkdir -p /tmp/home && hostname "$1" && shift && '
             'HOME=/tmp/home XDG_CACHE_HOME=/tmp/home/.cache exec "$@"'

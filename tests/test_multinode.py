@@ -9,6 +9,7 @@ outside that nothing of a job is left on any machine.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import time
@@ -108,14 +109,18 @@ def test_a_cell_runs_on_every_node_and_its_logs_come_home(
     ex = k.ok("%%elastic --nnodes 3 --nproc 2" + _ALL_REDUCE, timeout=120)
     assert ex.result == "21.0"  # 1 + 2 + ... + 6
     for rank in range(6):
-        assert re.search(rf"\[rank {rank}\] rank {rank} of 6 on \S+ sum 21\.0", ex.stdout), ex.stdout
+        assert re.search(rf"\[rank {rank}\] rank {rank} of 6 on \S+ sum 21\.0", ex.stdout), (
+            ex.stdout
+        )
     hosts = set(re.findall(r"of 6 on (\S+) sum", ex.stdout))
     assert hosts == {lab.machines[0].hostname, lab.machines[1].hostname, _here()}, hosts
     # Every rank by node: the round's line names each node's ranks.
-    assert re.search(r"attempt 0: first round · world size 6 · node 0 \(\S+\): ranks \d-\d", ex.stdout), ex.stdout
+    assert re.search(
+        r"attempt 0: first round · world size 6 · node 0 \(\S+\): ranks \d-\d", ex.stdout
+    ), ex.stdout
     rd = run_dir(k.cache_home, ex.job_id)  # type: ignore[attr-defined]
     for rank in range(6):
-        assert f"of 6 on" in (rd / "attempt-0" / f"rank-{rank}.out").read_text()
+        assert "of 6 on" in (rd / "attempt-0" / f"rank-{rank}.out").read_text()
     launcher_logs = sorted(p.parent.name for p in rd.glob("nodes/*/launcher.log"))
     assert launcher_logs == ["1-node-1", "2-node-2"], launcher_logs
     summary = json.loads((rd / "summary.json").read_text())
@@ -178,7 +183,9 @@ def test_a_node_that_joins_is_running_with_the_others_within_seconds(
     late = lab.machines[1]
     late.stop()
     machines.wait_joined(lambda: _nodes(k), 1)
-    cell = _GROW.replace("{attempt}", 'os.environ["TORCHELASTIC_RESTART_COUNT"]').replace("{want}", "3")
+    cell = _GROW.replace("{attempt}", 'os.environ["TORCHELASTIC_RESTART_COUNT"]').replace(
+        "{want}", "3"
+    )
     msg_id, ex = k.start("%%elastic --nnodes 1:3 --nproc 1\nimport os" + cell)
     k.collect(msg_id, ex, timeout=60, until=lambda e: "world 2" in e.stdout)
     late.join(k.join_line)  # type: ignore[attr-defined]
@@ -191,7 +198,9 @@ def test_a_node_that_joins_is_running_with_the_others_within_seconds(
     assert "node" in grew["why"] and "joined" in grew["why"], grew
     assert not grew["counted"] and grew["restarts"] == 0
     assert grew["running_s"] is not None and grew["running_s"] <= JOIN_BOUND_S, grew
-    assert re.search(r"attempt 1: node \d \(node-2\) joined \(no restart spent\) · world size 3", ex.stdout), ex.stdout
+    assert re.search(
+        r"attempt 1: node \d \(node-2\) joined \(no restart spent\) · world size 3", ex.stdout
+    ), ex.stdout
     assert "restarts 0/0" in ex.stdout
     _nothing_left(ex.job_id, lab)
 
@@ -284,3 +293,258 @@ def test_a_module_beside_the_notebook_travels_to_the_nodes(
     for rank in range(3):
         assert f"hello from {rank}" in ex.stdout, ex.stdout
     assert "/tmp/agent/jobs/" in ex.stdout  # the remote ranks' copy, in their job's directory
+
+
+def test_a_wrong_token_and_a_forged_message_are_refused_and_run_nothing(
+    mn_kernel: Kernel, lab: machines.Lab, tmp_path: Path
+) -> None:
+    """A machine with a token that is not this supervisor's: refused at the handshake (before
+    anything of ours reads a byte of it), said on both sides; an agent that did join but sends
+    what no agent sends (a file outside its run directory): dropped and logged, nothing written."""
+    import anyio
+
+    from elastic_nb.common import protocol
+    from elastic_nb.supervisor.nodes.channel import Dialer, Keys
+
+    k = mn_kernel
+    _ensure_agents(k, lab, 2)
+    good = k.join_line.split("--token ")[1].split()[0]  # type: ignore[attr-defined]
+    keys = Keys.from_token(good)
+    forged = Keys.new()  # the right server key, another agents' key: a token of another notebook
+    bad_token = Keys(keys.server_public, forged.client_public, forged.client_secret).token()
+    intruder = lab.machine()
+    intruder.join(k.join_line.replace(good, bad_token))  # type: ignore[attr-defined]
+    assert intruder.agent is not None
+    assert intruder.agent.wait(30) == 2
+    assert "refused: the supervisor refused this token" in intruder.output()
+    nodes = _nodes(k)
+    assert f"refused a connection from {intruder.address}" in nodes, nodes
+    assert "node-3" not in nodes.split("refused")[0]  # never listed as a node
+    host, port = k.join_line.split()[2].rsplit(":", 1)  # type: ignore[attr-defined]
+
+    async def forge() -> None:
+        d = Dialer(keys, host, int(port))
+        try:
+            with anyio.fail_after(10):
+                await d.handshake()
+                info = {
+                    "name": "forger", "addr": "127.0.0.1", "pid": 1, "cpus": 1, "gpus": [],
+                    "python": _python(), "torch": _torch(), "cuda": None,
+                    "elastic_nb": _version(), "workdir": "/tmp",
+                }  # fmt: skip
+                await d.send(
+                    protocol.NodeHello(kind="node_hello", version=protocol.VERSION, info=info)
+                )  # type: ignore[typeddict-item]
+                welcome, _ = await d.receive()
+                assert welcome["kind"] == "welcome"
+                evil = protocol.FileChunk(
+                    kind="file", group="x", root="", path="../../../../evil", offset=-1
+                )
+                await d.send(evil, b"nope")
+                await d.send(protocol.NodeHello(kind="node_hello", version=0, info=info))  # type: ignore[typeddict-item]
+                await anyio.sleep(0.5)
+        finally:
+            d.close()
+
+    anyio.run(forge)
+    log = _supervisor_log(k)
+    assert "dropped a message" in log and "a file of an unknown group" in log, log[-2000:]
+    assert not list(Path("/").glob("evil")) and not (tmp_path.parent / "evil").exists()
+
+
+def test_a_node_whose_versions_differ_is_refused_with_both_named(
+    mn_kernel: Kernel, lab: machines.Lab
+) -> None:
+    """torch's major.minor, Python's minor and elastic_nb's version must be the notebook's: a
+    machine with another torch is refused at join, both versions named on both sides."""
+    k = mn_kernel
+    other = lab.machine()
+    patch = (
+        "import elastic_nb.common.machine as m; d = m.describe; "
+        "m.describe = lambda *a: {**d(*a), 'torch': '2.99.0'}; "
+        "import sys; from elastic_nb.cli import main; sys.exit(main())"
+    )
+    other.join(k.join_line, python_code=patch)  # type: ignore[attr-defined]
+    assert other.agent is not None and other.agent.wait(60) == 2
+    said = other.output()
+    assert "refused" in said and "torch 2.99.0 (the notebook's is " in said, said
+    assert "torch 2.99.0 (the notebook's is " in _nodes(k)
+
+
+def _python() -> str:
+    import platform
+
+    return platform.python_version()
+
+
+def _torch() -> str:
+    import importlib.metadata
+
+    return importlib.metadata.version("torch")
+
+
+def _version() -> str:
+    from elastic_nb import __version__
+
+    return __version__
+
+
+def _supervisor_log(k: Kernel) -> str:
+    status = k.ok("%elastic status").stdout
+    path = re.search(r"log:\s+(\S+)", status)
+    assert path, status
+    return Path(path.group(1)).read_text(errors="replace")
+
+
+def test_a_desync_whose_culprit_is_on_another_machine_is_named_within_seconds(
+    mn_kernel: Kernel, lab: machines.Lab
+) -> None:
+    """A remote rank skips an all_reduce and leaves the cell while the others wait in it: named
+    with its node by the same watch and within the same bound as on one machine (the README's
+    "about 0.5 s" from its leaving; margin 2 s here: three machines on two cores)."""
+    k = mn_kernel
+    _ensure_agents(k, lab, 2)
+    ex = k.run(
+        "%%elastic --nnodes 3 --nproc 1\n"
+        "import time, torch, torch.distributed as dist\n"
+        "dist.init_process_group()\n"
+        "x = torch.ones(1)\n"
+        "dist.all_reduce(x)\n"
+        "if dist.get_rank() != 2:\n"
+        "    dist.all_reduce(x)  # rank 2 skips this one\n"
+        "else:\n"
+        "    print('leaving at', time.time(), flush=True)\n",
+        timeout=120,
+    )
+    assert ex.ename == "JobFailed", ex.traceback
+    first = ex.traceback.splitlines()[0]
+    assert re.match(
+        r"JobFailed: desync: node \d \(node-\d\) rank 2 left the cell after 1 collective", first
+    ), first
+    left = float(re.search(r"leaving at ([\d.]+)", ex.stdout).group(1))  # type: ignore[union-attr]
+    assert ex.error_at is not None and ex.error_at - left <= 0.5 + 2.0, ex.error_at - left
+    _nothing_left(ex.job_id, lab)
+
+
+def test_stacks_and_hang_after_show_every_machines_ranks(
+    mn_kernel: Kernel, lab: machines.Lab
+) -> None:
+    """--hang-after on a job across machines: the alert shows each rank's stack, the remote
+    ones' too, with their node."""
+    k = mn_kernel
+    _ensure_agents(k, lab, 2)
+    ex = k.run(
+        "%%elastic --nnodes 3 --nproc 1 --hang-after 2 --timeout 8\n"
+        "import time, torch.distributed as dist\n"
+        "dist.init_process_group()\n"
+        "dist.barrier()\n"
+        "time.sleep(30)  # silent, every rank\n",
+        timeout=120,
+    )
+    assert ex.ename == "JobTimeout", ex.traceback
+    assert "no output and no exit from any rank" in ex.stdout + ex.stderr
+    text = ex.stdout + ex.stderr
+    for rank in range(3):
+        assert re.search(
+            rf"(node \d \(\S+\) )?rank {rank} · cell line 5: time.sleep\(30\)", text
+        ), text
+    assert len(re.findall(r"node \d \(node-\d\) rank \d · cell line 5", text)) >= 2, text
+    _nothing_left(ex.job_id, lab)
+
+
+def test_every_listening_socket_is_on_the_readmes_list(
+    mn_kernel: Kernel, lab: machines.Lab
+) -> None:
+    """While a job runs on three machines: on the notebook's, only the agents' channel (an
+    authenticated port) and the ranks' own sockets (gloo, rank 0's process-group store) listen
+    beyond loopback, on this machine's address alone, never on every interface; the rendezvous
+    store is on loopback. On each other machine, the agent's relays are on its loopback and the
+    ranks listen on its address alone."""
+    k = mn_kernel
+    _ensure_agents(k, lab, 2)
+    supervisor = _supervisor_pid(k)  # before the cell: the kernel is busy while it runs
+    msg_id, ex = k.start(
+        "%%elastic --nnodes 3 --nproc 1\n"
+        "import os, time, torch.distributed as dist\n"
+        "dist.init_process_group()\n"
+        "dist.barrier()\n"
+        "print('ready', os.getpid(), flush=True)\n"
+        "time.sleep(6)\n"
+        "dist.barrier()\n"
+    )
+    k.collect(msg_id, ex, timeout=90, until=lambda e: e.stdout.count("ready") == 3)
+    here = _listening(k.tree.seen, root_netns=True)
+    rank_pids = {int(p) for p in re.findall(r"ready (\d+)", ex.stdout)}
+    channel_port = int(k.join_line.split()[2].rsplit(":", 1)[1])  # type: ignore[attr-defined]
+    for pid, (addr, port) in here:
+        assert addr in ("127.0.0.1", lab.host_address), (pid, addr, port, "a wildcard address")
+        if addr == lab.host_address:
+            is_channel = pid == supervisor and port == channel_port
+            assert is_channel or pid in rank_pids, (pid, addr, port, "beyond loopback")
+    assert (supervisor, (lab.host_address, channel_port)) in here
+    for m in lab.machines[:2]:
+        for pid, (addr, port) in _listening_in(m):
+            assert addr in ("127.0.0.1", m.address), (m.hostname, pid, addr, port)
+            if addr == m.address:
+                cmd = " ".join(psutil.Process(pid).cmdline())
+                assert "elastic_nb -m" not in cmd and pid != m.agent_pid, (m.hostname, cmd)
+    k.collect(msg_id, ex, timeout=90)
+    assert ex.error is None, ex.traceback
+
+
+def _supervisor_pid(k: Kernel) -> int:
+    return int(re.search(r"supervisor: pid (\d+)", k.ok("%elastic status").stdout).group(1))  # type: ignore[union-attr]
+
+
+def _listening(seen: dict, root_netns: bool) -> set[tuple[int, tuple[str, int]]]:
+    """(pid, (address, port)) of every listening TCP socket of the processes a kernel started."""
+    out = set()
+    for pid, _ in list(seen):
+        with contextlib.suppress(psutil.Error):
+            for c in psutil.Process(pid).net_connections("inet"):
+                if c.status == psutil.CONN_LISTEN:
+                    out.add((pid, (c.laddr.ip, c.laddr.port)))
+    return out
+
+
+def _listening_in(m: machines.Machine) -> set[tuple[int, tuple[str, int]]]:
+    return _listening({(p.pid, 0): "" for p in m.processes()}, root_netns=False)
+
+
+def test_a_session_across_machines_survives_a_machines_death_by_restart_and_replay(
+    mn_kernel: Kernel, lab: machines.Lab
+) -> None:
+    """%elastic up --nnodes 2:3: a machine lost between cells restarts the session's ranks on
+    the machines left and replays its journal: the next cell sees the state the cells built."""
+    k = mn_kernel
+    _ensure_agents(k, lab, 2)
+    k.ok("%elastic up --nnodes 2:3 --nproc 1 --max-restarts 2", timeout=120)
+    try:
+        ex = k.ok(
+            "%%elastic\n"
+            "import torch, torch.distributed as dist\n"
+            "dist.init_process_group()\n"
+            "counter = 41\n"
+            "dist.get_world_size()\n",
+            timeout=120,
+        )
+        assert ex.result == "3"
+        lab.machines[1].kill()
+        ex = k.ok(
+            "%%elastic\ncounter += 1\nx = torch.ones(1); dist.all_reduce(x)\n(counter, dist.get_world_size(), x.item())\n",
+            timeout=120,
+        )
+        assert ex.result == "(42, 2, 2.0)", ex.stdout + ex.stderr
+        assert "the session restarted" in ex.stdout + ex.stderr, ex.stdout + ex.stderr
+        info = k.ok("%elastic session").stdout
+        assert "restarts 1/2" in info, info
+    finally:
+        k.ok("%elastic down", timeout=60)
+    assert wait_for(
+        lambda: (
+            not any(
+                "session_loop" in " ".join(p.cmdline()) for m in lab.machines for p in m.processes()
+            )
+        ),
+        10,
+    )

@@ -81,6 +81,7 @@ def test_ranks_ended_to_restart_after_a_desync_are_its_consequences() -> None:
     assert v.others == [
         {
             "rank": 0,
+            "node": None,  # one machine: no node to name
             "kind": "terminated",
             "text": "stopped by elastic_nb (SIGTERM) after rank 1 left the cell",
             "delay": None,

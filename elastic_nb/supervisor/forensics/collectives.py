@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from elastic_nb.common.rundir import RunDir
+from elastic_nb.supervisor.forensics.stacks import is_cell
 
 __all__ = [
     "CertainDesync",
@@ -137,7 +138,9 @@ def _parse(h: History, dump: dict[str, Any], cell: str, key: str) -> None:
             seq=seq,
             name=str(e.get("profiling_name") or "?").split(":", 1)[-1],
             done=bool(e.get("retired")) or e.get("state") == "completed",
-            line=next((int(f["line"]) for f in frames if f.get("filename") == cell), None),
+            line=next(
+                (int(f["line"]) for f in frames if is_cell(str(f.get("filename")), cell)), None
+            ),
             backward=any(f.get("name") in _BACKWARD for f in frames),
         )
         h.ops[(op.group, seq)] = op

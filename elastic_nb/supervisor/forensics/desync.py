@@ -76,7 +76,7 @@ def _describe_finding(
             at = f", {_at(last.line, lines)}" if last and last.line else ""
             its = f" (its last: {name}#{n}{at})"
             notes[r] = f"left the cell after {n} collective{'s' if n != 1 else ''}{of}"
-            parts.append(f"rank {r} {notes[r]}" + (its if n else ""))
+            parts.append(f"{_who(where, r)} {notes[r]}" + (its if n else ""))
         text = "; ".join(parts) + "; " + waits
         backward = any(_in_backward(w.op, where.get(w.rank)) for w in f.waiters)
         hint = _DDP_HINT if backward else _LEFT_HINT
@@ -89,7 +89,9 @@ def _describe_finding(
             assert op is not None  # a mismatch is between ops seen in flight
             line = _line_of(op, where.get(r), cell)
             at = f" ({_at(line, lines)})" if line else ""
-            parts.append(f"rank {r} never entered {ref_op}: it waits in {op.name} #{op.seq}{at}")
+            parts.append(
+                f"{_who(where, r)} never entered {ref_op}: it waits in {op.name} #{op.seq}{at}"
+            )
             notes[r] = f"in {op.name} #{op.seq}, not {ref_op}"
         text = "; ".join(parts) + "; " + waits
         hint = None
@@ -114,7 +116,7 @@ def _waits(f: CertainDesync, where: dict[int, RankWhere], cell: str, lines: list
     out = []
     for (timed_out, what), ranks in alike.items():
         many = len(ranks) > 1
-        who = f"ranks {', '.join(map(str, ranks))}" if many else f"rank {ranks[0]}"
+        who = _all_who(where, ranks)
         verb = "timed out in" if timed_out else "wait in" if many else "waits in"
         out.append(f"{who} {verb} {what}")
     return ", ".join(out)
@@ -183,15 +185,26 @@ def _from_stacks(
         )
     parts, notes = [], {}
     for r in behind:
-        parts.append(f"rank {r} never entered {op_name}{at}: {_elsewhere(where[r], cell)}")
+        parts.append(f"{_who(where, r)} never entered {op_name}{at}: {_elsewhere(where[r], cell)}")
         notes[r] = f"never entered {op_name}"
         h = histories.get(r)
         if h is not None and h.left and h.known and seq:
             ran = max(h.last.get(DEFAULT_GROUP, 0), h.last.get(DEFAULT_GROUP + NCCL, 0))
             parts[-1] += f" after {ran} collective{'s' if ran != 1 else ''}"
-    waited = ", ".join(str(r) for r in sorted(waiters))
-    text = "; ".join(parts) + f"; rank{'s' if len(waiters) > 1 else ''} {waited} waited in it"
+    text = "; ".join(parts) + f"; {_all_who(where, sorted(waiters))} waited in it"
     return Desync(behind, sorted(waiters), text, notes=notes)
+
+
+def _who(where: dict[int, RankWhere], r: int) -> str:
+    """'rank 3', or across machines 'node 1 (gpu-b) rank 3'."""
+    return where[r].who if r in where else f"rank {r}"
+
+
+def _all_who(where: dict[int, RankWhere], ranks: list[int]) -> str:
+    """'ranks 0, 2' (or 'rank 0'); across machines each rank with its node."""
+    if any(where.get(r) and where[r].name for r in ranks):
+        return ", ".join(_who(where, r) for r in ranks)
+    return f"ranks {', '.join(map(str, ranks))}" if len(ranks) > 1 else f"rank {ranks[0]}"
 
 
 def _seen(w: RankWhere, cell: str) -> bool:

@@ -16,6 +16,7 @@ __all__ = [
     "RankWhere",
     "cell_source",
     "format_stacks",
+    "is_cell",
     "where_from_dump",
     "where_from_record",
 ]
@@ -47,6 +48,11 @@ class RankWhere:
     frames: list[Frame] = field(default_factory=list)  # innermost first
     note: str | None = None  # exit description, D state, "no stack"
     dump: str | None = None  # the full dump's path
+    name: str | None = None  # across machines: "node 1 (gpu-b) rank 3" (else "rank 3")
+
+    @property
+    def who(self) -> str:
+        return self.name or f"rank {self.rank}"
 
     def collective(self) -> str | None:
         """The c10d function the rank is inside (or raised from), e.g. 'all_reduce'."""
@@ -55,7 +61,17 @@ class RankWhere:
         return names[-1] if names else None  # the outermost: what the user called
 
     def cell_frame(self, cell: str) -> Frame | None:
-        return next((f for f in self.frames if f.file == cell), None)
+        return next((f for f in self.frames if is_cell(f.file, cell)), None)
+
+
+def is_cell(file: str, cell: str) -> bool:
+    """A frame's file is the cell: its path here, or on another machine the same run
+    directory's name and file there (``<runs>/<job>/cell.py``: a node's run directories are
+    its own, named as the notebook's)."""
+    if file == cell:
+        return True
+    a, b = Path(file).parts[-2:], Path(cell).parts[-2:]
+    return len(a) == 2 and a == b
 
 
 def parse_faulthandler(text: str) -> list[list[Frame]]:
@@ -87,8 +103,8 @@ def where_from_dump(rank: int, dump: str, cell: str, path: str) -> RankWhere:
     threads = parse_faulthandler(dump)
     if not threads:
         return RankWhere(rank, "unknown", note="its stack dump was empty", dump=path)
-    body = [t for t in threads if any(f.file == cell and f.func == "<module>" for f in t)]
-    in_cell = [t for t in threads if any(f.file == cell for f in t)]
+    body = [t for t in threads if any(is_cell(f.file, cell) and f.func == "<module>" for f in t)]
+    in_cell = [t for t in threads if any(is_cell(f.file, cell) for f in t)]
     return RankWhere(rank, "live", (body or in_cell or threads[-1:])[0], dump=path)
 
 
@@ -102,7 +118,7 @@ def format_stacks(where: dict[int, RankWhere], cell: str, cell_lines: list[str])
     for rank in sorted(where):
         w = where[rank]
         cf = w.cell_frame(cell)
-        head = f"rank {rank}"
+        head = w.who
         op = w.collective()
         if w.how == "finished":
             head += " · finished the cell"
@@ -118,7 +134,7 @@ def format_stacks(where: dict[int, RankWhere], cell: str, cell_lines: list[str])
             head += f" ({w.note})"
         out.append(head)
         for f in _trim(w.frames, cell):
-            if f.file == cell:
+            if is_cell(f.file, cell):
                 out.append(f"    cell line {f.line} in {f.func}: {cell_source(cell_lines, f.line)}")
             else:
                 out.append(f"    {Path(f.file).name}:{f.line} in {f.func}")
@@ -130,12 +146,12 @@ def format_stacks(where: dict[int, RankWhere], cell: str, cell_lines: list[str])
 def _trim(frames: list[Frame], cell: str) -> list[Frame]:
     """Innermost frames down to the outermost cell frame (what called the cell is ours): every
     cell frame, and at most MAX_FRAMES of the library frames above them."""
-    last_cell = max((i for i, f in enumerate(frames) if f.file == cell), default=None)
+    last_cell = max((i for i, f in enumerate(frames) if is_cell(f.file, cell)), default=None)
     if last_cell is None:
         return frames[:MAX_FRAMES]
     kept, budget = [], MAX_FRAMES
     for f in frames[: last_cell + 1]:
-        if f.file == cell:
+        if is_cell(f.file, cell):
             kept.append(f)
         elif budget:
             kept.append(f)

@@ -58,6 +58,7 @@ def stuck_agent(
     ticking: bool,
     launcher_stopped: bool,
     unreaped: Callable[[RankState], bool],
+    exit_barrier: bool = False,
 ) -> tuple[str, RankState | None] | None:
     """Why the agent is stuck, and the rank left a zombie if that is why; None if it is not.
     Intervals are on the monotonic clock (`now`, `RankState.gone_at`, `last_tick`): a step of
@@ -72,7 +73,9 @@ def stuck_agent(
             continue  # dying because we stop the job: the agent is busy with that
         if unreaped(r):
             return f"rank {r.rank} died {now - r.gone_at:.1f} s ago and is still unreaped", r
-    if len(current) == nproc and all(r.done and r.gone_at for r in current):
+    # Across machines a node whose ranks all finished waits in torch's exit barrier for the
+    # others (agent/server/api.py, _exit_barrier): not returning is right there.
+    if not exit_barrier and len(current) == nproc and all(r.done and r.gone_at for r in current):
         gone = now - max(r.gone_at or now for r in current)
         if gone > bound:
             return (
@@ -118,8 +121,10 @@ def agent_stuck(
     teardown_at: float | None,
     ticking: bool,
     unreaped: Callable[[RankState], bool],
+    exit_barrier: bool = False,
 ) -> AgentStuck | None:
-    """`stuck_agent` on what the node shows now (the agent's state, zombies), worded."""
+    """`stuck_agent` on what the node shows now (the agent's state, zombies), worded;
+    `exit_barrier`: the agent waits for other nodes' agents once its ranks have finished."""
     nproc = spec.nproc
     stuck = stuck_agent(
         ranks,
@@ -132,6 +137,7 @@ def agent_stuck(
         ticking=ticking,
         launcher_stopped=agent.state is not None and agent.state[0] in "Tt",
         unreaped=unreaped,
+        exit_barrier=exit_barrier,
     )
     if stuck is None:
         return None

@@ -159,7 +159,9 @@ def _files(top: Path) -> list[Path]:
             continue
         if stat.S_ISREG(e.stat(follow_symlinks=False).st_mode):
             out.append(Path(e.path))
-    return out
+    # A rank's done or failure record last: whoever reads it finds the rest of what the rank
+    # left (its flight recorder, its last lines) already there.
+    return sorted(out, key=lambda p: p.name.endswith((".done.json", ".failure.json")))
 
 
 def write_chunk(top: Path, rel: str, offset: int, data: bytes) -> None:

@@ -217,6 +217,13 @@ class AgentLink:
                     relayed.ended()
                     del self.streams[(msg["group"], msg["stream"])]
             return
+        if kind not in (
+            protocol.LAUNCHER,
+            protocol.LAUNCHER_EXIT,
+            protocol.RANK_GONE,
+            protocol.MEMORY,
+        ):
+            raise protocol.ProtocolError(f"{kind!r} from an agent that has joined")
         group = str(msg.get("group"))
         node = self.nodes.get(group)
         if node is None:

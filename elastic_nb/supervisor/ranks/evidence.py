@@ -77,6 +77,9 @@ class EvidenceCollector:
         async with anyio.create_task_group() as tg:
             tg.start_soon(stacks)
             tg.start_soon(recorders)
+        for r in ranks:
+            if r.where is not None and r.rank in where:
+                where[r.rank].name = r.name  # across machines, each rank named with its node
         desync = desync_verdict(where, self._cell, self._lines, histories)
         return Evidence(where, histories, desync, format_stacks(where, self._cell, self._lines))
 

@@ -62,6 +62,7 @@ from elastic_nb.supervisor.runs.rounds import Machines
 __all__ = ["Job"]
 
 WATCH_S = 0.25  # the zombie watchdog and --hang-after look this often
+PEER_GONE_WAIT_S = 1.0  # for the rank whose going a peer error reports to be seen gone
 
 
 class Job(RankGroup):
@@ -230,6 +231,14 @@ class Job(RankGroup):
             self._under_way.add(r.attempt)
             self.task_group.start_soon(self._diagnose_timeout, r, kind)
             return
+        if kind == "peer" and self.multi_node and r.attempt == self.attempt:
+            # Across machines a node whose ranks all finished the cell ends them (its agent's
+            # exit barrier), and their peers see the connection close at once: before the
+            # desync watch has looked. The ranks' records say whether the one that went had
+            # left the cell early.
+            self._under_way.add(r.attempt)
+            self.task_group.start_soon(self._diagnose_peer, r, kind)
+            return
         self._fail_attempt(r, kind)
 
     def _fail_attempt(self, r: RankState, kind: str, reason: str | None = None) -> None:
@@ -257,6 +266,8 @@ class Job(RankGroup):
     def _watch_agent(self) -> None:
         """The zombie watchdog (`watchdogs.agent_stuck` judges), for each node's agent: say so,
         and stop the launcher, SIGTERM breaks the agent's stuck wait."""
+        if self.decided:
+            return  # the teardown ends every process of the job: nothing waits on the agent
         for node in self.nodes:
             if self._watchdog_fired or not node.launcher_alive():
                 continue
@@ -268,6 +279,7 @@ class Job(RankGroup):
                 self.teardown_at,
                 ticking=not self.decided and self.state == "running",
                 unreaped=node.unreaped,
+                exit_barrier=self.multi_node,
             )
             if stuck is not None:
                 self._agent_stuck(stuck)
@@ -336,6 +348,31 @@ class Job(RankGroup):
         finally:
             self._diagnosis_ended(r.attempt)
             self._fail_attempt(r, kind)
+            self._decide_deferred()
+
+    async def _diagnose_peer(self, r: RankState, kind: str) -> None:
+        """A peer of `r` went while `r` waited in a collective: if the one that went had
+        finished the cell (its records and the others' flight recorders say so), a desync."""
+        try:
+            others = [x for x in self.book.of(r.attempt) if x is not r]
+            with anyio.move_on_after(PEER_GONE_WAIT_S):
+                # Its node says it went once what it left is here (a remote one's mirrored).
+                while not any(x.died_at is not None for x in others):
+                    await anyio.sleep(0.02)
+            ev = await self._evidence()
+            if ev.desync is not None and ev.desync.certain and ev.desync.behind:
+                self.finding = desync_finding(ev)
+                assert self.finding.culprit is not None
+                self._blame(r.attempt, ev.desync)
+                self.report.alert(
+                    "desync", "error", self.finding.title, rank=self.finding.culprit, text=ev.stacks
+                )
+                culprit = self.book.ranks[(r.attempt, self.finding.culprit)]
+                self._fail_attempt(culprit, "desync", reason=self.finding.title)
+                return
+            self._fail_attempt(r, kind)
+        finally:
+            self._diagnosis_ended(r.attempt)
             self._decide_deferred()
 
     async def _watch_desync(self) -> None:

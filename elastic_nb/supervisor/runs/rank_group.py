@@ -55,6 +55,7 @@ log = logging.getLogger(__name__)
 POLL_S = 0.05  # log tail and record polling
 FLUSH_S = 0.1  # one update per group per flush: at most 10 messages a second
 CUDA_WAIT_S = 0.5  # for a rank's allocator figures (its probe thread answers in milliseconds)
+IDLE_STOP_GRACE_S = 0.2  # SIGTERM -> SIGKILL for a node of a multi-node group with no live rank
 
 
 class RankGroup:
@@ -229,9 +230,16 @@ class RankGroup:
         survivors: list[Survivor] = []
 
         async def stop(node: Node) -> None:
+            # A node with no live rank has nothing to let finish: its launcher may wait where a
+            # SIGTERM cannot reach Python (torch's exit barrier, in a store's wait), and waits
+            # out the whole grace there.
+            live = any(
+                x.died_at is None and self.book.node(x) is node for x in self.book.of(self.attempt)
+            )
+            grace = self.spec.stop_grace if live or not self.multi_node else IDLE_STOP_GRACE_S
             survivors.extend(
                 await node.stop(
-                    self.spec.stop_grace,
+                    grace,
                     lambda sig, stray: self.report.event(
                         "teardown", node=node.label, signal=sig, stray=stray
                     ),

@@ -113,6 +113,8 @@ function esc(s) {
 }
 
 const SGR = /\x1b\[([0-9;]*)m/g;
+// A rank's block in an alert's stacks: "rank 3 · ...", across machines "node 1 (gpu-b) rank 3 · ...".
+const RANK_BLOCK = /^(?:node \d+ \([^)]*\) )?rank \d+\b/;
 const OTHER_ESCAPES = /\x1b(?:\[[0-9;?]*[A-Za-z]|\][^\x07]*\x07|[()][A-Za-z0-9])/g;
 
 // ANSI SGR colours (what tqdm, loggers and torch print) to spans; other escapes dropped.
@@ -436,11 +438,11 @@ class View {
   alertText(text) {
     const blocks = [];
     for (const line of text.split("\n")) {
-      if (/^rank \d+\b/.test(line)) blocks.push([line]);
+      if (RANK_BLOCK.test(line)) blocks.push([line]);
       else if (blocks.length) blocks[blocks.length - 1].push(line);
       else blocks.push([line]);
     }
-    const perRank = blocks.filter((b) => /^rank \d+\b/.test(b[0]));
+    const perRank = blocks.filter((b) => RANK_BLOCK.test(b[0]));
     if (perRank.length < 2 || perRank.length !== blocks.length) {
       return `<pre class="enb-alert-text">${ansi(text)}</pre>`;
     }

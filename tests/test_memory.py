@@ -291,10 +291,14 @@ def test_what_filled_the_gpu_is_grouped_by_the_innermost_cell_line(tmp_path: Pat
         "device": 2,
         "history": {"snapshot": "/run/attempt-0/rank-1.memory.pickle", "largest": groups},
     }
+    # Each group's stack (its largest block's), in call order from the cell's line down to the
+    # allocation; a stack of one frame is the group's own line, not repeated.
     assert report.oom_lines(memory) == [
         "what filled GPU 2 (live allocations by the cell line that made them):",
         "  41.0 GiB  cell line 4: out = model(x)  (2 blocks)",
+        "            its largest block: cell line 4 → linear.py:125 in forward",
         "  20.0 GiB  cell of job beef0002, line 2: opt.step()  (1 block)",
+        "            its largest block: cell of job beef0002, line 2 → adam.py:90 in _init_group",
         "   3.0 GiB  helper.py:7 in make_buffer  (1 block)",
         "   1.0 GiB  no stack recorded (allocated before --memory-history was on)  (1 block)",
         "torch's memory snapshot: /run/attempt-0/rank-1.memory.pickle (drop it on "
@@ -303,6 +307,135 @@ def test_what_filled_the_gpu_is_grouped_by_the_innermost_cell_line(tmp_path: Pat
     # Without --memory-history, the report says how to see this next time.
     (hint,) = report.oom_lines({"device": 2, "requested": "2.00 GiB"})
     assert "--memory-history" in hint and "%elastic config --memory-history" in hint
+
+
+@pytest.mark.unit
+def test_a_deep_stack_is_shown_bounded_with_the_cells_first(tmp_path: Path) -> None:
+    """An allocation 12 frames below the cell, reached through a function an earlier cell of
+    the session defined: the report's stack starts at the cell's line (elastic_nb's frames
+    above it left out), keeps the cells' frames, then the innermost, and says what it left out
+    between; at most STACK_FRAMES frames."""
+    from elastic_nb.rank.memory import STACK_FRAMES, calls_of
+
+    session = tmp_path / "sess"
+    cell, earlier = session / "c0ffee01" / "cell.py", session / "beef0002" / "cell.py"
+    deep = [_frame(f"/torch/lib{i}.py", 100 + i, f"fn{i}") for i in range(12)]
+    frames = [
+        *deep,  # innermost first, as torch lists them
+        _frame(str(earlier), 3, "train_step"),
+        _frame(str(cell), 7),
+        _frame("/site-packages/elastic_nb/rank/bootstrap.py", 300, "_run_cell"),
+        _frame("/site-packages/elastic_nb/rank/bootstrap.py", 120, "run_cell"),
+    ]
+    calls = calls_of(frames, cell)
+    assert len([c for c in calls if "skipped" not in c]) == STACK_FRAMES
+    assert calls == [
+        {"job": None, "line": 7},
+        {"job": "beef0002", "line": 3},
+        {"skipped": 6},
+        *({"where": f"lib{i}.py:{100 + i} in fn{i}"} for i in range(5, -1, -1)),
+    ]
+    (group,) = largest({"segments": [{"blocks": [_block(5 * GiB, frames)]}]}, cell)
+    assert group["calls"] == calls and (group["job"], group["line"]) == ("beef0002", 3)
+    lines = report.oom_lines({"device": 0, "history": {"snapshot": None, "largest": [group]}})
+    assert lines[2] == (
+        "            its largest block: cell line 7 → cell of job beef0002, line 3 → (6 frames) "
+        "→ lib5.py:105 in fn5 → lib4.py:104 in fn4 → lib3.py:103 in fn3 → lib2.py:102 in fn2 "
+        "→ lib1.py:101 in fn1 → lib0.py:100 in fn0"
+    )
+    # No cell in the stack (a thread of a library): its innermost frames, the rest counted.
+    assert calls_of(deep, cell)[:2] == [{"skipped": 4}, {"where": "lib7.py:107 in fn7"}]
+
+
+def _fake_cuda(monkeypatch: pytest.MonkeyPatch, snapshot: Any, taken: list[int]) -> None:
+    """torch's CUDA as a rank at an OOM sees it, on a machine without CUDA: initialised, and
+    its snapshot what `snapshot` says (an exception is raised). `taken` counts the snapshots."""
+    import torch
+
+    from elastic_nb.rank import memory
+
+    def take() -> Any:
+        taken.append(1)
+        if isinstance(snapshot, BaseException):
+            raise snapshot
+        return snapshot
+
+    def twice(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("_dump_snapshot takes a second snapshot")
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda.memory, "_snapshot", take)
+    monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", twice)
+    monkeypatch.setattr(memory, "_recording", True)
+    monkeypatch.setattr(memory, "_start_failed", None)
+
+
+@pytest.mark.unit
+def test_at_an_oom_the_snapshot_is_taken_once_and_written_as_torch_writes_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import pickle
+
+    from elastic_nb.rank.memory import snapshot_at_oom
+
+    cell = tmp_path / "c0ffee01" / "cell.py"
+    cell.parent.mkdir()
+    cell.write_text("import torch\nx = torch.empty(1 << 30, device='cuda')\n")
+    snapshot = {"segments": [{"blocks": [_block(GiB, [_frame(str(cell), 2)])]}]}
+    taken: list[int] = []
+    _fake_cuda(monkeypatch, snapshot, taken)
+    path = tmp_path / "rank-0.memory.pickle"
+    history = snapshot_at_oom(path, cell)
+    assert taken == [1]
+    assert history is not None and history["snapshot"] == str(path) and "failed" not in history
+    assert pickle.loads(path.read_bytes()) == snapshot  # what torch's _dump_snapshot writes
+    assert history["largest"][0]["what"] == "x = torch.empty(1 << 30, device='cuda')"
+
+
+@pytest.mark.unit
+def test_with_the_flag_on_a_failed_snapshot_is_said_not_the_flag(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--memory-history was on: a report that said "run again with --memory-history" would
+    send the user round in a circle. It says what failed instead: the snapshot, writing it,
+    or the recording's start."""
+    from elastic_nb.rank import memory
+
+    cell = tmp_path / "cell.py"
+    cell.write_text("x = 1\n")
+    taken: list[int] = []
+    _fake_cuda(monkeypatch, RuntimeError("CUDA error: an illegal memory access"), taken)
+    history = memory.snapshot_at_oom(tmp_path / "rank-0.memory.pickle", cell)
+    assert taken == [1]
+    lines = report.oom_lines({"device": 1, "history": history})
+    assert lines == [
+        "what filled GPU 1: --memory-history was on, but torch.cuda.memory._snapshot() raised "
+        "RuntimeError('CUDA error: an illegal memory access')"
+    ]
+    # The snapshot read, its file not written: the groups, and why there is no file.
+    _fake_cuda(monkeypatch, {"segments": [{"blocks": [_block(GiB, [_frame(str(cell), 1)])]}]}, [])
+    history = memory.snapshot_at_oom(tmp_path / "gone" / "rank-0.memory.pickle", cell)
+    lines = report.oom_lines({"device": 1, "history": history})
+    assert lines[:2] == [
+        "what filled GPU 1 (live allocations by the cell line that made them):",
+        "   1.0 GiB  cell line 1: x = 1  (1 block)",
+    ]
+    assert lines[2].startswith(
+        f"what filled GPU 1: --memory-history was on, but writing the snapshot to "
+        f"{tmp_path / 'gone' / 'rank-0.memory.pickle'} failed: FileNotFoundError("
+    )
+    assert len(lines) == 3  # no snapshot named
+    # The recording never started (torch refused it when CUDA came up).
+    monkeypatch.setattr(
+        memory, "_start_failed", "torch.cuda.memory._record_memory_history raised X"
+    )
+    history = memory.snapshot_at_oom(tmp_path / "rank-0.memory.pickle", cell)
+    assert report.oom_lines({"device": None, "history": history}) == [
+        "what filled the GPU: --memory-history was on, but "
+        "torch.cuda.memory._record_memory_history raised X"
+    ]
+    for text in (lines, report.oom_lines({"device": 1, "history": history})):
+        assert not any("run the cell again" in line for line in text)
 
 
 @pytest.mark.unit

@@ -27,6 +27,7 @@ from elastic_nb.kernel.dashboard.model import MEMORY_SAMPLES, DashboardState
 from elastic_nb.kernel.flags import job_spec
 from elastic_nb.rank.memory import largest
 from elastic_nb.supervisor.processes.node import MemoryReading
+from elastic_nb.supervisor.ranks.memory_watch import MemoryWatch
 from elastic_nb.supervisor.runs import rank_group
 from elastic_nb.supervisor.runs.job import Job
 from tests import cgroups
@@ -186,6 +187,61 @@ def test_no_gpus_no_questions_to_the_ranks(tmp_path: Path, monkeypatch: pytest.M
 
     anyio.run(main)
     assert protocol.PROBE_MEMORY not in asked
+
+
+def _gpu_sample(rank: int, t: float, process: int, used: int) -> protocol.MemorySample:
+    share = protocol.GpuShare(index=3, process=process, used=used, total=80 * GiB)
+    return protocol.MemorySample(attempt=0, rank=rank, t=t, rss=GiB, cuda=None, gpu=share)
+
+
+@pytest.mark.unit
+def test_ranks_sharing_a_gpu_get_one_alert_naming_the_one_that_grows() -> None:
+    """Two ranks on GPU 3 cross 90% of it together: one alert for the GPU (not one per rank),
+    naming rank 1, whose share grows, over rank 0, which holds more; with the growth per minute.
+    Again only once the GPU fell below 85%."""
+    watch = MemoryWatch()
+    alerts: list[tuple[int, str]] = []
+    for i in range(11):  # ten seconds: rank 1 takes 1 GiB more each second
+        used = int(62 * GiB) + i * GiB  # every process on the GPU, as NVML counts them
+        watch.add(_gpu_sample(0, 100.0 + i, 40 * GiB, used))
+        watch.add(_gpu_sample(1, 100.0 + i, 20 * GiB + i * GiB, used))
+        alerts += watch.alerts(0, None)
+    assert alerts == [
+        (
+            1,
+            "rank 1: 90% of GPU 3 (72.0 GiB of 80.0 GiB), +60.0 GiB per minute; ranks 0, 1 "
+            "share GPU 3, rank 1 holds 30.0 GiB",
+        )
+    ]
+    for t, used in ((111.0, 70 * GiB), (112.0, 73 * GiB), (113.0, 67 * GiB), (114.0, 73 * GiB)):
+        watch.add(_gpu_sample(0, t, 40 * GiB, used))
+        watch.add(_gpu_sample(1, t, 30 * GiB, used))
+        alerts += watch.alerts(0, None)
+    assert len(alerts) == 2  # 73 GiB after 67 (84%): a second crossing, said once
+    assert alerts[1][0] == 1 and alerts[1][1].startswith("rank 1: 91% of GPU 3 (73.0 GiB of ")
+
+
+@pytest.mark.unit
+def test_the_host_alert_says_how_fast_the_rank_grows() -> None:
+    """Over three seconds and more of samples the alert gives the rank's growth per minute
+    (over the last minute): '+X per minute', from its resident memory."""
+    watch = MemoryWatch()
+    limit = MemoryLimit(int(9.3 * GiB), 10 * GiB, "its cgroup's memory.max (/job)")
+    for i in range(5):
+        watch.add(_sample(0, 0, 200.0 + i, 300 * MiB))
+        watch.add(_sample(0, 1, 200.0 + i, 2 * GiB + i * 50 * MiB))
+    assert watch.growth(0, 1, "rss") == pytest.approx(3000 * MiB)
+    ((rank, title),) = watch.alerts(0, limit)
+    assert rank == 1
+    assert title == (
+        "rank 1: 93% of the host memory its ranks may use (9.3 GiB of 10.0 GiB: its cgroup's "
+        "memory.max (/job)), +2.9 GiB per minute; rank 1 holds 2.2 GiB"
+    )
+    shrinking = MemoryWatch()
+    for i in range(5):
+        shrinking.add(_sample(0, 0, 200.0 + i, 3 * GiB - i * 100 * MiB))
+    ((_, title),) = shrinking.alerts(0, limit)
+    assert ", -5.9 GiB per minute; rank 0 holds 2.6 GiB" in title
 
 
 async def _until(predicate: Any, timeout: float = 10) -> None:

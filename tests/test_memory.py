@@ -523,6 +523,25 @@ while not (here / "done").exists():
 """
 
 
+_SIZE = r"[\d.]+ [KMG]iB"
+
+
+def _bytes(text: str, most: bool = False) -> float:
+    """'412 MiB', '1.2 GiB' (report.size) back to bytes; `most`: the most it can stand for
+    (report.size rounds to a MiB below a GiB, to a tenth of a GiB above)."""
+    number, unit = text.split()
+    scale = {"KiB": 2**10, "MiB": MiB, "GiB": GiB}[unit]
+    rounding = 0.05 * GiB if unit == "GiB" else 0.5 * scale
+    return float(number) * scale + (rounding if most else 0)
+
+
+@pytest.mark.unit
+def test_sizes_read_back_above_and_below_a_gib() -> None:
+    for n in (300 * MiB, 1023 * MiB, int(1.5 * GiB), 40 * GiB):
+        assert re.fullmatch(_SIZE, report.size(n))
+        assert abs(_bytes(report.size(n)) - n) <= 0.05 * GiB
+
+
 def _host(status: dict[str, Any], job: str, rank: int) -> int | None:
     ranks = status.get("memory", {}).get(job, {})
     return ranks[str(rank)]["sample"]["rss"] if str(rank) in ranks else None
@@ -556,11 +575,12 @@ def test_a_rank_that_grows_in_steps_shows_in_the_samples_and_in_status(
 
     shown = kernel.ok("%elastic status").stdout
     line = next(x for x in shown.splitlines() if x.strip().startswith("rank 1:"))
+    # Sizes as report.size writes them: MiB below a GiB, GiB with a decimal above.
     m = re.match(
-        r"\s+rank 1: (\d+) MiB host; host peak (\d+) MiB, \+[\d.]+ [MG]iB per minute", line
+        rf"\s+rank 1: ({_SIZE}) host; host peak ({_SIZE}), \+[\d.]+ [MG]iB per minute", line
     )
     assert m, shown
-    assert int(m[1]) * MiB >= base + 480 * MiB and int(m[2]) >= int(m[1])
+    assert _bytes(m[1], most=True) >= base + 480 * MiB and _bytes(m[2]) >= _bytes(m[1])
     assert f"memory of {job}'s ranks" in shown
 
     (markers / "done").touch()

@@ -10,6 +10,7 @@ test_cuda.py.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import re
@@ -594,6 +595,100 @@ def test_a_rank_that_grows_in_steps_shows_in_the_samples_and_in_status(
     assert all(b[1] >= a[1] - 20 * MiB for a, b in itertools.pairwise(ones))  # it never fell back
     assert len(ones) <= (ones[-1][0] - ones[0][0]) / 1.0 + 2  # at most one a second
     assert_job_gone(job)
+
+
+STEPS_IN_TEXT = """%%elastic --nproc 2 --log-dir {log_dir}
+import os, pathlib, time
+here = pathlib.Path({markers!r})
+held = []
+if os.environ["RANK"] == "1":
+    for step in range(1, 4):
+        while not (here / f"step-{{step}}").exists():
+            time.sleep(0.02)
+        held.append(b"\\x01" * (200 * 2**20))
+        (here / f"held-{{step}}").touch()
+while not (here / "done").exists():
+    time.sleep(0.02)
+"""
+_MEMORY_LINE = re.compile(rf"\[elastic_nb\] memory: rank 0 ({_SIZE}) host · rank 1 ({_SIZE}) host")
+
+
+# What report.size's rounding can hide above a GiB (a tenth of a GiB, rounded).
+_ROUNDING = 0.05 * GiB
+
+
+def _memory_lines(ex: Any) -> list[tuple[float, float, float]]:
+    """Each memory line the cell printed: (when the kernel sent it, rank 0's, rank 1's bytes,
+    as shown)."""
+    found = []
+    for m in ex.messages:
+        if m["msg_type"] == "stream" and m["content"]["name"] == "stdout":
+            date = m["header"]["date"]
+            sent = float(date.timestamp() if hasattr(date, "timestamp") else date)
+            for line in m["content"]["text"].splitlines():
+                if line.startswith("[elastic_nb] memory:"):
+                    hit = _MEMORY_LINE.fullmatch(line)
+                    assert hit, line
+                    found.append((sent, _bytes(hit[1]), _bytes(hit[2])))
+    return found
+
+
+def _quiet_for(kernel: Kernel, msg_id: str, ex: Any, seconds: float) -> None:
+    """Take in what the cell prints for `seconds` (it is still running)."""
+    with contextlib.suppress(TimeoutError):
+        kernel.collect(msg_id, ex, timeout=seconds, until=lambda _: False)
+
+
+@pytest.mark.e2e
+def test_text_mode_prints_the_ranks_memory_while_the_job_runs_bounded(
+    kernel: Kernel, tmp_path: Path
+) -> None:
+    """Text mode (no widgets: nbconvert, a terminal): a memory line once the job has run the
+    interval (a second here: the renderer's MEMORY_EVERY_S, set in the kernel), then only when
+    a figure moved by a tenth since the last line, at most once per interval: one per step of
+    rank 1's growth, none while it holds steady; the peak line still closes the cell."""
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    every = float(
+        kernel.ok("import elastic_nb.kernel.render_text as _rt\n_rt.MEMORY_EVERY_S").result
+    )
+    kernel.ok("_rt.MEMORY_EVERY_S = 1.0")
+    try:
+        msg_id, ex = kernel.start(
+            STEPS_IN_TEXT.format(log_dir=tmp_path / "runs", markers=str(markers))
+        )
+        kernel.collect(msg_id, ex, timeout=60, until=lambda e: _memory_lines(e))
+        ((_, zero, base),) = _memory_lines(ex)
+        for step in range(1, 4):
+            (markers / f"step-{step}").touch()
+            want = base + step * 200 * MiB - 20 * MiB
+            kernel.collect(
+                msg_id,
+                ex,
+                timeout=30,
+                until=lambda e, w=want: _memory_lines(e)[-1][2] + _ROUNDING >= w,
+            )
+        assert (markers / "held-3").exists()
+        shown = len(_memory_lines(ex))
+        _quiet_for(kernel, msg_id, ex, 3.0)  # three intervals, nothing moved
+        assert len(_memory_lines(ex)) == shown, ex.stdout
+        (markers / "done").touch()
+        kernel.collect(msg_id, ex, timeout=60)
+    finally:
+        kernel.ok(f"_rt.MEMORY_EVERY_S = {every!r}")
+    assert ex.error is None, ex.traceback
+    lines = _memory_lines(ex)
+    assert 4 <= len(lines) <= 3 * 2 + 1, ex.stdout  # a first, one or two per step (mid-fill)
+    for (t0, *before), (t1, *after) in itertools.pairwise(lines):
+        assert t1 - t0 >= 0.7, lines  # once a second at most (IOPub flushes every 0.2 s)
+        # A tenth, as the renderer saw the figures (the line shows them rounded).
+        assert any(abs(b - a) >= 0.09 * a for a, b in zip(before, after, strict=True)), lines
+    assert lines[-1][2] + 2 * _ROUNDING >= base + 580 * MiB
+    assert abs(lines[-1][1] - zero) < 0.1 * zero
+    out = ex.stdout.splitlines()
+    last_memory = max(i for i, x in enumerate(out) if x.startswith("[elastic_nb] memory:"))
+    peak = next(i for i, x in enumerate(out) if x.startswith("[elastic_nb] peak memory:"))
+    assert last_memory < peak < len(out) - 1 and out[-1].startswith(f"[elastic_nb] job {ex.job_id}")
 
 
 LIMITED = """%%elastic --nproc 2 --log-dir {log_dir}

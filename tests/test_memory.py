@@ -21,7 +21,7 @@ from typing import Any
 import anyio
 import pytest
 
-from elastic_nb.common import protocol, report
+from elastic_nb.common import procs, protocol, report
 from elastic_nb.common.procs import MemoryLimit
 from elastic_nb.common.rundir import RunDir
 from elastic_nb.kernel.dashboard.model import MEMORY_SAMPLES, DashboardState
@@ -689,6 +689,66 @@ def test_text_mode_prints_the_ranks_memory_while_the_job_runs_bounded(
     last_memory = max(i for i, x in enumerate(out) if x.startswith("[elastic_nb] memory:"))
     peak = next(i for i, x in enumerate(out) if x.startswith("[elastic_nb] peak memory:"))
     assert last_memory < peak < len(out) - 1 and out[-1].startswith(f"[elastic_nb] job {ex.job_id}")
+
+
+@pytest.mark.e2e
+def test_a_sessions_memory_in_status_and_in_its_cells_updates(
+    kernel: Kernel, tmp_path: Path
+) -> None:
+    """A session's ranks are sampled between cells and during them: a cell's updates (what its
+    dashboard draws) carry its ranks' samples, rank 1's 300 MiB included, and %elastic status
+    prints them under the session. On a session whose ranks see no GPU, %elastic config
+    --memory-history is refused at once (not at the next cell), and sets nothing."""
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    up = kernel.ok("%elastic up --nproc 2 --env CUDA_VISIBLE_DEVICES=")
+    session = re.search(r"session ([0-9a-f]{8}): 2 ranks up", up.stdout)[1]  # type: ignore[index]
+    try:
+        refused = kernel.run("%elastic config --memory-history")
+        assert refused.ename == "UsageError", refused.stdout
+        assert (
+            f"session {session}: --memory-history records CUDA allocations, and no NVIDIA GPU "
+            "is visible to the ranks" in refused.error["evalue"]  # type: ignore[index]
+        )
+        assert "--memory-history" not in kernel.ok("%elastic config").stdout
+        sock = supervisor_socket(kernel)
+
+        def status() -> dict[str, Any]:
+            return ask_supervisor(sock, {"kind": "status", "req": 1})["data"]
+
+        assert wait_for(lambda: _host(status(), session, 1) is not None, timeout=30)
+        base = _host(status(), session, 1)
+        assert base is not None
+        msg_id, ex = kernel.start(
+            "%%elastic\n"
+            "import os, pathlib, time\n"
+            f"here = pathlib.Path({str(markers)!r})\n"
+            "held = b'\\x01' * (300 * 2**20) if os.environ['RANK'] == '1' else b''\n"
+            "(here / f\"held-{os.environ['RANK']}\").touch()\n"
+            "while not (here / 'done').exists():\n"
+            "    time.sleep(0.02)\n"
+        )
+        assert wait_for(lambda: (markers / "held-1").exists(), timeout=30)
+        grown = base + 280 * MiB
+        assert wait_for(lambda: (_host(status(), session, 1) or 0) >= grown, timeout=10)
+        (markers / "done").touch()
+        kernel.collect(msg_id, ex, timeout=60)
+        assert ex.error is None, ex.traceback
+        cell = ex.job_id
+        reply = ask_supervisor(sock, {"kind": "events", "req": 2, "job": cell, "since": 0})
+        samples = [s for e in reply["data"]["events"] for s in e.get("memory", ())]
+        assert {s["rank"] for s in samples} == {0, 1}
+        assert max(s["rss"] for s in samples if s["rank"] == 1) >= grown
+
+        shown = kernel.ok("%elastic status").stdout
+        assert f"memory of {session}'s ranks (sampled each second):" in shown, shown
+        line = next(x for x in shown.splitlines() if x.strip().startswith("rank 1:"))
+        m = re.match(rf"\s+rank 1: ({_SIZE}) host; host peak ({_SIZE})", line)
+        assert m, shown
+        assert _bytes(m[1], most=True) >= grown and _bytes(m[2], most=True) >= grown
+    finally:
+        kernel.ok("%elastic down")
+    assert wait_for(lambda: not procs.job_processes([session]), timeout=30)
 
 
 LIMITED = """%%elastic --nproc 2 --log-dir {log_dir}

@@ -496,6 +496,44 @@ def test_with_the_flag_on_a_failed_snapshot_is_said_not_the_flag(
 
 
 @pytest.mark.unit
+def test_the_oom_alert_shows_what_filled_the_gpu_with_the_stacks(tmp_path: Path) -> None:
+    """The alert a CUDA OOM raises while the ranks still run (a job's, a session cell's) says
+    what the report says: the groups, each one's stack, the snapshot; or what failed."""
+    from elastic_nb.supervisor.ranks.rank_state import RankState
+    from elastic_nb.supervisor.runs.diagnosis import oom_alert
+
+    cell = tmp_path / "c0ffee01" / "cell.py"
+    cell.parent.mkdir()
+    cell.write_text("import torch\nout = model(x)\n")
+    frames = [_frame("/torch/nn/modules/linear.py", 125, "forward"), _frame(str(cell), 2)]
+    groups = largest({"segments": [{"blocks": [_block(3 * GiB, frames)]}]}, cell)
+    memory: dict[str, Any] = {
+        "requested": "2.00 GiB",
+        "device": 0,
+        "allocated": 3 * GiB,
+        "reserved": 3 * GiB,
+        "history": {"snapshot": "/run/attempt-0/rank-1.memory.pickle", "largest": groups},
+    }
+    r = RankState(0, 1, failure={"cell_line": 2, "memory": memory, "time": 1.0})
+    title, text = oom_alert(r)
+    assert title == (
+        "rank 1 ran out of CUDA memory on GPU 0 at cell line 2 (requested 2.00 GiB, allocated "
+        "3.00 GiB, reserved 3.00 GiB)"
+    )
+    assert text.splitlines()[:4] == [
+        "what filled GPU 0 (live allocations by the cell line that made them):",
+        "   3.0 GiB  cell line 2: out = model(x)  (1 block)",
+        "            its largest block: cell line 2 → linear.py:125 in forward",
+        "torch's memory snapshot: /run/attempt-0/rank-1.memory.pickle (drop it on "
+        "https://pytorch.org/memory_viz)",
+    ]
+    memory["history"] = {"snapshot": None, "largest": None, "failed": "torch said no"}
+    _, text = oom_alert(r)
+    assert text.splitlines()[0] == "what filled GPU 0: --memory-history was on, but torch said no"
+    assert "run the cell again" not in text
+
+
+@pytest.mark.unit
 def test_the_figures_read_as_a_person_reads_them() -> None:
     assert [report.size(n) for n in (512, 300 * MiB, int(74.14 * GiB))] == [
         "0 KiB",

@@ -131,6 +131,21 @@ def test_rss_is_statms_resident_pages(fake_roots: tuple[Path, Path]) -> None:
     _tree(proc, {"4242/statm": "90000 25600 300 10 0 20000 0\n"})
     assert procs.rss(4242) == 25600 * os.sysconf("SC_PAGE_SIZE")
     assert procs.rss(4343) is None  # gone
+    _tree(proc, {"4444/statm": "0 0 0 0 0 0 0\n"})  # exiting: its memory released
+    assert procs.rss(4444) is None
+
+
+def test_a_process_that_has_exited_unreaped_has_no_rss() -> None:
+    """A zombie (a rank that exited, not yet reaped by its fork server) reads all zeros in
+    /proc/PID/statm: no sample, rather than a fall to 0 bytes at every rank's end (seen in
+    test_memory's growing rank, its last sample 0 MiB)."""
+    child = subprocess.Popen([sys.executable, "-c", "b = bytearray(50 * 2**20)"])
+    try:
+        assert wait_for(lambda: procs.zombie_exit_code(child.pid) is not None, 30)
+        assert procs.rss(child.pid) is None
+    finally:
+        child.wait()
+    assert (procs.rss(os.getpid()) or 0) > 0  # a live one has
 
 
 def test_v2_limit_with_the_page_cache_left_out(fake_roots: tuple[Path, Path]) -> None:

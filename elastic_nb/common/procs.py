@@ -263,12 +263,15 @@ _UNLIMITED = 1 << 62  # v1 says "no limit" with a number near 2**63 (rounded to 
 
 
 def rss(pid: int) -> int | None:
-    """A process's resident memory in bytes, from /proc/PID/statm; None once it is gone."""
+    """A process's resident memory in bytes, from /proc/PID/statm; None once it is gone, and
+    while it goes: an exiting process, its memory released but not yet reaped (a zombie), reads
+    all zeros, and a sample of 0 bytes would end a rank's curve, and its growth, in a fall."""
     try:
         with open(f"{PROC}/{pid}/statm") as f:
-            return int(f.read().split()[1]) * _PAGE
+            pages = int(f.read().split()[1])
     except (OSError, IndexError, ValueError):
         return None
+    return pages * _PAGE if pages else None
 
 
 @dataclass(frozen=True)

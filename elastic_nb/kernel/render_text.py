@@ -110,6 +110,8 @@ class TextRenderer:
         for s in samples:
             if s["attempt"] > self._memory_attempt:  # a restart: its ranks start afresh
                 self._memory_attempt, self._memory = s["attempt"], {}
+            if s["rss"] is None and s["gpu"] is None and s["cuda"] is None:
+                continue  # an exiting rank's last look: no figure, keep its last
             if s["attempt"] == self._memory_attempt:
                 gpu, cuda = s["gpu"], s["cuda"]
                 self._memory[s["rank"]] = (

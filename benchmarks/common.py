@@ -17,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +27,12 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.kernel import Execution, Kernel, wait_for  # noqa: E402  (the tests' real-kernel driver)
+from tests.kernel import (  # noqa: E402  (the tests' real-kernel driver)
+    Execution,
+    Kernel,
+    TreeWatch,
+    wait_for,
+)
 
 # What a rank calls to mark a moment (or a value): mark('ready') writes time.time() to
 # BENCH_DIR/ready-<rank>.
@@ -58,6 +63,22 @@ class Run:
         times = self.marks.get(event, [])
         assert len(times) == n, (event, self.marks, self.output[-2000:])
         return max(times) - self.started
+
+
+# The kernel driver's process watch (tests/kernel.py, TreeWatch: a thread that walks the process
+# table every 20 ms, about a tenth of a core here) of every live Elastic kernel. It runs as long as
+# the kernel lives, during torchrun's turns too (the kernel stays up between elastic_nb's), so
+# `timed` pauses it for every timed turn, both sides', never for one side only.
+_WATCHES: list[TreeWatch] = []
+
+
+@contextlib.contextmanager
+def timed() -> Iterator[None]:
+    """A timed turn (either side's): the benchmark driver's own watches paused."""
+    with contextlib.ExitStack() as stack:
+        for watch in list(_WATCHES):
+            stack.enter_context(watch.paused())
+        yield
 
 
 def bench_dir() -> str:
@@ -119,15 +140,18 @@ def torchrun(
         str(script),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "BENCH_DIR": directory, **(env or {})}
-    t0 = time.time()
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True
-    )
     code: int | None
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-        code = proc.returncode
-    except subprocess.TimeoutExpired:
+    with timed():
+        t0 = time.time()
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+            code = proc.returncode
+        except subprocess.TimeoutExpired:
+            out, code = b"", None
+    if code is None:
         # torchrun's script ranks run in sessions of their own and outlive a killed agent
         # (SubprocessContext): find them by the BENCH_DIR they inherited.
         os.killpg(proc.pid, 9)
@@ -136,7 +160,6 @@ def torchrun(
                 if p.environ().get("BENCH_DIR") == directory:
                     p.kill()
         out, _ = proc.communicate()
-        code = None
     ended = time.time()
     wait_gone("torchrun", lambda e: e.get("BENCH_DIR") == directory)
     return Run(t0, ended, read_marks(directory), code, out.decode(errors="replace"))
@@ -165,6 +188,7 @@ class Elastic:
             tempfile.mkdtemp(prefix="elastic_nb-bench-cwd-"),
             env={"XDG_CACHE_HOME": self.cache, **(env or {})},
         )
+        _WATCHES.append(self.kernel.tree)
         self.kernel.ok("%load_ext elastic_nb")
         self.kernel.ok(MARK)  # a notebook function: it travels to the ranks by value
 
@@ -172,7 +196,7 @@ class Elastic:
         clear(self.directory)
         cell = f"%%elastic {flags} --env BENCH_DIR={self.directory}\n{body}"
         t0 = time.time()
-        with self.kernel.tree.paused():  # the tests' process watch: not in torchrun's turn
+        with timed():
             ex = self.kernel.run(cell, timeout=timeout)
         end = ex.error_at or ex.idle_at
         assert end is not None
@@ -201,6 +225,8 @@ class Elastic:
         """The kernel and everything it started, the next warm launcher included, are gone when
         this returns (the kernel driver's own tree check, then every process that carries this
         kernel's cache home, however it was started)."""
+        if self.kernel.tree in _WATCHES:
+            _WATCHES.remove(self.kernel.tree)
         self.kernel.shutdown()
         wait_gone("elastic_nb", lambda e: e.get("XDG_CACHE_HOME") == self.cache)
 

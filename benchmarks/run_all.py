@@ -23,6 +23,7 @@ BENCHMARKS = [
     "restart.py",
     "flood.py",
     "throughput.py",
+    "observer.py",
     "quickstart.py",
     "session.py",
     "checkpoint.py",

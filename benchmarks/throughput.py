@@ -72,15 +72,19 @@ class Sampler:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
+        self._sample()  # one after the end, however soon the end came
 
     def _run(self) -> None:
         while not self._stop.wait(SAMPLE_S):
-            now = time.time()
-            used: dict[str, float] = {}
-            for key, p in self._procs.items():
-                t = p.cpu_times()
-                used[key] = t.user + t.system
-            self._samples.append((now, used))
+            self._sample()
+
+    def _sample(self) -> None:
+        now = time.time()
+        used: dict[str, float] = {}
+        for key, p in self._procs.items():
+            t = p.cpu_times()
+            used[key] = t.user + t.system
+        self._samples.append((now, used))
 
     def between(self, t0: float, t1: float) -> dict[str, float]:
         """CPU seconds each process used from the last sample before t0 to the first after t1."""
@@ -98,17 +102,24 @@ def main() -> None:
         assert len(rates) == NPROC, r.output[-3000:]  # type: ignore[attr-defined]
         return sum(rates) / NPROC
 
-    def baseline() -> float:
-        r = torchrun(BODY, NPROC, d)
-        assert r.returncode == 0, r.output[-3000:]
-        return rate(r)
-
     el = Elastic.warm(d, env={"ELASTIC_NB_WIDGETS": "1"})
     observer: dict[str, list[float]] = {"supervisor": [], "kernel": [], "probe": []}
+    idle: dict[str, list[float]] = {"supervisor": [], "kernel": []}
     try:
         status = el.kernel.ok("%elastic status").stdout
         supervisor = psutil.Process(int(re.search(r"supervisor: pid (\d+)", status)[1]))  # type: ignore[index]
         kernel = psutil.Process(el.kernel.pid)
+
+        def baseline() -> float:
+            # The same sampler runs in torchrun's turns (both sides pay it), and says what the
+            # idle supervisor and kernel take meanwhile.
+            with Sampler({"supervisor": supervisor, "kernel": kernel}) as sampled:
+                r = torchrun(BODY, NPROC, d)
+            assert r.returncode == 0, r.output[-3000:]
+            t0, t1 = max(r.marks["t0"]), min(r.marks["t1"])
+            for key, used in sampled.between(t0, t1).items():
+                idle[key].append(used / (t1 - t0) / NPROC * 100)
+            return rate(r)
 
         def elastic() -> float:
             # The supervisor's and the kernel's CPU, sampled while the cell runs,
@@ -149,6 +160,10 @@ def main() -> None:
         print(f"| {what} | {spread(observer[key], unit='%')} | <= 1% | {len(observer[key])} |")
     total = median(observer["supervisor"]) + median(observer["probe"]) + median(observer["kernel"])
     print(f"P15: the observer costs {total:.2f}% of a core per rank (medians summed; target <= 1%)")
+    print(
+        f"(idle, while torchrun's ranks train: the supervisor {spread(idle['supervisor'], unit='%')}"
+        f", the kernel {spread(idle['kernel'], unit='%')} of a core per rank)"
+    )
 
 
 if __name__ == "__main__":

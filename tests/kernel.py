@@ -46,8 +46,9 @@ class TreeWatch:
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
-        """No sampling meanwhile: a benchmark times a side without the watch's CPU (about a
-        tenth of a core, on a 2-core machine a slowdown of the ranks torchrun does not pay)."""
+        """No sampling meanwhile: a benchmark times its turns without the watch's CPU (about a
+        tenth of a core, on a 2-core machine a slowdown of whatever ranks run meanwhile,
+        torchrun's as much as elastic_nb's: benchmarks/common.py pauses it for both)."""
         self._awake.clear()
         try:
             yield

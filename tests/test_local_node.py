@@ -81,7 +81,7 @@ def test_a_stack_dump_is_read_whole_when_its_rank_pauses_in_the_middle(tmp_path:
         assert rank.stdout is not None and rank.stdout.readline() == "armed\n"
         r = RankState(0, 0, pid=rank.pid, started_at=time.time())
         node = LocalNode(rd, LauncherPool(str(tmp_path / "pool")), list, lambda: None)
-        where = anyio.run(EvidenceCollector(node, rd, "x = 1\n")._where, [r])[0]
+        where = anyio.run(EvidenceCollector(rd, lambda _: node, "x = 1\n")._where, [r])[0]
         assert where.how == "live" and where.frames[0].file == cell, where
     finally:
         rank.kill()

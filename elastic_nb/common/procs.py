@@ -216,27 +216,33 @@ def proc_state(pid: int) -> tuple[str, str] | None:
     return letter, text
 
 
-def _memory_cgroups(pid: int | str) -> list[tuple[int, Path]]:
-    """The memory cgroup directories of a process, (version, path): v2's unified hierarchy
-    (mounted at /sys/fs/cgroup, or /sys/fs/cgroup/unified beside v1), v1's memory controller."""
+# Where the kernel shows processes and cgroups (the tests point these at trees of their own).
+PROC = "/proc"
+CGROUP = "/sys/fs/cgroup"
+
+
+def _memory_cgroups(pid: int | str) -> list[tuple[int, Path, Path]]:
+    """The memory cgroups of a process, (version, its hierarchy's root, its directory): v2's
+    unified hierarchy (mounted at /sys/fs/cgroup, or /sys/fs/cgroup/unified beside v1), v1's
+    memory controller."""
     try:
-        with open(f"/proc/{pid}/cgroup") as f:
+        with open(f"{PROC}/{pid}/cgroup") as f:
             groups = [line.strip().split(":", 2) for line in f]
     except OSError:
         return []
-    found: list[tuple[int, Path]] = []
+    found: list[tuple[int, Path, Path]] = []
     for fields in groups:
         if len(fields) != 3:
             continue
         hierarchy, controllers, path = fields
         if hierarchy == "0" and not controllers:
-            for root in ("/sys/fs/cgroup", "/sys/fs/cgroup/unified"):
+            for root in (CGROUP, f"{CGROUP}/unified"):
                 d = Path(root + path)
                 if (d / "memory.max").exists() or (d / "memory.events").exists():
-                    found.append((2, d))
+                    found.append((2, Path(root), d))
                     break
         elif "memory" in controllers.split(","):
-            found.append((1, Path(f"/sys/fs/cgroup/memory{path}")))
+            found.append((1, Path(f"{CGROUP}/memory"), Path(f"{CGROUP}/memory{path}")))
     return found
 
 
@@ -245,7 +251,7 @@ def oom_kills(pid: int | str = "self") -> int | None:
     memory.events, or v1 memory.oom_control); None where neither is readable. Never the
     machine-wide count: an unrelated OOM kill elsewhere must not relabel a rank's SIGKILL.
     Compare two readings."""
-    for version, d in _memory_cgroups(pid):
+    for version, _, d in _memory_cgroups(pid):
         name = d / ("memory.events" if version == 2 else "memory.oom_control")
         with contextlib.suppress(OSError, ValueError, StopIteration), open(name) as f:
             return next(int(line.split()[1]) for line in f if line.startswith("oom_kill "))
@@ -257,12 +263,15 @@ _UNLIMITED = 1 << 62  # v1 says "no limit" with a number near 2**63 (rounded to 
 
 
 def rss(pid: int) -> int | None:
-    """A process's resident memory in bytes, from /proc/PID/statm; None once it is gone."""
+    """A process's resident memory in bytes, from /proc/PID/statm; None once it is gone, and
+    while it goes: an exiting process, its memory released but not yet reaped (a zombie), reads
+    all zeros, and a sample of 0 bytes would end a rank's curve, and its growth, in a fall."""
     try:
-        with open(f"/proc/{pid}/statm") as f:
-            return int(f.read().split()[1]) * _PAGE
+        with open(f"{PROC}/{pid}/statm") as f:
+            pages = int(f.read().split()[1])
     except (OSError, IndexError, ValueError):
         return None
+    return pages * _PAGE if pages else None
 
 
 @dataclass(frozen=True)
@@ -279,13 +288,13 @@ def memory_limit(pid: int | str = "self") -> MemoryLimit | None:
     memory.max, v1 memory.limit_in_bytes), with what that cgroup uses less the page cache the
     kernel would drop first (inactive_file: the working set, as the kubelet counts it); the
     machine's memory (total less available) where no cgroup sets one. None if nothing can be
-    read."""
+    read. Tightest: the least room left, not the smallest limit (an ancestor's larger limit
+    that its other children nearly fill is reached first)."""
     best: MemoryLimit | None = None
-    for version, d in _memory_cgroups(pid):
+    for version, root, d in _memory_cgroups(pid):
         if version == 2:
-            root, names = Path("/sys/fs/cgroup"), ("memory.max", "memory.current", "inactive_file")
+            names = ("memory.max", "memory.current", "inactive_file")
         else:
-            root = Path("/sys/fs/cgroup/memory")
             names = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
         limit_file, usage_file, inactive = names
         for group in [d, *d.parents]:
@@ -294,14 +303,16 @@ def memory_limit(pid: int | str = "self") -> MemoryLimit | None:
             with contextlib.suppress(OSError, ValueError):
                 text = (group / limit_file).read_text().strip()
                 limit = _UNLIMITED if text == "max" else int(text)
-                if limit < _UNLIMITED and (best is None or limit < best.limit):
-                    used = int((group / usage_file).read_text()) - _stat(group, inactive)
+                if limit >= _UNLIMITED:
+                    continue
+                used = max(int((group / usage_file).read_text()) - _stat(group, inactive), 0)
+                if best is None or limit - used < best.limit - best.used:
                     name = f"/{group.relative_to(root)}" if group != root else "/"
-                    best = MemoryLimit(max(used, 0), limit, f"its cgroup's {limit_file} ({name})")
+                    best = MemoryLimit(used, limit, f"its cgroup's {limit_file} ({name})")
     if best is not None:
         return best
     try:
-        with open("/proc/meminfo") as f:
+        with open(f"{PROC}/meminfo") as f:
             info = {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in f)}
         return MemoryLimit(
             info["MemTotal"] - info["MemAvailable"], info["MemTotal"], "this machine's memory"

@@ -225,19 +225,41 @@ def oom_lines(memory: dict[str, Any] | None) -> list[str]:
             "whose allocations held it"
         ]
     gpu = f"GPU {memory['device']}" if memory.get("device") is not None else "the GPU"
-    out = [f"what filled {gpu} (live allocations by the cell line that made them):"]
-    for g in history["largest"]:
-        if g["line"] is None:
-            where = g["what"]
-        else:
-            cell = f"cell of job {g['job']}, line" if g["job"] else "cell line"
-            where = f"{cell} {g['line']}: {g['what']}"
-        blocks = f"{g['blocks']:,} block{'s' if g['blocks'] != 1 else ''}"
-        out.append(f"  {size(g['bytes']):>8}  {where}  ({blocks})")
-    out.append(
-        f"torch's memory snapshot: {history['snapshot']} (drop it on https://pytorch.org/memory_viz)"
-    )
+    out = []
+    if history.get("largest") is not None:
+        out.append(f"what filled {gpu} (live allocations by the cell line that made them):")
+        for g in history["largest"]:
+            if g["line"] is None:
+                where = g["what"]
+            else:
+                where = f"{_cell_line(g['job'], g['line'])}: {g['what']}"
+            blocks = f"{g['blocks']:,} block{'s' if g['blocks'] != 1 else ''}"
+            out.append(f"  {size(g['bytes']):>8}  {where}  ({blocks})")
+            if len(g.get("calls") or ()) > 1:  # one frame is the line just said
+                out.append(f"{'':12}its largest block: {' → '.join(map(_call, g['calls']))}")
+    if history.get("failed"):
+        # The flag was on: how to turn it on is no answer; what broke is.
+        out.append(f"what filled {gpu}: --memory-history was on, but {history['failed']}")
+    if history.get("snapshot"):
+        out.append(
+            f"torch's memory snapshot: {history['snapshot']} (drop it on "
+            "https://pytorch.org/memory_viz)"
+        )
     return out
+
+
+def _cell_line(job: str | None, line: int | None) -> str:
+    return f"cell of job {job}, line {line}" if job else f"cell line {line}"
+
+
+def _call(frame: dict[str, Any]) -> str:
+    """One frame of an allocation's stack (rank.memory.calls_of)."""
+    if "skipped" in frame:
+        n = frame["skipped"]
+        return f"({n} frame{'s' if n != 1 else ''})"
+    if "where" in frame:
+        return str(frame["where"])
+    return _cell_line(frame.get("job"), frame.get("line"))
 
 
 def _cell_traceback(text: str, run_dir: str) -> str:

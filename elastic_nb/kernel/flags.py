@@ -21,7 +21,7 @@ from elastic_nb.common.spec import MANAGED_ENV, USER_ENV, JobSpec
 from elastic_nb.kernel import gpus
 from elastic_nb.kernel.options import ASYNC_ERROR_HANDLING, DEFAULTS
 
-__all__ = ["SpecError", "default_log_dir", "job_spec", "preflight"]
+__all__ = ["SpecError", "check_memory_history", "default_log_dir", "job_spec", "preflight"]
 
 START_METHODS = ("spawn", "forkserver")
 RDZV_BACKENDS = ("c10d", "static")
@@ -320,15 +320,20 @@ def preflight(spec: JobSpec) -> None:
     for module in spec.preload:
         if importlib.util.find_spec(module.split(".")[0]) is None:  # no import: it may be heavy
             raise SpecError(f"--preload {module}: no such module for {sys.executable}")
+    check_memory_history(spec)
+    _check_writable_dir(spec.log_dir)
+    host, port = spec.rdzv_endpoint.rsplit(":", 1)
+    if int(port):
+        _check_port_free(host.strip("[]"), int(port))
+
+
+def check_memory_history(spec: JobSpec) -> None:
+    """--memory-history records CUDA allocations: refused where the ranks see no GPU."""
     if spec.memory_history and gpus.visible_gpu_count({**os.environ, **spec.env}) == 0:
         raise SpecError(
             "--memory-history records CUDA allocations, and no NVIDIA GPU is visible to the "
             "ranks (CUDA_VISIBLE_DEVICES included): leave the flag out for a CPU job"
         )
-    _check_writable_dir(spec.log_dir)
-    host, port = spec.rdzv_endpoint.rsplit(":", 1)
-    if int(port):
-        _check_port_free(host.strip("[]"), int(port))
 
 
 def _check_writable_dir(path: str) -> None:

@@ -61,7 +61,7 @@ from elastic_nb.common.protocol import Summary
 from elastic_nb.common.spec import JobSpec
 from elastic_nb.kernel.cell import explicit_timeouts, notebook_modules, prepare_cell
 from elastic_nb.kernel.client import current_client, get_client
-from elastic_nb.kernel.flags import SpecError, job_spec, preflight
+from elastic_nb.kernel.flags import SpecError, check_memory_history, job_spec, preflight
 from elastic_nb.kernel.job_handle import JobHandle, Renderer
 from elastic_nb.kernel.listings import jobs_table, memory_lines, print_logs
 from elastic_nb.kernel.nodes import join_command, nodes_table
@@ -326,6 +326,15 @@ class ElasticMagics(Magics):
         elif rest:
             options = self._options(rest)
             self._spec(options)  # reject a bad default now, not at the next cell
+            session = self._live_session()
+            if session is not None and options.get("memory_history"):
+                # The session's next cells would be refused: say so now, where the flag is set.
+                # (Without a session the next cell's own --env decides, and its preflight.)
+                spec = self._spec(session.cell_options({}, {**self.session_defaults, **options}))
+                try:
+                    check_memory_history(spec)
+                except SpecError as e:
+                    raise UsageError(f"session {session.id}: {e}") from None
             self.session_defaults.update(options)
             c = current_client()
             if "warm" in options and c is not None:

@@ -5,6 +5,12 @@ a saved notebook keeps. Lines arrive in batches (the supervisor bounds them: lin
 characters per line); a batch that left lines out says how many and where the full log is. A cell
 prints at most `MAX_CELL_CHARS` characters of rank output, then says once that it stops and
 where the logs are; alerts and the summary line are still printed.
+
+While a job runs, a line of its ranks' memory (what the supervisor samples each second): the
+first once the job has run MEMORY_EVERY_S, then at most once every MEMORY_EVERY_S and only when a
+figure moved by MEMORY_MOVE (a tenth) since the line printed last: a job that holds steady
+prints one, a job that grows one a minute, a job of seconds none (its peak line at the end says
+it all). A background job's stay out, as its rank lines do.
 """
 
 from __future__ import annotations
@@ -22,6 +28,9 @@ __all__ = ["MAX_CELL_CHARS", "TextRenderer"]
 PROGRESS_EVERY_S = 5.0
 # Characters of rank output one cell prints; the run directory's logs keep everything.
 MAX_CELL_CHARS = 500_000
+# The memory line: at most this often, and only when a figure moved this much since the last.
+MEMORY_EVERY_S = 60.0
+MEMORY_MOVE = 0.10
 
 
 class TextRenderer:
@@ -51,6 +60,10 @@ class TextRenderer:
         self._left = MAX_CELL_CHARS  # of rank output this cell may still print
         self._where: dict[int, str] = {}  # a multi-node job's ranks: rank -> its node
         self._rounds_said = 0  # rounds whose line was printed
+        self._memory: dict[int, tuple[int | None, ...]] = {}  # each rank's latest figures
+        self._memory_attempt = -1
+        self._memory_shown: dict[int, tuple[int | None, ...]] | None = None  # as the last line said
+        self._memory_at: float | None = None  # when the memory line's clock started
 
     def start(
         self,
@@ -102,8 +115,37 @@ class TextRenderer:
         # After the lines of the same update: the ranks printed those first.
         for saved in msg.get("checkpoints", ()) if self._mode == "live" else ():
             self._out.write(f"[elastic_nb] checkpoint saved: {report.checkpoint_words(saved)}\n")
+        if msg.get("memory") and self._mode == "live":
+            self._memory_line(msg["memory"])
         self._out.flush()
         self._err.flush()
+
+    def _memory_line(self, samples: list[dict[str, Any]]) -> None:
+        """Take the samples in; say the ranks' memory if it is time and it moved."""
+        for s in samples:
+            if s["attempt"] > self._memory_attempt:  # a restart: its ranks start afresh
+                self._memory_attempt, self._memory = s["attempt"], {}
+            if s["rss"] is None and s["gpu"] is None and s["cuda"] is None:
+                continue  # an exiting rank's last look: no figure, keep its last
+            if s["attempt"] == self._memory_attempt:
+                gpu, cuda = s["gpu"], s["cuda"]
+                self._memory[s["rank"]] = (
+                    s["rss"],
+                    gpu["process"] if gpu else None,
+                    gpu["index"] if gpu else None,
+                    cuda["allocated"] if cuda else None,
+                )
+        now = time.monotonic()
+        if self._memory_at is None:
+            self._memory_at = now
+        if now - self._memory_at < MEMORY_EVERY_S or not _moved(self._memory_shown, self._memory):
+            return
+        self._memory_at, self._memory_shown = now, dict(self._memory)
+        parts = [
+            f"rank {rank} {report.memory_figures(*figures)}"
+            for rank, figures in sorted(self._memory.items())
+        ]
+        self._out.write("[elastic_nb] memory: " + " · ".join(parts) + "\n")
 
     def _write(self, stream: TextIO, text: str, attempt: int) -> None:
         """Rank output, while the cell's allowance lasts; then one line saying it stopped."""
@@ -129,3 +171,20 @@ class TextRenderer:
             self._out.write(peaks + "\n")
         self._out.write(report.summary_line(summary) + "\n")
         self._out.flush()
+
+
+def _moved(
+    before: dict[int, tuple[int | None, ...]] | None, now: dict[int, tuple[int | None, ...]]
+) -> bool:
+    """Whether a figure moved by MEMORY_MOVE since `before` (nothing said yet: it did), or a
+    rank came or went."""
+    if before is None or before.keys() != now.keys():
+        return True
+    for rank, figures in now.items():
+        for old, new in zip(before[rank], figures, strict=True):
+            if old is None or new is None:
+                if old != new:
+                    return True
+            elif abs(new - old) >= MEMORY_MOVE * max(old, 1):
+                return True
+    return False

@@ -85,11 +85,12 @@ def _memory_report(
             report["allocated"] = torch.cuda.memory_allocated(device)
             report["reserved"] = torch.cuda.memory_reserved(device)
             report["summary"] = torch.cuda.memory_summary(device, abbreviated=True)
-            history = memory.snapshot_at_oom(rd.memory_snapshot(attempt, rank), rd.cell)
-            if history is not None:
-                report["history"] = history
     except Exception as e:
         report["error"] = repr(e)
+    # Whatever the figures did: with --memory-history on, the snapshot or what failed.
+    history = memory.snapshot_at_oom(rd.memory_snapshot(attempt, rank), rd.cell)
+    if history is not None:
+        report["history"] = history
     return report
 
 

@@ -4,7 +4,8 @@ each rank's peaks, how fast it grows, and an alert when the ranks near a limit: 
 against their cgroup's limit (or the machine's), a GPU's against its total.
 
 Once per crossing, not a flood: an alert fires when a figure reaches NEAR of its limit, and again
-only after it fell back below CLEAR.
+only after it fell back below CLEAR; once per limit, whatever the number of ranks under it (the
+host's, each GPU's), naming the rank that grows fastest.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ class MemoryWatch:
         self._rss_peak: dict[tuple[int, int], int] = {}
         self.peaks = Peaks()  # over the group's life
         self._followers: list[Peaks] = []
-        self._armed: dict[str, bool] = {}  # per limit: "host", "gpu <rank>"
+        self._armed: dict[str, bool] = {}  # per limit: "host", "gpu <index>"
 
     def add(self, s: MemorySample) -> None:
         key = (s["attempt"], s["rank"])
@@ -119,17 +120,25 @@ class MemoryWatch:
                 + (f"; rank {rank} holds {size(held)}" if held is not None else "")
             )
             out.append((rank, title))
-        for rank, s in sorted(latest.items()):
-            device = _device(s)
-            if device is not None and self._crossed(f"gpu {rank}", device[1] / device[2]):
-                index, used, total = device
-                out.append(
-                    (
-                        rank,
-                        f"rank {rank}: {used / total:.0%} of GPU {index} "
-                        f"({size(used)} of {size(total)}){_rate(self.growth(attempt, rank, 'gpu'))}",
-                    )
-                )
+        for index, (used, total, ranks) in sorted(_gpus(latest).items()):
+            if not self._crossed(f"gpu {index}", used / total):
+                continue
+
+            # Ranks sharing a GPU cross its limit together: one alert, naming the rank that
+            # grows fastest (else the one holding the most of it).
+            def on_gpu(rank: int) -> tuple[float, int]:
+                return (self.growth(attempt, rank, "gpu") or 0.0, _figure(latest[rank], "gpu") or 0)
+
+            rank = max(ranks, key=on_gpu)
+            title = (
+                f"rank {rank}: {used / total:.0%} of GPU {index} ({size(used)} of {size(total)})"
+                f"{_rate(self.growth(attempt, rank, 'gpu'))}"
+            )
+            if len(ranks) > 1:
+                title += f"; ranks {', '.join(map(str, ranks))} share GPU {index}"
+                if (held := _figure(latest[rank], "gpu")) is not None:
+                    title += f", rank {rank} holds {size(held)}"
+            out.append((rank, title))
         return out
 
     def _crossed(self, key: str, fraction: float) -> bool:
@@ -143,14 +152,23 @@ class MemoryWatch:
         return False
 
 
-def _device(s: MemorySample) -> tuple[int, int, int] | None:
-    """(GPU, used, total) of a sample's GPU: NVML's account of the device (every process on it),
-    else what the rank's allocator holds of it."""
-    if s["gpu"] is not None and s["gpu"]["total"]:
-        return s["gpu"]["index"], s["gpu"]["used"], s["gpu"]["total"]
-    if s["cuda"] is not None and s["cuda"]["total"]:
-        return s["cuda"]["device"], s["cuda"]["reserved"], s["cuda"]["total"]
-    return None
+def _gpus(latest: dict[int, MemorySample]) -> dict[int, tuple[int, int, list[int]]]:
+    """Each GPU the ranks use: (used, total, its ranks). NVML's account of the device (every
+    process on it, the same figure in each of its ranks' samples), else what the ranks'
+    allocators hold of it, summed (torch's device index: where each rank sees a different
+    CUDA_VISIBLE_DEVICES, two GPUs of the same index would count as one; NVML is there
+    wherever NVIDIA's driver is, so this is the rare case)."""
+    found: dict[int, tuple[int, int, list[int]]] = {}
+    for rank, s in sorted(latest.items()):
+        if s["gpu"] is not None and s["gpu"]["total"]:
+            index, used, total = s["gpu"]["index"], s["gpu"]["used"], s["gpu"]["total"]
+        elif s["cuda"] is not None and s["cuda"]["total"]:
+            index, total = s["cuda"]["device"], s["cuda"]["total"]
+            used = s["cuda"]["reserved"] + (found[index][0] if index in found else 0)
+        else:
+            continue
+        found[index] = (used, total, [*found.get(index, (0, 0, []))[2], rank])
+    return found
 
 
 def _figure(s: MemorySample, what: str) -> int | None:

@@ -211,13 +211,17 @@ def sweep() -> list[str]:
     return removed
 
 
-def wait_joined(kernel_nodes: object, count: int, timeout: float = 60) -> None:
-    """Poll until `count` agents are ready (`kernel_nodes()` returns %elastic nodes' text)."""
+def wait_joined(
+    kernel_nodes: object, count: int, timeout: float = 60, exactly: bool = False
+) -> None:
+    """Poll until `count` agents (`exactly`: no more) are ready (`kernel_nodes()` returns
+    %elastic nodes' text)."""
     deadline = time.monotonic() + timeout
     text = ""
     while time.monotonic() < deadline:
         text = kernel_nodes()  # type: ignore[operator]
-        if text.count("· ready") >= count:
+        ready = text.count("· ready")
+        if ready == count or (ready > count and not exactly):
             return
         time.sleep(0.2)
     raise AssertionError(f"{count} nodes did not join within {timeout} s:\n{text}")

@@ -50,19 +50,25 @@ _KILL_POLL_S = 0.02
 
 
 def job_processes(job_ids: Iterable[str] | None = None) -> list[psutil.Process]:
-    """Live (non-zombie) processes of this user whose start environment carries the job marker.
+    """Live (non-zombie) processes of this user, in this process's PID namespace, whose start
+    environment carries the job marker.
 
-    ``job_ids=None`` matches any job. Processes that exit while we look are skipped.
+    ``job_ids=None`` matches any job. Processes that exit while we look are skipped. Another PID
+    namespace is another machine's, as far as a job goes (a container beside us, or a join
+    agent's): its processes are its own agent's to end.
     """
     wanted = None if job_ids is None else set(job_ids)
     me = os.getpid()
     uid = os.getuid()
+    ours = _pid_namespace("self")
     found = []
     for p in psutil.process_iter(["uids"]):
         try:
             if p.pid == me or p.info["uids"] is None or p.info["uids"].real != uid:
                 continue
             job = _marker_of(p.pid)
+            if job is not None and _pid_namespace(p.pid) != ours:
+                continue
             if job is None or (wanted is not None and job not in wanted):
                 continue
             if p.status() == psutil.STATUS_ZOMBIE:
@@ -71,6 +77,13 @@ def job_processes(job_ids: Iterable[str] | None = None) -> list[psutil.Process]:
         except (psutil.NoSuchProcess, psutil.AccessDenied, ProcessLookupError):
             continue
     return found
+
+
+def _pid_namespace(pid: int | str) -> int | None:
+    try:
+        return os.stat(f"/proc/{pid}/ns/pid").st_ino
+    except OSError:
+        return None
 
 
 def _marker_of(pid: int) -> str | None:

@@ -114,8 +114,6 @@ class Supervisor:
         finally:
             self._launchers.close()
             with anyio.CancelScope(shield=True):
-                if self._cluster is not None:
-                    await self._cluster.close()
                 await listener.aclose()
             with contextlib.suppress(OSError):
                 os.unlink(path)
@@ -197,6 +195,8 @@ class Supervisor:
     async def _cancel_when_jobs_end(self) -> None:
         while any(j.running for j in self._owners()):
             await anyio.sleep(0.05)
+        if self._cluster is not None:
+            await self._cluster.close()  # the agents hear it now, not from our silence
         assert self._tg is not None
         self._tg.cancel_scope.cancel()
 

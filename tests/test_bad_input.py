@@ -67,8 +67,12 @@ def test_nproc_not_a_number(kernel: Kernel, log_dir: Path) -> None:
     [
         ("3:2", "MIN (3) is larger than MAX (2)"),
         ("0", "at least one node"),
-        ("2", "needs a rendezvous every node can reach (--rdzv-endpoint HOST:PORT"),
-        ("1:4", "single-node jobs only"),
+        # No machine can join this kernel's notebook yet (no %elastic join-command): refused
+        # in the kernel, before anything starts.
+        ("2", "--nnodes 2: the job runs on other machines too, and none can join yet"),
+        ("1:4 --remote-only", "the job runs on joined nodes only, and none can join yet"),
+        ("2 --rdzv-conf timeout=60", "c10d rendezvous ignores it"),
+        ("2 --rdzv-backend static --rdzv-endpoint localhost:29533", "rendezvous with c10d"),
     ],
 )
 def test_impossible_nnodes(kernel: Kernel, log_dir: Path, nnodes: str, message: str) -> None:

@@ -402,3 +402,51 @@ def test_the_header_keeps_the_latest_checkpoint(tmp_path: Path) -> None:
     delta = dash.take_delta()
     assert delta is not None and delta["header"]["checkpoint"]["step"] == 200
     assert dash.snapshot()["header"]["checkpoint"]["step"] == 200
+
+
+def test_a_multinode_jobs_rounds_and_nodes_reach_the_dashboard(tmp_path: Path) -> None:
+    """Across machines: each chip names its rank's node; the timeline holds each round (its
+    nodes, world size, why, whether it spent a restart); the header counts restarts spent, not
+    attempts (an arrival is a round, not a restart); a round with fewer nodes takes the chips of
+    the ranks it no longer has off the dashboard."""
+    from elastic_nb.kernel.dashboard.model import DashboardState
+
+    spec = job_spec({"nproc": "2", "nnodes": "2:3", "log_dir": str(tmp_path)})
+    state = DashboardState("feed0001", str(tmp_path), spec)
+    assert sorted(state.ranks) == ["0", "1", "2", "3"]  # MIN nodes' ranks, to begin with
+
+    def round_(attempt: int, nodes: int, why: str, counted: bool, restarts: int) -> dict[str, Any]:
+        return dict(
+            attempt=attempt, nodes=[f"node {i} (m{i})" for i in range(nodes)],
+            world_size=2 * nodes, why=why, counted=counted, restarts=restarts, started=1.0,
+            stop_s=None, rendezvous_s=0.1, running_s=0.5,
+        )  # fmt: skip
+
+    first = round_(0, 3, "first round", False, 0)
+    state.apply({"rounds": [first], "attempt": 0, "state": "running"})
+    chips = {
+        str(r): {
+            "state": "running",
+            "label": "running",
+            "attempt": 0,
+            "node": f"node {r // 2} (m{r // 2})",
+        }
+        for r in range(6)
+    }
+    state.apply({"ranks": chips})
+    assert state.header["world_size"] == 6 and state.header["restarts"] == 0
+    assert state.ranks["5"]["node"] == "node 2 (m2)"
+    left = round_(1, 2, "node 2 (m2) rank 4 was lost: node 2 (m2) left", True, 1)
+    state.apply({"rounds": [first, left], "attempt": 1})
+    delta = state.take_delta()
+    assert delta is not None
+    assert delta["ranks"]["4"] is None and delta["ranks"]["5"] is None  # the node's ranks go
+    assert sorted(state.ranks) == ["0", "1", "2", "3"]
+    assert state.header["world_size"] == 4 and state.header["restarts"] == 1
+    assert [a["round"]["why"] for a in state.attempts] == [first["why"], left["why"]]
+    joined = round_(2, 3, "node 3 (m3) joined", False, 1)
+    state.apply({"rounds": [first, left, joined], "attempt": 2})
+    assert sorted(state.ranks) == [str(r) for r in range(6)]
+    assert state.header["restarts"] == 1  # an arrival spends nothing
+    state.take_delta()
+    assert state.snapshot()["attempts"][2]["round"]["counted"] is False

@@ -272,3 +272,27 @@ def _theme(page: Any, name: str) -> None:
 def _shot(name: str) -> Path:
     SHOTS.mkdir(parents=True, exist_ok=True)
     return SHOTS / name
+
+
+def test_the_panel_lists_the_machines_of_a_notebook_open_to_others(
+    page: Any, lab: LabServer
+) -> None:
+    """A notebook that printed its join command is open to other machines: the panel lists its
+    machines (%elastic nodes: here, this machine alone) and where agents join."""
+    nb = open_notebook(page, lab, "machines.ipynb", ["%elastic join-command --host 127.0.0.1"])
+    nb.run(1)
+    nb.wait_done(1)
+    nb.expect_output(1, "elastic-nb join 127.0.0.1:")
+    panel = open_panel(page)
+    machines = panel.locator(".enb-panel-machines")
+    expect(machines.locator(".enb-panel-machines-heading")).to_have_text(
+        "Machines of machines.ipynb"
+    )
+    here = machines.locator(".enb-panel-machine").first
+    expect(here).to_have_attribute("data-state", "here")
+    expect(here).to_contain_text(
+        re.compile(r"node 0: \S+ \(127\.0\.0\.1\) · \d+ GPUs? · \d+ CPUs · torch ")
+    )
+    expect(here).to_contain_text("the notebook's machine")
+    expect(machines).to_contain_text(re.compile(r"agents join on 127\.0\.0\.1:\d+"))
+    page.screenshot(path=str(_shot("labext-panel-machines.png")))

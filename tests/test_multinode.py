@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -620,3 +621,99 @@ def test_when_the_notebooks_side_dies_every_agent_ends_its_ranks_in_seconds(
         else:
             k.kc.stop_channels()
             k.assert_tree_gone()
+
+
+def test_a_job_that_waits_for_its_nodes_says_so_and_fails_at_its_join_timeout(
+    mn_kernel: Kernel, lab: machines.Lab
+) -> None:
+    """--nnodes 4 with two machines joined: the job says it waits (how many of MIN joined, until
+    when), and past --rdzv-conf join_timeout fails saying how to add a node; nothing ran."""
+    k = mn_kernel
+    _ensure_agents(k, lab, 2)
+    t0 = time.monotonic()
+    ex = k.run("%%elastic --nnodes 4 --rdzv-conf join_timeout=3\nprint('never')\n", timeout=60)
+    assert ex.ename == "JobFailed", ex.traceback
+    assert re.search(r"waiting for nodes: 3 of 4 joined, until \d\d:\d\d:\d\d", ex.stdout), (
+        ex.stdout
+    )
+    assert "only 3 of the 4 nodes it needs were there within 3 s" in ex.traceback
+    assert "%elastic join-command prints the line that adds a node" in ex.traceback
+    assert "never" not in ex.stdout
+    assert 3 <= time.monotonic() - t0 < 30
+
+
+def test_a_new_token_drops_the_agents_holding_the_old_one(
+    mn_kernel: Kernel, lab: machines.Lab
+) -> None:
+    k = mn_kernel
+    _ensure_agents(k, lab, 2)
+    old = k.join_line  # type: ignore[attr-defined]
+    new = k.ok("%elastic join-command --new-token").stdout
+    assert "the old token no longer works: 2 node(s) were dropped" in new, new
+    new_line = new.strip().splitlines()[0]
+    assert new_line.split("--token ")[1] != old.split("--token ")[1]
+    for m in lab.machines[:2]:
+        assert m.agent is not None and m.agent.wait(15) is not None
+        assert "said bye: the join token was replaced" in m.output(), m.output()
+    nodes = _nodes(k)
+    assert "dropped: the join token was replaced" in nodes and "· ready" not in nodes, nodes
+    m = lab.machines[0]
+    m.stop()
+    m.join(old)  # the old token: refused
+    assert m.agent is not None and m.agent.wait(30) == 2
+    assert "refused" in m.output()
+    k.join_line = new_line  # type: ignore[attr-defined]
+    _ensure_agents(k, lab, 2)  # the new token works
+
+
+def test_a_network_cut_is_a_departure_and_with_rejoin_the_node_comes_back(
+    mn_kernel: Kernel, lab: machines.Lab
+) -> None:
+    """A machine's network goes down mid-job (no connection closes: only missing heartbeats
+    tell): it is known lost within 2 s and the others go on without it; its agent, silent
+    supervisor heard for 1.75 s, ends the job's processes there; with --rejoin it joins again
+    once the network is back, and the job (below MAX) grows back onto it."""
+    k = mn_kernel
+    _ensure_agents(k, lab, 2)
+    cut = lab.machines[1]
+    cut.stop()
+    cut.join(k.join_line, "--rejoin")  # type: ignore[attr-defined]
+    machines.wait_joined(lambda: _nodes(k), 2, exactly=True)
+    msg_id, ex = k.start("%%elastic --nnodes 2:3 --nproc 1 --max-restarts 2" + _GROW_BACK)
+    k.collect(msg_id, ex, timeout=90, until=lambda e: "world 3 round 0" in e.stdout)
+    host_if = f"enm{_lab_pid(lab)}h{cut.n}"
+    cut_at = time.time()
+    subprocess.run(["ip", "link", "set", host_if, "down"], check=True)
+    try:
+        k.collect(msg_id, ex, timeout=60, until=lambda e: "world 2 round" in e.stdout)
+    finally:
+        subprocess.run(["ip", "link", "set", host_if, "up"], check=True)
+    k.collect(msg_id, ex, timeout=120)
+    assert ex.error is None, ex.traceback
+    timeline = _timeline(k, ex.job_id)
+    assert [r["world_size"] for r in timeline][:3] == [3, 2, 3], timeline
+    lost, back = timeline[1], timeline[2]
+    assert lost["counted"] and "connection lost" in lost["why"], lost
+    assert lost["started"] - cut_at <= 2.0 + 0.5, lost["started"] - cut_at
+    assert not back["counted"] and "joined" in back["why"], back
+    said = cut.output()
+    assert "has been silent" in said and said.count("serving its jobs") == 2, said
+    _nothing_left(ex.job_id, lab)
+
+
+_GROW_BACK = """
+import os, time, torch, torch.distributed as dist
+dist.init_process_group()
+world, attempt = dist.get_world_size(), int(os.environ["ELASTIC_NB_ATTEMPT_BASE"])
+print("world", world, "round", attempt, flush=True)
+x = torch.ones(1)
+deadline = time.time() + (1 if world == 3 and attempt > 0 else 60)  # the grown world: done
+while time.time() < deadline:  # until the world changes (this round is then ended)
+    dist.all_reduce(x)
+    time.sleep(0.05)
+x.item()
+"""
+
+
+def _lab_pid(lab: machines.Lab) -> int:
+    return int(re.match(r"enm(\d+)b", lab.bridge).group(1))  # type: ignore[union-attr]

@@ -63,6 +63,8 @@ class JobsHandler(_Handler):
     @web.authenticated
     @authorized
     async def get(self) -> None:
+        """Every job, and the machines of every notebook open to other machines (its join
+        agents: `%elastic nodes`)."""
         notebooks = await self._notebooks()
         jobs = []
         for sup, entry in await self.overview():
@@ -74,7 +76,21 @@ class JobsHandler(_Handler):
                     "notebook": notebooks.get(sup.kernel_id or ""),
                 }
             )
-        self.finish(json.dumps({"jobs": sorted(jobs, key=lambda j: j["created"])}))
+        found = await self.blocking(supervisors.find)
+        nodes = await asyncio.gather(*(self.blocking(_nodes_of, sup) for sup in found))
+        machines = [
+            {
+                **n,
+                "supervisor_pid": sup.pid,
+                "kernel_id": sup.kernel_id,
+                "notebook": notebooks.get(sup.kernel_id or ""),
+            }
+            for sup, n in zip(found, nodes, strict=True)
+            if n is not None and n.get("listening")
+        ]
+        self.finish(
+            json.dumps({"jobs": sorted(jobs, key=lambda j: j["created"]), "machines": machines})
+        )
 
     async def _notebooks(self) -> dict[str, str]:
         """kernel id -> the path (relative to the server's root) of the notebook using it."""
@@ -173,12 +189,20 @@ def _overview_of(sup: Supervisor) -> list[dict[str, Any]]:
         return []  # gone or going (its jobs with it), or of another elastic_nb version
 
 
+def _nodes_of(sup: Supervisor) -> dict[str, Any] | None:
+    try:
+        return sup.request(protocol.Nodes(kind=protocol.NODES, req=1))
+    except SupervisorError:
+        return None
+
+
 def split_stacks(text: str) -> list[dict[str, Any]]:
-    """The per-rank blocks of a stacks report ("rank N · ..." and its frames), as the dashboard
-    shows them side by side; the title line above them is the report's."""
+    """The per-rank blocks of a stacks report ("rank N · ..." and its frames; across machines
+    "node 1 (gpu-b) rank N · ..."), as the dashboard shows them side by side; the title line
+    above them is the report's."""
     ranks: list[dict[str, Any]] = []
     for line in text.splitlines():
-        m = re.match(r"rank (\d+)\b", line)
+        m = re.match(r"(?:node \d+ \([^)]*\) )?rank (\d+)\b", line)
         if m:
             ranks.append({"rank": int(m.group(1)), "pid": None, "text": line})
         elif ranks:

@@ -36,6 +36,32 @@ export interface IJob {
   summary: string | null;
 }
 
+/** A machine of a notebook's jobs: the notebook's own, or a join agent's (`%elastic nodes`). */
+export interface INode {
+  node: number;
+  name: string;
+  addr: string;
+  cpus: number;
+  gpus: string[];
+  python: string;
+  torch: string | null;
+  cuda: string | null;
+  state: string;
+  why?: string | null;
+  last_heard_s?: number;
+  groups?: string[];
+}
+
+/** The machines of one notebook open to other machines (its supervisor's join agents). */
+export interface IMachines {
+  supervisor_pid: number;
+  kernel_id: string | null;
+  notebook: string | null;
+  listening: { host: string; port: number; token: string };
+  here: INode;
+  agents: INode[];
+}
+
 /** One rank's stack, as the dashboard shows them side by side. */
 export interface IRankStack {
   rank: number;
@@ -113,8 +139,12 @@ async function call<T>(path: string, init: RequestInit = {}): Promise<T> {
 
 const job = (id: string, what: string) => `jobs/${encodeURIComponent(id)}/${what}`;
 
-export function listJobs(): Promise<IJob[]> {
-  return call<{ jobs: IJob[] }>('jobs').then(r => r.jobs);
+/** Every job, and the machines of every notebook open to other machines. */
+export function listJobs(): Promise<{ jobs: IJob[]; machines: IMachines[] }> {
+  return call<{ jobs: IJob[]; machines?: IMachines[] }>('jobs').then(r => ({
+    jobs: r.jobs,
+    machines: r.machines ?? []
+  }));
 }
 
 /** Stops a job, takes a session down, or interrupts a session cell. */

@@ -32,7 +32,7 @@ export function addCommands(
     if (!kernel) {
       return [];
     }
-    const jobs = await listJobs();
+    const { jobs } = await listJobs();
     return jobs.filter(j => j.kernel_id === kernel).sort((a, b) => b.created - a.created);
   };
 

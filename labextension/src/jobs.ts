@@ -7,13 +7,14 @@
 import { Poll } from '@lumino/polling';
 import { ISignal, Signal } from '@lumino/signaling';
 
-import { ApiError, IJob, listJobs } from './api';
+import { ApiError, IJob, IMachines, listJobs } from './api';
 
 /** The poll interval: a panel that says "running" is at most this late. */
 export const POLL_MS = 1000;
 
 export class JobsModel {
   private _jobs: IJob[] = [];
+  private _machines: IMachines[] = [];
   private _fetchedAt = 0;
   private _error: string | null = null;
   private _watchers = new Set<object>();
@@ -38,6 +39,11 @@ export class JobsModel {
 
   get jobs(): readonly IJob[] {
     return this._jobs;
+  }
+
+  /** The machines of every notebook open to other machines (its join agents). */
+  get machines(): readonly IMachines[] {
+    return this._machines;
   }
 
   /** Why the last poll failed, or null. */
@@ -87,7 +93,9 @@ export class JobsModel {
 
   private async _fetch(): Promise<void> {
     try {
-      this._jobs = await listJobs();
+      const listed = await listJobs();
+      this._jobs = listed.jobs;
+      this._machines = listed.machines;
       this._fetchedAt = Date.now();
       this._error = null;
     } catch (error) {

@@ -17,6 +17,7 @@ export class JobsPanel extends Widget {
   private _cards = new Map<string, JobCard>();
   private _list: HTMLUListElement;
   private _note: HTMLElement;
+  private _machines: HTMLElement;
 
   constructor(
     private readonly _model: JobsModel,
@@ -34,7 +35,9 @@ export class JobsPanel extends Widget {
     this._note.className = 'enb-panel-note';
     this._list = document.createElement('ul');
     this._list.className = 'enb-panel-list';
-    this.node.append(heading, this._note, this._list);
+    this._machines = document.createElement('section');
+    this._machines.className = 'enb-panel-machines';
+    this.node.append(heading, this._note, this._list, this._machines);
     _model.changed.connect(this._render, this);
     this._render();
   }
@@ -84,7 +87,61 @@ export class JobsPanel extends Widget {
         ? ''
         : 'No elastic jobs. A %%elastic cell, a --bg job or a session (%elastic up) shows here while its kernel lives.');
     this._note.classList.toggle('enb-panel-error', error !== null);
+    this._renderMachines();
   }
+
+  /** The machines of every notebook open to other machines: `%elastic nodes`, for each. */
+  private _renderMachines(): void {
+    const groups = this._model.machines;
+    this._machines.replaceChildren();
+    for (const m of groups) {
+      const heading = document.createElement('h3');
+      heading.className = 'enb-panel-machines-heading';
+      heading.textContent = `Machines of ${m.notebook ?? `kernel ${m.kernel_id ?? '?'}`}`;
+      const list = document.createElement('ul');
+      list.className = 'enb-panel-machine-list';
+      for (const n of [m.here, ...m.agents]) {
+        const item = document.createElement('li');
+        item.className = 'enb-panel-machine';
+        item.dataset.state = n.state;
+        item.textContent = machineLine(n);
+        list.append(item);
+      }
+      const join = document.createElement('div');
+      join.className = 'enb-panel-note';
+      join.textContent = `agents join on ${m.listening.host}:${m.listening.port} (%elastic join-command prints the line)`;
+      this._machines.append(heading, list, join);
+    }
+  }
+}
+
+/** 'node 1: gpu-b (10.0.0.6) · 8 GPUs · 96 CPUs · torch 2.13.0 · ready, heard 0.2 s ago'. */
+export function machineLine(n: {
+  node: number;
+  name: string;
+  addr: string;
+  cpus: number;
+  gpus: string[];
+  torch: string | null;
+  cuda: string | null;
+  state: string;
+  why?: string | null;
+  last_heard_s?: number;
+  groups?: string[];
+}): string {
+  const gpus = `${n.gpus.length} GPU${n.gpus.length === 1 ? '' : 's'}`;
+  let state = n.state === 'here' ? "the notebook's machine" : n.state;
+  if (n.why) {
+    state += `: ${n.why}`;
+  }
+  if (n.state === 'ready' && n.last_heard_s !== undefined) {
+    state += `, heard ${n.last_heard_s.toFixed(1)} s ago`;
+  }
+  if (n.groups?.length) {
+    state += `, running ${n.groups.join(', ')}`;
+  }
+  const torch = `torch ${n.torch ?? '-'}${n.cuda ? ` (CUDA ${n.cuda})` : ''}`;
+  return `node ${n.node}: ${n.name} (${n.addr}) · ${gpus} · ${n.cpus} CPUs · ${torch} · ${state}`;
 }
 
 /** Running first, then the newest first. */

@@ -508,8 +508,8 @@ class RemoteNode(Node):
             return
         if self.link.nodes.get(group) is self:
             del self.link.nodes[group]
-        if ended:
-            self.link.dirs = {k: v for k, v in self.link.dirs.items() if k[0] != group}
+        # Its run directories stay known: the agent sends what is left of the group's files
+        # (its launcher's last lines) as it closes it.
         self._order(protocol.Close(kind=protocol.CLOSE, group=group, ended=ended))
         self._news.close()
 

@@ -280,8 +280,11 @@ class RankGroup:
         self.new_round(why, counted=True)
 
     def new_round(self, why: str, counted: bool) -> None:
-        """A multi-node group's next round (a failure or a departure spends a restart)."""
-        self.task_group.start_soon(self._next_round, why, counted)
+        """A multi-node group's next round, after the current one's end (a failure or a
+        departure spends a restart). Asked twice for one round (a failure and its node's loss
+        told apart), it happens once."""
+        assert self.rounds is not None
+        self.task_group.start_soon(self._next_round, why, counted, self.rounds.next_attempt - 1)
 
     async def _follow_members(self) -> None:
         """The group's store, its first round, then what changes of members bring: a node that
@@ -290,7 +293,7 @@ class RankGroup:
         rounds = self.rounds
         assert rounds is not None
         await rounds.open_store()
-        await self._next_round("first round", counted=False)
+        await self._next_round("first round", False)
         while not self.decided:
             await rounds.cluster.changed.wait()
             if self.decided or self._changing:
@@ -300,18 +303,23 @@ class RankGroup:
             if lost and not self.book.of(rounds.next_attempt - 1):
                 self.round_failed(f"{lost[0].label} left: {lost[0].lost}")
                 continue
-            newcomers = rounds.newcomers(current)
-            if newcomers and len(current) < self.spec.nnodes_max:
-                names = ", ".join(a.label() for a in newcomers)
-                await self._next_round(f"{names} joined", counted=False)
+            if rounds.newcomers(current) and len(current) < self.spec.nnodes_max:
+                await self._next_round(None, False, rounds.next_attempt - 1)
 
-    async def _next_round(self, why: str, counted: bool) -> None:
-        """End the round there is and start the next with the nodes there are now."""
+    async def _next_round(self, why: str | None, counted: bool, ending: int | None = None) -> None:
+        """End the round there is and start the next with the nodes there are now. `ending`:
+        the round's attempt this change is for (None: the first round), skipped if another
+        change has come first; `why` None: an arrival's, said once the lock is ours."""
         rounds = self.rounds
         assert rounds is not None
         async with self._round_lock:
-            if self.decided:
+            if self.decided or (ending is not None and ending != rounds.next_attempt - 1):
                 return
+            if why is None:
+                newcomers = rounds.newcomers(self.nodes)
+                if not newcomers or len(self.nodes) >= self.spec.nnodes_max:
+                    return
+                why = ", ".join(a.label() for a in newcomers) + " joined"
             self._changing = True
             try:
                 started, stop_s = time.time(), None

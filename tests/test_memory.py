@@ -23,7 +23,7 @@ import pytest
 from elastic_nb.common import protocol, report
 from elastic_nb.common.procs import MemoryLimit
 from elastic_nb.common.rundir import RunDir
-from elastic_nb.kernel.dashboard.model import MEMORY_SAMPLES, DashboardState
+from elastic_nb.kernel.dashboard.model import DashboardState
 from elastic_nb.kernel.flags import job_spec
 from elastic_nb.rank.memory import largest
 from elastic_nb.supervisor.processes.node import MemoryReading
@@ -34,6 +34,8 @@ from tests.fake_node import FakeNode
 from tests.kernel import Kernel, ask_supervisor, assert_job_gone, supervisor_socket, wait_for
 
 MiB, GiB = 2**20, 2**30
+# The README: each rank's sparkline is "its last five minutes", of samples taken once a second.
+FIVE_MINUTES_OF_SAMPLES = 5 * 60
 _META = {"display": True, "modules": {}, "objects": [], "pull": []}
 
 
@@ -207,14 +209,14 @@ def test_the_dashboard_keeps_each_ranks_last_minutes_and_starts_afresh_on_a_rest
 ) -> None:
     dash = DashboardState("cafe0001", str(tmp_path), job_spec({"nproc": 2, "max_restarts": 1}))
     dash.apply({"state": "running", "attempt": 0})
-    for i in range(MEMORY_SAMPLES + 10):
+    for i in range(FIVE_MINUTES_OF_SAMPLES + 10):
         dash.apply({"memory": [_sample(0, 0, i, i * MiB), _sample(0, 1, i, 5 * MiB)]})
     delta = dash.take_delta()
     assert delta is not None
     series = dash.snapshot()["memory"]["0"]["series"]
-    assert len(series) == MEMORY_SAMPLES and series[-1] == [
-        MEMORY_SAMPLES + 9,
-        (MEMORY_SAMPLES + 9) * MiB,
+    assert len(series) == FIVE_MINUTES_OF_SAMPLES and series[-1] == [
+        FIVE_MINUTES_OF_SAMPLES + 9,
+        (FIVE_MINUTES_OF_SAMPLES + 9) * MiB,
         None,
     ]
     assert delta["memory"]["1"]["last"]["rss"] == 5 * MiB

@@ -4,6 +4,7 @@ leave behind, observed from outside (processes, ports, run directories)."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import re
@@ -21,7 +22,7 @@ from jupyter_client.blocking import BlockingKernelClient
 from jupyter_client.manager import KernelManager
 from traitlets import List, Unicode
 
-from elastic_nb.common import procs
+from elastic_nb.common import modules, procs
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _CALLERS = ("ELASTIC_NB_", "JPY_", "VSCODE_")
@@ -95,6 +96,41 @@ class TreeWatch:
         return out
 
 
+# ---- a kernel's processes, found by what they are -------------------------------------------
+
+
+def _has(cmdline: list[str], option: str, value: str) -> bool:
+    return (option, value) in itertools.pairwise(cmdline)
+
+
+def runs_module(cmdline: list[str], module: str) -> bool:
+    """The command line is `python ... -m module ...`: the process was started as that module
+    (what it is), not merely one whose command line mentions it."""
+    return _has(cmdline, "-m", module)
+
+
+def supervisor_of(kernel_pid: int) -> psutil.Process | None:
+    """The kernel's supervisor, found by what it is: the kernel's child started as `python -m
+    elastic_nb.supervisor` (modules.SUPERVISOR) for that kernel (its --kernel-pid). None when
+    it has none running (not started yet, or gone)."""
+    try:
+        children = psutil.Process(kernel_pid).children()
+    except psutil.Error:
+        return None
+    found = []
+    for p in children:
+        with contextlib.suppress(psutil.Error):
+            cmd = p.cmdline()
+            if (
+                runs_module(cmd, modules.SUPERVISOR)
+                and _has(cmd, "--kernel-pid", str(kernel_pid))
+                and p.status() != psutil.STATUS_ZOMBIE
+            ):
+                found.append(p)
+    assert len(found) <= 1, f"kernel {kernel_pid} has several supervisors: {found}"
+    return found[0] if found else None
+
+
 @dataclass
 class Execution:
     stdout: str = ""
@@ -136,6 +172,13 @@ class Execution:
         assert len(ids) == 1, f"expected one job in the output, found {ids}:\n{self.stdout}"
         return ids[0]
 
+    @property
+    def run_dir(self) -> Path:
+        """The run directory its one job's summary line names (`... logs: PATH`)."""
+        dirs = list(dict.fromkeys(path for _, path in _RUN_DIR.findall(self.stdout)))
+        assert len(dirs) == 1, f"expected one run directory in the output, found {dirs}"
+        return Path(dirs[0])
+
 
 class PrefixedKernelManager(KernelManager):
     """A KernelManager whose kernel runs as ``cmd_prefix + <the kernelspec's command>``: the
@@ -176,7 +219,10 @@ class Kernel:
         k._pid = pid
         k.kc = BlockingKernelClient(connection_file=connection_file)
         k.kc.load_connection_file()
-        k.kc.start_channels()
+        # No heartbeat: with no manager of its own, wait_for_ready takes a heartbeat missed for
+        # a second (a kernel still starting on a loaded machine) for a dead kernel ("Kernel died
+        # before replying to kernel_info"); its starter knows whether it lives.
+        k.kc.start_channels(hb=False)
         k.kc.wait_for_ready(timeout=60)
         k.tree = TreeWatch(pid)
         k.executions = []
@@ -188,6 +234,12 @@ class Kernel:
         if self.km is None:
             return self._pid
         return self.km.provisioner.process.pid  # type: ignore[union-attr]
+
+    def supervisor(self) -> psutil.Process:
+        """Its supervisor (`supervisor_of`), which must be running."""
+        sup = supervisor_of(self.pid)
+        assert sup is not None, f"kernel {self.pid} has no supervisor running"
+        return sup
 
     def start(self, code: str) -> tuple[str, Execution]:
         ex = Execution()
@@ -370,18 +422,20 @@ def free_port() -> int:
 # ---- what a job leaves in its run directory, read from outside --------------------------------
 
 
-def run_dir(cache_home: Path, job: str) -> Path:
-    """A job's run directory under the suite's cache home (the default --log-dir)."""
-    return cache_home / "elastic_nb" / "runs" / job
+def run_dir(cache_home: Path, job: str, log_dir: Path | None = None) -> Path:
+    """A job's run directory: under its --log-dir if it had one, else under the suite's cache
+    home (the default)."""
+    return (log_dir or cache_home / "elastic_nb" / "runs") / job
 
 
-def run_summary(cache_home: Path, job: str) -> dict[str, Any]:
-    summary: dict[str, Any] = json.loads((run_dir(cache_home, job) / "summary.json").read_text())
+def run_summary(cache_home: Path, job: str, log_dir: Path | None = None) -> dict[str, Any]:
+    path = run_dir(cache_home, job, log_dir) / "summary.json"
+    summary: dict[str, Any] = json.loads(path.read_text())
     return summary
 
 
-def run_events(cache_home: Path, job: str) -> list[dict[str, Any]]:
-    path = run_dir(cache_home, job) / "events.jsonl"
+def run_events(cache_home: Path, job: str, log_dir: Path | None = None) -> list[dict[str, Any]]:
+    path = run_dir(cache_home, job, log_dir) / "events.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 

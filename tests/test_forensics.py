@@ -13,7 +13,15 @@ from pathlib import Path
 import pytest
 
 from elastic_nb.kernel.client import SupervisorClient
-from tests.kernel import Execution, Kernel, assert_job_gone, run_dir, run_summary, wait_for
+from tests.kernel import (
+    Execution,
+    Kernel,
+    assert_job_gone,
+    run_dir,
+    run_events,
+    run_summary,
+    wait_for,
+)
 from tests.nccl import stuck_with_a_watchdog
 from tests.test_supervisor import Recorder, submit
 
@@ -455,10 +463,9 @@ def test_a_frozen_agent_is_caught_by_the_watchdog(kernel: Kernel, cache_home: Pa
     # The alert came within the documented bound of the freeze (its last tick may be up to one
     # tick older than the freeze; a poll of slack on a loaded machine).
     stopped_at = float(re.search(r"stopped at ([\d.]+)", ex.stdout)[1])  # type: ignore[index]
-    events = (cache_home / "elastic_nb" / "runs" / ex.job_id / "events.jsonl").read_text()
     (alerted_at,) = [
         e["t"]
-        for e in map(json.loads, events.splitlines())
+        for e in run_events(cache_home, ex.job_id)
         if e["event"] == "alert" and e["kind"] == "zombie"
     ]
     assert alerted_at - stopped_at < ZOMBIE_AFTER_S + 0.5

@@ -11,7 +11,6 @@ test_cuda.py.
 from __future__ import annotations
 
 import itertools
-import json
 import re
 import signal
 from pathlib import Path
@@ -31,7 +30,15 @@ from elastic_nb.supervisor.runs import rank_group
 from elastic_nb.supervisor.runs.job import Job
 from tests import cgroups
 from tests.fake_node import FakeNode
-from tests.kernel import Kernel, ask_supervisor, assert_job_gone, supervisor_socket, wait_for
+from tests.kernel import (
+    Kernel,
+    ask_supervisor,
+    assert_job_gone,
+    run_events,
+    run_summary,
+    supervisor_socket,
+    wait_for,
+)
 
 MiB, GiB = 2**20, 2**30
 # The README: each rank's sparkline is "its last five minutes", of samples taken once a second.
@@ -447,9 +454,7 @@ def test_near_the_cgroups_limit_an_alert_then_the_oom_kill_names_the_rank_and_it
             assert ex.ename == "JobFailed", ex.stdout + ex.traceback
             assert "[rank 1] alerted" in ex.stdout
             job = ex.job_id
-            events = [
-                json.loads(line) for line in (tmp_path / "runs" / job / "events.jsonl").open()
-            ]
+            events = run_events(cache_home, job, log_dir=tmp_path / "runs")
             alerts = [e for e in events if e["event"] == "alert" and e["kind"] == "memory"]
             assert len(alerts) == 1, alerts
             assert alerts[0]["rank"] == 1
@@ -460,7 +465,7 @@ def test_near_the_cgroups_limit_an_alert_then_the_oom_kill_names_the_rank_and_it
             ), alerts[0]["title"]
             exit_ = next(e for e in events if e["event"] == "rank.exit" and e["rank"] == 1)
             assert alerts[0]["t"] < exit_["t"]
-            summary = json.loads((tmp_path / "runs" / job / "summary.json").read_text())
+            summary = run_summary(cache_home, job, log_dir=tmp_path / "runs")
             assert summary["cause"] == "host_oom" and summary["failure"]["rank"] == 1
             m = re.search(
                 r"killed by SIGKILL from the kernel's OOM killer \(host memory; it peaked at "

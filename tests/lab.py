@@ -29,10 +29,11 @@ from pathlib import Path
 from typing import Any
 
 import nbformat
+import psutil
 import pytest
 from playwright.sync_api import expect
 
-from tests.kernel import free_port
+from tests.kernel import TreeWatch, free_port, kernel_keeps, runs_module, wait_for
 
 # An expectation passes as soon as the page agrees: its timeout is only a liveness bound, so it
 # is set for a loaded 2-core machine (Playwright's 5 s default can pass while a widget update
@@ -173,7 +174,28 @@ class LabServer:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
+        # The server's process tree, for the per-test check (tests/conftest.py): its kernels
+        # and what they start.
+        self.watch = TreeWatch(self.proc.pid, kept=self._kept)
         self._wait_up(timeout=90)
+
+    def _kept(self, watch: TreeWatch) -> set[int]:
+        """The server's running kernels (its children started as ipykernel_launcher with the
+        connection file of a kernel its API lists) and what each may keep
+        (tests/kernel.py, kernel_keeps)."""
+        try:
+            with urllib.request.urlopen(f"{self.url}/api/kernels", timeout=10) as r:
+                files = {f"kernel-{k['id']}.json" for k in json.load(r)}
+        except OSError:
+            return set()
+        kept: set[int] = set()
+        for p in psutil.Process(self.proc.pid).children():
+            with contextlib.suppress(psutil.Error):
+                cmd = p.cmdline()
+                connection = cmd[cmd.index("-f") + 1] if "-f" in cmd[:-1] else ""
+                if runs_module(cmd, "ipykernel_launcher") and Path(connection).name in files:
+                    kept |= {p.pid, *kernel_keeps(p.pid, watch)}
+        return kept
 
     def _wait_up(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -200,6 +222,10 @@ class LabServer:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        self.watch.stop()
+        assert wait_for(lambda: not self.watch.alive(), 10), (
+            f"processes of jupyter {self.app} outlived it: {self.watch.alive()}"
+        )
 
     def write_notebook(self, name: str, cells: list[str]) -> str:
         nb = nbformat.v4.new_notebook()

@@ -207,8 +207,8 @@ def test_a_replayed_cell_that_fails_stops_the_replay(session_kernel, tmp_path: P
         "%%elastic\n"
         "import signal, time\n"
         "print('in the cell', flush=True)\n"
+        "dist.barrier()  # both ranks have printed\n"
         "if dist.get_rank() == 0:\n"
-        "    time.sleep(0.5)\n"
         "    os.kill(os.getpid(), signal.SIGKILL)\n"
         "time.sleep(60)\n"
     )

@@ -22,7 +22,7 @@ from tests.kernel import (
     run_summary,
     wait_for,
 )
-from tests.nccl import stuck_with_a_watchdog
+from tests.nccl import IN_ALL_REDUCE_2, stuck_with_a_watchdog
 from tests.test_supervisor import Recorder, submit
 
 pytestmark = [pytest.mark.e2e, pytest.mark.core]
@@ -573,8 +573,10 @@ def test_a_mode_that_keeps_the_rank_gets_an_alert_not_an_end(kernel: Kernel) -> 
         "    while '\"collective_timeout\"' not in open(events).read() and time.time() < deadline:\n"
         "        time.sleep(0.05)\n"
     )
-    cell = FAKE_NCCL.replace(" MODE", " --async-error-handling 2").replace(
-        "    dist.all_reduce(torch.ones(1))   # rank 1 never comes\n", until_alerted
+    cell = (
+        FAKE_NCCL.replace(" MODE", " --async-error-handling 2")
+        .replace("    dist.all_reduce(torch.ones(1))   # rank 1 never comes\n", until_alerted)
+        .replace(IN_ALL_REDUCE_2, "    pass  # no all_reduce #2 to wait for: rank 0 polls\n")
     )
     cell = cell.replace("    time.sleep(600)\n", "    pass\n")
     cell += "print('monitoring', os.environ['TORCH_NCCL_ENABLE_MONITORING'])\n"

@@ -483,15 +483,46 @@ def test_near_the_cgroups_limit_an_alert_then_the_oom_kill_names_the_rank_and_it
             k.shutdown()
 
 
+TORCH_LOADED = """%%elastic --nproc 2 --bg
+import os, pathlib, time, torch
+x = torch.ones(3)
+here = pathlib.Path({markers!r})
+(here / f"loaded-{{os.environ['RANK']}}").touch()
+while not (here / "done").exists():
+    time.sleep(0.02)
+"""
+
+
 @pytest.mark.e2e
-def test_neither_the_kernel_nor_the_supervisor_loads_torch(kernel: Kernel) -> None:
+def test_neither_the_kernel_nor_the_supervisor_loads_torch(kernel: Kernel, tmp_path: Path) -> None:
     """Whatever a job does, the kernel and the supervisor never load torch (so never CUDA: a
-    context there would pin GPU memory for their lives): memory is read from /proc and NVML."""
-    kernel.ok(
-        "%%elastic --nproc 2\nimport torch\nx = torch.ones(3)\nimport time; time.sleep(1.5)\n"
-    )
-    supervisor = int(re.search(r"supervisor: pid (\d+)", kernel.ok("%elastic status").stdout)[1])  # type: ignore[index]
-    for pid in (kernel.pid, supervisor):
-        maps = Path(f"/proc/{pid}/maps").read_text()
-        assert "libtorch" not in maps and "libcuda" not in maps, pid
+    context there would pin GPU memory for their lives): memory is read from /proc and NVML.
+    The ranks hold torch until the supervisor has sampled each of them since it loaded it (the
+    check would hold without any sample), then end; it is checked then and after the job."""
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    ex = kernel.ok(TORCH_LOADED.format(markers=str(markers)))
+    job, sock = ex.job_id, supervisor_socket(kernel)
+    loaded = [markers / f"loaded-{rank}" for rank in (0, 1)]
+    assert wait_for(lambda: all(p.exists() for p in loaded), timeout=60)
+    since = max(p.stat().st_mtime for p in loaded)
+
+    def sampled() -> bool:
+        status = ask_supervisor(sock, {"kind": "status", "req": 1})["data"]
+        ranks = status.get("memory", {}).get(job, {})
+        return all(str(r) in ranks and ranks[str(r)]["sample"]["t"] > since for r in (0, 1))
+
+    assert wait_for(sampled, timeout=30)  # once a second, the README says
+    supervisor = kernel.supervisor().pid
+
+    def neither_loads_torch() -> None:
+        for pid in (kernel.pid, supervisor):
+            maps = Path(f"/proc/{pid}/maps").read_text()
+            assert "libtorch" not in maps and "libcuda" not in maps, pid
+
+    neither_loads_torch()
+    (markers / "done").touch()
+    kernel.ok("_.wait()")
+    assert_job_gone(job)
+    neither_loads_torch()
     assert kernel.ok("import sys; 'torch' in sys.modules").result == "False"

@@ -24,20 +24,22 @@ $(VENV)/.installed: pyproject.toml labextension/package.json labextension/yarn.l
 demo: $(VENV)/.installed
 	$(BIN)/python scripts/run_notebook.py notebooks/quickstart.ipynb
 
-test: $(VENV)/.installed $(LABEXT_BUILD) $(CHROMIUM) | netns-tools
-	$(BIN)/ruff check elastic_nb tests scripts benchmarks
-	$(BIN)/mypy
-	ELASTIC_NB_CHROMIUM=$(CHROMIUM) $(BIN)/python -m pytest
-
 # The JupyterLab extension the browser tests load is built from this tree: pip builds it once (and
 # `pip install -e .` only when the venv is made); after a change under labextension/ it is built
-# again here, or the browser tests would pass against a stale build.
+# again here, or the browser tests would pass against a stale build (tests/lab.py refuses one).
+# Defined before `test:`, whose prerequisites make expands as it reads them: below it,
+# $(LABEXT_BUILD) was empty there and the extension was never rebuilt.
 LABEXT_SRC   := $(shell find labextension/src labextension/style labextension/schema -type f) \
                 labextension/package.json labextension/tsconfig.json
 LABEXT_BUILD := elastic_nb/labextension/package.json
 $(LABEXT_BUILD): $(LABEXT_SRC) | $(VENV)/.installed
 	cd labextension && export PATH="$(CURDIR)/$(BIN):$$PATH" && jlpm install && jlpm build
 	touch $@
+
+test: $(VENV)/.installed $(LABEXT_BUILD) $(CHROMIUM) | netns-tools
+	$(BIN)/ruff check elastic_nb tests scripts benchmarks
+	$(BIN)/mypy
+	ELASTIC_NB_CHROMIUM=$(CHROMIUM) $(BIN)/python -m pytest
 
 # pip builds the JupyterLab extension (labextension/, with jupyter-builder's jlpm) and needs node for
 # it: Debian's nodejs when there is none. (A wheel carries the built extension: installing one

@@ -11,7 +11,7 @@ import psutil
 import pytest
 
 from elastic_nb.common import procs
-from tests.kernel import Kernel, pid_ended, wait_for
+from tests.kernel import Kernel, TreeWatch, pid_ended, wait_for
 
 KINDS = ("unit", "e2e", "browser")
 
@@ -110,35 +110,45 @@ def fresh_kernel(tmp_path: Path, cache_home: Path) -> Iterator[Kernel]:
 
 
 @pytest.fixture(autouse=True)
-def every_job_ends_whole(
-    request: pytest.FixtureRequest, no_stray_processes: None
-) -> Iterator[None]:
-    """After each test that drives a kernel: every process of every one-off job it ran is gone,
-    as seen from outside the product (tests/kernel.py, Kernel.job_pids: the ranks' own pids and
-    the kernel's process tree), not only by the product's marker sweep. (It asks for
-    no_stray_processes first so that that one's check runs last, after the kernels'
-    shutdown.)"""
-    kernels = [
-        k
-        for name in ("kernel", "fresh_kernel")
-        if name in request.fixturenames
-        and isinstance(k := request.getfixturevalue(name), Kernel)  # not a parameter's name
-    ]
-    before = [len(k.executions) for k in kernels]
-    yield
-    jobs: dict[str, set[int]] = {}
-    for k, n in zip(kernels, before, strict=True):
-        jobs.update(k.job_pids(k.executions[n:]))
+def every_process_ends_with_its_test(no_stray_processes: None) -> Iterator[None]:
+    """After each test, as seen from outside the product (not only by its marker sweep), for
+    every kernel and Jupyter server the suite watches (tests/kernel.py: TreeWatch.every, whoever
+    started it: a fixture of any name, a test, a server):
 
-    def left() -> dict[str, list[int]]:
-        return {
+    - every process that appeared under it during the test has ended, but for the long-lived
+      ones, found by what they are: a running kernel's supervisor and what the supervisor says
+      it keeps (its zygote, its idle warm launcher with that launcher's fork server, the ranks
+      of its sessions), a server's kernels (`TreeWatch.kept`). Ranks killed by a signal, stuck
+      or never recorded are checked too: the watch saw them;
+    - every process of every one-off job its cells ran has ended: the ranks' own pids as they
+      wrote them in their records and their fork server and launcher from the watch
+      (Kernel.job_pids), a rank too short-lived for the watch's 20 ms included.
+
+    A teardown's bounded time is allowed (10 s). (It asks for no_stray_processes first so that
+    that one's check runs last, after the kernels' shutdown.)"""
+    before = {id(w): w.mark() for w in TreeWatch.every}
+    ran = {id(w): len(w.kernel.executions) for w in TreeWatch.every if w.kernel}
+    yield
+    watches = list(TreeWatch.every)
+    jobs: dict[str, set[int]] = {}
+    for w in watches:
+        if w.kernel is not None:
+            jobs.update(w.kernel.job_pids(w.kernel.executions[ran.get(id(w), 0) :]))
+
+    def left() -> dict[str, list[Any]]:
+        found: dict[str, list[Any]] = {
             job: live
             for job, pids in jobs.items()
             if (live := [p for p in pids if not pid_ended(p)])
         }
+        for w in watches:
+            if live := w.outliving(before.get(id(w), frozenset())):
+                found[f"under {w.root}"] = live
+        return found
 
-    wait_for(lambda: not left(), 10)  # a teardown's bounded time
-    assert not left(), f"processes of these jobs outlived them: {left()}"
+    wait_for(lambda: not left(), 10, interval=0.1)
+    assert not (found := left()), f"processes outlived the test that started them: {found}"
+    TreeWatch.every[:] = [w for w in TreeWatch.every if not w.over]
 
 
 @pytest.fixture(autouse=True)

@@ -37,6 +37,7 @@ class FakeNode(Node):
         self.dumps: dict[int, str] = {}  # rank -> what its stack dump says
         self.recorders: dict[int, dict[str, Any]] = {}  # rank -> its flight recorder's answer
         self.probe_gate: anyio.Event | None = None  # set: probes answer; unset: they wait
+        self.probing = anyio.Event()  # set once a probe waits at the gate (a look has begun)
         self.memory = MemoryReading({}, {}, None, gpus=False)  # what read_memory finds
         self.cuda: dict[int, protocol.CudaMemory] = {}  # rank -> its allocator's answer
         self.kills: int | None = None  # the OOM killer's count where the ranks run
@@ -132,6 +133,7 @@ class FakeNode(Node):
         if what == protocol.PROBE_MEMORY:
             return {"cuda": self.cuda.get(r.rank)}
         if self.probe_gate is not None:
+            self.probing.set()
             await self.probe_gate.wait()  # a rank slow to answer: the look takes its time
         record = self.recorders.get(r.rank)
         return dict(record) if record is not None else None

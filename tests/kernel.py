@@ -4,6 +4,7 @@ leave behind, observed from outside (processes, ports, run directories)."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import re
@@ -11,17 +12,17 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import psutil
 from jupyter_client.blocking import BlockingKernelClient
 from jupyter_client.manager import KernelManager
 from traitlets import List, Unicode
 
-from elastic_nb.common import procs
+from elastic_nb.common import modules, procs, registry
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _CALLERS = ("ELASTIC_NB_", "JPY_", "VSCODE_")
@@ -30,19 +31,72 @@ _RUN_DIR = re.compile(r"\[elastic_nb\] job ([0-9a-f]{8}) .*?logs: (\S+)")
 
 
 class TreeWatch:
-    """Every process that ever appeared under a kernel, sampled by a thread every 20 ms: the
-    suite's own account of what a kernel started, independent of the marker sweep the
-    implementation uses (which cannot see a process that dropped its environment)."""
+    """Every process that ever appeared under a kernel (or a Jupyter server), sampled by a
+    thread every 20 ms: the suite's own account of what a kernel started, independent of the
+    marker sweep the implementation uses (which cannot see a process that dropped its
+    environment). Every watch is listed in `TreeWatch.every`, for the per-test check
+    (tests/conftest.py, every_process_ends_with_its_test): what appeared under a root during a
+    test and still runs after it must be one of the processes `kept()` names, the long-lived
+    ones, found by what they are."""
 
-    def __init__(self, pid: int) -> None:
+    every: ClassVar[list[TreeWatch]] = []
+
+    def __init__(
+        self,
+        pid: int,
+        kept: Callable[[TreeWatch], set[int]] | None = None,
+        kernel: Kernel | None = None,
+    ) -> None:
         self._root = psutil.Process(pid)
         self.seen: dict[tuple[int, float], str] = {}  # (pid, start time) -> command line
         self.parent: dict[int, int] = {}  # pid -> its parent when first seen (before any adoption)
+        self._kept = kept or (lambda w: kernel_keeps(pid, w))
+        self.kernel = kernel  # whose cells' one-off jobs the per-test check follows too
+        self._kept_at: tuple[float, set[int]] | None = None
         self._stop = threading.Event()
         self._awake = threading.Event()
         self._awake.set()
         self._thread = threading.Thread(target=self._run, name="tree-watch", daemon=True)
         self._thread.start()
+        TreeWatch.every.append(self)
+
+    @property
+    def root(self) -> int:
+        return self._root.pid
+
+    @property
+    def over(self) -> bool:
+        """It no longer samples: stopped, or its root is gone."""
+        return not self._thread.is_alive()
+
+    def mark(self) -> frozenset[tuple[int, float]]:
+        """What runs under the root now or ran before: `outliving` leaves these out."""
+        self._kept_at = None  # asked afresh at the check
+        if not self.over:
+            self.sample()
+        return frozenset(self.seen)
+
+    def outliving(self, before: frozenset[tuple[int, float]]) -> list[str]:
+        """What appeared since `before` (a `mark`) and still runs, but for what `kept()`
+        names."""
+        if not self.over:
+            self.sample()
+        new = [(key, cmd) for key, cmd in list(self.seen.items()) if key not in before]
+        live = [(pid, cmd) for (pid, started), cmd in new if _runs(pid, started)]
+        if not live:
+            return []  # most tests: no need to ask anything
+        kept = self.kept()
+        return [f"{pid} {cmd}" for pid, cmd in live if pid not in kept]
+
+    def kept(self) -> set[int]:
+        """The pids under the root that may outlive a test (a supervisor and what it keeps).
+        Asked at most once a second: a supervisor's status takes 0.1-0.2 s here (it measures
+        the warm processes' PSS), and the per-test check polls while a job's last processes
+        exit."""
+        now = time.monotonic()
+        if self._kept_at is None or now - self._kept_at[0] >= 1.0:
+            self._kept_at = (now, self._kept(self))
+        return self._kept_at[1]
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -58,18 +112,25 @@ class TreeWatch:
     def _run(self) -> None:
         while not self._stop.wait(0.02):
             self._awake.wait()
+            if not self.sample():
+                return  # the root is gone
+
+    def sample(self) -> bool:
+        """Take in what runs under the root now (the thread's step; the per-test check takes
+        one too, for what started since the last); False once the root is gone."""
+        try:
+            children = self._root.children(recursive=True)
+        except psutil.Error:
+            return False
+        for p in children:
             try:
-                children = self._root.children(recursive=True)
+                key = (p.pid, p.create_time())
+                if key not in self.seen:
+                    self.parent[p.pid] = p.ppid()
+                    self.seen[key] = " ".join(p.cmdline())[:120] or p.name()
             except psutil.Error:
-                return  # the kernel is gone
-            for p in children:
-                try:
-                    key = (p.pid, p.create_time())
-                    if key not in self.seen:
-                        self.parent[p.pid] = p.ppid()
-                        self.seen[key] = " ".join(p.cmdline())[:120] or p.name()
-                except psutil.Error:
-                    continue
+                continue
+        return True
 
     def stop(self) -> None:
         self._stop.set()
@@ -85,15 +146,95 @@ class TreeWatch:
 
     def alive(self) -> list[str]:
         """What the watch saw that still runs (a zombie has ended: its parent reaps it)."""
-        out = []
-        for (pid, started), cmd in list(self.seen.items()):
-            try:
-                p = psutil.Process(pid)
-                if p.create_time() == started and p.status() != psutil.STATUS_ZOMBIE:
-                    out.append(f"{pid} {cmd}")
-            except psutil.Error:
-                continue
-        return out
+        return [
+            f"{pid} {cmd}" for (pid, started), cmd in list(self.seen.items()) if _runs(pid, started)
+        ]
+
+
+def _runs(pid: int, started: float) -> bool:
+    """That process (not another that reused its pid) still runs: a zombie has ended."""
+    try:
+        p = psutil.Process(pid)
+        return p.create_time() == started and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+# ---- the long-lived processes of a kernel, found by what they are --------------------------------
+
+
+def _has(cmdline: list[str], option: str, value: str) -> bool:
+    return (option, value) in itertools.pairwise(cmdline)
+
+
+def runs_module(cmdline: list[str], module: str) -> bool:
+    """The command line is `python ... -m module ...`: the process was started as that module
+    (what it is), not merely one whose command line mentions it."""
+    return _has(cmdline, "-m", module)
+
+
+def supervisor_of(kernel_pid: int) -> psutil.Process | None:
+    """The kernel's supervisor, found by what it is: the kernel's child started as `python -m
+    elastic_nb.supervisor` (modules.SUPERVISOR) for that kernel (its --kernel-pid). None when
+    it has none running (not started yet, or gone)."""
+    try:
+        children = psutil.Process(kernel_pid).children()
+    except psutil.Error:
+        return None
+    found = []
+    for p in children:
+        with contextlib.suppress(psutil.Error):
+            cmd = p.cmdline()
+            if (
+                runs_module(cmd, modules.SUPERVISOR)
+                and _has(cmd, "--kernel-pid", str(kernel_pid))
+                and p.status() != psutil.STATUS_ZOMBIE
+            ):
+                found.append(p)
+    assert len(found) <= 1, f"kernel {kernel_pid} has several supervisors: {found}"
+    return found[0] if found else None
+
+
+def supervisor_registration(pid: int) -> registry.Registration | None:
+    """What the supervisor registered beside its socket (elastic_nb.common.registry), read
+    without judging anyone's registration."""
+    for path in registry.runtime_dir().glob("sup-*.json"):
+        with contextlib.suppress(OSError, ValueError, TypeError):
+            reg = registry.Registration(**json.loads(path.read_text()))
+            if reg.pid == pid:
+                return reg
+    return None
+
+
+def kernel_keeps(kernel_pid: int, watch: TreeWatch) -> set[int]:
+    """What may outlive a test under a kernel that runs: its supervisor and what that says it
+    keeps (`status`): the zygote, the idle warm launcher with its fork server and resource
+    tracker (the launcher's children: launcher/fork_server.py), and the ranks of every session
+    it runs with the fork servers and launchers above them (as the watch first saw them)."""
+    sup = supervisor_of(kernel_pid)
+    if sup is None:
+        return set()
+    kept = {sup.pid}
+    reg = supervisor_registration(sup.pid)
+    if reg is None:
+        return kept  # starting: it keeps nothing yet
+    try:
+        status = ask_supervisor(reg.socket, {"kind": "status", "req": 1}, timeout=10)["data"]
+    except OSError:
+        return kept
+    warm = status.get("warm") or {}
+    if warm.get("zygote"):
+        kept.add(warm["zygote"])
+    if warm.get("pid"):
+        kept.add(warm["pid"])
+        with contextlib.suppress(psutil.Error):
+            kept.update(p.pid for p in psutil.Process(warm["pid"]).children())
+    for session in status.get("sessions", ()):
+        for r in session["ranks"]:
+            if r["pid"]:
+                kept.add(r["pid"])
+                kept.update(watch.ancestors(r["pid"], 3))
+    return kept
 
 
 @dataclass
@@ -137,6 +278,13 @@ class Execution:
         assert len(ids) == 1, f"expected one job in the output, found {ids}:\n{self.stdout}"
         return ids[0]
 
+    @property
+    def run_dir(self) -> Path:
+        """The run directory its one job's summary line names (`... logs: PATH`)."""
+        dirs = list(dict.fromkeys(path for _, path in _RUN_DIR.findall(self.stdout)))
+        assert len(dirs) == 1, f"expected one run directory in the output, found {dirs}"
+        return Path(dirs[0])
+
 
 class PrefixedKernelManager(KernelManager):
     """A KernelManager whose kernel runs as ``cmd_prefix + <the kernelspec's command>``: the
@@ -162,8 +310,8 @@ class Kernel:
         self.kc = self.km.client()
         self.kc.start_channels()
         self.kc.wait_for_ready(timeout=60)
-        self.tree = TreeWatch(self.pid)
         self.executions: list[Execution] = []  # every cell run, in order
+        self.tree = TreeWatch(self.pid, kernel=self)
         # IOPub messages of earlier cells that arrived while another cell was collected (what a
         # background job's thread prints goes under the cell that started it).
         self.late: dict[str, list[dict[str, Any]]] = {}
@@ -177,11 +325,14 @@ class Kernel:
         k._pid = pid
         k.kc = BlockingKernelClient(connection_file=connection_file)
         k.kc.load_connection_file()
-        k.kc.start_channels()
+        # No heartbeat: with no manager of its own, wait_for_ready takes a heartbeat missed for
+        # a second (a kernel still starting on a loaded machine) for a dead kernel ("Kernel died
+        # before replying to kernel_info"); its starter knows whether it lives.
+        k.kc.start_channels(hb=False)
         k.kc.wait_for_ready(timeout=60)
-        k.tree = TreeWatch(pid)
         k.executions = []
         k.late = {}
+        k.tree = TreeWatch(pid, kernel=k)
         return k
 
     @property
@@ -189,6 +340,12 @@ class Kernel:
         if self.km is None:
             return self._pid
         return self.km.provisioner.process.pid  # type: ignore[union-attr]
+
+    def supervisor(self) -> psutil.Process:
+        """Its supervisor (`supervisor_of`), which must be running."""
+        sup = supervisor_of(self.pid)
+        assert sup is not None, f"kernel {self.pid} has no supervisor running"
+        return sup
 
     def start(self, code: str) -> tuple[str, Execution]:
         ex = Execution()
@@ -371,18 +528,20 @@ def free_port() -> int:
 # ---- what a job leaves in its run directory, read from outside --------------------------------
 
 
-def run_dir(cache_home: Path, job: str) -> Path:
-    """A job's run directory under the suite's cache home (the default --log-dir)."""
-    return cache_home / "elastic_nb" / "runs" / job
+def run_dir(cache_home: Path, job: str, log_dir: Path | None = None) -> Path:
+    """A job's run directory: under its --log-dir if it had one, else under the suite's cache
+    home (the default)."""
+    return (log_dir or cache_home / "elastic_nb" / "runs") / job
 
 
-def run_summary(cache_home: Path, job: str) -> dict[str, Any]:
-    summary: dict[str, Any] = json.loads((run_dir(cache_home, job) / "summary.json").read_text())
+def run_summary(cache_home: Path, job: str, log_dir: Path | None = None) -> dict[str, Any]:
+    path = run_dir(cache_home, job, log_dir) / "summary.json"
+    summary: dict[str, Any] = json.loads(path.read_text())
     return summary
 
 
-def run_events(cache_home: Path, job: str) -> list[dict[str, Any]]:
-    path = run_dir(cache_home, job) / "events.jsonl"
+def run_events(cache_home: Path, job: str, log_dir: Path | None = None) -> list[dict[str, Any]]:
+    path = run_dir(cache_home, job, log_dir) / "events.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
@@ -393,12 +552,15 @@ def supervisor_socket(k: Kernel) -> str:
     return m[1]
 
 
-def ask_supervisor(socket_path: str, request: dict[str, Any]) -> dict[str, Any]:
+def ask_supervisor(
+    socket_path: str, request: dict[str, Any], timeout: float | None = None
+) -> dict[str, Any]:
     """A request to a supervisor over its socket, as another client (the JupyterLab panel's
     way): answered while a cell keeps the kernel busy. Returns the reply."""
     from elastic_nb.common import protocol
 
     with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(timeout)
         s.connect(socket_path)
         s.sendall(protocol.encode({"kind": "hello", "version": protocol.VERSION, "role": "tool"}))
         s.sendall(protocol.encode(request))  # type: ignore[arg-type]

@@ -29,10 +29,11 @@ from pathlib import Path
 from typing import Any
 
 import nbformat
+import psutil
 import pytest
 from playwright.sync_api import expect
 
-from tests.kernel import free_port
+from tests.kernel import TreeWatch, free_port, kernel_keeps, runs_module, wait_for
 
 # An expectation passes as soon as the page agrees: its timeout is only a liveness bound, so it
 # is set for a loaded 2-core machine (Playwright's 5 s default can pass while a widget update
@@ -71,17 +72,42 @@ c.LabServerApp.extra_labextensions_path = {labextensions!r}
 """
 
 _ROOT = Path(__file__).resolve().parent.parent
+# What the JupyterLab extension is built from (the Makefile's LABEXT_SRC), and where to.
+_LABEXT_SOURCES = ("src", "style", "schema", "package.json", "tsconfig.json")
+_LABEXT_BUILT = _ROOT / "elastic_nb" / "labextension"
+
+
+def _labextension_sources() -> list[Path]:
+    found = []
+    for name in _LABEXT_SOURCES:
+        path = _ROOT / "labextension" / name
+        found += [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+    return found
+
+
+def labextension_stale() -> str | None:
+    """Why the extension built in this tree is not this tree's, or None. The build's
+    package.json (jupyter-builder writes it last; the Makefile touches it) must be newer than
+    every source file: a panel whose source changed since its build would otherwise be tested
+    as it was (a Stop that only dumps stacks stayed green until someone rebuilt by hand)."""
+    built = _LABEXT_BUILT / "package.json"
+    rebuild = "`make elastic_nb/labextension/package.json` builds it (`make test` does)"
+    if not built.exists():
+        return f"no JupyterLab extension is built in this tree ({built}): {rebuild}"
+    newer = [p for p in _labextension_sources() if p.stat().st_mtime > built.stat().st_mtime]
+    if newer:
+        names = ", ".join(str(p.relative_to(_ROOT)) for p in newer[:5])
+        return f"the JupyterLab extension's build is older than {names}: {rebuild}"
+    return None
 
 
 def _tree_labextensions(workdir: Path) -> list[str]:
     """The JupyterLab extension as built in this tree (`jlpm build` or pip's build), ahead of
-    the copy a `pip install -e .` made when it ran: the pages test the extension's source. The
-    server finds an extension's files under a folder named as its package: a link gives it one."""
-    built = _ROOT / "elastic_nb" / "labextension"
-    if not (built / "package.json").exists():
-        return []
+    the copy a `pip install -e .` made when it ran: the pages test the extension's source
+    (`serve` refuses a missing or stale build). The server finds an extension's files under a
+    folder named as its package: a link gives it one."""
     (workdir / "labextensions").mkdir()
-    (workdir / "labextensions" / "elastic-nb").symlink_to(built)
+    (workdir / "labextensions" / "elastic-nb").symlink_to(_LABEXT_BUILT)
     return [str(workdir / "labextensions")]
 
 
@@ -148,7 +174,28 @@ class LabServer:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
+        # The server's process tree, for the per-test check (tests/conftest.py): its kernels
+        # and what they start.
+        self.watch = TreeWatch(self.proc.pid, kept=self._kept)
         self._wait_up(timeout=90)
+
+    def _kept(self, watch: TreeWatch) -> set[int]:
+        """The server's running kernels (its children started as ipykernel_launcher with the
+        connection file of a kernel its API lists) and what each may keep
+        (tests/kernel.py, kernel_keeps)."""
+        try:
+            with urllib.request.urlopen(f"{self.url}/api/kernels", timeout=10) as r:
+                files = {f"kernel-{k['id']}.json" for k in json.load(r)}
+        except OSError:
+            return set()
+        kept: set[int] = set()
+        for p in psutil.Process(self.proc.pid).children():
+            with contextlib.suppress(psutil.Error):
+                cmd = p.cmdline()
+                connection = cmd[cmd.index("-f") + 1] if "-f" in cmd[:-1] else ""
+                if runs_module(cmd, "ipykernel_launcher") and Path(connection).name in files:
+                    kept |= {p.pid, *kernel_keeps(p.pid, watch)}
+        return kept
 
     def _wait_up(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -175,6 +222,10 @@ class LabServer:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        self.watch.stop()
+        assert wait_for(lambda: not self.watch.alive(), 10), (
+            f"processes of jupyter {self.app} outlived it: {self.watch.alive()}"
+        )
 
     def write_notebook(self, name: str, cells: list[str]) -> str:
         nb = nbformat.v4.new_notebook()
@@ -266,6 +317,9 @@ def serve(
     missing = chromium_missing()
     if missing:
         pytest.fail(missing)  # a missing browser is a broken setup, not a reason to skip
+    stale = labextension_stale()
+    if stale:
+        pytest.fail(stale)  # a stale build must not pass for this tree's extension
     server = LabServer(tmp_path_factory.mktemp(app), {"XDG_CACHE_HOME": str(cache_home)}, app=app)
     yield server
     server.stop()

@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import psutil
+import pytest
 
 _PREFIX = "enb"  # then the creator's pid, so that a sweep can tell a live creator's
 _NETNS = re.compile(rf"^{_PREFIX}-(\d+)-(\d+)$")
@@ -42,11 +43,18 @@ class SecondAddress:
 
 
 def usable() -> str | None:
-    """Why these tests cannot run here, or None."""
+    """Why these tests cannot run here (a reason to skip them), or None. Only not being root is
+    one: as root (as here and in CI) a missing tool is a broken setup, and the tests fail on
+    it, or a machine without iproute2 would pass the suite with its loopback checks unrun."""
     if os.geteuid() != 0:
         return "needs root (network and UTS namespaces)"
     missing = [t for t in ("ip", "unshare", "hostname") if shutil.which(t) is None]
-    return f"missing {', '.join(missing)} (iproute2, util-linux)" if missing else None
+    if missing:
+        pytest.fail(
+            f"running as root without {', '.join(missing)}: `make netns-tools` installs "
+            "iproute2 (ip) and util-linux (unshare); hostname is Debian's hostname package"
+        )
+    return None
 
 
 def _ip(*args: str) -> str:

@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.kernel import Kernel, assert_job_gone, run_dir, wait_for
+from tests.kernel import Kernel, assert_job_gone, run_dir, run_summary, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -75,7 +75,7 @@ def test_a_rank_fails_after_a_save_the_next_attempt_resumes_there(
         ("saved", 5),
         ("loaded", 5),
     ]
-    summary = json.loads((run_dir(cache_home, ex.job_id) / "summary.json").read_text())
+    summary = run_summary(cache_home, ex.job_id)
     assert summary["outcome"] == "succeeded" and summary["restarts"] == 1
     assert summary["checkpoint"]["step"] == 5
     assert summary["checkpoint"]["words"].startswith("the last checkpoint is step 5 (")

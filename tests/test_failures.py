@@ -196,11 +196,7 @@ def test_interrupt_when_the_supervisor_does_not_answer(fresh_kernel: Kernel) -> 
         "%%elastic --nproc 2\nimport time\nprint('sleeping', flush=True)\ntime.sleep(300)\n"
     )
     k.collect(msg_id, ex, timeout=60, until=lambda e: e.stdout.count("sleeping") == 2)
-    (supervisor,) = [
-        p
-        for p in psutil.Process(k.pid).children()
-        if "elastic_nb.supervisor" in " ".join(p.cmdline())
-    ]
+    supervisor = k.supervisor()
     supervisor.suspend()
     try:
         t0 = time.monotonic()
@@ -256,11 +252,7 @@ def test_kernel_killed_mid_job(fresh_kernel: Kernel) -> None:
     k.collect(msg_id, ex, timeout=60, until=lambda e: e.stdout.count("up") == 2)
     job = ex.job_id
     assert procs.job_processes([job])
-    (supervisor,) = [
-        p
-        for p in psutil.Process(k.pid).children()
-        if "elastic_nb.supervisor" in " ".join(p.cmdline())
-    ]
+    supervisor = k.supervisor()
     k.kill()
     assert wait_for(lambda: not procs.job_processes([job]), timeout=10), procs.job_processes([job])
     assert wait_for(
@@ -275,13 +267,7 @@ def test_supervisor_killed_mid_job(fresh_kernel: Kernel) -> None:
         "%%elastic --nproc 2\nimport time\nprint('up', flush=True)\ntime.sleep(300)\n"
     )
     k.collect(msg_id, ex, timeout=60, until=lambda e: e.stdout.count("up") == 2)
-    supervisor = [
-        p
-        for p in psutil.Process(k.pid).children()
-        if "elastic_nb.supervisor" in " ".join(p.cmdline())
-    ]
-    assert len(supervisor) == 1
-    supervisor[0].send_signal(signal.SIGKILL)
+    k.supervisor().send_signal(signal.SIGKILL)
     k.collect(msg_id, ex, timeout=30)
     assert ex.ename == "SupervisorDied"
     assert "the job's processes were killed" in ex.error["evalue"]

@@ -10,13 +10,14 @@ from typing import Any
 
 import pytest
 
-from elastic_nb.kernel.dashboard.widget import SEND_EVERY_S
 from elastic_nb.kernel.magic import widgets_frontend
 from tests.kernel import Kernel, assert_job_gone
 
 pytestmark = pytest.mark.e2e
 
 WIDGET = "application/vnd.jupyter.widget-view+json"
+# The README: "The kernel sends the dashboard at most one message per 0.2 s".
+SEND_EVERY_S = 0.2
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import json
 import re
 import signal
 from pathlib import Path
@@ -24,7 +23,7 @@ import pytest
 from elastic_nb.common import procs, protocol, report
 from elastic_nb.common.procs import MemoryLimit
 from elastic_nb.common.rundir import RunDir
-from elastic_nb.kernel.dashboard.model import MEMORY_SAMPLES, DashboardState
+from elastic_nb.kernel.dashboard.model import DashboardState
 from elastic_nb.kernel.flags import job_spec
 from elastic_nb.rank.memory import largest
 from elastic_nb.supervisor.processes.node import MemoryReading
@@ -33,9 +32,19 @@ from elastic_nb.supervisor.runs import rank_group
 from elastic_nb.supervisor.runs.job import Job
 from tests import cgroups
 from tests.fake_node import FakeNode
-from tests.kernel import Kernel, ask_supervisor, assert_job_gone, supervisor_socket, wait_for
+from tests.kernel import (
+    Kernel,
+    ask_supervisor,
+    assert_job_gone,
+    run_events,
+    run_summary,
+    supervisor_socket,
+    wait_for,
+)
 
 MiB, GiB = 2**20, 2**30
+# The README: each rank's sparkline is "its last five minutes", of samples taken once a second.
+FIVE_MINUTES_OF_SAMPLES = 5 * 60
 _META = {"display": True, "modules": {}, "objects": [], "pull": []}
 
 
@@ -264,14 +273,14 @@ def test_the_dashboard_keeps_each_ranks_last_minutes_and_starts_afresh_on_a_rest
 ) -> None:
     dash = DashboardState("cafe0001", str(tmp_path), job_spec({"nproc": 2, "max_restarts": 1}))
     dash.apply({"state": "running", "attempt": 0})
-    for i in range(MEMORY_SAMPLES + 10):
+    for i in range(FIVE_MINUTES_OF_SAMPLES + 10):
         dash.apply({"memory": [_sample(0, 0, i, i * MiB), _sample(0, 1, i, 5 * MiB)]})
     delta = dash.take_delta()
     assert delta is not None
     series = dash.snapshot()["memory"]["0"]["series"]
-    assert len(series) == MEMORY_SAMPLES and series[-1] == [
-        MEMORY_SAMPLES + 9,
-        (MEMORY_SAMPLES + 9) * MiB,
+    assert len(series) == FIVE_MINUTES_OF_SAMPLES and series[-1] == [
+        FIVE_MINUTES_OF_SAMPLES + 9,
+        (FIVE_MINUTES_OF_SAMPLES + 9) * MiB,
         None,
     ]
     assert delta["memory"]["1"]["last"]["rss"] == 5 * MiB
@@ -850,9 +859,7 @@ def test_near_the_cgroups_limit_an_alert_then_the_oom_kill_names_the_rank_and_it
             assert ex.ename == "JobFailed", ex.stdout + ex.traceback
             assert "[rank 1] alerted" in ex.stdout
             job = ex.job_id
-            events = [
-                json.loads(line) for line in (tmp_path / "runs" / job / "events.jsonl").open()
-            ]
+            events = run_events(cache_home, job, log_dir=tmp_path / "runs")
             alerts = [e for e in events if e["event"] == "alert" and e["kind"] == "memory"]
             assert len(alerts) == 1, alerts
             assert alerts[0]["rank"] == 1
@@ -863,7 +870,7 @@ def test_near_the_cgroups_limit_an_alert_then_the_oom_kill_names_the_rank_and_it
             ), alerts[0]["title"]
             exit_ = next(e for e in events if e["event"] == "rank.exit" and e["rank"] == 1)
             assert alerts[0]["t"] < exit_["t"]
-            summary = json.loads((tmp_path / "runs" / job / "summary.json").read_text())
+            summary = run_summary(cache_home, job, log_dir=tmp_path / "runs")
             assert summary["cause"] == "host_oom" and summary["failure"]["rank"] == 1
             m = re.search(
                 r"killed by SIGKILL from the kernel's OOM killer \(host memory; it peaked at "
@@ -881,15 +888,46 @@ def test_near_the_cgroups_limit_an_alert_then_the_oom_kill_names_the_rank_and_it
             k.shutdown()
 
 
+TORCH_LOADED = """%%elastic --nproc 2 --bg
+import os, pathlib, time, torch
+x = torch.ones(3)
+here = pathlib.Path({markers!r})
+(here / f"loaded-{{os.environ['RANK']}}").touch()
+while not (here / "done").exists():
+    time.sleep(0.02)
+"""
+
+
 @pytest.mark.e2e
-def test_neither_the_kernel_nor_the_supervisor_loads_torch(kernel: Kernel) -> None:
+def test_neither_the_kernel_nor_the_supervisor_loads_torch(kernel: Kernel, tmp_path: Path) -> None:
     """Whatever a job does, the kernel and the supervisor never load torch (so never CUDA: a
-    context there would pin GPU memory for their lives): memory is read from /proc and NVML."""
-    kernel.ok(
-        "%%elastic --nproc 2\nimport torch\nx = torch.ones(3)\nimport time; time.sleep(1.5)\n"
-    )
-    supervisor = int(re.search(r"supervisor: pid (\d+)", kernel.ok("%elastic status").stdout)[1])  # type: ignore[index]
-    for pid in (kernel.pid, supervisor):
-        maps = Path(f"/proc/{pid}/maps").read_text()
-        assert "libtorch" not in maps and "libcuda" not in maps, pid
+    context there would pin GPU memory for their lives): memory is read from /proc and NVML.
+    The ranks hold torch until the supervisor has sampled each of them since it loaded it (the
+    check would hold without any sample), then end; it is checked then and after the job."""
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    ex = kernel.ok(TORCH_LOADED.format(markers=str(markers)))
+    job, sock = ex.job_id, supervisor_socket(kernel)
+    loaded = [markers / f"loaded-{rank}" for rank in (0, 1)]
+    assert wait_for(lambda: all(p.exists() for p in loaded), timeout=60)
+    since = max(p.stat().st_mtime for p in loaded)
+
+    def sampled() -> bool:
+        status = ask_supervisor(sock, {"kind": "status", "req": 1})["data"]
+        ranks = status.get("memory", {}).get(job, {})
+        return all(str(r) in ranks and ranks[str(r)]["sample"]["t"] > since for r in (0, 1))
+
+    assert wait_for(sampled, timeout=30)  # once a second, the README says
+    supervisor = kernel.supervisor().pid
+
+    def neither_loads_torch() -> None:
+        for pid in (kernel.pid, supervisor):
+            maps = Path(f"/proc/{pid}/maps").read_text()
+            assert "libtorch" not in maps and "libcuda" not in maps, pid
+
+    neither_loads_torch()
+    (markers / "done").touch()
+    kernel.ok("_.wait()")
+    assert_job_gone(job)
+    neither_loads_torch()
     assert kernel.ok("import sys; 'torch' in sys.modules").result == "False"

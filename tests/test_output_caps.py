@@ -27,12 +27,6 @@ TAB_CHARS = 250_000  # "a tab holds at most 250,000 characters"
 ALL_TAB_CHARS = 500_000  # "(500,000 across ranks)"
 
 
-def _run_dir(ex: Execution) -> RunDir:
-    return RunDir(
-        next(line.split("logs: ")[1] for line in ex.stdout.splitlines() if "logs: " in line)
-    )
-
-
 def _measured(kernel: Kernel, code: str) -> tuple[Execution, int, int]:
     """The cell's execution, the bytes of its output and the kernel's RSS growth."""
     kernel.ok("%%elastic --nproc 2\nprint('warm')\n")  # imports and pools are not the cell's
@@ -54,7 +48,7 @@ def test_a_5mb_line_per_rank_is_cut_and_the_log_keeps_it(kernel: Kernel) -> None
     )
     assert size < 1 * MB, size
     assert grew < 20 * MB, grew
-    rd = _run_dir(ex)
+    rd = RunDir(ex.run_dir)
     for rank in (0, 1):
         log = rd.log(0, rank, "out")
         assert log.read_text() == "x" * 5_000_000 + "\n"  # the file keeps the whole line
@@ -79,7 +73,7 @@ def test_a_200_000_update_progress_bar_per_rank_is_its_last_state(kernel: Kernel
     assert grew < 20 * MB, grew
     for rank in (0, 1):
         assert f"[rank {rank}] 200000/200000 |{'#' * 39}\n" in ex.stdout
-    assert _run_dir(ex).log(0, 0, "out").read_bytes().count(b"\r") == 200_000
+    assert RunDir(ex.run_dir).log(0, 0, "out").read_bytes().count(b"\r") == 200_000
 
 
 def _flood(rank: int, n: int, width: int = 4000) -> dict:

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import stat
 from pathlib import Path
 
 import pytest
 
 from elastic_nb.common.registry import runtime_dir
-from tests.kernel import Kernel, assert_job_gone, pid_ended, run_summary, wait_for
+from tests.kernel import Kernel, assert_job_gone, free_port, pid_ended, run_summary, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -162,9 +161,7 @@ def test_a_peer_outside_the_job_dies_under_a_rank(kernel: Kernel, cache_home: Pa
 
 
 def test_static_rendezvous_with_its_id_and_conf(kernel: Kernel) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ex = kernel.ok(
         f"%%elastic --nproc 2 --rdzv-backend static --rdzv-endpoint localhost:{port} "
         "--rdzv-id notebook-run-7 --rdzv-conf join_timeout=60\n"

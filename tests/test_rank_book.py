@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -19,6 +20,7 @@ from elastic_nb.supervisor.forensics.desync import Desync
 from elastic_nb.supervisor.processes.launcher_pool import LauncherPool
 from elastic_nb.supervisor.processes.node import LocalNode
 from elastic_nb.supervisor.ranks.rank_book import RankBook
+from elastic_nb.supervisor.ranks.rank_state import RankState
 from tests.fake_node import FakeNode
 
 pytestmark = pytest.mark.unit
@@ -66,13 +68,27 @@ def test_the_rank_book_meets_records_exits_and_blame(tmp_path: Path) -> None:
     assert book.chip(r1, None)["state"] == "zombie"
 
 
+class _SeenGone(LocalNode):
+    """This machine, which says when it has seen a rank gone (its pidfd readable): the test's
+    launcher speaks only after that, whatever the scheduler does meanwhile."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.seen_gone = anyio.Event()
+
+    async def wait_gone(self, r: RankState) -> tuple[float, float]:
+        gone = await super().wait_gone(r)
+        self.seen_gone.set()
+        return gone
+
+
 def test_the_end_waits_for_the_launchers_last_word_on_how_its_ranks_ended(tmp_path: Path) -> None:
     """The teardown can see the launcher gone while what it said last (each forked rank's exit
     status) is still in its pipe: hear_out holds the end until that is taken in and every rank
     watcher has seen its rank gone; without it the verdict said "its exit status never came"."""
     rd = RunDir(str(tmp_path))
+    node = _SeenGone(rd, LauncherPool(str(tmp_path / "pool")), list, lambda: None)
     book = RankBook(rd)
-    node = LocalNode(rd, LauncherPool(str(tmp_path / "pool")), list, lambda: None)
     # A fork server stand-in: it reaps its child at once, so only its word says how it ended.
     server = subprocess.Popen(
         [
@@ -96,7 +112,7 @@ def test_the_end_waits_for_the_launchers_last_word_on_how_its_ranks_ended(tmp_pa
 
         async def launcher_speaks_late() -> None:
             os.kill(pid, signal.SIGKILL)
-            await anyio.sleep(0.3)  # the word arrives after the rank is gone
+            await node.seen_gone.wait()  # the word arrives after the rank is seen gone
             book.report_exit(0, 0, -signal.SIGKILL)
             heard.set()
 

@@ -35,9 +35,9 @@ async def _nothing(msg: Any) -> None:
 
 
 def test_an_answer_that_lands_while_the_watch_looks_ends_the_cell_at_once(tmp_path: Path) -> None:
-    """The last rank answers while the desync watch's look waits for a slow probe: the cell is
-    decided as soon as the look returns, not at the next look (a lost wake-up held about one
-    trivial cell in six for 0.25-1 s)."""
+    """The last rank answers while the desync watch's look waits for a slow probe (the test
+    answers once a probe waits at the gate): the cell is decided as soon as the look returns,
+    not at the next look (a lost wake-up held about one trivial cell in six for 0.25-1 s)."""
     spec = job_spec({"nproc": "2", "log_dir": str(tmp_path)}, cwd=str(tmp_path))
     node = FakeNode(RunDir.of(spec.log_dir, "5e5510a1"))
     group = RankGroup("5e5510a1", spec, node, _nothing)
@@ -59,7 +59,10 @@ def test_an_answer_that_lands_while_the_watch_looks_ends_the_cell_at_once(tmp_pa
                 decided.append(time.monotonic())
 
             tg.start_soon(decide)
-            await anyio.sleep(0.05)  # decide's first pass is inside the watch's look by now
+            # Inside the watch's look: its first is due a second after the watch starts
+            # (diagnosis.DesyncWatch), and decide waits on its event until then.
+            with anyio.fail_after(10):
+                await node.probing.wait()
             cell.answer(0, True)
             cell.answer(1, True)
             opened = time.monotonic()

@@ -38,8 +38,7 @@ def test_run_directory_keeps_everything(kernel: Kernel) -> None:
     ex = kernel.ok(
         '%%elastic --nproc 2\nimport os, sys\nprint("hello from", os.environ["RANK"])\nprint("to stderr", file=sys.stderr)\n'
     )
-    run_dir = next(line.split("logs: ")[1] for line in ex.stdout.splitlines() if "logs: " in line)
-    rd = RunDir(run_dir)
+    rd = RunDir(ex.run_dir)
     assert rd.spec.exists() and rd.cell.read_text().startswith("# %%elastic --nproc 2\n")
     assert rd.log(0, 1, "out").read_text() == "hello from 1\n"
     assert rd.log(0, 0, "err").read_text() == "to stderr\n"

@@ -150,7 +150,9 @@ class ElasticCluster:
         self.lab = lab
         self.el = Elastic.warm(directory)
         self.k = self.el.kernel
-        self.join = self.k.ok(f"%elastic join-command --host {lab.host_address}").stdout.split("\n")[0]
+        self.join = self.k.ok(f"%elastic join-command --host {lab.host_address}").stdout.split(
+            "\n"
+        )[0]
         self.machines = [lab.machine() for _ in range(count)]
         for m in self.machines:
             m.join(self.join)
@@ -165,7 +167,9 @@ class ElasticCluster:
             m.stop()
 
 
-def p10(lab: machines.Lab, d: str, n: int, cluster: ElasticCluster) -> tuple[list[float], list[float]]:
+def p10(
+    lab: machines.Lab, d: str, n: int, cluster: ElasticCluster
+) -> tuple[list[float], list[float]]:
     xs, ys = [], []
     for _ in range(n):
         r = cluster.el.run("--nnodes 3 --nproc 2", INIT)
@@ -183,7 +187,9 @@ def p10(lab: machines.Lab, d: str, n: int, cluster: ElasticCluster) -> tuple[lis
     return xs, ys
 
 
-def p11(lab: machines.Lab, d: str, n: int, cluster: ElasticCluster) -> tuple[list[float], list[float]]:
+def p11(
+    lab: machines.Lab, d: str, n: int, cluster: ElasticCluster
+) -> tuple[list[float], list[float]]:
     xs, ys = [], []
     for _ in range(n):
         cluster.wait_joined(2)

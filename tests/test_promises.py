@@ -27,9 +27,11 @@ def test_ranks_that_ignore_sigterm_are_killed_after_the_grace(
         "time.sleep(300)\n"
     )
     assert ex.ename == "JobTimeout"
-    # The deadline, the 2 s grace nobody used, SIGKILL: a bounded end, not a hang.
-    assert ex.seconds < 8
     s = run_summary(cache_home, ex.job_id)
+    # The deadline (1 s from the job's creation), the 2 s grace nobody used, SIGKILL and the
+    # teardown: a bounded end, not a hang (counted from the job's creation, so that a kernel slow
+    # to start its supervisor on a loaded machine is not counted).
+    assert s["wall_s"] < 1 + 2 + 4, s["wall_s"]
     assert (s["outcome"], s["cause"]) == ("timeout", "deadline")
     assert_job_gone(ex.job_id)
 

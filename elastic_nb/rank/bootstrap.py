@@ -31,7 +31,7 @@ from typing import Any
 
 from elastic_nb.common import loopback, modules, procs
 from elastic_nb.common.protocol import STACK_SIGNAL, STACKS_END_MARK
-from elastic_nb.common.rundir import RunDir, attempt_of, write_json
+from elastic_nb.common.rundir import ATTEMPT_BASE_ENV, RunDir, attempt_of, write_json
 from elastic_nb.common.spec import MANAGED_ENV, JobSpec
 from elastic_nb.rank import memory, recorder
 from elastic_nb.rank.outcomes import dump, dump_result, record_failure
@@ -74,6 +74,10 @@ def prepare(run_dir: str, env: dict[str, str], start_env: dict[str, str]) -> Ran
     rd = RunDir(run_dir)
     rank = int(os.environ["RANK"])
     attempt = attempt_of(os.environ)
+    # The cell sees the job's attempt where torch puts its restart count: across machines each
+    # round is an elastic_launch of its own, whose count starts again at 0.
+    os.environ["TORCHELASTIC_RESTART_COUNT"] = str(attempt)
+    os.environ.pop(ATTEMPT_BASE_ENV, None)
     spec = JobSpec.from_json(rd.spec.read_text())
     _prepare_process(spec, rd)
     _arm_forensics(rd, attempt, rank)

@@ -266,8 +266,11 @@ class Job(RankGroup):
     def _watch_agent(self) -> None:
         """The zombie watchdog (`watchdogs.agent_stuck` judges), for each node's agent: say so,
         and stop the launcher, SIGTERM breaks the agent's stuck wait."""
-        if self.decided:
-            return  # the teardown ends every process of the job: nothing waits on the agent
+        if self.decided and self.multi_node:
+            # Across machines the teardown ends every node's processes by order of their agents:
+            # a launcher waits there for its last word, not stuck. On one machine an agent stuck
+            # after every result was read is still one to name (and stop).
+            return
         for node in self.nodes:
             if self._watchdog_fired or not node.launcher_alive():
                 continue

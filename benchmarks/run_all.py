@@ -27,6 +27,7 @@ BENCHMARKS = [
     "quickstart.py",
     "session.py",
     "checkpoint.py",
+    "multinode.py",
 ]
 _BLOCK = re.compile(r"(<!-- results -->\n).*?(<!-- /results -->)", re.S)
 

@@ -3,9 +3,13 @@ test_forensics.py)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
-from elastic_nb.supervisor.forensics.watchdogs import stuck_agent
+from elastic_nb.common import protocol
+from elastic_nb.kernel.flags import job_spec
+from elastic_nb.supervisor.forensics.watchdogs import Agent, agent_stuck, stuck_agent, zombie_bound
 from elastic_nb.supervisor.ranks.rank_state import RankState
 
 pytestmark = pytest.mark.unit
@@ -60,3 +64,23 @@ def test_a_step_of_the_wall_clock_is_not_a_stuck_agent() -> None:
     assert judge([RankState(0, 0, pid=10), dead]) is None
     done = [RankState(0, r, pid=r, done={"time": 1}, died_at=-3600.0, gone_at=9.9) for r in (0, 1)]
     assert judge(done, unreaped=lambda r: False) is None
+
+
+def test_another_machines_agent_is_given_the_channels_lag() -> None:
+    """A remote launcher's monitor loop is heard through its join agent's beats: its news may
+    lag by as long as the channel takes to call the machine lost, and no longer."""
+    ranks = [RankState(0, 0, pid=10)]
+    spec = job_spec({"nproc": 1}, cwd="/tmp", sys_path=[])
+    bound = zombie_bound(spec.monitor_interval)
+    now = time.monotonic()
+
+    def stuck(silent_s: float, slack: float) -> bool:
+        agent = Agent(10, ("S", "sleeping"), now - silent_s, slack=slack)
+        return (
+            agent_stuck(ranks, ranks, spec, agent, None, ticking=True, unreaped=lambda r: False)
+            is not None
+        )
+
+    assert stuck(bound + 0.3, 0.0)  # on this machine: stuck
+    assert not stuck(bound + 0.3, protocol.LOST_AFTER_S)  # on another: it may be the way here
+    assert stuck(bound + protocol.LOST_AFTER_S + 0.3, protocol.LOST_AFTER_S)

@@ -83,23 +83,18 @@ def start_line(
 
 
 def round_line(entry: Round, ranks: dict[int, str]) -> str:
-    """A multi-node job's round, once every rank of it runs: its nodes and their ranks, why it
-    began, what the change took. `ranks`: rank -> its node."""
+    """A multi-node job's round, once every rank of it runs: its nodes and their ranks, what the
+    change took (why it began is its alert's line, said as it began; the first round's is
+    here). `ranks`: rank -> its node."""
     by_node: dict[str, list[int]] = {}
     for rank, node in sorted(ranks.items()):
         by_node.setdefault(node, []).append(rank)
     where = "; ".join(f"{node}: ranks {_spans(rs)}" for node, rs in by_node.items())
     took = f", running {entry['running_s']:.1f} s after it began" if entry["running_s"] else ""
-    spent = (
-        f" (restart {entry['restarts']})"
-        if entry["counted"]
-        else " (no restart spent)"
-        if entry["attempt"]
-        else ""
-    )
+    why = f": {entry['why']}" if not entry["attempt"] else ""
     return (
-        f"[elastic_nb] attempt {entry['attempt']}: {entry['why']}{spent} · world size "
-        f"{entry['world_size']} · {where or ', '.join(entry['nodes'])}{took}"
+        f"[elastic_nb] attempt {entry['attempt']}{why} · world size {entry['world_size']} · "
+        f"{where or ', '.join(entry['nodes'])}{took}"
     )
 
 

@@ -86,7 +86,11 @@ class TextRenderer:
         for entry in msg.get("rounds", ())[self._rounds_said :]:
             if entry["running_s"] is None:
                 break  # said once every rank of it runs (its ranks' nodes are known then)
-            ranks = {r: n for r, n in self._where.items() if n in entry["nodes"]}
+            ranks = {
+                r: n
+                for r, n in self._where.items()
+                if r < entry["world_size"] and n in entry["nodes"]  # not an earlier round's
+            }
             self._out.write(report.round_line(entry, ranks) + "\n")
             self._rounds_said += 1
         for alert in msg.get("alerts", ()):

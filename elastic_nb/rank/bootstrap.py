@@ -22,6 +22,7 @@ import json
 import os
 import pickle
 import resource
+import socket
 import sys
 import time
 import types
@@ -135,6 +136,7 @@ def run_cell(
             "rank": rank,
             "attempt": attempt,
             "pid": os.getpid(),
+            "host": socket.gethostname(),  # the pid is of its machine's
             "time": time.time(),
             "note": exit_note,
         },

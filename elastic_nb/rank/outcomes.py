@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import sys
 import time
 import traceback
@@ -39,6 +40,7 @@ def record_failure(
         "rank": rank,
         "attempt": attempt,
         "pid": os.getpid(),
+        "host": socket.gethostname(),  # the pid is of its machine's
         "time": now,
         "phase": phase,
         "type": _type_name(type(exc)),

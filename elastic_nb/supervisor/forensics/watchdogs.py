@@ -39,6 +39,10 @@ class Agent:
     pid: int
     state: tuple[str, str] | None  # its process state (letter, words); None once it is gone
     last_tick: float | None  # its monitor loop, last heard (monotonic clock)
+    # What its node's news may lag by, on top of the bound: another machine's agent is heard
+    # through its join agent's beats, and each of its monitor passes reads the rendezvous
+    # store through the channel.
+    slack: float = 0.0
 
 
 def zombie_bound(monitor_interval: float) -> float:
@@ -131,7 +135,7 @@ def agent_stuck(
         current,
         nproc,
         time.monotonic(),
-        zombie_bound(spec.monitor_interval),
+        zombie_bound(spec.monitor_interval) + agent.slack,
         teardown_at,
         agent.last_tick,
         ticking=ticking,

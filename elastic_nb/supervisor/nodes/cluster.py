@@ -65,7 +65,17 @@ class Cluster:
             self.listener.close()
 
     def spawn(self, fn: Callable[..., Any], *args: Any) -> None:
-        self._tg.start_soon(fn, *args)
+        """A task for an agent (a relayed connection, an order sent), in the supervisor's task
+        group: a bug of ours there ends that task, logged, never the supervisor (whose jobs'
+        teardowns need the cluster's tasks to hear their agents)."""
+
+        async def guarded() -> None:
+            try:
+                await fn(*args)
+            except Exception:
+                log.exception("a task for an agent failed: %s", getattr(fn, "__qualname__", fn))
+
+        self._tg.start_soon(guarded)
 
     async def listener_send(
         self, peer: bytes, msg: protocol.Message, blob: bytes | None = None
@@ -83,7 +93,7 @@ class Cluster:
         self.listener.rotate()
         dropped = [a for a in self.agents.values() if a.ready]
         for a in dropped:
-            await a.send(protocol.NodeBye(kind=protocol.BYE, reason="the token was replaced"))
+            await a.send(protocol.NodeBye(kind=protocol.BYE, reason="the join token was replaced"))
             a.gone("left", "dropped: the join token was replaced")
         self._notify()
         return len(dropped)
@@ -139,6 +149,8 @@ class Cluster:
                 agent.dispatch(msg, blob)
             except (protocol.ProtocolError, ValueError) as e:
                 log.warning("dropped a message from %s: %s", address or "an agent", e)
+            except Exception:  # a bug of ours loses this message, never every agent's
+                log.exception("a message from %s failed", address or "an agent")
 
     async def _hello(
         self, peer: bytes, msg: protocol.NodeHello, blob: bytes | None, address: str

@@ -127,7 +127,7 @@ class JoinAgent:
                 tg.cancel_scope.cancel()
         finally:
             with anyio.CancelScope(shield=True):
-                await self._end_groups("the agent is leaving")
+                await self._end_groups()
             self._pool.close()
         return code
 
@@ -183,7 +183,7 @@ class JoinAgent:
                 tg.cancel_scope.cancel()
         finally:
             with anyio.CancelScope(shield=True):
-                ended = await self._end_groups(self._leaving or "the supervisor is gone")
+                ended = await self._end_groups()
                 if not self._said_bye:
                     with anyio.move_on_after(1):
                         await dialer.send(protocol.NodeBye(kind=protocol.BYE, reason="leaving"))
@@ -211,7 +211,7 @@ class JoinAgent:
                     self._tg.cancel_scope.cancel()
                 return
 
-    async def _end_groups(self, why: str) -> str:
+    async def _end_groups(self) -> str:
         """End every process of every group (SIGTERM, a short grace, SIGKILL)."""
         groups = list(self._groups.values())
         count = 0
@@ -221,8 +221,6 @@ class JoinAgent:
                 await g.node.stop(STOP_GRACE_S, lambda sig, pids: None)
             await self._forget(g)
         self._groups.clear()
-        if count:
-            log.warning("ended the processes of %d group(s): %s", count, why)
         return f"the processes of {count} job(s)" if count else ""
 
     # ---- the channel ---------------------------------------------------------------------------

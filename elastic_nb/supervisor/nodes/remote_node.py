@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -40,6 +41,12 @@ from elastic_nb.supervisor.ranks.rank_state import RankState
 __all__ = ["AgentLink", "NodeLost", "RelayedStream", "RemoteNode"]
 
 SessionStreams = Callable[[ByteStream, int | None], Awaitable[None]]
+
+# How long past the grace a stop waits for the agent's answer (its ranks' SIGKILL and the last
+# of their files sent); a teardown never waits longer on a machine.
+STOP_ANSWER_S = 20.0
+
+log = logging.getLogger(__name__)
 
 
 class NodeLost(ConnectionError):
@@ -353,7 +360,9 @@ class RemoteNode(Node):
         last_tick = None
         if beat is not None and beat["tick_age"] is not None and self._beat_at is not None:
             last_tick = self._beat_at - beat["tick_age"]
-        return Agent(self._launcher or 0, state, last_tick)
+        # As long as the channel takes to call the machine lost: past it, a silent loop is
+        # the agent's own, not the way here.
+        return Agent(self._launcher or 0, state, last_tick, slack=protocol.LOST_AFTER_S)
 
     def ranks_up(self, spec: JobSpec) -> None:
         self._order(protocol.RanksUp(kind=protocol.RANKS_UP, group=self._group or ""))
@@ -367,7 +376,7 @@ class RemoteNode(Node):
         if r.exit_code is None and code is not None:
             r.exit_code = code
         if self.lost is not None and r.lost is None and code is None:
-            r.lost = f"{self.label} left: {self.lost}"
+            r.lost = f"its node left: {self.lost}"
         return t, time.monotonic() - max(0.0, time.time() - t)
 
     def alive(self, r: RankState) -> bool:
@@ -491,11 +500,16 @@ class RemoteNode(Node):
     ) -> list[Survivor]:
         if self.lost is not None or self._group is None:
             return []
-        try:
-            answer = await self.link.request(
-                protocol.NodeStop(kind=protocol.STOP, req=0, group=self._group, grace=grace)
-            )
-        except (NodeLost, RuntimeError):
+        answer: dict[str, Any] | None = None
+        # Bounded: a teardown (shielded from cancellation) must end whatever the agent does.
+        with anyio.move_on_after(grace + STOP_ANSWER_S):
+            with contextlib.suppress(NodeLost, RuntimeError):
+                answer = await self.link.request(
+                    protocol.NodeStop(kind=protocol.STOP, req=0, group=self._group, grace=grace)
+                )
+        if answer is None:
+            if self.lost is None:
+                log.warning("%s did not answer the stop of %s in time", self.label, self._group)
             return []
         for sig, pids in answer.get("signals", []):
             on_signal(f"{sig} on {self.label}", pids)
@@ -515,18 +529,24 @@ class RemoteNode(Node):
 
     # ---- a session cell's files ----------------------------------------------------------------
 
-    async def cell_dir(self, cell_id: str, rd: RunDir) -> str:
+    async def cell_dir(self, cell_id: str, rd: RunDir) -> str | None:
         """A session cell's run directory on the agent's machine (its files sent there first);
-        what the rank there is told to run."""
+        what the rank there is told to run. None: the agent has gone (its loss restarts the
+        session's ranks)."""
         ship = {f"run/{name}": rd.path / name for name in INPUTS}
         for path in JobSpec.from_json(rd.spec.read_text()).ship:
             ship[f"cwd/{Path(path).name}"] = Path(path)
         files = await anyio.to_thread.run_sync(pack, ship)
         self.link.dirs[(self._group or "", cell_id)] = rd.path
-        answer = await self.link.request(
-            protocol.CellFiles(kind=protocol.CELL, req=0, group=self._group or "", cell=cell_id),
-            files,
-        )
+        try:
+            answer = await self.link.request(
+                protocol.CellFiles(
+                    kind=protocol.CELL, req=0, group=self._group or "", cell=cell_id
+                ),
+                files,
+            )
+        except NodeLost:
+            return None
         return str(answer["run_dir"])
 
     # ---- the agent's news ------------------------------------------------------------------
@@ -543,7 +563,9 @@ class RemoteNode(Node):
             said = protocol.launcher_news(msg["msg"])
             if said["kind"] == protocol.START:
                 self._gone.setdefault((said["attempt"], said["rank"]), anyio.Event())
-            self._news.send_nowait(said)
+            # Its reader gone (the group's tasks ended by a bug of ours): nobody listens.
+            with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+                self._news.send_nowait(said)
         elif msg["kind"] == protocol.LAUNCHER_EXIT:
             assert msg["kind"] == protocol.LAUNCHER_EXIT
             self._outcome = (msg["outcome"], f"{self.label}: {msg['reason']}")

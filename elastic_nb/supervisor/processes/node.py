@@ -141,9 +141,10 @@ class Node(ABC):
         """Every rank of the first attempt runs: a moment for the node to get ready for the next
         group (a warm launcher)."""
 
-    async def cell_dir(self, cell_id: str, rd: RunDir) -> str:
+    async def cell_dir(self, cell_id: str, rd: RunDir) -> str | None:
         """A session cell's run directory as this node's ranks reach it (on this machine, the
-        cell's own; another machine's node sends the cell's files there first)."""
+        cell's own; another machine's node sends the cell's files there first); None when the
+        node has gone."""
         return str(rd.path)
 
     # ---- ranks -----------------------------------------------------------------------------

@@ -78,7 +78,12 @@ class RankLinks:
             while True:
                 try:
                     data = await stream.receive()
-                except (anyio.EndOfStream, anyio.BrokenResourceError, OSError):
+                except (
+                    anyio.EndOfStream,
+                    anyio.BrokenResourceError,
+                    anyio.ClosedResourceError,  # closed by the session's end
+                    OSError,
+                ):
                     return
                 for frame, _ in decoder.feed(data):
                     msg = protocol.rank_news(frame)

@@ -321,28 +321,54 @@ class Session(RankGroup):
     async def _serve_cells(self) -> None:
         """The cells, in the order they came, each once the ranks are ready for it."""
         async for cell in self._queue:
+            await self._serve_cell(cell)
+
+    async def _serve_cell(self, cell: SessionCell) -> None:
+        while True:
             await self.until(functools.partial(self._ready_for, cell))
-            if cell.running:  # not stopped while it waited
-                await self._run(cell)
+            if not cell.running:  # stopped while it waited
+                return
+            attempt = self.attempt
+            dirs = await self._cell_dirs(cell)
+            if dirs is not None:
+                await self._run(cell, dirs)
+                return
+            # A machine went as the cell came, before any rank had it: it runs on the ranks of
+            # the round that follows, once they have replayed the journal.
+            await self.until(functools.partial(self._moved_on, attempt, cell))
 
     def _ready_for(self, cell: SessionCell) -> bool:
         """The ranks can take this cell, or it need not run any more (stopped while waiting)."""
         return self.ready() or not cell.running
 
-    async def _send(self, cell: SessionCell) -> list[Link]:
+    def _moved_on(self, attempt: int, cell: SessionCell) -> bool:
+        """Past `attempt` (its ranks restarted), or the cell need not run any more."""
+        return self.attempt != attempt or not cell.running
+
+    async def _cell_dirs(self, cell: SessionCell) -> dict[int, str] | None:
+        """The cell's run directory as each node's ranks see it (another machine's receives the
+        cell's files first), by node; None when a node has gone meanwhile."""
+        dirs: dict[int, str] = {}
+        for link in self._ranks.of(self.attempt):
+            node = self.book.node(link.r)
+            if id(node) not in dirs:
+                where = await node.cell_dir(cell.id, cell.rd)
+                if where is None:
+                    return None
+                dirs[id(node)] = where
+        return dirs
+
+    async def _send(self, cell: SessionCell, dirs: dict[int, str]) -> list[Link]:
         cell.answers = {}
         self.current = cell
         links = self._ranks.of(self.attempt)
-        dirs: dict[int, str] = {}  # node -> the cell's run directory as its ranks see it
         for link in links:
-            node = self.book.node(link.r)
-            if id(node) not in dirs:
-                dirs[id(node)] = await node.cell_dir(cell.id, cell.rd)
-            await link.send(protocol.Run(kind=protocol.RUN, cell=cell.id, run_dir=dirs[id(node)]))
+            run_dir = dirs[id(self.book.node(link.r))]
+            await link.send(protocol.Run(kind=protocol.RUN, cell=cell.id, run_dir=run_dir))
         self.notify()
         return links
 
-    async def _run(self, cell: SessionCell) -> None:
+    async def _run(self, cell: SessionCell, dirs: dict[int, str]) -> None:
         self.cells_run += 1
         cell.no, cell.attempt = self.cells_run, self.attempt
         cell.report.event("run", no=cell.no, attempt=self.attempt)
@@ -358,7 +384,7 @@ class Session(RankGroup):
                 f"{self.journal.words(self.attempt) or 'nothing to replay'}",
             )
         self._shown_attempt = self.attempt
-        links = await self._send(cell)
+        links = await self._send(cell, dirs)
         outcome, reason, teardown_at, restarts = await cell.decide(links, self)
         if self.current is cell:
             self.current = None
@@ -491,7 +517,10 @@ class Session(RankGroup):
         """Run a journal's cell on every rank of the current attempt; False if the attempt
         ended first (a rank died: the next attempt replays again)."""
         attempt = self.attempt
-        links = await self._send(cell)
+        dirs = await self._cell_dirs(cell)
+        if dirs is None:
+            return False  # a machine went: its loss ends the attempt
+        links = await self._send(cell, dirs)
         await self.until(
             lambda: (
                 len(cell.answers) == len(links)

@@ -1,0 +1,98 @@
+"""The supervisor's side of a join agent (supervisor/nodes/remote_node.py, cluster.py), below the
+channel: what a bug of ours or a silent agent may cost is one message, one task or one node's
+answer, never the supervisor (whose teardowns need the cluster's tasks to hear their agents).
+The agents themselves, over the real channel, are tests/test_multinode.py's."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from elastic_nb.common import machine, protocol
+from elastic_nb.common.rundir import RunDir
+from elastic_nb.supervisor.nodes import remote_node
+from elastic_nb.supervisor.nodes.cluster import Cluster
+from elastic_nb.supervisor.nodes.remote_node import AgentLink, RemoteNode
+
+pytestmark = pytest.mark.unit
+
+
+def _node(tmp_path: Path, sent: list[Any]) -> RemoteNode:
+    """A round's node on an agent that takes every order and answers none."""
+
+    async def send(peer: bytes, msg: protocol.Message, blob: bytes | None) -> bool:
+        sent.append(msg)
+        return True
+
+    link = AgentLink(send, lambda *a: None, b"peer", 1, machine.describe("10.0.0.2", ""), "x:1")
+    node = RemoteNode(RunDir(str(tmp_path)), link, 0, None, {})
+    node._group = "g1"  # as start() leaves it
+    link.nodes["g1"] = node
+    return node
+
+
+def test_a_rounds_news_that_nobody_reads_any_more_is_dropped(tmp_path: Path) -> None:
+    """The group's reader ended (its tasks cancelled by a bug of ours): the agent's news for it
+    must not raise in the cluster's receive loop, which every agent's messages go through."""
+
+    async def main() -> None:
+        node = _node(tmp_path, [])
+        node._said.close()
+        said = protocol.LauncherSaid(
+            kind=protocol.LAUNCHER,
+            group="g1",
+            msg={"kind": "start", "attempt": 0, "rank": 0, "pid": 123},
+        )
+        node.link.dispatch(said, None)  # raised BrokenResourceError
+        assert (0, 0) in node._gone  # what it said is still known
+
+    anyio.run(main)
+
+
+def test_a_stop_the_agent_never_answers_is_bounded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A teardown is shielded from cancellation: a stop waiting forever on an agent that takes
+    the order and never answers would hold the supervisor forever."""
+    monkeypatch.setattr(remote_node, "STOP_ANSWER_S", 0.2)
+
+    async def main() -> None:
+        sent: list[Any] = []
+        node = _node(tmp_path, sent)
+        started = time.monotonic()
+        with anyio.fail_after(10, shield=True):  # as a teardown's; failing, not hanging
+            survivors = await node.stop(0.1, lambda sig, pids: None)
+        assert survivors == []
+        assert [m["kind"] for m in sent] == [protocol.STOP]
+        assert time.monotonic() - started < 5
+
+    anyio.run(main)
+
+
+def test_a_task_for_an_agent_that_fails_ends_alone(caplog: pytest.LogCaptureFixture) -> None:
+    """Cluster.spawn runs in the supervisor's own task group: a failing task is logged and
+    every other task of the supervisor runs on."""
+    ran = []
+
+    async def broken() -> None:
+        raise RuntimeError("a bug of ours")
+
+    async def fine() -> None:
+        await anyio.sleep(0.05)
+        ran.append("fine")
+
+    async def main() -> None:
+        async with anyio.create_task_group() as tg:
+            cluster = Cluster(tg, "127.0.0.1")
+            cluster.spawn(broken)
+            cluster.spawn(fine)
+
+    with caplog.at_level(logging.ERROR):
+        anyio.run(main)
+    assert ran == ["fine"]
+    assert "a task for an agent failed" in caplog.text and "a bug of ours" in caplog.text

@@ -1,0 +1,51 @@
+"""Text mode's lines for a job across machines (kernel/render_text.py), on hand-made updates;
+the same lines from real agents are tests/test_multinode.py's and the notebooks'."""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import pytest
+
+from elastic_nb.kernel.render_text import TextRenderer
+
+pytestmark = pytest.mark.unit
+
+
+def _round(attempt: int, nodes: list[str], why: str, counted: bool) -> dict[str, Any]:
+    return {
+        "attempt": attempt,
+        "nodes": nodes,
+        "world_size": len(nodes),
+        "why": why,
+        "counted": counted,
+        "restarts": int(counted),
+        "started": 0.0,
+        "stop_s": None,
+        "rendezvous_s": 0.1,
+        "running_s": 0.4,
+    }
+
+
+def test_each_round_says_where_its_own_ranks_run() -> None:
+    """One rank per node: 3 nodes, node 1 lost, node 3 joins. Each round's line names its
+    ranks by node, never a rank of an earlier round's larger world; why it began is said once
+    (the first round here, the others in their alert's line as they began)."""
+    out = io.StringIO()
+    r = TextRenderer("cafe0001", "/runs/cafe0001", out, io.StringIO())
+    a, b, c, d = "node 0 (vm)", "node 1 (gpu-b)", "node 2 (gpu-c)", "node 3 (gpu-d)"
+    rounds = [_round(0, [a, b, c], "first round", False)]
+    r.update({"ranks": {"0": {"node": a}, "1": {"node": b}, "2": {"node": c}}, "rounds": rounds})
+    rounds.append(_round(1, [a, c], f"{b} rank 1 was lost: its node left", True))
+    r.update({"ranks": {"0": {"node": a}, "1": {"node": c}}, "rounds": rounds})
+    rounds.append(_round(2, [a, c, d], f"{d} joined", False))
+    r.update({"ranks": {"1": {"node": c}, "2": {"node": d}}, "rounds": rounds})
+    assert out.getvalue().splitlines() == [
+        "[elastic_nb] attempt 0: first round · world size 3 · node 0 (vm): ranks 0; "
+        "node 1 (gpu-b): ranks 1; node 2 (gpu-c): ranks 2, running 0.4 s after it began",
+        "[elastic_nb] attempt 1 · world size 2 · node 0 (vm): ranks 0; node 2 (gpu-c): ranks 1, "
+        "running 0.4 s after it began",
+        "[elastic_nb] attempt 2 · world size 3 · node 0 (vm): ranks 0; node 2 (gpu-c): ranks 1; "
+        "node 3 (gpu-d): ranks 2, running 0.4 s after it began",
+    ]

@@ -273,6 +273,15 @@ try:
 except ValueError as e:
     refused = str(e)
 emit("kept", {"steps": checkpoint.Checkpoints(DIRECTORY).steps(), "listing": listing(DIRECTORY), "refused": refused})
+
+# fsync=True (every file on disk before the step counts), saved and async: each loads the same.
+FSYNC = os.environ["CKPT_FSYNC"]
+for step, how in ((7, False), (8, True)):
+    checkpoint.save(step, model, opt, fsync=True, async_save=how, directory=FSYNC)
+    checkpoint.wait(FSYNC)
+    model, opt = build(step)
+    got = checkpoint.load(model, opt, directory=FSYNC)
+    emit(f"fsync{step}", {"step": got, "params": flat(model), "optim": optim_state(opt)})
 """
 
 
@@ -280,7 +289,7 @@ def test_round_trip_brings_back_model_optimizer_step_rng_and_extras(
     launcher: Launcher, tmp_path: Path
 ) -> None:
     ckpt, url_dir = tmp_path / "ckpt", tmp_path / "url"
-    env = {"CKPT": str(ckpt), "CKPT_URL_DIR": str(url_dir)}
+    env = {"CKPT": str(ckpt), "CKPT_URL_DIR": str(url_dir), "CKPT_FSYNC": str(tmp_path / "fsync")}
     launcher.start(tmp_path, ROUND_TRIP, [{"nproc": 2, "env": env}]).wait()
     saved, loaded, url = (emitted(tmp_path, n, 2) for n in ("saved", "loaded", "url"))
     for rank in range(2):
@@ -295,6 +304,11 @@ def test_round_trip_brings_back_model_optimizer_step_rng_and_extras(
     # each rank got its own RNG states back, not rank 0's
     assert loaded[0]["draws"] != loaded[1]["draws"]
     assert saved[0]["optim"], "Adam's state was saved"
+    for step in (7, 8):
+        for rank, seen in enumerate(emitted(tmp_path, f"fsync{step}", 2)):
+            assert seen["step"] == step, (step, rank)
+            assert seen["params"] == saved[rank]["params"], (step, rank)
+            assert seen["optim"] == saved[rank]["optim"], (step, rank)
     kept = emitted(tmp_path, "kept", 2)
     for rank in range(2):
         assert kept[rank]["steps"] == [5, 6]
@@ -529,6 +543,12 @@ else:
         emit("refused", None)
     except RuntimeError as e:
         emit("refused", str(e))
+    # The same state is refused on load too: no node's copy holds every shard of it.
+    try:
+        ckpt.load(sharded)
+        emit("refused_load", None)
+    except RuntimeError as e:
+        emit("refused_load", str(e))
 """
 
 
@@ -556,7 +576,7 @@ def test_without_shared_storage_a_node_with_no_checkpoint_gets_the_newest(
     assert [s["steps"] for s in saved[1]] == [[3, 4], [4]]
     sources = [r["from"] for r in records(tmp_path) if r["event"] == "loaded" and r["step"]]
     assert sources == ["rank 0", "rank 2"]
-    refused = emitted(tmp_path, "refused", 3)
+    refused = emitted(tmp_path, "refused", 3) + emitted(tmp_path, "refused_load", 3)
     for message in refused:
         assert message and "not shared by every rank" in message and "sharded" in message
         assert "storage every node mounts" in message and "DDP" in message
@@ -564,6 +584,70 @@ def test_without_shared_storage_a_node_with_no_checkpoint_gets_the_newest(
     assert not any(
         p.name.startswith("step-000000000005") for n in (a, b, c) for p in Path(n).iterdir()
     )
+
+
+MIXED = """
+# Two ranks on one node share its disk, the third has a disk of its own (a node of one rank).
+DIRECTORY = os.environ["DIRS"].split(",")[RANK]
+PHASE = int(os.environ["PHASE"])
+torch.manual_seed(RANK + 10 * PHASE)
+model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
+opt = torch.optim.Adam(model.parameters(), lr=0.05)
+model = nn.parallel.DistributedDataParallel(model, broadcast_buffers=False, init_sync=False)
+ckpt = checkpoint.Checkpoints(DIRECTORY)
+step = ckpt.load(model, opt)
+emit(f"loaded{PHASE}", {"step": step, "params": flat(model), "shared": ckpt.shared})
+loss = model(torch.randn(4, 6)).square().mean()
+opt.zero_grad(); loss.backward(); opt.step()
+ckpt.save(3 + PHASE, model, opt, async_save=PHASE == 1)
+ckpt.wait()
+emit(f"saved{PHASE}", {"params": flat(model), "steps": ckpt.steps(), "listing": listing(DIRECTORY)})
+"""
+
+
+def test_two_ranks_sharing_a_disk_and_one_with_its_own(launcher: Launcher, tmp_path: Path) -> None:
+    """As two ranks on one node and one on another, each node with a disk of its own: each
+    node's lowest rank writes the node's whole copy, the other rank of the pair writes nothing,
+    and a node that has no checkpoint gets the newest from the other."""
+    a, b, c = (str(tmp_path / n) for n in "abc")
+    phases = [
+        {"nproc": 3, "env": {"DIRS": f"{a},{a},{b}"}},  # step 3 into a (by rank 0), b (rank 2)
+        {"nproc": 3, "env": {"DIRS": f"{b},{c},{c}"}},  # c is new: step 3 comes from rank 0
+    ]
+    launcher.start(tmp_path, MIXED, phases).wait(120)
+    first, second = (emitted(tmp_path, f"loaded{p}", 3) for p in (0, 1))
+    assert [(r["step"], r["shared"]) for r in first] == [(None, False)] * 3
+    assert [(r["step"], r["shared"]) for r in second] == [(3, False)] * 3
+    saved = emitted(tmp_path, "saved0", 3)
+    for rank, seen in enumerate(second):
+        # b's copy, written by rank 2 (init_sync=False: each rank's weights are its own)
+        assert seen["params"] == saved[2]["params"], rank
+    # One whole copy per node, written by its lowest rank alone (DCP's files of one writer): a
+    # by rank 0 (rank 1 beside it wrote nothing), b by rank 2.
+    for rank in (0, 2):
+        ((step, files),) = saved[rank]["listing"].items()
+        assert step.startswith("step-000000000003-"), saved[rank]["listing"]
+        assert files == [".metadata", "COMMITTED", "__0_0.distcp"], (rank, files)
+    assert saved[1]["listing"] == saved[0]["listing"]
+    # the async save of phase 1: each node keeps its steps (c's first is 4)
+    assert [r["steps"] for r in emitted(tmp_path, "saved1", 3)] == [[3, 4], [4], [4]]
+    sources = [r["from"] for r in records(tmp_path) if r["event"] == "loaded" and r["step"]]
+    assert sources == ["rank 0"]
+
+
+def test_the_probe_refuses_storage_ranks_see_differently() -> None:
+    """What each rank saw of the others' probe files must split them into groups that see
+    exactly each other: rank 0 seeing rank 1's file while rank 1 does not see rank 0's (a
+    network filesystem's stale cache, a mount on one side only) is refused, whoever asks."""
+    from elastic_nb.checkpoint.directory import Layout, layout
+
+    assert layout([[0, 1], [0, 1], [2]], 1, "/ckpt") == Layout(False, 0, ((0, 1), (2,)))
+    assert layout([[0, 1], [0, 1], [2]], 2, "/ckpt") == Layout(False, 2, ((0, 1), (2,)))
+    assert layout([[0, 1]] * 2, 1, "/ckpt") == Layout(True, 0, ((0, 1),))
+    for views in ([[0, 1], [1]], [[0, 1], [0, 1], [1, 2]], [[1], [1]]):
+        for rank in range(len(views)):
+            with pytest.raises(RuntimeError, match="the ranks disagree about who shares /ckpt"):
+                layout(views, rank, "/ckpt")
 
 
 ASYNC = """

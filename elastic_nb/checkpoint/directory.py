@@ -50,6 +50,22 @@ class Layout:
     groups: tuple[tuple[int, ...], ...]  # the ranks, by the storage they see
 
 
+def layout(views: list[list[int]], rank: int, root: str) -> Layout:
+    """What a probe found, for `rank`: `views[r]` lists the ranks whose probe file rank r saw.
+    They must fall into groups of ranks that each see exactly their group (itself included):
+    anything else is storage that one rank sees and another does not see back (a cache out of
+    date, a mount on one node only), which no layout describes."""
+    for r, view in enumerate(views):
+        if r not in view or any(views[s] != view for s in view):
+            raise RuntimeError(
+                f"elastic_nb.checkpoint: the ranks disagree about who shares {root} "
+                f"(the probe files each rank saw: {dict(enumerate(views))}); give every rank "
+                "a directory on the same storage, or one of its own per node"
+            )
+    groups = tuple(sorted({tuple(v) for v in views}))
+    return Layout(len(groups) == 1, min(views[rank]), groups)
+
+
 class Directory:
     """One rank's view of a checkpoint directory. Only a leader lists, cleans and commits, and
     never while a step of its job is being written."""
@@ -183,15 +199,7 @@ class Directory:
             views = ranks.all_gather(visible)
         finally:
             self._remove(mine)
-        for r, view in enumerate(views):
-            if r not in view or any(views[s] != view for s in view):
-                raise RuntimeError(
-                    f"elastic_nb.checkpoint: the ranks disagree about who shares {self.root} "
-                    f"(the probe files each rank saw: {dict(enumerate(views))}); give every rank "
-                    "a directory on the same storage, or one of its own per node"
-                )
-        groups = tuple(sorted({tuple(v) for v in views}))
-        return Layout(len(groups) == 1, min(views[ranks.rank]), groups)
+        return layout(views, ranks.rank, self.root)
 
     # -- files ----------------------------------------------------------------------------
 

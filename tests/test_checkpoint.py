@@ -734,10 +734,12 @@ util.Finalize(None, os.kill, args=(writer, signal.SIGCONT), exitpriority=100)
 def test_async_save_lets_training_go_on_while_it_writes(launcher: Launcher, tmp_path: Path) -> None:
     env = {"CKPT": str(tmp_path / "ckpt")}
     launcher.start(tmp_path, ASYNC, [{"nproc": 2, "env": env}]).wait(180)
-    # Each rank's saves are written by a process of its own, that ends with the rank.
+    # Each rank's saves are written by a process of its own, niced again once the save its rank
+    # waited for is written, that ends with the rank.
     writers = emitted(tmp_path, "writer", 2)
     for rank, w in enumerate(writers):
         assert w["parent"] == w["rank_pid"] and w["pid"] != w["rank_pid"], (rank, w)
+        assert w["nice"] == checkpoint.writer.NICE, (rank, w)
         assert wait_for(lambda w=w: pid_ended(w["pid"]), timeout=10), (
             f"rank {rank}'s writer lived on"
         )

@@ -5,8 +5,9 @@ Why a process: a thread writing beside training shares the rank's GIL, and DCP's
 while it serializes (torch.save into a Python stream, item by item). As a thread of the rank
 (commit b0c2b45, P14 on 2 ranks and 2 cores), the step was 1.40x slower beside a nice-0 writer,
 1.15x (1.27x in make bench) beside a nice-10 one, 1.27x beside a nice-19 one, which starved while
-holding the GIL. A process has a GIL of its own, so its scheduling priority alone decides what it
-takes from training (`NICE`).
+holding the GIL. A process has a GIL of its own; what it still takes from training is a share of
+the cores and of what writing costs besides (the page cache's, the disk's), which its nice value
+(`NICE`) and the share of its time it writes (`DUTY`) bound.
 
 What crosses to it is only the writing. DCP plans and commits in the rank, as `dcp.save` does
 (its collectives on the checkpoint's group, `.metadata` by the coordinator): the StorageWriter
@@ -29,16 +30,18 @@ import math
 import mmap
 import os
 import pickle
+import select
 import socket
 import struct
 import subprocess
 import sys
 import threading
+import time
 import traceback
 from pathlib import Path
 from typing import Any
 
-__all__ = ["NICE", "Handover", "WriterProcess", "storage_writer"]
+__all__ = ["DUTY", "NICE", "Handover", "WriterProcess", "storage_writer"]
 
 # The writer's nice value while it writes. Where training keeps every core busy, Linux gives a
 # nice-19 process about 1.5% of a core it shares with a nice-0 one (weights 15 and 1024), so the
@@ -48,10 +51,18 @@ __all__ = ["NICE", "Handover", "WriterProcess", "storage_writer"]
 # than one save behind. Where other processes keep the cores busy too, a waiting rank gives the
 # writer back a nice-0 priority (`hurry`) where it may (root, or CAP_SYS_NICE).
 NICE = 19
+# The share of its time the writer spends writing while training goes on: after each item it
+# pauses three times as long as the item took. Niced alone, this writer still slowed P14's steps
+# 1.43x here (a plain nice-19 process writing the same 600 MB, 1.21x: what writing costs the page
+# cache and the disk is not the writer's to be niced); pausing so, 1.05x in the same run (P14:
+# 1.04x). A save then takes about four times as long as its write; a rank that waits for it
+# lifts the pauses (`hurry`).
+DUTY = 0.25
+_EXIT_POLL_S = 0.2
 _ALIGN = 64  # each tensor's place in the shared memory starts on a cache line
 _HEADER = struct.Struct("!Q")
 # Not `-m` this module: runpy would find it imported already, by the package's __init__.
-_MAIN = f"import sys; from {__name__} import main; main(*map(int, sys.argv[1:]))"
+_MAIN = f"import sys; from {__name__} import main; main(*sys.argv[1:])"
 
 
 class Handover:
@@ -142,6 +153,13 @@ class WriterProcess:
             fds = [self._memfd] if self._send_fd and self._memfd is not None else []
             _send(self._sock, request, fds)
             self._send_fd = False
+            # A rank that ends with this save in flight waits for it (its exit joins this
+            # thread, once its main thread has stopped): that is a wait too.
+            exiting = False
+            while not select.select([self._sock], [], [], _EXIT_POLL_S)[0]:
+                if not exiting and not threading.main_thread().is_alive():
+                    exiting = True
+                    self.hurry()
             reply, _ = _recv(self._sock)
         except (OSError, EOFError) as e:
             code = self._proc.poll()
@@ -155,11 +173,13 @@ class WriterProcess:
         return list(reply[1])
 
     def hurry(self) -> None:
-        """The rank waits for the write in flight: the writer at nice 0 until its next request,
-        where this process may raise a priority (Linux lets only root or CAP_SYS_NICE do so;
-        elsewhere the write goes on niced). The writer writes in its main thread, whose id is
-        its pid (setpriority sets one thread's)."""
-        if self._proc is not None and self._proc.poll() is None:
+        """The rank waits for the write in flight: the writer writes without pausing until it
+        replies, and at nice 0 where this process may raise a priority (Linux lets only root or
+        CAP_SYS_NICE do so; elsewhere the write goes on niced). The writer writes in its main
+        thread, whose id is its pid (setpriority sets one thread's)."""
+        if self._proc is not None and self._proc.poll() is None and self._alive_w is not None:
+            with contextlib.suppress(OSError):
+                os.write(self._alive_w, b"!")
             with contextlib.suppress(OSError):
                 os.setpriority(os.PRIO_PROCESS, self._proc.pid, 0)
 
@@ -187,8 +207,9 @@ class WriterProcess:
         path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
         env = {**os.environ, "PYTHONPATH": path, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
         try:
+            args = (theirs.fileno(), alive_r, NICE, DUTY)
             self._proc = subprocess.Popen(
-                [sys.executable, "-c", _MAIN, str(theirs.fileno()), str(alive_r), str(NICE)],
+                [sys.executable, "-c", _MAIN, *map(str, args)],
                 pass_fds=(theirs.fileno(), alive_r),
                 env=env,
                 stdin=subprocess.DEVNULL,
@@ -268,17 +289,28 @@ def _tensor(buffer: mmap.mmap, offset: int, dtype: Any, shape: tuple[int, ...]) 
     return torch.frombuffer(buffer, dtype=dtype, count=math.prod(shape), offset=offset).view(shape)
 
 
-class _Staged:
-    """The part of a SavePlanner DCP's write_data uses: each write item's data."""
+# Set when the rank waits for the write in flight (`WriterProcess.hurry`), until the reply.
+_HURRY = threading.Event()
 
-    def __init__(self, data: dict[Any, Any]) -> None:
+
+class _Staged:
+    """The part of a SavePlanner DCP's write_data uses: each write item's data. DCP asks for an
+    item right before it writes it, so the time since the last ask is the last item's write:
+    the pause after it (`DUTY`) is taken here."""
+
+    def __init__(self, data: dict[Any, Any], duty: float) -> None:
         self._data = data
+        self._pause = (1 - duty) / duty
+        self._last: float | None = None
 
     def resolve_data(self, item: Any) -> Any:
+        if self._last is not None:
+            _HURRY.wait((time.perf_counter() - self._last) * self._pause)
+        self._last = time.perf_counter()
         return self._data[item.index]
 
 
-def _write(request: dict[str, Any], buffer: mmap.mmap | None) -> list[Any]:
+def _write(request: dict[str, Any], buffer: mmap.mmap | None, duty: float) -> list[Any]:
     import torch
     from torch.distributed.checkpoint import FileSystemWriter
 
@@ -300,43 +332,49 @@ def _write(request: dict[str, Any], buffer: mmap.mmap | None) -> list[Any]:
         else:
             assert buffer is not None
             data[item.index] = _tensor(buffer, how[1], how[2], how[3])
-    written = writer.write_data(plan, _Staged(data))
+    written = writer.write_data(plan, _Staged(data, duty))
     return list(written.value())
 
 
 def _exit_with(alive_r: int) -> None:
-    """The rank keeps the pipe's other end open: end of file is the rank's death (or close), and
-    a write of a rank that died is of no use to anyone."""
+    """The rank keeps the pipe's other end open: a byte is a hurry, end of file the rank's death
+    (or close), and a write of a rank that died is of no use to anyone."""
     while os.read(alive_r, 1):
-        pass
+        _HURRY.set()
     os._exit(0)
 
 
-def main(sock_fd: int, alive_r: int, nice: int) -> None:
-    threading.Thread(target=_exit_with, args=(alive_r,), daemon=True).start()
+def main(sock: str, alive: str, nice: str, duty: str) -> None:
+    threading.Thread(target=_exit_with, args=(int(alive),), daemon=True).start()
     # What a write needs is imported before the writer is niced: niced on a machine whose cores
     # other processes keep busy, the import's few seconds of CPU would take minutes to get.
     import torch.distributed.checkpoint
     import torch.distributed.checkpoint._fsspec_filesystem  # noqa: F401
 
-    sock = socket.socket(fileno=sock_fd)
+    os.setpriority(os.PRIO_PROCESS, 0, int(nice))
+    conn = socket.socket(fileno=int(sock))
     buffer: mmap.mmap | None = None
     while True:
         try:
-            request, fds = _recv(sock)
+            request, fds = _recv(conn)
         except EOFError:
             return
-        os.setpriority(os.PRIO_PROCESS, 0, nice)  # again: a rank that waited made it 0
+        if _HURRY.is_set():  # the rank waits for this save already (its hurry came first)
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, 0, 0)
         if fds:
             buffer = mmap.mmap(fds[0], request["size"])  # the last one's tensors are gone
             for fd in fds:
                 os.close(fd)
         try:
-            reply: tuple[Any, ...] = ("ok", _write(request, buffer))
+            reply: tuple[Any, ...] = ("ok", _write(request, buffer, float(duty)))
         except Exception as e:
             traceback.print_exc()
             reply = ("error", f"{type(e).__name__}: {e}")
-        _send(sock, reply)
+        # Niced again before the reply, so that the next save starts niced.
+        _HURRY.clear()
+        os.setpriority(os.PRIO_PROCESS, 0, int(nice))
+        _send(conn, reply)
 
 
 # -- messages: a length, then a pickle; file descriptors ride on the length ---------------------

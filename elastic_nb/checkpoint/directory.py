@@ -35,6 +35,14 @@ _PROBE = ".probe-"
 _REMOVING = ".removing-"
 # What this process's threads are removing (_REMOVING directories), so that clean() leaves them.
 _BEING_REMOVED: set[str] = set()
+_REMOVERS: set[threading.Thread] = set()
+
+
+def wait_removals() -> None:
+    """Wait until the steps this process removed are gone from the disk (P14 times a save
+    apart from the removal of the step before it)."""
+    for remover in list(_REMOVERS):
+        remover.join()
 
 
 def step_name(step: int, nonce: str) -> str:
@@ -146,10 +154,13 @@ class Directory:
         def remove() -> None:
             shutil.rmtree(doomed, ignore_errors=True)
             _BEING_REMOVED.discard(doomed)
+            _REMOVERS.discard(threading.current_thread())
 
         # Not a daemon: a process that ends meanwhile finishes it first (Python joins it at
         # exit); one killed leaves the rest to the next clean().
-        threading.Thread(target=remove, name="elastic_nb-checkpoint-rm").start()
+        remover = threading.Thread(target=remove, name="elastic_nb-checkpoint-rm")
+        _REMOVERS.add(remover)
+        remover.start()
 
     def size(self, name: str) -> int:
         if self.fs is not None:

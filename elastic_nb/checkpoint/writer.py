@@ -53,10 +53,10 @@ __all__ = ["DUTY", "NICE", "Handover", "WriterProcess", "storage_writer"]
 NICE = 19
 # The share of its time the writer spends writing while training goes on: after each item it
 # pauses three times as long as the item took. Niced alone, this writer still slowed P14's steps
-# 1.43x here (a plain nice-19 process writing the same 600 MB, 1.21x: what writing costs the page
+# 1.43x here (a plain nice-19 process writing the same 600 MB, 1.2x: what writing costs the page
 # cache and the disk is not the writer's to be niced); pausing so, 1.05x in the same run (P14:
-# 1.04x). A save then takes about four times as long as its write; a rank that waits for it
-# lifts the pauses (`hurry`).
+# 1.04x and 1.07x). A save then takes about four times as long as its write; a rank that waits
+# for it lifts the pauses (`hurry`). benchmarks/README.md has every design measured.
 DUTY = 0.25
 _EXIT_POLL_S = 0.2
 _ALIGN = 64  # each tensor's place in the shared memory starts on a cache line

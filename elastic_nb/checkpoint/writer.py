@@ -109,6 +109,9 @@ class WriterProcess:
         self._map: mmap.mmap | None = None
         self._size = 0
         self._send_fd = False  # the writer has yet to map the current shared memory
+        # hurry() comes from the training thread: the pipe's fd must not be closed (and its
+        # number reused) under it by the save thread
+        self._lock = threading.Lock()
 
     @property
     def pid(self) -> int | None:
@@ -145,7 +148,7 @@ class WriterProcess:
                 else:
                     self._view(place, value.dtype, tuple(value.shape)).copy_(value.detach())
                     items.append(("shared", place, value.dtype, tuple(value.shape)))
-        del data  # not one reference to training's tensors beyond this point
+        del data
         handover.staged()
         request = {"target": target, "plan": plan, "items": items, "size": self._size}
         assert self._sock is not None and self._proc is not None
@@ -177,7 +180,9 @@ class WriterProcess:
         replies, and at nice 0 where this process may raise a priority (Linux lets only root or
         CAP_SYS_NICE do so; elsewhere the write goes on niced). The writer writes in its main
         thread, whose id is its pid (setpriority sets one thread's)."""
-        if self._proc is not None and self._proc.poll() is None and self._alive_w is not None:
+        with self._lock:
+            if self._proc is None or self._proc.poll() is not None or self._alive_w is None:
+                return
             with contextlib.suppress(OSError):
                 os.write(self._alive_w, b"!")
             with contextlib.suppress(OSError):
@@ -217,16 +222,18 @@ class WriterProcess:
         finally:
             theirs.close()
             os.close(alive_r)
-        self._sock, self._alive_w = mine, alive_w
+        with self._lock:
+            self._sock, self._alive_w = mine, alive_w
         self._send_fd = True  # a new writer maps the shared memory anew
 
     def _stop(self) -> None:
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
-        if self._alive_w is not None:
-            os.close(self._alive_w)
-            self._alive_w = None
+        with self._lock:
+            if self._sock is not None:
+                self._sock.close()
+                self._sock = None
+            if self._alive_w is not None:
+                os.close(self._alive_w)
+                self._alive_w = None
         if self._proc is not None:
             try:
                 self._proc.wait(timeout=10)

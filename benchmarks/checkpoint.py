@@ -6,11 +6,22 @@ written, against steps with no save.
 
 Standalone: no kernel; `torchrun --standalone --nproc-per-node 2` runs this file with --worker,
 and rank 0 hands its measurements back in a JSON file. Each side's time is from a barrier to a
-barrier (the moment every rank can go on), and starts with no dirty page left to write from the
-side before (os.sync), so that neither pays for the other's writeback. Both sides write the same
-bytes (the model and Adam's two moments) to the same disk. elastic_nb's default save does not
-fsync, as torch.save does not; the fsync rows compare the two made durable (every file on disk
-before the save returns). The order alternates (A/B, B/A, ...).
+barrier (the moment every rank can go on), and starts with nothing of the side before still
+under way: no dirty page left to write (os.sync), and no file of an earlier save still being
+removed (elastic_nb removes the step before with keep=1 in a thread of rank 0, which the next
+side would otherwise pay for; torch.save's earlier file is removed before its turn, so that it
+does not pay for truncating it either). Both sides write the same bytes (the model and Adam's two
+moments) to the same disk. elastic_nb's default save does not fsync, as torch.save does not; the
+fsync rows compare the two made durable (every file on disk before the save returns). The sides
+take turns, the same number of each, in pairs A/B then B/A: each ratio row also gives the median
+of the pairs' own ratios, which a machine's load drifting between pairs moves less.
+
+The async rows: steps while an async save is written (its writer process niced and paused
+three quarters of the time beside training, elastic_nb/checkpoint/writer.py), against steps with
+no save, phases alternating. At most MAX_STEPS_DURING steps a save (then wait(), which lifts the
+writer's pauses): on a machine other processes keep busy, a niced writer can take minutes. Once
+the save is committed, the removal of the step before it is waited for, so that it falls into
+neither.
 """
 
 from __future__ import annotations
@@ -29,6 +40,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 LAYERS, WIDTH, BATCH = 24, 2048, 16  # 100.7M parameters
 BASELINE_STEPS = 4  # steps with no save, per run, to set the async rows against
+MAX_STEPS_DURING = 20  # steps beside one async save, at most
+PAIRS = 2  # of each save and load comparison per run (A/B, then B/A)
 
 
 def worker(runs: int, out: str) -> None:
@@ -39,6 +52,7 @@ def worker(runs: int, out: str) -> None:
     from torch import nn
 
     from elastic_nb import checkpoint
+    from elastic_nb.checkpoint.directory import wait_removals
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -63,6 +77,7 @@ def worker(runs: int, out: str) -> None:
     theirs = scratch / "torch.pt"  # the same disk
 
     def timed(fn: object) -> float:
+        wait_removals()
         os.sync()
         dist.barrier()
         t = time.perf_counter()
@@ -89,18 +104,24 @@ def worker(runs: int, out: str) -> None:
     def add(name: str, value: float) -> None:
         result.setdefault(name, []).append(value)
 
-    for i in range(runs):
-        sides = [
-            ("save", lambda: ours.save(next(numbers), model, opt, keep=1)),
-            ("torch_save", lambda: torch_save(False)),
-            ("save_fsync", lambda: ours.save(next(numbers), model, opt, keep=1, fsync=True)),
-            ("torch_save_fsync", lambda: torch_save(True)),
-        ]
-        for name, fn in sides if i % 2 == 0 else sides[::-1]:
-            add(name, timed(fn))
-        sides = [("load", lambda: ours.load(model, opt)), ("torch_load", torch_load)]
-        for name, fn in sides if i % 2 == 0 else sides[::-1]:
-            add(name, timed(fn))
+    sides = {
+        "save": lambda: ours.save(next(numbers), model, opt, keep=1),
+        "torch_save": lambda: torch_save(False),
+        "save_fsync": lambda: ours.save(next(numbers), model, opt, keep=1, fsync=True),
+        "torch_save_fsync": lambda: torch_save(True),
+        "load": lambda: ours.load(model, opt),
+        "torch_load": torch_load,
+    }
+    for i in range(runs * PAIRS):
+        for pair in (
+            ("save", "torch_save"),
+            ("save_fsync", "torch_save_fsync"),
+            ("load", "torch_load"),
+        ):
+            for name in pair if i % 2 == 0 else pair[::-1]:
+                if name.startswith("torch_save") and rank == 0 and theirs.exists():
+                    theirs.unlink()  # outside the timed part, as elastic_nb's removal is
+                add(name, timed(sides[name]))
 
     # Async: steps while a save is written, against steps with no save. Every rank steps while
     # any rank's save is in flight (DDP needs the same number of steps on every rank).
@@ -119,11 +140,14 @@ def worker(runs: int, out: str) -> None:
         ours.save(next(numbers), model, opt, keep=1, async_save=True)
         blocked = time.perf_counter() - t
         steps = []
-        while in_flight():
+        while len(steps) < MAX_STEPS_DURING and in_flight():
             steps.append(step())
+        add("cut_short", int(ours.in_flight))  # this rank's: rank 0's is reported
         ours.wait()
         add("blocked", blocked)
         add("written", time.perf_counter() - t)
+        wait_removals()
+        dist.barrier()
         add("steps_during", len(steps))
         result.setdefault("step_during", []).extend(steps)
         # the save's whole cost to the steps beside it, its blocking part (staging) included
@@ -174,15 +198,30 @@ def main() -> None:
         "| elastic_nb/baseline (medians) | target | samples |\n| --- | --- | --- | --- | --- | --- |"
     )
 
-    def row(name: str, xs: list[float], ys: list[float], target: str) -> None:
-        ratio = median(xs) / median(ys)
+    def row(name: str, xs: list[float], ys: list[float], target: str, paired: bool = False) -> None:
+        ratio = f"{median(xs) / median(ys):.2f}x"
+        if paired:  # the turns of a pair are next to each other: their ratio, pair by pair
+            ratios = [x / y for x, y in zip(xs, ys, strict=True)]
+            ratio += f" (pairs: {median(ratios):.2f}x, {min(ratios):.2f}-{max(ratios):.2f})"
         print(
-            f"| {name} | {spread(xs)} | {spread(ys)} | {ratio:.2f}x | {target} | {len(xs)}/{len(ys)} |"
+            f"| {name} | {spread(xs)} | {spread(ys)} | {ratio} | {target} | {len(xs)}/{len(ys)} |"
         )
 
-    row("P14 save (vs torch.save by rank 0)", r["save"], r["torch_save"], "<= 1.0x")
-    row("P14 save, fsync=True (vs torch.save + fsync)", r["save_fsync"], r["torch_save_fsync"], "")
-    row("P14 load (vs torch.load + load_state_dict on every rank)", r["load"], r["torch_load"], "")
+    row("P14 save (vs torch.save by rank 0)", r["save"], r["torch_save"], "<= 1.0x", True)
+    row(
+        "P14 save, fsync=True (vs torch.save + fsync)",
+        r["save_fsync"],
+        r["torch_save_fsync"],
+        "",
+        True,
+    )
+    row(
+        "P14 load (vs torch.load + load_state_dict on every rank)",
+        r["load"],
+        r["torch_load"],
+        "",
+        True,
+    )
     row(
         "P14 training step while an async save is written (vs no save)",
         r["step_during"],
@@ -197,7 +236,9 @@ def main() -> None:
     )
     print(
         f"async save: save() blocks {spread(r['blocked'])}, written and committed after "
-        f"{spread(r['written'])}, {median(r['steps_during']):.0f} steps meanwhile (median)"
+        f"{spread(r['written'])}, {median(r['steps_during']):.0f} steps meanwhile (median; "
+        f"{sum(r['cut_short']):.0f} of {len(r['cut_short'])} saves waited for after "
+        f"{MAX_STEPS_DURING} steps)"
     )
 
 

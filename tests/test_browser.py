@@ -45,7 +45,8 @@ def test_rank_chips_appear_while_the_cell_runs(page: Any, lab: LabServer, tmp_pa
             "import os, time, torch, torch.distributed as dist\n"
             "from elastic_nb import checkpoint\n"
             "dist.init_process_group()\n"
-            "checkpoint.save(3, torch.nn.Linear(2, 2))\n"
+            "checkpoint.save(3, torch.nn.Linear(2, 2), async_save=True)\n"
+            "checkpoint.wait()\n"
             "held = []\n"
             "for step in range(10_000):\n"
             "    print(f'rank {os.environ[\"RANK\"]} step {step}', flush=True)\n"
@@ -63,9 +64,18 @@ def test_rank_chips_appear_while_the_cell_runs(page: Any, lab: LabServer, tmp_pa
         )
         expect(chip).to_have_class(has_class("enb-s-running"))
     expect(dash.locator(".enb-chip")).to_have_count(2)
-    # The header names the latest checkpoint, its age and size.
+    # The header names the latest checkpoint, its age and size; its tooltip how it was written
+    # (an async save: how long it blocked training and how long it ran beside it) and where.
     expect(dash.locator(".enb-checkpoint")).to_have_text(
         re.compile(r"^checkpoint: step 3 · [\d.]+ s ago · \d+ KiB$")
+    )
+    took = r"(?:[\d.]+ s|\d+ min(?: \d+ s)?)"  # report.duration's words
+    expect(dash.locator(".enb-checkpoint")).to_have_attribute(
+        "title",
+        re.compile(
+            rf"^written in {took} by 2 ranks \(async: {took} blocking training, {took} beside "
+            rf"it\)\n{re.escape(str(tmp_path))}/step-000000000003-[0-9a-f]+$"
+        ),
     )
     # Each chip draws its rank's memory: a sparkline of its samples (one a second) and the
     # latest figure; rank 1's climbs.

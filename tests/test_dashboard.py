@@ -451,3 +451,47 @@ def test_a_multinode_jobs_rounds_and_nodes_reach_the_dashboard(tmp_path: Path) -
     assert state.header["restarts"] == 1  # an arrival spends nothing
     state.take_delta()
     assert state.snapshot()["attempts"][2]["round"]["counted"] is False
+
+
+def test_the_checkpoint_header_carries_how_it_was_written(tmp_path: Path) -> None:
+    """What the header's checkpoint shows (step, age from its time, size) and its tooltip (how
+    long the save took, by how many ranks, and for an async save how long it blocked training
+    and how long it ran beside it), from the records elastic_nb.checkpoint writes."""
+    from elastic_nb.kernel.dashboard.model import DashboardState
+
+    dash = DashboardState("cafe0001", str(tmp_path), job_spec({"nproc": 2}))
+    sync = {
+        "event": "saved",
+        "step": 3,
+        "time": 1000.0,
+        "path": "/ckpt/step-000000000003-0a1b2c3d",
+        "bytes": 5 * 2**20,
+        "seconds": 1.44,
+        "async": False,
+        "blocked_s": 1.44,
+        "overlapped_s": None,
+        "world_size": 2,
+        "shared": True,
+    }
+    dash.apply({"checkpoints": [sync]})
+    assert dash.take_delta() is not None
+    shown = dash.snapshot()["header"]["checkpoint"]
+    assert {k: shown[k] for k in ("step", "time", "bytes", "path")} == {
+        "step": 3,
+        "time": 1000.0,
+        "bytes": 5 * 2**20,
+        "path": "/ckpt/step-000000000003-0a1b2c3d",
+    }
+    assert shown["how"] == "written in 1.4 s by 2 ranks"
+    async_ = {**sync, "step": 4, "async": True, "seconds": 31.5, "blocked_s": 0.2}
+    async_["overlapped_s"] = 31.3
+    dash.apply({"checkpoints": [async_]})
+    delta = dash.take_delta()
+    assert delta is not None
+    assert delta["header"]["checkpoint"]["how"] == (
+        "written in 32 s by 2 ranks (async: 0.20 s blocking training, 31 s beside it)"
+    )
+    one = {**sync, "world_size": 1}
+    dash.apply({"checkpoints": [one]})
+    assert dash.take_delta() is not None
+    assert dash.snapshot()["header"]["checkpoint"]["how"] == "written in 1.4 s by 1 rank"

@@ -16,11 +16,12 @@ newest committed step on any world size, keeping the last K, and the line rank 0
 run directory for the supervisor (`RECORD_FILE`, see commit.py). Importing it imports the standard
 library; torch comes with the first save or load; nothing of elastic_nb's kernel or supervisor.
 
-The writing and the resharding are torch.distributed.checkpoint's (DCP): `save`/`async_save` of
+The writing and the resharding are torch.distributed.checkpoint's (DCP): `save` of
 `get_state_dict(model, optimizer)`, then `load` and `set_state_dict` (torch/distributed/checkpoint/
 state_dict_saver.py, state_dict_loader.py, state_dict.py). A DDP model is saved once (DCP spreads
 its replicated tensors over the ranks), an FSDP2 model as its shards; either loads on any number
-of ranks.
+of ranks. An async save runs DCP's `save` in a thread of the package's, and its bytes are written
+by a process of the rank's (writer.py).
 
 A step counts once its directory holds COMMITTED, which the leaders write only after every rank
 finished writing its part (commit.py); a rank killed mid-save leaves the previous step the latest,
@@ -37,11 +38,9 @@ is refused with the options.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import pickle
 import secrets
-import threading
 import time
 import warnings
 from collections.abc import Iterable, Mapping, MutableMapping
@@ -51,6 +50,7 @@ from typing import TYPE_CHECKING, Any
 from elastic_nb.checkpoint.commit import RECORD_FILE, RUN_DIR_ENV, Commit, record
 from elastic_nb.checkpoint.directory import Directory, Layout, step_name
 from elastic_nb.checkpoint.ranks import Ranks, rng_state, set_rng_state, sharded
+from elastic_nb.checkpoint.writer import Handover, WriterProcess, storage_writer
 from elastic_nb.common.spec import CHECKPOINT_DIR_ENV
 
 if TYPE_CHECKING:
@@ -76,13 +76,6 @@ DIRECTORY_ENV = CHECKPOINT_DIR_ENV
 # bytes value: DCP flattens nested dicts into keys, and a load must name every key it reads
 # before it knows how many ranks saved RNG states.
 _META = "elastic_nb"
-# The nice value of the thread that writes an async save. Where training keeps every core busy,
-# Linux's scheduler gives a nice-10 thread about a tenth of a core it shares with a nice-0 one
-# (weights 110 and 1024): training slows by about that much and the write still makes progress;
-# where cores are idle (training on GPUs), the write runs at full speed. Measured here (2 ranks on
-# 2 cores, 100M parameters, steps while 1.2 GB are written): nice 0 slowed the step 1.40x, nice
-# 10 1.15x, nice 19 1.27x (a writer that starved while holding the GIL held training up).
-_WRITER_NICE = 10
 
 
 def default_directory() -> str:
@@ -115,7 +108,7 @@ class Checkpoints:
         self._layout: tuple[Any, Layout] | None = None  # (the group it was probed on, layout)
         self._pending: Future[None] | None = None
         self._thread: ThreadPoolExecutor | None = None
-        self._stager: Any = None
+        self._writer: WriterProcess | None = None  # writes this rank's async saves
 
     @property
     def shared(self) -> bool | None:
@@ -126,6 +119,11 @@ class Checkpoints:
     def in_flight(self) -> bool:
         """Whether this rank's async save is still being written or committed."""
         return self._pending is not None and not self._pending.done()
+
+    @property
+    def writer_pid(self) -> int | None:
+        """The process that writes this rank's async saves (None before the first)."""
+        return None if self._writer is None else self._writer.pid
 
     def steps(self) -> list[int]:
         """The committed steps this rank's storage holds, oldest first (not collective)."""
@@ -148,8 +146,9 @@ class Checkpoints:
         states. The step counts once every rank wrote its part; then all but the `keep` newest
         steps are removed (None keeps all).
 
-        With `async_save`, the state is copied to memory and written by a thread while training
-        goes on; `wait()` (or the next save or load) waits for it and raises its error.
+        With `async_save`, this rank's share of the state is copied to shared memory, and
+        written by a process of the rank's (`writer_pid`) while training goes on; `wait()` (or
+        the next save or load) waits for it and raises its error.
 
         A committed step survives the death of any process (the kernel holds what was written,
         as it holds a file torch.save wrote). With `fsync`, every file is on disk before the step
@@ -212,31 +211,54 @@ class Checkpoints:
         if not async_save:
             if kwargs is not None:
                 try:
-                    writer = _writer(path, url=url, fsync=fsync, background=False)
+                    writer = _writer(path, url=url, fsync=fsync)
                     dcp.save(state, storage_writer=writer, **kwargs)
                 except Exception as e:
                     error = e  # still to the commit: the other ranks wait there for this one
             commit(error)
             return
-        upload: Any = None  # DCP's Future (an AsyncSaveResponse only with async staging)
-        if kwargs is not None:
-            try:
-                response = dcp.async_save(
-                    state,
-                    storage_writer=_writer(path, url=url, fsync=fsync, background=True),
-                    async_stager=self._async_stager(),
-                    **kwargs,
-                )
-                upload = getattr(response, "upload_completion", response)
-            except Exception as e:
-                error = e
-        commit.returned = time.time()
+        # Async: DCP plans, writes and commits in the package's thread while training goes on;
+        # the training thread waits only until this rank's share of the state is copied
+        # (writer.py), and the bytes are written by the rank's writer process.
         if self._thread is None:
             # Not a daemon: a rank that exits with a save in flight finishes it first (the
             # interpreter's exit, and multiprocessing's for a forked rank (process.py, _bootstrap),
             # join it in threading._shutdown).
             self._thread = ThreadPoolExecutor(1, thread_name_prefix="elastic_nb-checkpoint")
-        self._pending = self._thread.submit(commit.after, upload, error)
+        if self._writer is None:
+            self._writer = WriterProcess()
+        handover = Handover()
+        self._pending = self._thread.submit(
+            self._save_async, commit, state, path, kwargs, url, fsync, handover
+        )
+        handover.wait()
+        commit.returned = time.time()
+
+    def _save_async(
+        self,
+        commit: Commit,
+        state: dict[str, Any],
+        path: str,
+        kwargs: dict[str, Any] | None,
+        url: bool,
+        fsync: bool,
+        handover: Handover,
+    ) -> None:
+        error: BaseException | None = None
+        try:
+            if kwargs is not None:
+                import torch.distributed.checkpoint as dcp
+
+                assert self._writer is not None
+                writer = storage_writer(
+                    path, url=url, fsync=fsync, process=self._writer, handover=handover
+                )
+                dcp.save(state, storage_writer=writer, **kwargs)
+        except Exception as e:
+            error = e  # still to the commit: the other ranks wait there for this one
+        finally:
+            handover.release()
+        commit.after(error)
 
     def load(
         self,
@@ -333,6 +355,8 @@ class Checkpoints:
         """Wait until the save in flight (if any) is committed; raise its error if it failed."""
         pending, self._pending = self._pending, None
         if pending is not None:
+            if not pending.done() and self._writer is not None:
+                self._writer.hurry()
             pending.result()
 
     def close(self) -> None:
@@ -340,9 +364,9 @@ class Checkpoints:
         try:
             self.wait()
         finally:
-            if self._stager is not None:
-                self._stager.close()
-                self._stager = None
+            if self._writer is not None:
+                self._writer.close()
+                self._writer = None
             if self._thread is not None:
                 self._thread.shutdown(wait=True)
                 self._thread = None
@@ -377,16 +401,6 @@ class Checkpoints:
             "StateDictOptions(full_state_dict=True, cpu_offload=True)) from one rank."
         )
 
-    def _async_stager(self) -> Any:
-        # One stager for every async save: it keeps its copy of the state between saves and
-        # refreshes it in place (torch/distributed/checkpoint/_state_dict_stager.py caches
-        # storages), instead of allocating the whole state again at each step.
-        if self._stager is None:
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-            self._stager = DefaultStager(StagingOptions(False, False, False, False))
-        return self._stager
-
 
 def _raise_any(everyone: list[dict[str, Any]]) -> None:
     errors = [f"rank {r}: {e['error']}" for r, e in enumerate(everyone) if e.get("error")]
@@ -401,7 +415,8 @@ def _optimizers(optimizer: Optimizers) -> Any:
 def _quiet_no_dist() -> None:
     """DCP warns at every save and load with no_dist=True (state_dict_saver.py,
     state_dict_loader.py), which is how a node's own copy is written and read without shared
-    storage; it warns in DCP's upload thread too, where warnings.catch_warnings is not safe."""
+    storage; it warns in the package's save thread too, where warnings.catch_warnings is not
+    safe."""
     warnings.filterwarnings(
         "ignore",
         message=r"torch\.distributed is disabled, unavailable or uninitialized, assuming the "
@@ -409,31 +424,15 @@ def _quiet_no_dist() -> None:
     )
 
 
-_BACKGROUND: dict[type, type] = {}
-
-
-def _writer(path: str, *, url: bool, fsync: bool, background: bool) -> Any:
-    """DCP's writer for `path` (FsspecWriter for a URL, as DCP's own _storage_utils.py picks).
-    `background`: one whose writing yields the CPU to training. DCP calls write_data in the
-    upload thread it starts for each async_save and ends after it (_async_thread_executor.py),
-    so the nice value set there reaches no other thread."""
+def _writer(path: str, *, url: bool, fsync: bool) -> Any:
+    """DCP's writer for `path` (FsspecWriter for a URL, as DCP's own _storage_utils.py picks)."""
     from torch.distributed.checkpoint import FileSystemWriter
 
-    base: type = FileSystemWriter
     if url:
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
-        base = FsspecWriter
-    if background and base not in _BACKGROUND:
-
-        class BackgroundWriter(base):
-            def write_data(self, plan: Any, planner: Any) -> Any:
-                with contextlib.suppress(OSError, AttributeError):  # per thread on Linux
-                    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _WRITER_NICE)
-                return super().write_data(plan, planner)
-
-        _BACKGROUND[base] = BackgroundWriter
-    return (_BACKGROUND[base] if background else base)(path, sync_files=fsync)
+        return FsspecWriter(path, sync_files=fsync)
+    return FileSystemWriter(path, sync_files=fsync)
 
 
 # The module-level functions: one Checkpoints per directory, per process.

@@ -13,7 +13,6 @@ import json
 import logging
 import os
 import time
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,8 +38,8 @@ def record(event: dict[str, Any]) -> None:
 
 @dataclass
 class Commit:
-    """The end of one save. An async save runs it in a thread of the package's once DCP's upload
-    future completed; nothing else uses the checkpoint's group meanwhile (a save, a load and
+    """The end of one save. An async save runs it in the package's thread once DCP's save
+    returned there; nothing else uses the checkpoint's group meanwhile (a save, a load and
     wait() first wait for it)."""
 
     directory: Directory
@@ -54,12 +53,9 @@ class Commit:
     fsync: bool
     returned: float | None = None  # when save() gave control back to training (async)
 
-    def after(self, upload: Future[Any] | None, error: BaseException | None) -> None:
-        if upload is not None:
-            try:
-                upload.result()
-            except Exception as e:
-                error = e
+    def after(self, error: BaseException | None) -> None:
+        """An async save's commit: its error is logged here too, as the rank's code sees it
+        only at its next save, load or wait()."""
         try:
             self(error)
         except Exception:

@@ -35,6 +35,14 @@ _PROBE = ".probe-"
 _REMOVING = ".removing-"
 # What this process's threads are removing (_REMOVING directories), so that clean() leaves them.
 _BEING_REMOVED: set[str] = set()
+_REMOVERS: set[threading.Thread] = set()
+
+
+def wait_removals() -> None:
+    """Wait until the steps this process removed are gone from the disk (P14 times a save
+    apart from the removal of the step before it)."""
+    for remover in list(_REMOVERS):
+        remover.join()
 
 
 def step_name(step: int, nonce: str) -> str:
@@ -48,6 +56,22 @@ class Layout:
     shared: bool  # every rank sees every rank's files
     leader: int  # the lowest rank that sees what this rank sees: it lists, cleans and commits
     groups: tuple[tuple[int, ...], ...]  # the ranks, by the storage they see
+
+
+def layout(views: list[list[int]], rank: int, root: str) -> Layout:
+    """What a probe found, for `rank`: `views[r]` lists the ranks whose probe file rank r saw.
+    They must fall into groups of ranks that each see exactly their group (itself included):
+    anything else is storage that one rank sees and another does not see back (a cache out of
+    date, a mount on one node only), which no layout describes."""
+    for r, view in enumerate(views):
+        if r not in view or any(views[s] != view for s in view):
+            raise RuntimeError(
+                f"elastic_nb.checkpoint: the ranks disagree about who shares {root} "
+                f"(the probe files each rank saw: {dict(enumerate(views))}); give every rank "
+                "a directory on the same storage, or one of its own per node"
+            )
+    groups = tuple(sorted({tuple(v) for v in views}))
+    return Layout(len(groups) == 1, min(views[rank]), groups)
 
 
 class Directory:
@@ -130,10 +154,13 @@ class Directory:
         def remove() -> None:
             shutil.rmtree(doomed, ignore_errors=True)
             _BEING_REMOVED.discard(doomed)
+            _REMOVERS.discard(threading.current_thread())
 
         # Not a daemon: a process that ends meanwhile finishes it first (Python joins it at
         # exit); one killed leaves the rest to the next clean().
-        threading.Thread(target=remove, name="elastic_nb-checkpoint-rm").start()
+        remover = threading.Thread(target=remove, name="elastic_nb-checkpoint-rm")
+        _REMOVERS.add(remover)
+        remover.start()
 
     def size(self, name: str) -> int:
         if self.fs is not None:
@@ -183,15 +210,7 @@ class Directory:
             views = ranks.all_gather(visible)
         finally:
             self._remove(mine)
-        for r, view in enumerate(views):
-            if r not in view or any(views[s] != view for s in view):
-                raise RuntimeError(
-                    f"elastic_nb.checkpoint: the ranks disagree about who shares {self.root} "
-                    f"(the probe files each rank saw: {dict(enumerate(views))}); give every rank "
-                    "a directory on the same storage, or one of its own per node"
-                )
-        groups = tuple(sorted({tuple(v) for v in views}))
-        return Layout(len(groups) == 1, min(views[ranks.rank]), groups)
+        return layout(views, ranks.rank, self.root)
 
     # -- files ----------------------------------------------------------------------------
 

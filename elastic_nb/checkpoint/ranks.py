@@ -18,11 +18,12 @@ class Ranks:
     """This rank, its world, and collectives on the checkpoint's own gloo group; one process
     when torch.distributed is not initialised.
 
-    A group of its own because async_save runs DCP's collectives in a background thread
-    (torch/distributed/checkpoint/_async_thread_executor.py): on the training's group they could
-    interleave with the training's own collectives in a different order on different ranks, and
-    gloo matches collectives by their order. gloo because async_save needs a CPU backend
-    (state_dict_saver.py asserts it) and an NCCL-only default group has none."""
+    A group of its own because an async save runs DCP's collectives in the package's thread:
+    on the training's group they could interleave with the training's own collectives in a
+    different order on different ranks, and gloo matches collectives by their order. gloo
+    because those collectives (pickled plans and results) then run beside training on no GPU
+    stream (torch's own async_save asserts a CPU backend, state_dict_saver.py), and an NCCL-only
+    default group has none."""
 
     def __init__(self) -> None:
         global _GROUP

@@ -16,6 +16,7 @@ from elastic_nb.common.protocol import Round, Summary
 
 __all__ = [
     "CAUSE_HINTS",
+    "checkpoint_how",
     "checkpoint_words",
     "describe_exit",
     "duration",
@@ -283,6 +284,20 @@ def checkpoint_words(saved: dict[str, Any]) -> str:
         how += f", {duration(saved['blocked_s'])} of it blocking training"
     sized = f"{size(saved['bytes'])}, " if saved.get("bytes") else ""
     return f"step {saved['step']} ({sized}{how})"
+
+
+def checkpoint_how(saved: dict[str, Any]) -> str:
+    """How a saved checkpoint was written (the dashboard header's tooltip): 'written in 1.4 s by
+    2 ranks', async: 'written in 3.1 s by 2 ranks (async: 0.20 s blocking training, 2.9 s beside
+    it)'."""
+    how = f"written in {duration(saved['seconds'])}"
+    ranks = saved.get("world_size")
+    if ranks:
+        how += f" by {ranks} rank{'' if ranks == 1 else 's'}"
+    blocked, beside = saved.get("blocked_s"), saved.get("overlapped_s")
+    if saved.get("async") and blocked is not None and beside is not None:
+        how += f" (async: {duration(blocked)} blocking training, {duration(beside)} beside it)"
+    return how
 
 
 def duration(seconds: float) -> str:

@@ -67,7 +67,8 @@ class DashboardState:
             "attempt": 0,
             "started": time.time(),
             "wall_s": None,
-            "checkpoint": None,  # the latest saved (elastic_nb.checkpoint's record)
+            # the latest saved (elastic_nb.checkpoint's record), and its `how` (the tooltip)
+            "checkpoint": None,
         }
         self.ranks: dict[str, dict[str, Any]] = {
             str(r): self._waiting_chip(r, 0) for r in range(nproc)
@@ -99,7 +100,8 @@ class DashboardState:
         if "state" in msg:
             self._header(state=msg["state"])
         if msg.get("checkpoints"):
-            self._header(checkpoint=msg["checkpoints"][-1])
+            saved = msg["checkpoints"][-1]
+            self._header(checkpoint={**saved, "how": report.checkpoint_how(saved)})
         for rank, chip in msg.get("ranks", {}).items():
             self._chip(rank, chip)
         for alert in msg.get("alerts", ()):

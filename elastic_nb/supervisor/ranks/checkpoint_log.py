@@ -51,22 +51,27 @@ class CheckpointLog:
                     (self.saved if record["event"] == "saved" else self.loaded).append(record)
         return records
 
-    def before(self, t: float) -> dict[str, Any] | None:
-        """The newest step committed before `t` (a failure's time)."""
-        earlier = [s for s in self.saved if s["time"] <= t]
-        return earlier[-1] if earlier else None
-
 
 def cost_words(log: CheckpointLog, failed_at: float, who: str) -> str | None:
     """What a failure at `failed_at` costs, for a restart's words: None when the run saved no
-    checkpoint at all (it does not use them)."""
-    if not log.saved:
+    checkpoint at all (it does not use them).
+
+    A save can be committed after the failure: an async save in flight when a rank raised is
+    finished as that rank exits (elastic_nb.checkpoint), and it is the step the next attempt
+    resumes from. Its state is the one training had when save() returned (`overlapped_s`
+    before the commit)."""
+    latest = log.latest
+    if latest is None:
         return None
-    last = log.before(failed_at)
-    if last is None:
-        return f"no checkpoint was saved before {who} failed: the next attempt starts over"
-    ago = failed_at - last["time"]
+    if latest["time"] > failed_at:
+        state_at = latest["time"] - (latest.get("overlapped_s") or 0.0)
+        lost = duration(max(0.0, failed_at - state_at))
+        return (
+            f"the last checkpoint is step {latest['step']}, in flight when {who} failed and "
+            f"committed as it exited (about {lost} of work to redo)"
+        )
+    ago = failed_at - latest["time"]
     return (
-        f"the last checkpoint is step {last['step']}, saved {duration(ago)} before {who} "
+        f"the last checkpoint is step {latest['step']}, saved {duration(ago)} before {who} "
         f"failed (about {duration(ago)} of work to redo)"
     )

@@ -359,10 +359,7 @@ class View {
     if (saved) {
       const age = Date.now() / 1000 - this.data.offset - saved.time;
       checkpoint.textContent = `checkpoint: step ${saved.step} · ${duration(age)} ago${saved.bytes ? ` · ${bytes(saved.bytes)}` : ""}`;
-      checkpoint.title =
-        `saved in ${duration(saved.seconds)}` +
-        (saved.async ? ` (async: ${duration(saved.blocked_s)} blocking training, ${duration(saved.overlapped_s)} beside it)` : "") +
-        ` by ${saved.world_size} rank${saved.world_size === 1 ? "" : "s"}\n${saved.path}`;
+      checkpoint.title = `${saved.how ?? ""}\n${saved.path}`;
     }
     this.q(".enb-rundir").textContent = `run dir: ${h.run_dir}`;
     this.q(".enb-actions").hidden = !(h.background && running);

@@ -1,0 +1,413 @@
+"""The process that writes a rank's async saves: started by the rank at its first async save, it
+lives as long as the rank (or until `Checkpoints.close`).
+
+Why a process: a thread writing beside training shares the rank's GIL, and DCP's writer holds it
+while it serializes (torch.save into a Python stream, item by item). As a thread of the rank
+(commit b0c2b45, P14 on 2 ranks and 2 cores), the step was 1.40x slower beside a nice-0 writer,
+1.15x (1.27x in make bench) beside a nice-10 one, 1.27x beside a nice-19 one, which starved while
+holding the GIL. A process has a GIL of its own; what it still takes from training is a share of
+the cores and of what writing costs besides (the page cache's, the disk's), which its nice value
+(`NICE`) and the share of its time it writes (`DUTY`) bound.
+
+What crosses to it is only the writing. DCP plans and commits in the rank, as `dcp.save` does
+(its collectives on the checkpoint's group, `.metadata` by the coordinator): the StorageWriter
+made by `storage_writer` hands DCP's `write_data` over to this process. Its staging copies exactly
+the tensors this rank's final plan writes (DCP spreads a replicated state over the ranks: on N
+ranks each copies 1/N of a DDP model) into shared memory (a memfd, mapped by both processes and
+kept from one save to the next); the training thread goes on once that copy is made. The writer
+makes tensors over the same memory and writes them with DCP's own FileSystemWriter (FsspecWriter
+for a URL), in the files and format `dcp.save` writes.
+
+torch.distributed.checkpoint's own process option (AsyncCheckpointerType.PROCESS,
+_async_process_executor.py) was measured too, and not kept: see benchmarks/README.md (P14).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import math
+import mmap
+import os
+import pickle
+import select
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+__all__ = ["DUTY", "NICE", "Handover", "WriterProcess", "storage_writer"]
+
+# The writer's nice value while it writes. Where training keeps every core busy, Linux gives a
+# nice-19 process about 1.5% of a core it shares with a nice-0 one (weights 15 and 1024), so the
+# write waits for the moments training leaves a core idle (its collectives, its data loading, the
+# GPU's work); where cores are idle, it writes at full speed. The next save waits for this one,
+# and a rank waiting there leaves its core to the writer, so a starved write never falls more
+# than one save behind. Where other processes keep the cores busy too, a waiting rank gives the
+# writer back a nice-0 priority (`hurry`) where it may (root, or CAP_SYS_NICE).
+NICE = 19
+# The share of its time the writer spends writing while training goes on: after each item it
+# pauses three times as long as the item took. Niced alone, this writer still slowed P14's steps
+# 1.43x here (a plain nice-19 process writing the same 600 MB, 1.2x: what writing costs the page
+# cache and the disk is not the writer's to be niced); pausing so, 1.05x in the same run (P14:
+# 1.04x and 1.07x). A save then takes about four times as long as its write; a rank that waits
+# for it lifts the pauses (`hurry`). benchmarks/README.md has every design measured.
+DUTY = 0.25
+_EXIT_POLL_S = 0.2
+_ALIGN = 64  # each tensor's place in the shared memory starts on a cache line
+_HEADER = struct.Struct("!Q")
+# Not `-m` this module: runpy would find it imported already, by the package's __init__.
+_MAIN = f"import sys; from {__name__} import main; main(*sys.argv[1:])"
+
+
+class Handover:
+    """The moment the training thread may go on with a save in flight: the state it passed to
+    save() has been copied. If it stops waiting before (an interrupt), the save fails rather than
+    write tensors training changed meanwhile."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._abandoned = False
+
+    def staged(self) -> None:
+        """The copy is made (called by the thread that made it)."""
+        with self._lock:
+            if self._abandoned:
+                raise RuntimeError(
+                    "elastic_nb.checkpoint: the save was interrupted while its state was copied"
+                )
+            self._done.set()
+
+    def release(self) -> None:
+        """Whatever happened, the training thread waits no longer (the save's thread, last)."""
+        self._done.set()
+
+    def wait(self) -> None:
+        try:
+            self._done.wait()
+        except BaseException:
+            with self._lock:
+                self._abandoned = not self._done.is_set()
+            raise
+
+
+class WriterProcess:
+    """The rank's side: the writer process, the socket to it, and the shared memory the staged
+    tensors lie in. One save at a time (the package's commit thread)."""
+
+    def __init__(self) -> None:
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._sock: socket.socket | None = None
+        self._alive_w: int | None = None  # its closing tells the writer that this rank is gone
+        self._memfd: int | None = None
+        self._map: mmap.mmap | None = None
+        self._size = 0
+        self._send_fd = False  # the writer has yet to map the current shared memory
+        # hurry() comes from the training thread: the pipe's fd must not be closed (and its
+        # number reused) under it by the save thread
+        self._lock = threading.Lock()
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
+
+    def write(
+        self, target: tuple[str, str, bool], plan: Any, planner: Any, handover: Handover
+    ) -> list[Any]:
+        """DCP's write_data for this rank's final `plan`: copy what it writes, release the
+        training thread, have the writer write it; its WriteResults."""
+        import torch
+
+        if not plan.items:  # DCP gave this rank nothing to write (another holds every replica)
+            handover.staged()
+            return []
+        self._ensure_started()
+        data = [planner.resolve_data(item) for item in plan.items]
+        places: list[int | None] = []
+        offset = 0
+        for value in data:
+            if isinstance(value, torch.Tensor) and value.numel():
+                places.append(offset)
+                offset += -(-value.numel() * value.element_size() // _ALIGN) * _ALIGN
+            else:
+                places.append(None)
+        self._reserve(offset)
+        items: list[tuple[Any, ...]] = []
+        with torch.no_grad():
+            for value, place in zip(data, places, strict=True):
+                if isinstance(value, io.BytesIO):
+                    items.append(("bytes", value.getvalue()))
+                elif place is None:  # an empty tensor: nothing to copy
+                    items.append(("empty", value.dtype, tuple(value.shape)))
+                else:
+                    self._view(place, value.dtype, tuple(value.shape)).copy_(value.detach())
+                    items.append(("shared", place, value.dtype, tuple(value.shape)))
+        del data
+        handover.staged()
+        request = {"target": target, "plan": plan, "items": items, "size": self._size}
+        assert self._sock is not None and self._proc is not None
+        try:
+            fds = [self._memfd] if self._send_fd and self._memfd is not None else []
+            _send(self._sock, request, fds)
+            self._send_fd = False
+            # A rank that ends with this save in flight waits for it (its exit joins this
+            # thread, once its main thread has stopped): that is a wait too.
+            exiting = False
+            while not select.select([self._sock], [], [], _EXIT_POLL_S)[0]:
+                if not exiting and not threading.main_thread().is_alive():
+                    exiting = True
+                    self.hurry()
+            reply, _ = _recv(self._sock)
+        except (OSError, EOFError) as e:
+            code = self._proc.poll()
+            self._stop()
+            raise RuntimeError(
+                f"elastic_nb.checkpoint: the process writing this rank's async saves (pid "
+                f"{self.pid}) is gone (exit code {code}): {type(e).__name__}: {e}"
+            ) from None
+        if reply[0] != "ok":
+            raise RuntimeError(f"elastic_nb.checkpoint: the writer process failed: {reply[1]}")
+        return list(reply[1])
+
+    def hurry(self) -> None:
+        """The rank waits for the write in flight: the writer writes without pausing until it
+        replies, and at nice 0 where this process may raise a priority (Linux lets only root or
+        CAP_SYS_NICE do so; elsewhere the write goes on niced). The writer writes in its main
+        thread, whose id is its pid (setpriority sets one thread's)."""
+        with self._lock:
+            if self._proc is None or self._proc.poll() is not None or self._alive_w is None:
+                return
+            with contextlib.suppress(OSError):
+                os.write(self._alive_w, b"!")
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, self._proc.pid, 0)
+
+    def close(self) -> None:
+        """End the writer (it exits once its socket closes) and free the shared memory."""
+        self._stop()
+        if self._map is not None:
+            with contextlib.suppress(BufferError):  # a staged tensor still alive: GC frees it
+                self._map.close()
+            self._map = None
+        if self._memfd is not None:
+            os.close(self._memfd)
+            self._memfd = None
+        self._size = 0
+
+    def _ensure_started(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            return
+        self._stop()
+        mine, theirs = socket.socketpair()
+        alive_r, alive_w = os.pipe()
+        # elastic_nb where this rank found it (a rank may have it on sys.path only); no CUDA in
+        # the writer (DCP's loader would create a context on a GPU to copy CPU tensors).
+        root = str(Path(__file__).resolve().parent.parent.parent)
+        path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+        env = {**os.environ, "PYTHONPATH": path, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+        try:
+            args = (theirs.fileno(), alive_r, NICE, DUTY)
+            self._proc = subprocess.Popen(
+                [sys.executable, "-c", _MAIN, *map(str, args)],
+                pass_fds=(theirs.fileno(), alive_r),
+                env=env,
+                stdin=subprocess.DEVNULL,
+            )
+        finally:
+            theirs.close()
+            os.close(alive_r)
+        with self._lock:
+            self._sock, self._alive_w = mine, alive_w
+        self._send_fd = True  # a new writer maps the shared memory anew
+
+    def _stop(self) -> None:
+        with self._lock:
+            if self._sock is not None:
+                self._sock.close()
+                self._sock = None
+            if self._alive_w is not None:
+                os.close(self._alive_w)
+                self._alive_w = None
+        if self._proc is not None:
+            try:
+                self._proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+
+    def _reserve(self, size: int) -> None:
+        """Shared memory for `size` bytes: the current one where it is large enough."""
+        if size <= self._size:
+            return
+        if self._map is not None:
+            with contextlib.suppress(BufferError):
+                self._map.close()
+        if self._memfd is not None:
+            os.close(self._memfd)
+        self._memfd = os.memfd_create("elastic_nb-checkpoint", os.MFD_CLOEXEC)
+        os.ftruncate(self._memfd, size)
+        self._map = mmap.mmap(self._memfd, size)
+        self._size, self._send_fd = size, True
+
+    def _view(self, offset: int, dtype: Any, shape: tuple[int, ...]) -> Any:
+        assert self._map is not None
+        return _tensor(self._map, offset, dtype, shape)
+
+
+def storage_writer(
+    path: str, *, url: bool, fsync: bool, process: WriterProcess, handover: Handover
+) -> Any:
+    """DCP's writer for `path` (FsspecWriter for a URL, as DCP's _storage_utils.py picks) whose
+    write_data is done by `process`; `handover` is released once the state is copied."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    base: type = FileSystemWriter
+    if url:
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+        base = FsspecWriter
+
+    class ProcessWriter(base):
+        def write_data(self, plan: Any, planner: Any) -> Any:
+            import torch
+
+            target = ("fsspec" if url else "file", str(self.path), fsync)
+            done: torch.futures.Future[list[Any]] = torch.futures.Future()
+            done.set_result(process.write(target, plan, planner, handover))
+            return done
+
+    return ProcessWriter(path, sync_files=fsync)
+
+
+# -- the writer process -----------------------------------------------------------------------
+
+
+def _tensor(buffer: mmap.mmap, offset: int, dtype: Any, shape: tuple[int, ...]) -> Any:
+    """A tensor over `buffer` at `offset`, with a storage of its own size (torch.save writes a
+    tensor's whole storage)."""
+    import torch
+
+    return torch.frombuffer(buffer, dtype=dtype, count=math.prod(shape), offset=offset).view(shape)
+
+
+# Set when the rank waits for the write in flight (`WriterProcess.hurry`), until the reply.
+_HURRY = threading.Event()
+
+
+class _Staged:
+    """The part of a SavePlanner DCP's write_data uses: each write item's data. DCP asks for an
+    item right before it writes it, so the time since the last ask is the last item's write:
+    the pause after it (`DUTY`) is taken here."""
+
+    def __init__(self, data: dict[Any, Any], duty: float) -> None:
+        self._data = data
+        self._pause = (1 - duty) / duty
+        self._last: float | None = None
+
+    def resolve_data(self, item: Any) -> Any:
+        if self._last is not None:
+            _HURRY.wait((time.perf_counter() - self._last) * self._pause)
+        self._last = time.perf_counter()
+        return self._data[item.index]
+
+
+def _write(request: dict[str, Any], buffer: mmap.mmap | None, duty: float) -> list[Any]:
+    import torch
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    kind, path, fsync = request["target"]
+    writer: Any
+    if kind == "fsspec":
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+        writer = FsspecWriter(path, sync_files=fsync)
+    else:
+        writer = FileSystemWriter(path, sync_files=fsync)
+    plan = request["plan"]
+    data: dict[Any, Any] = {}
+    for item, how in zip(plan.items, request["items"], strict=True):
+        if how[0] == "bytes":
+            data[item.index] = io.BytesIO(how[1])
+        elif how[0] == "empty":
+            data[item.index] = torch.empty(how[2], dtype=how[1])
+        else:
+            assert buffer is not None
+            data[item.index] = _tensor(buffer, how[1], how[2], how[3])
+    written = writer.write_data(plan, _Staged(data, duty))
+    return list(written.value())
+
+
+def _exit_with(alive_r: int) -> None:
+    """The rank keeps the pipe's other end open: a byte is a hurry, end of file the rank's death
+    (or close), and a write of a rank that died is of no use to anyone."""
+    while os.read(alive_r, 1):
+        _HURRY.set()
+    os._exit(0)
+
+
+def main(sock: str, alive: str, nice: str, duty: str) -> None:
+    threading.Thread(target=_exit_with, args=(int(alive),), daemon=True).start()
+    # What a write needs is imported before the writer is niced: niced on a machine whose cores
+    # other processes keep busy, the import's few seconds of CPU would take minutes to get.
+    import torch.distributed.checkpoint
+    import torch.distributed.checkpoint._fsspec_filesystem  # noqa: F401
+
+    os.setpriority(os.PRIO_PROCESS, 0, int(nice))
+    conn = socket.socket(fileno=int(sock))
+    buffer: mmap.mmap | None = None
+    while True:
+        try:
+            request, fds = _recv(conn)
+        except EOFError:
+            return
+        if _HURRY.is_set():  # the rank waits for this save already (its hurry came first)
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, 0, 0)
+        if fds:
+            buffer = mmap.mmap(fds[0], request["size"])  # the last one's tensors are gone
+            for fd in fds:
+                os.close(fd)
+        try:
+            reply: tuple[Any, ...] = ("ok", _write(request, buffer, float(duty)))
+        except Exception as e:
+            traceback.print_exc()
+            reply = ("error", f"{type(e).__name__}: {e}")
+        # Niced again before the reply, so that the next save starts niced.
+        _HURRY.clear()
+        os.setpriority(os.PRIO_PROCESS, 0, int(nice))
+        _send(conn, reply)
+
+
+# -- messages: a length, then a pickle; file descriptors ride on the length ---------------------
+
+
+def _send(sock: socket.socket, message: Any, fds: list[int] | tuple[()] = ()) -> None:
+    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    header = _HEADER.pack(len(data))
+    sent = socket.send_fds(sock, [header], list(fds)) if fds else 0
+    sock.sendall(header[sent:] + data)
+
+
+def _recv(sock: socket.socket) -> tuple[Any, list[int]]:
+    header, fds, _, _ = socket.recv_fds(sock, _HEADER.size, 4)
+    if not header:
+        raise EOFError
+    header += _read(sock, _HEADER.size - len(header))
+    return pickle.loads(_read(sock, _HEADER.unpack(header)[0])), fds
+
+
+def _read(sock: socket.socket, n: int) -> bytes:
+    out = bytearray(n)
+    view, got = memoryview(out), 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if not k:
+            raise EOFError
+        got += k
+    return bytes(out)

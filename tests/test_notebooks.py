@@ -236,6 +236,37 @@ def test_elastic_restarts_and_checkpoints(tmp_path: Path) -> None:
     ) in always
     assert "--- rank 1 (attempt 2) ---" in always
     assert re.search(r"job [0-9a-f]{8} failed · cause: exception · 2 ranks · restarts 2/2", always)
+    # Across machines (two join agents on this one): 3 nodes; one killed once step 14 is saved:
+    # a restart spent, the newest checkpoint named, 2 nodes go on from it; another joins once
+    # step 19 is saved: no restart spent, 3 nodes from the newest step. 100 losses, although no
+    # round ran them all; the agents and their jobs' processes gone (run_notebook).
+    rounds = cell_output(out, nb, "%%elastic --nnodes 2:3")
+    assert re.search(r"attempt 0: first round · world size 3 · node 0 \(\S+\): ranks 0; ", rounds)
+    assert "[rank 0] attempt 0: 3 ranks on 3 nodes, from step 0" in rounds
+    lost = re.search(
+        r"\[elastic_nb\] attempt 1: node (\d) \(\S+\) rank \d was lost: its node left: its "
+        r"connection dropped \(the agent or its machine died\); 2 nodes, world size 2 \(restart "
+        r"1/3\); the last checkpoint is step (\d+), saved ",
+        rounds,
+    )
+    assert lost and int(lost[2]) >= 14, rounds
+    step = int(lost[2])
+    assert f"[elastic_nb] resumed from step {step}, " in rounds
+    assert f"[rank 0] attempt 1: 2 ranks on 2 nodes, from step {step + 1}" in rounds
+    joined = re.search(
+        r"\[elastic_nb\] attempt 2: node (\d) \(\S+\) joined; 3 nodes, world size 3 \(no "
+        r"restart spent\)",
+        rounds,
+    )
+    assert joined, rounds
+    grown = re.search(r"\[rank 0\] attempt 2: 3 ranks on 3 nodes, from step (\d+)", rounds)
+    assert grown and int(grown[1]) >= 20, rounds
+    assert re.search(r"job [0-9a-f]{8} succeeded · 3 ranks · restarts 1/3", rounds)
+    assert "Out: '3 ranks at the end'" in rounds
+    assert re.search(r"100 losses, from [0-9.]+ at step 0 to [0-9.]+ at step 99", out)
+    listed = cell_output(out, nb, "%elastic nodes")
+    assert re.search(rf"node {lost[1]}: .* · lost: its connection dropped", listed), listed
+    assert re.search(rf"node {joined[1]}: .* · ready, joined", listed), listed
 
 
 def test_background_jobs(tmp_path: Path) -> None:

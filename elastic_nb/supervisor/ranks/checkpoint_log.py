@@ -52,9 +52,10 @@ class CheckpointLog:
         return records
 
 
-def cost_words(log: CheckpointLog, failed_at: float, who: str) -> str | None:
+def cost_words(log: CheckpointLog, failed_at: float, who: str, lost: bool = False) -> str | None:
     """What a failure at `failed_at` costs, for a restart's words: None when the run saved no
-    checkpoint at all (it does not use them).
+    checkpoint at all (it does not use them). `lost`: `who` went with its machine, known alive
+    until `failed_at` (when it was last heard from) and maybe a little longer.
 
     A save can be committed after the failure: an async save in flight when a rank raised is
     finished as that rank exits (elastic_nb.checkpoint), and it is the step the next attempt
@@ -63,12 +64,18 @@ def cost_words(log: CheckpointLog, failed_at: float, who: str) -> str | None:
     latest = log.latest
     if latest is None:
         return None
+    if latest["time"] > failed_at and lost:
+        # Every rank wrote its part of it: the machine was there when it was committed.
+        return (
+            f"the last checkpoint is step {latest['step']}, saved as {who} was last heard from "
+            "(little or no work to redo)"
+        )
     if latest["time"] > failed_at:
         state_at = latest["time"] - (latest.get("overlapped_s") or 0.0)
-        lost = duration(max(0.0, failed_at - state_at))
+        redo = duration(max(0.0, failed_at - state_at))
         return (
             f"the last checkpoint is step {latest['step']}, in flight when {who} failed and "
-            f"committed as it exited (about {lost} of work to redo)"
+            f"committed as it exited (about {redo} of work to redo)"
         )
     ago = failed_at - latest["time"]
     return (

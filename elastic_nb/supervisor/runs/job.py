@@ -243,7 +243,7 @@ class Job(RankGroup):
 
     def _fail_attempt(self, r: RankState, kind: str, reason: str | None = None) -> None:
         self.book.failed_attempts.add(r.attempt)
-        self.last_failure = (r.failed_at or time.time(), r.name)
+        self.last_failure = (r.failed_at or time.time(), r.name, r.lost is not None)
         self.report.event("attempt.failed", attempt=r.attempt, rank=r.rank, kind=kind)
         # An exit(0) without finishing leaves torchelastic waiting forever for a return value
         # (multiprocessing/api.py, _poll): no restart would come, so it ends the job.

@@ -98,7 +98,8 @@ class RankGroup:
         self.checkpoints = CheckpointLog(self.rd.checkpoints)
         # The latest failure that ended an attempt (when, and who: "rank 2"), for the words of
         # the resume that follows it.
-        self.last_failure: tuple[float, str] | None = None
+        # (when, who, lost with its machine), for the words of what it cost
+        self.last_failure: tuple[float, str, bool] | None = None
         self.teardown_at: float | None = None  # when ending the ranks began (our clock)
         self._outcome: tuple[str, str] | None = None
         self._decided = anyio.Event()
@@ -366,8 +367,7 @@ class RankGroup:
         )
         if counted and self.last_failure is not None:
             self.poll_checkpoints()  # a save committed just before the failure counts
-            failed_at, who = self.last_failure
-            cost = cost_words(self.checkpoints, failed_at, who)
+            cost = cost_words(self.checkpoints, *self.last_failure)
             title += f"; {cost}" if cost else ""
         self.alert("restart" if counted else "round", "warning" if counted else "info", title)
 

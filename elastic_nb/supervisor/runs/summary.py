@@ -118,7 +118,7 @@ def _checkpoint(log: CheckpointLog, outcome: str, root: RankState | None) -> dic
         return None
     words = f"the last checkpoint is {report.checkpoint_words(latest)}"
     if outcome == "failed" and root is not None and root.failed_at is not None:
-        words = cost_words(log, root.failed_at, root.name) or words
+        words = cost_words(log, root.failed_at, root.name, root.lost is not None) or words
     return {**latest, "words": words}
 
 
@@ -195,7 +195,7 @@ def restart_alert(
         f"(restart {attempt + 1}/{spec.max_restarts})"
     )
     if root is not None and root.failed_at is not None:
-        cost = cost_words(checkpoints, root.failed_at, root.name)
+        cost = cost_words(checkpoints, root.failed_at, root.name, root.lost is not None)
         title += f"; {cost}" if cost else ""
     return dict(kind="restart", severity="warning", title=title, rank=root.rank if root else None)
 

@@ -240,9 +240,9 @@ class Session(RankGroup):
             self.current.poke()  # it ran on this attempt: its end is decided now
         why = f"{r.name} {r.failure_summary()}"
         failed_at = r.failed_at or time.time()
-        self.last_failure = (failed_at, r.name)
+        self.last_failure = (failed_at, r.name, r.lost is not None)
         self.poll_checkpoints()  # a save committed just before the failure counts
-        cost = cost_words(self.checkpoints, failed_at, r.name)
+        cost = cost_words(self.checkpoints, failed_at, r.name, r.lost is not None)
         self.restart_why = f"{why}; {cost}" if cost else why
         if not self.restarts_left(r.attempt):
             m = self.spec.max_restarts

@@ -1,7 +1,8 @@
 """`elastic-nb` (also ``python -m elastic_nb``): a terminal's side of elastic_nb.
 
-elastic-nb join HOST:PORT --token TOKEN [--workdir DIR] [--addr ADDR] [--rejoin]
-    make this machine a node of a notebook's jobs (the line %elastic join-command prints)
+elastic-nb join HOST:PORT [--token TOKEN] [--workdir DIR] [--addr ADDR] [--rejoin]
+    make this machine a node of a notebook's jobs (the line %elastic join-command prints; the
+    token from $ELASTIC_NB_TOKEN where --token is not given)
 elastic-nb runs [--log-dir DIR]
     the latest run directories, with their outcome
 elastic-nb logs RUN [--rank R] [--attempt K] [--tail N] [--log-dir DIR]
@@ -15,17 +16,11 @@ import os
 import sys
 from pathlib import Path
 
-__all__ = ["main"]
+from elastic_nb.common.rundir import cache_home
 
+__all__ = ["TOKEN_ENV", "main"]
 
-def _default_log_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "elastic_nb" / "runs"
-
-
-def _default_workdir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "elastic_nb" / "agent"
+TOKEN_ENV = "ELASTIC_NB_TOKEN"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,11 +28,16 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     join = sub.add_parser("join", help="make this machine a node of a notebook's jobs")
     join.add_argument("endpoint", metavar="HOST:PORT", help="the notebook's supervisor")
-    join.add_argument("--token", required=True, help="from %%elastic join-command")
+    join.add_argument(
+        "--token",
+        default=os.environ.get(TOKEN_ENV),
+        help=f"from %%%%elastic join-command (default: ${TOKEN_ENV}, which, unlike a command "
+        "line, other users of this machine cannot read)",
+    )
     join.add_argument(
         "--workdir",
         type=Path,
-        default=_default_workdir(),
+        default=cache_home() / "agent",
         help="run directories and per-job working directories here (default: %(default)s)",
     )
     join.add_argument(
@@ -52,16 +52,18 @@ def main(argv: list[str] | None = None) -> int:
         "instead of exiting (a network cut that heals)",
     )
     runs = sub.add_parser("runs", help="the latest run directories")
-    runs.add_argument("--log-dir", type=Path, default=_default_log_dir())
+    runs.add_argument("--log-dir", type=Path, default=cache_home() / "runs")
     logs = sub.add_parser("logs", help="a run's rank logs")
     logs.add_argument("run", help="a run's id (or its directory)")
     logs.add_argument("--rank", type=int)
     logs.add_argument("--attempt", type=int)
     logs.add_argument("--tail", type=int, default=50, help="lines per file; 0 for all")
-    logs.add_argument("--log-dir", type=Path, default=_default_log_dir())
+    logs.add_argument("--log-dir", type=Path, default=cache_home() / "runs")
     args = parser.parse_args(argv)
 
     if args.command == "join":
+        if not args.token:
+            parser.error(f"join: a token is needed: --token TOKEN or ${TOKEN_ENV}")
         from elastic_nb.supervisor.nodes.channel import TokenError
         from elastic_nb.supervisor.nodes.join_agent import run_agent
 

@@ -214,7 +214,8 @@ PROCESS_EXCEPTIONS = {
     ),
     ("elastic_nb.supervisor.nodes.join_agent", "psutil"): (
         "its own process's one TCP connection to the supervisor: the address its machine is "
-        "reached at (zmq does not tell a socket's local end)"
+        "reached at (zmq does not tell a socket's local end); and the process at the other end "
+        "of a connection to the store relay, which must be the group's launcher"
     ),
     ("elastic_nb.supervisor.nodes.join_agent", "SO_PEERCRED"): (
         "the pid at the other end of a relayed session rank's connection, checked against the "

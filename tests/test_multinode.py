@@ -217,7 +217,8 @@ def test_a_node_that_joins_is_running_with_the_others_within_seconds(
     assert not grew["counted"] and grew["restarts"] == 0
     assert grew["running_s"] is not None and grew["running_s"] <= JOIN_BOUND_S, grew
     assert re.search(
-        r"attempt 1: node \d \(node-2\) joined \(no restart spent\) · world size 3", ex.stdout
+        r"attempt 1: node \d \(node-2\) joined; 3 nodes, world size 3 \(no restart spent\)",
+        ex.stdout,
     ), ex.stdout
     assert "restarts 0/0" in ex.stdout
     _nothing_left(ex.job_id, lab)

@@ -59,7 +59,7 @@ def test_a_stop_the_agent_never_answers_is_bounded(
 ) -> None:
     """A teardown is shielded from cancellation: a stop waiting forever on an agent that takes
     the order and never answers would hold the supervisor forever."""
-    monkeypatch.setattr(remote_node, "STOP_ANSWER_S", 0.2)
+    monkeypatch.setattr(remote_node, "ANSWER_S", 0.2)
 
     async def main() -> None:
         sent: list[Any] = []
@@ -96,3 +96,40 @@ def test_a_task_for_an_agent_that_fails_ends_alone(caplog: pytest.LogCaptureFixt
         anyio.run(main)
     assert ran == ["fine"]
     assert "a task for an agent failed" in caplog.text and "a bug of ours" in caplog.text
+
+
+@pytest.mark.parametrize("host", ["192.0.2.1", "elastic-nb-nowhere.invalid"])
+def test_an_address_no_interface_here_holds_is_refused_before_anyone_joins(host: str) -> None:
+    """`--host` names this machine, as the agents reach it, and the ranks listen on the
+    interface holding it: an address of another machine (or a name that resolves to none) is
+    refused at once, with nothing listening."""
+    errors: list[BaseException] = []
+
+    async def main() -> None:
+        async with anyio.create_task_group() as tg:
+            cluster = Cluster(tg, host)
+            try:
+                await cluster.serve(host, 0)
+            except (ValueError, OSError) as e:
+                errors.append(e)
+            assert cluster.listener is None
+            tg.cancel_scope.cancel()
+
+    anyio.run(main)
+    assert len(errors) == 1, errors
+    if host == "192.0.2.1":
+        assert "no network interface of this machine has the address 192.0.2.1" in str(errors[0])
+
+
+def test_a_name_of_this_machine_is_taken_as_its_address() -> None:
+    async def main() -> None:
+        async with anyio.create_task_group() as tg:
+            cluster = Cluster(tg, "localhost")
+            await cluster.serve("localhost", 0)
+            assert cluster.addr == "127.0.0.1"
+            assert cluster.listener is not None and cluster.listener.host == "127.0.0.1"
+            assert "elastic-nb join 127.0.0.1:" in cluster.join_command()
+            cluster.listener.close()
+            tg.cancel_scope.cancel()
+
+    anyio.run(main)

@@ -20,7 +20,7 @@ import psutil
 
 from elastic_nb.common import nvml, protocol
 
-__all__ = ["describe", "interface_of", "mismatch", "primary_address"]
+__all__ = ["describe", "interface_holding", "interface_of", "mismatch", "primary_address"]
 
 
 def describe(addr: str, workdir: str) -> protocol.NodeInfo:
@@ -90,6 +90,15 @@ def interface_of(addr: str) -> str | None:
         if any(a.family == socket.AF_INET and a.address == addr for a in addrs):
             return str(name)
     return None
+
+
+def interface_holding(addr: str) -> str:
+    """`interface_of`, or why this machine cannot be reached at `addr` (its ranks would listen
+    where no other node reaches them)."""
+    name = interface_of(addr)
+    if name is None:
+        raise ValueError(f"no network interface of this machine has the address {addr}")
+    return name
 
 
 def _torch_versions() -> tuple[str | None, str | None]:

@@ -12,6 +12,7 @@ __all__ = [
     "RANK_SESSION_LOOP",
     "ROLE_ENV",
     "SERVER_EXTENSION",
+    "STORE_PORT_ENV",
     "STORE_ROLE",
     "SUPERVISOR",
     "WARMUP",
@@ -29,6 +30,7 @@ SERVER_EXTENSION = "elastic_nb.server"  # the Jupyter server extension (jupyter-
 # default), or a multi-node group's rendezvous store (launcher/store_host.py).
 ROLE_ENV = "ELASTIC_NB_LAUNCHER_ROLE"
 STORE_ROLE = "store"
+STORE_PORT_ENV = "ELASTIC_NB_STORE_PORT"  # the port the store serves on (0: a free one)
 
 NAMED = (
     SUPERVISOR,

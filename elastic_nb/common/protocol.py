@@ -1,9 +1,12 @@
 """The protocol between elastic_nb's processes: one module, one framing, one version.
 
-Two channels speak it:
+Its channels (each below, with what it carries):
 
-* kernel <-> supervisor, over a Unix socket in an owner-only directory;
-* launcher -> supervisor, over a pipe (the launcher's stdout, set aside before torch loads).
+* kernel <-> supervisor, over a Unix socket in an owner-only directory (the JupyterLab panel's
+  server extension too, one connection per request);
+* launcher -> supervisor, over a pipe (the launcher's stdout, set aside before torch loads);
+* rank <-> supervisor in a session, over a Unix socket per session;
+* join agent <-> supervisor, over ZeroMQ with CURVE (another machine's node).
 
 A frame is one line of compact JSON (an object with a ``"kind"``), optionally followed by a raw
 binary blob whose length the header gives as ``"blob"``: pushed objects travel that way, without
@@ -77,14 +80,15 @@ header, and its blob travels as a second ZeroMQ frame.
 Agent -> supervisor                       Supervisor -> agent
   node_hello {version, info}                welcome {version, node, info} | refused {error}
   beat {t, groups}                          beat {t}                 (both ways, every BEAT_S)
-  launcher {group, msg}                     open {req, group, spec, env, plan} + files (a tar)
+  launcher {group, msg}                     open {req, group, spec, env, round, session}
+                                              + files (a tar)
   launcher_exit {group, outcome, reason}    cell {req, group, cell} + files (a session cell's)
   rank_gone {group, attempt, rank, t, code} signal {group, attempt, rank, sig}
   file {group, path, offset} + bytes        stacks {req, group, ranks, wait_s}
-  memory {group, reading}                   probe {req, group, attempt, rank, what, wait_s}
+  memory {group, rss, gpu, limit, gpus}     probe {req, group, attempt, rank, what, wait_s}
   answer {req, ok, data, error?}            ranks_up {group}
   stream_open {group, stream, to, peer}     leftovers {req, group, grace, stuck}
-  stream_data {group, stream} + bytes       stop {req, group, grace} | close {group}
+  stream_data {group, stream} + bytes       stop {req, group, grace} | close {group, ended}
   stream_close {group, stream}              stream_data / stream_close (the other way)
   bye {reason}                              bye {reason}
 
@@ -92,7 +96,8 @@ A stream is a connection a process on the agent's machine opened to the agent's 
 listeners: a launcher's to the rendezvous store ("store": the supervisor connects it to the
 group's store on its own loopback), or a session rank's to its session ("session": the peer's
 pid as the agent saw it). `file` mirrors what the node's ranks leave into the notebook's run
-directory, appended at `offset` (-1: the whole file, replaced).
+directory, appended at `offset` (-1: the whole file, replaced); only what a node may write
+(supervisor/nodes/files.py, from_node: never the notebook's own files there).
 """
 
 from __future__ import annotations
@@ -275,7 +280,7 @@ class FrameDecoder:
                 continue
             try:
                 msg = json.loads(line)
-            except ValueError as e:
+            except (ValueError, RecursionError) as e:  # RecursionError: nested too deep
                 raise ProtocolError(f"not a frame: {line[:80]!r}") from e
             if not isinstance(msg, dict) or "kind" not in msg:
                 raise ProtocolError(f"frame without a kind: {line[:80]!r}")

@@ -36,7 +36,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ATTEMPT_BASE_ENV", "CHECKPOINTS", "RUN_DIR_ENV", "RunDir", "attempt_of"]
+__all__ = ["ATTEMPT_BASE_ENV", "CHECKPOINTS", "RUN_DIR_ENV", "RunDir", "attempt_of", "cache_home"]
 
 RUN_DIR_ENV = "ELASTIC_NB_RUN_DIR"  # every rank's: its job's (or session's) run directory
 # A multi-node job's round starts at this attempt (each round is an elastic_launch of its own,
@@ -45,6 +45,13 @@ ATTEMPT_BASE_ENV = "ELASTIC_NB_ATTEMPT_BASE"
 CHECKPOINTS = "checkpoints.jsonl"
 
 _ATTEMPT = re.compile(r"attempt-(\d+)\Z")
+
+
+def cache_home() -> Path:
+    """elastic_nb's folder in the user's cache directory: run directories (runs/) and a join
+    agent's work (agent/) live under it unless told otherwise."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "elastic_nb"
 
 
 class RunDir:

@@ -17,6 +17,7 @@ import tempfile
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from elastic_nb.common.rundir import cache_home
 from elastic_nb.common.spec import MANAGED_ENV, USER_ENV, JobSpec
 from elastic_nb.kernel import gpus
 from elastic_nb.kernel.options import ASYNC_ERROR_HANDLING, DEFAULTS
@@ -212,8 +213,7 @@ def parse_env(value: Any) -> dict[str, str]:
 
 def default_log_dir() -> str:
     """Run directories live under the user's cache directory unless --log-dir says otherwise."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "elastic_nb", "runs")
+    return str(cache_home() / "runs")
 
 
 def job_spec(

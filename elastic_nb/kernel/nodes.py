@@ -54,8 +54,8 @@ def nodes_table(nodes: dict[str, Any]) -> list[str]:
         )
     else:
         rows.append(
-            f"agents join on {listening['host']}:{listening['port']} with token "
-            f"{listening['token']}… (%elastic join-command prints it whole)"
+            f"agents join on {listening['host']}:{listening['port']} with the token whose "
+            f"fingerprint is {listening['token']} (%elastic join-command prints the token)"
         )
     for r in nodes.get("refused", []):
         rows.append(

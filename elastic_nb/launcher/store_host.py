@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import sys
 
-from elastic_nb.common import loopback, protocol
+from elastic_nb.common import loopback, modules, protocol
 from elastic_nb.launcher.agent import die_with_parent
 from elastic_nb.launcher.pipe import Channel
 
@@ -24,6 +24,6 @@ def main() -> None:
     channel = Channel(os.dup(1))
     os.dup2(2, 1)
     die_with_parent()
-    server = loopback.rendezvous_server(int(os.environ.get("ELASTIC_NB_STORE_PORT") or 0))
+    server = loopback.rendezvous_server(int(os.environ.get(modules.STORE_PORT_ENV) or 0))
     channel.send(protocol.StoreUp(kind=protocol.STORE, port=server.port))
     sys.stdin.read()  # until the supervisor lets go (EOF): the group has ended

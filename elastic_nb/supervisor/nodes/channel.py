@@ -107,7 +107,7 @@ def _decode(frames: list[bytes]) -> tuple[protocol.Frame, bytes | None]:
         raise protocol.ProtocolError(f"a message of {len(frames)} frames")
     try:
         header = json.loads(frames[0])
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:  # RecursionError: nested beyond the parser
         raise protocol.ProtocolError(f"not a frame: {frames[0][:80]!r}") from e
     if not isinstance(header, dict) or not isinstance(header.get("kind"), str):
         raise protocol.ProtocolError(f"frame without a kind: {frames[0][:80]!r}")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -41,16 +42,22 @@ class Cluster:
         self._numbers = itertools.count(1)
         self.refused: list[dict[str, Any]] = []  # version mismatches, newest last
         self.changed = anyio.Event()  # set (and replaced) at every change of members
-        self._scope: anyio.CancelScope | None = None
 
     # ---- serving agents --------------------------------------------------------------------
 
     async def serve(self, host: str, port: int) -> None:
         """Listen for agents on host:port (0: a free port) until the supervisor ends."""
-        self.listener = Listener(Keys.new(), host, port)
         if host not in ("0.0.0.0", ""):
-            self.addr = host
+            # A name is taken as the address it resolves to: the ranks' interface is the one
+            # that holds it, and an address of no interface here is refused before anyone joins.
+            found = await anyio.getaddrinfo(host, port, family=socket.AF_INET)
+            addr = str(found[0][4][0])
+            machine.interface_holding(addr)
+            self.listener = Listener(Keys.new(), addr, port)
+            self.addr = addr
             self.info = machine.describe(self.addr, "")
+        else:
+            self.listener = Listener(Keys.new(), host, port)
         self._tg.start_soon(self._run)
 
     async def _run(self) -> None:

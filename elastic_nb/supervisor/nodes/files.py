@@ -16,17 +16,21 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import stat
 import tarfile
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-__all__ = ["INPUTS", "Mirror", "pack", "unpack", "write_chunk"]
+from elastic_nb.common.rundir import CHECKPOINTS
+
+__all__ = ["INPUTS", "Mirror", "from_node", "pack", "unpack", "write_chunk"]
 
 # A run directory's files that come from the notebook (never sent back).
 INPUTS = frozenset({"spec.json", "cell.py", "cell.json", "payload.pkl"})
 CHUNK = 4 << 20  # bytes of one file in one message
+_ATTEMPT = re.compile(r"attempt-\d+")
 # Probe FIFOs and their answers are the node's own business (the probe's answer travels as one).
 _LOCAL_SUFFIXES = (".probe", ".probe.json", ".tmp")
 
@@ -125,9 +129,15 @@ class Mirror:
             return
         rel = path.relative_to(top).as_posix()
         rel = self.renames.get(rel, rel)
+        if not from_node(rel):
+            return  # the notebook's side would refuse it
         replaced = last is None or last.inode != st.st_ino or st.st_size < last.size
         offset = 0 if replaced else last.size  # type: ignore[union-attr]
-        with open(path, "rb") as f:
+        try:
+            f = path.open("rb")
+        except FileNotFoundError:
+            return  # gone since its stat
+        with f:
             f.seek(offset)
             first = True
             while True:
@@ -164,12 +174,25 @@ def _files(top: Path) -> list[Path]:
     return sorted(out, key=lambda p: p.name.endswith((".done.json", ".failure.json")))
 
 
+def from_node(rel: str) -> bool:
+    """Whether a node may write this file of a run directory: its ranks' (in an attempt's
+    folder), its own (under nodes/), the checkpoint records its rank 0 keeps; never what the
+    notebook's side wrote there (the spec a later round's launcher here reads, the pushed
+    objects ranks here unpickle, the supervisor's events and summary)."""
+    parts = PurePosixPath(rel).parts
+    if not parts or ".." in parts or rel.startswith("/"):
+        return False
+    if _ATTEMPT.fullmatch(parts[0]):
+        return len(parts) == 2
+    return parts[0] == "nodes" or rel == CHECKPOINTS
+
+
 def write_chunk(top: Path, rel: str, offset: int, data: bytes) -> None:
     """The notebook's side: a chunk of a node's file into the run directory `top`. Files are the
     user's alone (results are unpickled: rundir.RunDir.read_private checks it)."""
+    if not from_node(rel):
+        raise ValueError(f"a node sent a file it may not write: {rel!r}")
     parts = PurePosixPath(rel).parts
-    if not parts or ".." in parts or rel.startswith("/"):
-        raise ValueError(f"a node sent a file outside its run directory: {rel!r}")
     path = top.joinpath(*parts)
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     if offset < 0:

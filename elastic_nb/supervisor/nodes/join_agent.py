@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import math
 import os
 import shutil
 import signal
@@ -33,6 +34,7 @@ from typing import Any
 import anyio
 import psutil
 from anyio.abc import ByteStream, SocketListener, TaskGroup
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from elastic_nb.common import machine, procs, protocol
 from elastic_nb.common.rundir import RunDir
@@ -70,7 +72,8 @@ class _Group:
         self.spec: JobSpec | None = None
         self.node: LocalNode | None = None
         self.ranks: dict[tuple[int, int], RankState] = {}
-        self.streams: dict[int, ByteStream] = {}
+        # What the supervisor sends to each relayed connection, in order (one writer each).
+        self.streams: dict[int, MemoryObjectSendStream[bytes]] = {}
         self.store: SocketListener | None = None  # launchers' connections to the rendezvous
         self.store_port = 0
         self.sessions: SocketListener | None = None  # session ranks' connections
@@ -98,6 +101,9 @@ class JoinAgent:
         self._pool: LauncherPool | None = None
         self._groups: dict[str, _Group] = {}
         self._stream_ids = itertools.count(1)
+        # A group's opening, stop and close, one at a time (an order may not overtake the one
+        # before it: a stop overtaking an open would leave its ranks running).
+        self._lifecycle: dict[str, anyio.Lock] = {}
         self._last_heard = time.monotonic()
         self._mirror = Mirror(self._send_file)
         self._tg: TaskGroup | None = None
@@ -265,13 +271,34 @@ class JoinAgent:
                 self._leaving = f"the notebook's supervisor said bye: {msg['reason']}"
                 self._said_bye = True
                 return
+            if msg["kind"] in (protocol.STREAM_DATA, protocol.STREAM_CLOSE):
+                self._relay(msg, blob)  # here, in the order it came
+                continue
             assert self._tg is not None
             self._tg.start_soon(self._handle, msg, blob)
+
+    def _relay(self, msg: protocol.NodeOrder, blob: bytes | None) -> None:
+        """The supervisor's side of a relayed connection: to its writer here."""
+        assert msg["kind"] in (protocol.STREAM_DATA, protocol.STREAM_CLOSE)
+        known = self._groups.get(msg["group"])
+        inbox = known.streams.get(msg["stream"]) if known else None
+        if inbox is None:
+            return
+        if msg["kind"] == protocol.STREAM_DATA and blob:
+            with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+                inbox.send_nowait(blob)
+        elif msg["kind"] == protocol.STREAM_CLOSE:
+            inbox.close()
 
     async def _handle(self, msg: protocol.NodeOrder, blob: bytes | None) -> None:
         req = msg.get("req")
         try:
-            data = await self._serve(msg, blob)
+            if msg["kind"] in (protocol.OPEN, protocol.STOP, protocol.CLOSE):
+                lock = self._lifecycle.setdefault(str(msg.get("group")), anyio.Lock())
+                async with lock:
+                    data = await self._serve(msg, blob)
+            else:
+                data = await self._serve(msg, blob)
         except Exception as e:
             log.exception("the supervisor's %s failed", msg["kind"])
             if isinstance(req, int):
@@ -295,22 +322,10 @@ class JoinAgent:
             g = self._group(msg["group"])
             cell = self.workdir / "runs" / msg["cell"]
             cell.mkdir(mode=0o700, exist_ok=True)
-            unpack(blob or b"", {"run": cell, "cwd": g.cwd})
+            await anyio.to_thread.run_sync(unpack, blob or b"", {"run": cell, "cwd": g.cwd})
             self._rewrite_spec(RunDir(cell), g)
             self._mirror.roots[cell] = (g.id, msg["cell"])
             return {"run_dir": str(cell)}
-        if kind in (protocol.STREAM_DATA, protocol.STREAM_CLOSE):
-            assert msg["kind"] in (protocol.STREAM_DATA, protocol.STREAM_CLOSE)
-            known = self._groups.get(msg["group"])
-            stream = known.streams.get(msg["stream"]) if known else None
-            if stream is not None:
-                if msg["kind"] == protocol.STREAM_DATA and blob:
-                    with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
-                        await stream.send(blob)
-                else:
-                    with contextlib.suppress(Exception):
-                        await stream.aclose()
-            return {}
         g = self._group(str(msg.get("group")))
         node = g.node
         if kind == protocol.SIGNAL:
@@ -326,12 +341,15 @@ class JoinAgent:
         if kind == protocol.CLOSE:
             assert msg["kind"] == protocol.CLOSE
             if node is not None:
+                if node.running():  # closed unstopped (the supervisor's teardown came first)
+                    await node.stop(STOP_GRACE_S, lambda sig, pids: None)
                 node.close()  # its launcher's log into the run directory, the pool warmed
                 g.node = None
             await self._mirror.sweep(g.id)
             if msg["ended"]:
                 await self._forget(g)
                 self._groups.pop(g.id, None)
+                self._lifecycle.pop(g.id, None)
             return {}
         assert node is not None, f"group {g.id} has no round running here"
         if kind == protocol.STACKS:
@@ -392,7 +410,7 @@ class JoinAgent:
             run_id=str(plan["run_id"]),
             endpoint=f"127.0.0.1:{g.store_port}",
             addr=addr,
-            ifname=machine.interface_of(addr) or "lo",
+            ifname=machine.interface_holding(addr),
         )
         node = LocalNode(g.rd, self._pool, self._orphans, self._reap)
         g.node = node
@@ -412,7 +430,7 @@ class JoinAgent:
         cwd = self.workdir / "jobs" / group_id
         rd.path.mkdir(mode=0o700, exist_ok=True)
         cwd.mkdir(mode=0o700, exist_ok=True)
-        unpack(blob, {"run": rd.path, "cwd": cwd})
+        await anyio.to_thread.run_sync(unpack, blob, {"run": rd.path, "cwd": cwd})
         g = _Group(group_id, rd, cwd, session=msg["session"])
         g.spec = self._rewrite_spec(rd, g, JobSpec.from_dict(msg["spec"]))
         self._groups[group_id] = g
@@ -493,33 +511,74 @@ class JoinAgent:
         )
 
     async def _stream(self, g: _Group, stream: ByteStream, to: str) -> None:
-        """A connection to one of the group's listeners here, relayed to the supervisor."""
+        """A connection to one of the group's listeners here, relayed to the supervisor: what
+        it sends, read here; what the supervisor sends back, written by one task, in order."""
+        if to == protocol.STREAM_STORE and not await anyio.to_thread.run_sync(
+            self._launcher_of, g, stream
+        ):
+            await stream.aclose()  # the rendezvous store is the group's launchers' alone
+            return
         n = next(self._stream_ids)
-        g.streams[n] = stream
+        inbox, outbox = anyio.create_memory_object_stream[bytes](math.inf)
+        g.streams[n] = inbox
         peer = _peer_pid(stream) if to == protocol.STREAM_SESSION else None
-        await self._send(
-            protocol.StreamOpen(kind=protocol.STREAM_OPEN, group=g.id, stream=n, to=to, peer=peer)
-        )
         try:
-            while True:
-                try:
-                    data = await stream.receive(_READ)
-                except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
-                    return
-                await self._send(
-                    protocol.StreamData(kind=protocol.STREAM_DATA, group=g.id, stream=n), data
+            await self._send(
+                protocol.StreamOpen(
+                    kind=protocol.STREAM_OPEN, group=g.id, stream=n, to=to, peer=peer
                 )
+            )
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_write_all, stream, outbox)
+                while True:
+                    try:
+                        data = await stream.receive(_READ)
+                    except (
+                        anyio.EndOfStream,
+                        anyio.BrokenResourceError,
+                        anyio.ClosedResourceError,
+                    ):
+                        break
+                    await self._send(
+                        protocol.StreamData(kind=protocol.STREAM_DATA, group=g.id, stream=n), data
+                    )
+                tg.cancel_scope.cancel()
         finally:
             g.streams.pop(n, None)
-            await self._send(protocol.StreamClose(kind=protocol.STREAM_CLOSE, group=g.id, stream=n))
+            inbox.close()
+            with contextlib.suppress(Exception):  # the channel may be gone with the supervisor
+                await self._send(
+                    protocol.StreamClose(kind=protocol.STREAM_CLOSE, group=g.id, stream=n)
+                )
+            with contextlib.suppress(Exception):
+                await stream.aclose()
+
+    def _launcher_of(self, g: _Group, stream: ByteStream) -> bool:
+        """Whether the process at the other end of a loopback connection is the group's
+        launcher (torch's agent: the one client of the rendezvous store, whose state it
+        unpickles): another local user's process must not reach the notebook's store."""
+        launcher = g.node.launcher_pid if g.node is not None else None
+        if launcher is None:
+            return False
+        sock = stream.extra(anyio.abc.SocketAttribute.raw_socket)
+        try:
+            ours, theirs = sock.getsockname()[:2], sock.getpeername()[:2]
+        except OSError:
+            return False
+        for c in psutil.net_connections("tcp"):
+            if c.laddr and c.raddr and tuple(c.laddr) == theirs and tuple(c.raddr) == ours:
+                return bool(c.pid == launcher)
+        return False
 
     async def _forget(self, g: _Group) -> None:
         """A group has ended here: its listeners and streams closed, its files removed (the
         notebook's run directory has them all)."""
-        for closable in (g.store, g.sessions, *g.streams.values()):
-            if closable is not None:
+        for inbox in g.streams.values():
+            inbox.close()  # its writer closes the connection
+        for listener in (g.store, g.sessions):
+            if listener is not None:
                 with contextlib.suppress(Exception):
-                    await closable.aclose()
+                    await listener.aclose()
         cells = [top for top, (group, root) in self._mirror.roots.items() if group == g.id and root]
         self._mirror.drop(g.id)
         if g.socket_path is not None:
@@ -589,6 +648,19 @@ async def _serve(listener: SocketListener, handler: Any, tg: TaskGroup) -> None:
         except (anyio.ClosedResourceError, anyio.BrokenResourceError, OSError):
             return
         tg.start_soon(handler, stream)
+
+
+async def _write_all(stream: ByteStream, outbox: MemoryObjectReceiveStream[bytes]) -> None:
+    """What the supervisor sends to a relayed connection, in order; the connection closed
+    once it has said its last (or the connection broke)."""
+    async with outbox:
+        async for data in outbox:
+            try:
+                await stream.send(data)
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+                return
+    with contextlib.suppress(Exception):
+        await stream.aclose()
 
 
 def _peer_pid(stream: ByteStream) -> int | None:

@@ -42,9 +42,11 @@ __all__ = ["AgentLink", "NodeLost", "RelayedStream", "RemoteNode"]
 
 SessionStreams = Callable[[ByteStream, int | None], Awaitable[None]]
 
-# How long past the grace a stop waits for the agent's answer (its ranks' SIGKILL and the last
-# of their files sent); a teardown never waits longer on a machine.
-STOP_ANSWER_S = 20.0
+# How long an order waits for its agent's answer past the order's own time (a stop's grace,
+# a probe's wait): what a node's machine may take to act and send its files; a teardown never
+# waits longer on a machine.
+ANSWER_S = 20.0
+ORDER_S = 60.0  # an order with no time of its own (an open: a launcher taken; a cell's files)
 
 log = logging.getLogger(__name__)
 
@@ -143,9 +145,12 @@ class AgentLink:
             return False
         return await self._send(self.peer, msg, blob)
 
-    async def request(self, msg: Any, blob: bytes | None = None) -> dict[str, Any]:
+    async def request(
+        self, msg: Any, blob: bytes | None = None, timeout: float = ORDER_S
+    ) -> dict[str, Any]:
         """Send an order carrying a request number; its answer's data. Raises NodeLost if the
-        agent goes first, RuntimeError with the agent's words if it failed."""
+        agent goes first or does not answer within `timeout` (its order's own time, then the
+        way back), RuntimeError with the agent's words if it failed."""
         req = next(self._reqs)
         msg = {**msg, "req": req}
         done, box = anyio.Event(), list[protocol.Answer]()
@@ -153,17 +158,11 @@ class AgentLink:
         try:
             if not await self.send(msg, blob):
                 raise NodeLost(f"{self.label()} is gone: {self.why or 'it left'}")
-            async with anyio.create_task_group() as tg:
-
-                async def lost() -> None:
-                    await self.lost.wait()
-                    tg.cancel_scope.cancel()
-
-                tg.start_soon(lost)
-                await done.wait()
-                tg.cancel_scope.cancel()
+            with anyio.move_on_after(timeout):
+                await done.wait()  # set by the answer, or by gone()
             if not box:
-                raise NodeLost(f"{self.label()} is gone: {self.why or 'it left'}")
+                why = self.why if self.state != "ready" else f"no answer in {timeout:g} s"
+                raise NodeLost(f"{self.label()}, {msg['kind']}: {why}")
             answer = box[0]
             if not answer["ok"]:
                 raise RuntimeError(f"{self.label()}: {answer.get('error', 'failed')}")
@@ -292,7 +291,6 @@ class RemoteNode(Node):
         self._beat_at: float | None = None
         self._reading = MemoryReading({}, {}, None, gpus=False)
         self.lost: str | None = None
-        self._lost_at: float | None = None
 
     @property
     def label(self) -> str:
@@ -415,6 +413,7 @@ class RemoteNode(Node):
                     ranks=[[r.attempt, r.rank] for r in ranks],
                     wait_s=wait_s,
                 ),
+                timeout=wait_s + ANSWER_S,
             )
         except (NodeLost, RuntimeError):
             answer = {"dumps": {}}
@@ -442,7 +441,8 @@ class RemoteNode(Node):
                     rank=r.rank,
                     what=what,
                     wait_s=wait_s,
-                )
+                ),
+                timeout=wait_s + ANSWER_S,
             )
         except (NodeLost, RuntimeError):
             return None
@@ -489,7 +489,8 @@ class RemoteNode(Node):
                     group=self._group or "",
                     grace=grace,
                     stuck=stuck(),
-                )
+                ),
+                timeout=grace + ANSWER_S,
             )
         except (NodeLost, RuntimeError):
             return []
@@ -502,11 +503,11 @@ class RemoteNode(Node):
             return []
         answer: dict[str, Any] | None = None
         # Bounded: a teardown (shielded from cancellation) must end whatever the agent does.
-        with anyio.move_on_after(grace + STOP_ANSWER_S):
-            with contextlib.suppress(NodeLost, RuntimeError):
-                answer = await self.link.request(
-                    protocol.NodeStop(kind=protocol.STOP, req=0, group=self._group, grace=grace)
-                )
+        with contextlib.suppress(NodeLost, RuntimeError):
+            answer = await self.link.request(
+                protocol.NodeStop(kind=protocol.STOP, req=0, group=self._group, grace=grace),
+                timeout=grace + ANSWER_S,
+            )
         if answer is None:
             if self.lost is None:
                 log.warning("%s did not answer the stop of %s in time", self.label, self._group)
@@ -526,6 +527,8 @@ class RemoteNode(Node):
         # (its launcher's last lines) as it closes it.
         self._order(protocol.Close(kind=protocol.CLOSE, group=group, ended=ended))
         self._news.close()
+        # Its launcher's exit, if still untold, is no longer listened for: its reader ends.
+        self._exited.set()
 
     # ---- a session cell's files ----------------------------------------------------------------
 
@@ -591,7 +594,7 @@ class RemoteNode(Node):
         """The agent is gone: its ranks with it, as of when it was last heard from."""
         if self.lost is not None:
             return
-        self.lost, self._lost_at = why, at
+        self.lost = why
         self._launcher_alive = False
         self._outcome = ("failed", f"{self.label} left: {why}")
         for key, event in self._gone.items():

@@ -89,7 +89,7 @@ class LauncherPool:
         """A multi-node group's rendezvous store: a fork of the zygote in the store role, serving
         on 127.0.0.1 (`port`; 0: a free one). Returns it and its port; `end_store` ends it."""
         zygote = self._zygote_for(env)
-        role = {modules.ROLE_ENV: modules.STORE_ROLE, "ELASTIC_NB_STORE_PORT": str(port)}
+        role = {modules.ROLE_ENV: modules.STORE_ROLE, modules.STORE_PORT_ENV: str(port)}
         store = await self._fork(zygote, {**env, **role}, (), ())
         self._stores.add(store)
         async for msg in store.messages:

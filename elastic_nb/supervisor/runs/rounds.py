@@ -93,7 +93,7 @@ class Rounds:
             run_id=f"{self.spec.rdzv_id or group_id}-{attempt}",
             endpoint=f"127.0.0.1:{self.store_port}",
             addr=addr,
-            ifname=machine.interface_of(addr) or "lo",
+            ifname=machine.interface_holding(addr),
         )
 
     async def gather(

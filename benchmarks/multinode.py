@@ -57,10 +57,13 @@ dist.init_process_group(timeout=timedelta(seconds=120))
 world = dist.get_world_size()
 mark(f'world{world}')
 x = torch.ones(1)
-deadline = time.time() + 150
-while time.time() < deadline:
+stop = os.path.join(os.environ['BENCH_DIR'], 'stop')
+for _ in range(7500):  # 150 s at most
     dist.all_reduce(x)
-    if os.path.exists(os.path.join(os.environ['BENCH_DIR'], 'stop')):
+    # Every rank stops at the same step: whether any rank saw the stop file, agreed by all.
+    seen = torch.tensor([float(os.path.exists(stop))])
+    dist.all_reduce(seen)
+    if seen.item() > 0:
         break
     time.sleep(0.02)
 """

@@ -129,7 +129,7 @@ def test_a_name_of_this_machine_is_taken_as_its_address() -> None:
             assert cluster.addr == "127.0.0.1"
             assert cluster.listener is not None and cluster.listener.host == "127.0.0.1"
             assert "elastic-nb join 127.0.0.1:" in cluster.join_command()
-            cluster.listener.close()
             tg.cancel_scope.cancel()
+        cluster.listener.close()
 
     anyio.run(main)

@@ -211,7 +211,7 @@ class Checkpoints:
         if not async_save:
             if kwargs is not None:
                 try:
-                    writer = _writer(path, url=url, fsync=fsync)
+                    writer = storage_writer(path, url=url, fsync=fsync)
                     dcp.save(state, storage_writer=writer, **kwargs)
                 except Exception as e:
                     error = e  # still to the commit: the other ranks wait there for this one
@@ -422,17 +422,6 @@ def _quiet_no_dist() -> None:
         message=r"torch\.distributed is disabled, unavailable or uninitialized, assuming the "
         r"intent is to (save|load) in a single process",
     )
-
-
-def _writer(path: str, *, url: bool, fsync: bool) -> Any:
-    """DCP's writer for `path` (FsspecWriter for a URL, as DCP's own _storage_utils.py picks)."""
-    from torch.distributed.checkpoint import FileSystemWriter
-
-    if url:
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
-
-        return FsspecWriter(path, sync_files=fsync)
-    return FileSystemWriter(path, sync_files=fsync)
 
 
 # The module-level functions: one Checkpoints per directory, per process.

@@ -45,7 +45,7 @@ from elastic_nb.supervisor.processes.launcher_pool import LauncherPool
 from elastic_nb.supervisor.processes.node import LocalNode
 from elastic_nb.supervisor.ranks.rank_state import RankState
 
-__all__ = ["ORPHAN_BOUND_S", "JoinAgent"]
+__all__ = ["ORPHAN_BOUND_S", "JoinAgent", "connected_from"]
 
 log = logging.getLogger(__name__)
 
@@ -513,11 +513,14 @@ class JoinAgent:
     async def _stream(self, g: _Group, stream: ByteStream, to: str) -> None:
         """A connection to one of the group's listeners here, relayed to the supervisor: what
         it sends, read here; what the supervisor sends back, written by one task, in order."""
-        if to == protocol.STREAM_STORE and not await anyio.to_thread.run_sync(
-            self._launcher_of, g, stream
-        ):
-            await stream.aclose()  # the rendezvous store is the group's launchers' alone
-            return
+        if to == protocol.STREAM_STORE:
+            # torch's agent, the store's one client, unpickles its state: another local user's
+            # process must not reach the notebook's store.
+            launcher = g.node.launcher_pid if g.node is not None else None
+            sock = stream.extra(anyio.abc.SocketAttribute.raw_socket)
+            if not await anyio.to_thread.run_sync(connected_from, launcher, sock):
+                await stream.aclose()
+                return
         n = next(self._stream_ids)
         inbox, outbox = anyio.create_memory_object_stream[bytes](math.inf)
         g.streams[n] = inbox
@@ -552,23 +555,6 @@ class JoinAgent:
                 )
             with contextlib.suppress(Exception):
                 await stream.aclose()
-
-    def _launcher_of(self, g: _Group, stream: ByteStream) -> bool:
-        """Whether the process at the other end of a loopback connection is the group's
-        launcher (torch's agent: the one client of the rendezvous store, whose state it
-        unpickles): another local user's process must not reach the notebook's store."""
-        launcher = g.node.launcher_pid if g.node is not None else None
-        if launcher is None:
-            return False
-        sock = stream.extra(anyio.abc.SocketAttribute.raw_socket)
-        try:
-            ours, theirs = sock.getsockname()[:2], sock.getpeername()[:2]
-        except OSError:
-            return False
-        for c in psutil.net_connections("tcp"):
-            if c.laddr and c.raddr and tuple(c.laddr) == theirs and tuple(c.raddr) == ours:
-                return bool(c.pid == launcher)
-        return False
 
     async def _forget(self, g: _Group) -> None:
         """A group has ended here: its listeners and streams closed, its files removed (the
@@ -661,6 +647,27 @@ async def _write_all(stream: ByteStream, outbox: MemoryObjectReceiveStream[bytes
                 return
     with contextlib.suppress(Exception):
         await stream.aclose()
+
+
+def connected_from(pid: int | None, sock: socket.socket) -> bool:
+    """Whether the process at the other end of a loopback connection we accepted is `pid`."""
+    if pid is None:
+        return False
+    try:
+        ours, theirs = _end(sock.getsockname()), _end(sock.getpeername())
+    except OSError:
+        return False
+    for c in psutil.net_connections("tcp"):
+        if c.laddr and c.raddr and (_end(c.laddr), _end(c.raddr)) == (theirs, ours):
+            return bool(c.pid == pid)
+    return False
+
+
+def _end(address: Any) -> tuple[str, int]:
+    """A TCP endpoint as (IPv4 address, port): torch's store client connects from an IPv6
+    socket, whose end is an IPv4-mapped address (::ffff:127.0.0.1)."""
+    ip, port = address[0], address[1]
+    return ip.removeprefix("::ffff:"), int(port)
 
 
 def _peer_pid(stream: ByteStream) -> int | None:

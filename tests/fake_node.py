@@ -142,14 +142,7 @@ class FakeNode(Node):
         return self.kills
 
     def read_memory(self, ranks: list[RankState]) -> MemoryReading:
-        live = {r.rank for r in ranks}
-        m = self.memory
-        return MemoryReading(
-            {k: v for k, v in m.rss.items() if k in live},
-            {k: v for k, v in m.gpu.items() if k in live},
-            m.limit,
-            m.gpus,
-        )
+        return self.memory.of(ranks)
 
     # ---- the end ------------------------------------------------------------------------------
 

@@ -341,7 +341,10 @@ class JoinAgent:
         if kind == protocol.CLOSE:
             assert msg["kind"] == protocol.CLOSE
             if node is not None:
-                if node.running():  # closed unstopped (the supervisor's teardown came first)
+                # Closed with its launcher still running (the supervisor's teardown came first):
+                # stopped now. Only the launcher counts: the group's processes are found by its
+                # marker, which on a machine shared with other nodes of the job marks theirs too.
+                if node.running(leftovers_too=False):
                     await node.stop(STOP_GRACE_S, lambda sig, pids: None)
                 node.close()  # its launcher's log into the run directory, the pool warmed
                 g.node = None

@@ -454,14 +454,7 @@ class RemoteNode(Node):
         return None if beat is None else beat["oom_kills"]
 
     def read_memory(self, ranks: list[RankState]) -> MemoryReading:
-        wanted = {r.rank for r in ranks}
-        reading = self._reading
-        return MemoryReading(
-            {k: v for k, v in reading.rss.items() if k in wanted},
-            {k: v for k, v in reading.gpu.items() if k in wanted},
-            reading.limit,
-            reading.gpus,
-        )
+        return self._reading.of(ranks)  # the newest its agent sent
 
     # ---- the end ---------------------------------------------------------------------------
 

@@ -70,6 +70,16 @@ class MemoryReading:
     limit: MemoryLimit | None  # what bounds the host memory of the node's ranks
     gpus: bool  # the node has GPUs NVML can see: its ranks may hold CUDA memory
 
+    def of(self, ranks: list[RankState]) -> MemoryReading:
+        """The same reading, for these ranks alone."""
+        wanted = {r.rank for r in ranks}
+        return MemoryReading(
+            {k: v for k, v in self.rss.items() if k in wanted},
+            {k: v for k, v in self.gpu.items() if k in wanted},
+            self.limit,
+            self.gpus,
+        )
+
 
 @dataclass(frozen=True)
 class Survivor:

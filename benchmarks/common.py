@@ -40,8 +40,9 @@ MARK = (
     "def mark(event, value=None):\n"
     "    import os, time\n"
     "    path = os.path.join(os.environ['BENCH_DIR'], f\"{event}-{os.environ['RANK']}\")\n"
-    "    with open(path, 'w') as f:\n"
+    "    with open(path + '.tmp', 'w') as f:\n"
     "        f.write(repr(time.time() if value is None else value))\n"
+    "    os.replace(path + '.tmp', path)  # whole, never read half-written\n"
 )
 
 
@@ -89,7 +90,7 @@ def read_marks(directory: str) -> dict[str, list[float]]:
     marks: dict[str, list[float]] = {}
     for path in Path(directory).iterdir():
         event, _, _rank = path.name.rpartition("-")
-        if event:
+        if event and path.suffix != ".tmp":
             marks.setdefault(event, []).append(float(path.read_text()))
     return marks
 

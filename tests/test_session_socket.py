@@ -108,8 +108,10 @@ import os, time
 go = GO
 while not os.path.exists(go):
     time.sleep(0.05)
-with open(go + ".said", "w") as f:
-    f.write(claim(PATH, 0, 0, 10) + "\\n" + claim(PATH, 0, 1, 10) + "\\n")
+said = claim(PATH, 0, 0, 10) + "\\n" + claim(PATH, 0, 1, 10) + "\\n"
+with open(go + ".tmp", "w") as f:  # the answers first, then the file whole: never read half
+    f.write(said)
+os.replace(go + ".tmp", go + ".said")
 """
 
 

@@ -1,6 +1,8 @@
 """checkpoint/writer.py's crc32_off: DCP's records written without torch.save's CRC32 (half of a
-save's time; torch.load never checks it), torch's option (the thread's own) put back after. A
-real save and load across ranks is tests/test_checkpoint.py's."""
+save's time; torch.load never checks it), torch's option put back after, and never taken from
+another thread (torch 2.13 keeps the option per thread; 2.11, the suite's floor, for the whole
+process, where crc32_off leaves it on). A real save and load across ranks is
+tests/test_checkpoint.py's."""
 
 from __future__ import annotations
 
@@ -10,9 +12,9 @@ import zipfile
 
 import pytest
 import torch
-from torch.serialization import get_crc32_options
+from torch.serialization import get_crc32_options, set_crc32_options
 
-from elastic_nb.checkpoint.writer import crc32_off
+from elastic_nb.checkpoint.writer import _crc32_is_per_thread, crc32_off
 
 pytestmark = pytest.mark.unit
 
@@ -25,19 +27,41 @@ def _crcs(t: torch.Tensor) -> tuple[list[int], torch.Tensor]:
     return crcs, torch.load(io.BytesIO(buf.getvalue()))
 
 
-def test_records_written_inside_carry_no_crc_and_load_the_same() -> None:
+def _per_thread_by_hand() -> bool:
+    """The same question as the product's probe, asked the other way round: this thread flips
+    the option, another thread reads it."""
+    seen: list[bool] = []
+    set_crc32_options(False)
+    try:
+        thread = threading.Thread(target=lambda: seen.append(get_crc32_options()))
+        thread.start()
+        thread.join(30)
+    finally:
+        set_crc32_options(True)
+    return seen == [True]
+
+
+def test_the_probe_reads_torch_as_it_is() -> None:
+    assert _crc32_is_per_thread() == _per_thread_by_hand()
+    assert get_crc32_options()  # the probe put it back
+
+
+def test_records_written_inside_carry_no_crc_where_the_option_is_the_threads_own() -> None:
     t = torch.randn(1000)
     assert get_crc32_options()
     with crc32_off():
         crcs, back = _crcs(t)
-    assert crcs == [0] and torch.equal(back, t)
+    assert torch.equal(back, t)
+    if _per_thread_by_hand():
+        assert crcs == [0]
+    else:  # the whole process's option: left on, for a user's torch.save in another thread
+        assert crcs != [0]
     assert get_crc32_options()  # put back
     crcs, _ = _crcs(t)
     assert crcs != [0]
 
 
-def test_the_option_is_the_threads_own() -> None:
-    """torch keeps it per thread: another thread's torch.save meanwhile keeps its CRC32."""
+def test_another_threads_save_keeps_its_crc32() -> None:
     seen: list[bool] = []
     with crc32_off():
         thread = threading.Thread(target=lambda: seen.append(_crcs(torch.ones(3))[0] != [0]))
@@ -47,8 +71,6 @@ def test_the_option_is_the_threads_own() -> None:
 
 
 def test_a_user_who_turned_it_off_keeps_it_off() -> None:
-    from torch.serialization import set_crc32_options
-
     set_crc32_options(False)
     try:
         with crc32_off():

@@ -25,6 +25,7 @@ _async_process_executor.py) was measured too, and not kept: see benchmarks/READM
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import math
 import mmap
@@ -305,18 +306,49 @@ def crc32_off() -> Iterator[None]:
     (600 MB a rank: 0.67 s with it, 0.32 s without, one process). Nothing reads it back:
     torch.load never checks it (torch is built with MINIZ_DISABLE_ZIP_READER_CRC32_CHECKS; a
     flipped byte in a record loads silently either way), and DCP reads each record with
-    torch.load; only unzip-style tools would check it. torch's option is the calling thread's
-    own (torch.serialization.set_crc32_options; tests/test_checkpoint_writer.py), so DCP's
-    writes must run in this thread: FileSystemWriter's default thread_count of 1 does; a writer
-    with more threads writes their records with a CRC32, as before."""
+    torch.load; only unzip-style tools would check it. DCP's writes must run in this thread:
+    FileSystemWriter's default thread_count of 1 does; a writer with more threads writes their
+    records with a CRC32, as before.
+
+    torch 2.13 keeps the option per thread (its config module holds a user's settings in a
+    ContextVar: torch/utils/_config_module.py); torch 2.11 keeps it for the whole process, where
+    turning it off would take the CRC32 from another thread's torch.save meanwhile (a user's
+    own): there this leaves it on (`_crc32_is_per_thread`)."""
     from torch.serialization import get_crc32_options, set_crc32_options
 
+    if not _crc32_is_per_thread():
+        yield
+        return
     before = get_crc32_options()
     set_crc32_options(False)
     try:
         yield
     finally:
         set_crc32_options(before)
+
+
+@functools.cache
+def _crc32_is_per_thread() -> bool:
+    """Whether a thread's set_crc32_options is its own: a thread of its own flips it, and this
+    one reads it meanwhile (the probe puts it back before it ends)."""
+    from torch.serialization import get_crc32_options, set_crc32_options
+
+    here = get_crc32_options()
+    flipped, read = threading.Event(), threading.Event()
+
+    def probe() -> None:
+        set_crc32_options(not here)
+        flipped.set()
+        read.wait()
+        set_crc32_options(here)
+
+    thread = threading.Thread(target=probe, name="elastic_nb-crc32-probe")
+    thread.start()
+    flipped.wait()
+    mine = get_crc32_options()
+    read.set()
+    thread.join()
+    return mine == here
 
 
 # -- the writer process -----------------------------------------------------------------------

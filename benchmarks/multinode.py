@@ -29,7 +29,6 @@ import math
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -40,6 +39,7 @@ from typing import Any
 import psutil
 from common import HEADER, MARK, Elastic, median, read_marks, runs, spread
 
+from elastic_nb.common.machine import interface_holding
 from tests import machines
 from tests.kernel import wait_for
 
@@ -69,13 +69,6 @@ for _ in range(7500):  # 150 s at most
 """
 
 
-def _interface(address: str) -> str:
-    for name, addrs in psutil.net_if_addrs().items():
-        if any(a.family == socket.AF_INET and a.address == address for a in addrs):
-            return name
-    raise RuntimeError(f"no interface holds {address}")
-
-
 class Torchrun:
     """One torch.distributed.run per machine: this one's here, the others' in their namespaces."""
 
@@ -92,7 +85,7 @@ class Torchrun:
         env = {
             "OMP_NUM_THREADS": "1",
             "BENCH_DIR": self.directory,
-            "GLOO_SOCKET_IFNAME": _interface(address) if where is None else "",
+            "GLOO_SOCKET_IFNAME": interface_holding(address) if where is None else "",
         }
         # This machine hosts the store: said, since its name resolves to loopback only (torch
         # would find it by name otherwise, rendezvous/utils.py: _matches_machine_hostname).

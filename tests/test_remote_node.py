@@ -88,7 +88,7 @@ def test_a_task_for_an_agent_that_fails_ends_alone(caplog: pytest.LogCaptureFixt
 
     async def main() -> None:
         async with anyio.create_task_group() as tg:
-            cluster = Cluster(tg, "127.0.0.1")
+            cluster = Cluster(tg)
             cluster.spawn(broken)
             cluster.spawn(fine)
 
@@ -107,7 +107,7 @@ def test_an_address_no_interface_here_holds_is_refused_before_anyone_joins(host:
 
     async def main() -> None:
         async with anyio.create_task_group() as tg:
-            cluster = Cluster(tg, host)
+            cluster = Cluster(tg)
             try:
                 await cluster.serve(host, 0)
             except (ValueError, OSError) as e:
@@ -124,7 +124,7 @@ def test_an_address_no_interface_here_holds_is_refused_before_anyone_joins(host:
 def test_a_name_of_this_machine_is_taken_as_its_address() -> None:
     async def main() -> None:
         async with anyio.create_task_group() as tg:
-            cluster = Cluster(tg, "localhost")
+            cluster = Cluster(tg)
             await cluster.serve("localhost", 0)
             assert cluster.addr == "127.0.0.1"
             assert cluster.listener is not None and cluster.listener.host == "127.0.0.1"

@@ -310,7 +310,7 @@ class Supervisor:
         the agents holding the old one."""
         assert self._tg is not None
         if self._cluster is None:
-            self._cluster = Cluster(self._tg, msg["host"])
+            self._cluster = Cluster(self._tg)
         if self._cluster.listener is None:
             await self._cluster.serve(msg["host"] or "0.0.0.0", msg["port"])
         elif msg["port"] and msg["port"] != self._cluster.listener.port:

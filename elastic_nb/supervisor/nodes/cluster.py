@@ -33,9 +33,10 @@ log = logging.getLogger(__name__)
 class Cluster:
     """This supervisor's join agents, and how they reach it."""
 
-    def __init__(self, tg: TaskGroup, addr: str | None = None) -> None:
+    def __init__(self, tg: TaskGroup) -> None:
         self._tg = tg
-        self.addr = addr or machine.primary_address()  # this machine, as the agents reach it
+        # This machine, as the agents reach it: the address `serve` was given, else its primary.
+        self.addr = machine.primary_address()
         self.info = machine.describe(self.addr, "")
         self.listener: Listener | None = None
         self.agents: dict[bytes, AgentLink] = {}

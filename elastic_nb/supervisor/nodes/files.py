@@ -154,7 +154,8 @@ class Mirror:
 
 
 def _files(top: Path) -> list[Path]:
-    """The files worth sending under `top` (its top level and its attempt folders)."""
+    """The files worth sending under `top` (its top level and its attempt folders), less the
+    node's own business; which of them the notebook's side takes is `from_node`'s to say."""
     out: list[Path] = []
     try:
         entries = list(os.scandir(top))
@@ -165,7 +166,7 @@ def _files(top: Path) -> list[Path]:
             if e.name.startswith("attempt-"):
                 out.extend(_files(Path(e.path)))
             continue
-        if e.name in INPUTS or e.name.endswith(_LOCAL_SUFFIXES) or e.name.startswith("."):
+        if e.name.endswith(_LOCAL_SUFFIXES) or e.name.startswith("."):
             continue
         if stat.S_ISREG(e.stat(follow_symlinks=False).st_mode):
             out.append(Path(e.path))

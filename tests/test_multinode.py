@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import subprocess
 import time
@@ -720,3 +721,47 @@ x.item()
 
 def _lab_pid(lab: machines.Lab) -> int:
     return int(re.match(r"enm(\d+)b", lab.bridge).group(1))  # type: ignore[union-attr]
+
+
+def _launcher(job: str, where: machines.Machine | None) -> psutil.Process | None:
+    """The job's launcher on `where` (None: this machine): the process of the job's marker that
+    leads its process group, in that machine's PID namespace."""
+    ns = os.stat(f"/proc/{where.agent_pid if where else os.getpid()}/ns/pid").st_ino
+    for pid in _marked(job):
+        with contextlib.suppress(OSError):
+            if os.getpgid(pid) == pid and os.stat(f"/proc/{pid}/ns/pid").st_ino == ns:
+                return psutil.Process(pid)
+    return None
+
+
+@pytest.mark.parametrize("where", ["here", "there"])
+def test_a_launcher_that_dies_before_its_ranks_run_ends_its_round_in_seconds(
+    mn_kernel: Kernel, lab: machines.Lab, where: str
+) -> None:
+    """A round's launcher killed as soon as it runs (in its rendezvous, before any rank of the
+    round ran), on this machine or another: the round fails at once (no wait for a rendezvous
+    that cannot close), the next round runs within a restart, and the cell ends with its
+    result; nothing of the job is left on any machine."""
+    k = mn_kernel
+    _ensure_agents(k, lab, 1)
+    machine = None if where == "here" else lab.machines[0]
+    msg_id, ex = k.start("%%elastic --nnodes 2 --nproc 2 --max-restarts 1" + _ALL_REDUCE)
+    k.collect(msg_id, ex, timeout=30, until=lambda e: bool(e.job_ids))
+    found: list[psutil.Process] = []
+    assert wait_for(lambda: found.append(_launcher(ex.job_id, machine)) or found[-1], 30, 0.01)
+    found[-1].kill()
+    killed_at = time.time()
+    k.collect(msg_id, ex, timeout=90)
+    assert ex.error is None, ex.traceback
+    assert ex.result == "10.0", ex.stdout
+    timeline = _timeline(k, ex.job_id)
+    assert [r["world_size"] for r in timeline] == [4, 4], timeline
+    again = timeline[1]
+    assert again["counted"] and again["restarts"] == 1, again
+    assert "launcher" in again["why"] and "SIGKILL" in again["why"], again
+    # Known at its exit, not at a timeout: the next round starts within seconds (a launcher
+    # that dies with no rank running is judged by its ranks' ends first: 2 s at most).
+    assert again["started"] - killed_at <= 2.0 + 1.0, (again, killed_at)
+    assert timeline[0]["running_s"] is None, timeline  # killed before its round ran
+    assert ex.stdout.count("restart 1/1") == 1, ex.stdout
+    _nothing_left(ex.job_id, lab)

@@ -51,6 +51,7 @@ class TreeWatch:
         self._root = psutil.Process(pid)
         self.seen: dict[tuple[int, float], str] = {}  # (pid, start time) -> command line
         self.parent: dict[int, int] = {}  # pid -> its parent when first seen (before any adoption)
+        self._unnamed: set[tuple[int, float]] = set()  # seen with no command line yet
         self._kept = kept or (lambda w: kernel_keeps(pid, w))
         self.kernel = kernel  # whose cells' one-off jobs the per-test check follows too
         self._kept_at: tuple[float, set[int]] | None = None
@@ -87,7 +88,17 @@ class TreeWatch:
         if not live:
             return []  # most tests: no need to ask anything
         kept = self.kept()
-        return [f"{pid} {cmd}" for pid, cmd in live if pid not in kept]
+        return [
+            f"{pid} {cmd} (under {self._named(self.parent.get(pid))})"
+            for pid, cmd in live
+            if pid not in kept
+        ]
+
+    def _named(self, pid: int | None) -> str:
+        """A pid with its command line as the watch saw it (the root's: 'the root')."""
+        if pid == self._root.pid:
+            return f"{pid}, the root"
+        return next((f"{pid} {c}" for (q, _), c in list(self.seen.items()) if q == pid), str(pid))
 
     def kept(self) -> set[int]:
         """The pids under the root that may outlive a test (a supervisor and what it keeps).
@@ -128,7 +139,13 @@ class TreeWatch:
                 key = (p.pid, p.create_time())
                 if key not in self.seen:
                     self.parent[p.pid] = p.ppid()
-                    self.seen[key] = " ".join(p.cmdline())[:120] or p.name()
+                elif key not in self._unnamed:
+                    continue
+                # A process seen in the middle of its exec (or its exit) has no command line
+                # yet: its name stands in until a later look finds one.
+                cmd = " ".join(p.cmdline())[:120]
+                self.seen[key] = cmd or f"{p.name()} (no command line yet)"
+                (self._unnamed.add if not cmd else self._unnamed.discard)(key)
             except psutil.Error:
                 continue
         return True

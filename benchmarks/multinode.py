@@ -6,7 +6,8 @@ machine, joined and warm before anything is timed. torchrun's: one `torch.distri
 machine with the c10d rendezvous on this machine's address (its agent here hosts the store), all
 started at the same moment. Both sides run the same body with 2 ranks per machine, gloo on each
 machine's interface (GLOO_SOCKET_IFNAME: torchrun's ranks could not even meet without it: the
-machines' names resolve to nothing).
+machines' names resolve to nothing). Each benchmark runs its elastic_nb turns first, on a kernel
+and agents of its own, then its torchrun turns (`elastic` says why).
 
 * P10 launch: the cell sent (torchrun: its agents started) -> every rank of 3 machines past
   init_process_group;
@@ -28,11 +29,13 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -155,19 +158,32 @@ def _wait_marks(
 
 
 class ElasticCluster:
-    """A warm kernel here, a joined, warm agent on each of `lab`'s machines."""
+    """A warm kernel here, a joined, warm agent on each of `ours` (machines of the lab)."""
 
-    def __init__(self, lab: machines.Lab, directory: str, count: int) -> None:
+    def __init__(self, lab: machines.Lab, directory: str, ours: list[machines.Machine]) -> None:
         self.lab = lab
         self.el = Elastic.warm(directory)
         self.k = self.el.kernel
         self.join = self.k.ok(f"%elastic join-command --host {lab.host_address}").stdout.split(
             "\n"
         )[0]
-        self.machines = [lab.machine() for _ in range(count)]
+        self.log = Path(re.search(r"log:\s+(\S+)", self.k.ok("%elastic status").stdout).group(1))  # type: ignore[union-attr]
+        self.machines = ours
         for m in self.machines:
             m.join(self.join)
-        self.wait_joined(count)
+        self.wait_joined(len(ours))
+
+    def joins(self, m: machines.Machine) -> list[float]:
+        """When the supervisor took `m`'s agent in, each time (its log's lines): read without
+        the kernel, which is busy with a cell meanwhile."""
+        stamps = re.findall(
+            rf"(\S+ \S+) INFO \S+: node \d+ joined: {m.hostname}\b", self.log.read_text()
+        )
+        return [
+            time.mktime(time.strptime(s.split(",")[0], "%Y-%m-%d %H:%M:%S"))
+            + float("0." + s.split(",")[1])
+            for s in stamps
+        ]
 
     def wait_joined(self, count: int) -> None:
         machines.wait_joined(lambda: self.k.ok("%elastic nodes").stdout, count, exactly=True)
@@ -178,19 +194,36 @@ class ElasticCluster:
             m.stop()
 
 
+@contextlib.contextmanager
+def elastic(lab: machines.Lab, d: str, ours: list[machines.Machine]) -> Iterator[ElasticCluster]:
+    """A cluster of its own for each benchmark, whose elastic_nb turns all come before its
+    torchrun turns. (With one kernel through every turn of both sides, `%elastic nodes` went
+    unanswered for 120 s after P11's torchrun turns, in two runs of two; why was not found: the
+    kernel answered every 5 s through P11's elastic_nb turns alone and through its torchrun
+    turns alone. The "Socket operation on non-socket" ipykernel logged after it is the reply of
+    a cell still running when the benchmark shut the kernel down.)"""
+    cluster = ElasticCluster(lab, d, ours)
+    try:
+        yield cluster
+    finally:
+        cluster.shutdown()
+
+
 def p10(
-    lab: machines.Lab, d: str, n: int, cluster: ElasticCluster
+    lab: machines.Lab, d: str, n: int, ours: list[machines.Machine], theirs: list[machines.Machine]
 ) -> tuple[list[float], list[float]]:
     xs, ys = [], []
+    with elastic(lab, d, ours) as cluster:
+        for _ in range(n):
+            r = cluster.el.run("--nnodes 3 --nproc 2", INIT)
+            xs.append(r.after_start("inited", 3 * NPROC))
+            cluster.el.wait_warm()
     for _ in range(n):
-        r = cluster.el.run("--nnodes 3 --nproc 2", INIT)
-        xs.append(r.after_start("inited", 3 * NPROC))
-        cluster.el.wait_warm()
         tr = Torchrun(lab, d)
         _clear(d)
         try:
             t0 = tr.agent(INIT, None, "3")
-            for m in lab.machines[2:4]:
+            for m in theirs:
                 tr.agent(INIT, m, "3")
             ys.append(max(_wait_marks(d, "inited", 3 * NPROC, 120, tr.output)) - t0)
         finally:
@@ -199,39 +232,55 @@ def p10(
 
 
 def p11(
-    lab: machines.Lab, d: str, n: int, cluster: ElasticCluster
+    lab: machines.Lab, d: str, n: int, ours: list[machines.Machine], theirs: list[machines.Machine]
 ) -> tuple[list[float], list[float]]:
     xs, ys = [], []
+    with elastic(lab, d, ours) as cluster:
+        for _ in range(n):
+            cluster.wait_joined(2)
+            _clear(d)
+            msg_id, ex = cluster.k.start(
+                f"%%elastic --nnodes 2:3 --nproc 2 --max-restarts 1 --env BENCH_DIR={d}\n{TRAIN}"
+            )
+            _wait_marks(d, "world6", 6, 120)
+            lost = cluster.machines[1]
+            killed = time.time()
+            lost.kill()
+            xs.append(max(_wait_marks(d, "world4", 4, 60)) - killed)
+            Path(d, "stop").touch()
+            cluster.k.collect(msg_id, ex, timeout=120)
+            lost.stop()
+            lost.join(cluster.join)
     for _ in range(n):
-        cluster.wait_joined(2)
-        _clear(d)
-        msg_id, ex = cluster.k.start(
-            f"%%elastic --nnodes 2:3 --nproc 2 --max-restarts 1 --env BENCH_DIR={d}\n{TRAIN}"
-        )
-        _wait_marks(d, "world6", 6, 120)
-        lost = cluster.machines[1]
-        killed = time.time()
-        lost.kill()
-        xs.append(max(_wait_marks(d, "world4", 4, 60)) - killed)
-        Path(d, "stop").touch()
-        cluster.k.collect(msg_id, ex, timeout=120)
-        lost.stop()
-        lost.join(cluster.join)
         tr = Torchrun(lab, d)
         _clear(d)
         try:
             # Three restarts, not one: with one, torchrun spends it on a round that still
             # counts the dead machine (its keep-alives not yet expired) and closes the job.
-            for where in (None, lab.machines[2], lab.machines[3]):
+            for where in (None, *theirs):
                 tr.agent(TRAIN, where, "2:3", "--max-restarts=3")
             _wait_marks(d, "world6", 6, 120, tr.output)
             killed = time.time()
             os.killpg(tr.procs[-1].pid, signal.SIGKILL)  # the agent's namespace, whole
-            try:
-                ys.append(max(_wait_marks(d, "world4", 4, GIVE_UP_S)) - killed)
-            except AssertionError:
-                ys.append(math.inf)  # never, within GIVE_UP_S: its last words are printed
-                print(f"P11 torchrun: no round of the survivors in {GIVE_UP_S} s:", file=sys.stderr)
+            survivors = tr.procs[:-1]
+            wait_for(
+                lambda survivors=survivors: (
+                    len(read_marks(d).get("world4", [])) >= 4
+                    or all(p.poll() is not None for p in survivors)
+                ),  # they gave up
+                GIVE_UP_S,
+                0.05,
+            )
+            if len(marks := read_marks(d).get("world4", [])) >= 4:
+                ys.append(max(marks) - killed)
+            else:
+                ys.append(math.inf)  # never: its agents' last words are printed
+                ended = sum(p.poll() is not None for p in survivors)
+                print(
+                    f"P11 torchrun: no round of the survivors ({ended} of {len(survivors)} "
+                    f"agents exited, {time.time() - killed:.0f} s after the kill):",
+                    file=sys.stderr,
+                )
                 print(tr.output()[-3000:], file=sys.stderr)
         finally:
             Path(d, "stop").touch()
@@ -240,71 +289,71 @@ def p11(
 
 
 def p12(
-    lab: machines.Lab, d: str, n: int, cluster: ElasticCluster
+    lab: machines.Lab, d: str, n: int, ours: list[machines.Machine], theirs: list[machines.Machine]
 ) -> tuple[list[float], list[float], list[float]]:
     xs, ys, zs = [], [], []
-    late = cluster.machines[1]
+    with elastic(lab, d, ours) as cluster:
+        late = cluster.machines[1]
+        for _ in range(n):
+            late.stop()
+            cluster.wait_joined(1)
+            _clear(d)
+            msg_id, ex = cluster.k.start(
+                f"%%elastic --nnodes 2:3 --nproc 2 --env BENCH_DIR={d}\n{TRAIN}"
+            )
+            _wait_marks(d, "world4", 4, 120)
+            before = len(cluster.joins(late))
+            late.join(cluster.join)
+            joined = wait_for(lambda n=before: len(cluster.joins(late)) > n, 60, 0.05)
+            assert joined, late.output()
+            xs.append(max(_wait_marks(d, "world6", 6, 60)) - cluster.joins(late)[-1])
+            Path(d, "stop").touch()
+            cluster.k.collect(msg_id, ex, timeout=120)
     for _ in range(n):
-        late.stop()
-        cluster.wait_joined(1)
-        _clear(d)
-        msg_id, ex = cluster.k.start(
-            f"%%elastic --nnodes 2:3 --nproc 2 --env BENCH_DIR={d}\n{TRAIN}"
-        )
-        _wait_marks(d, "world4", 4, 120)
-        late.join(cluster.join)
-        cluster.wait_joined(2)
-        joined = _joined_at(cluster, late)
-        xs.append(max(_wait_marks(d, "world6", 6, 60)) - joined)
-        Path(d, "stop").touch()
-        cluster.k.collect(msg_id, ex, timeout=120)
         for extra, out in (((), ys), (("--rdzv-conf=last_call_timeout=1",), zs)):
             tr = Torchrun(lab, d)
             _clear(d)
             try:
                 tr.agent(TRAIN, None, "2:3", *extra)
-                tr.agent(TRAIN, lab.machines[2], "2:3", *extra)
+                tr.agent(TRAIN, theirs[0], "2:3", *extra)
                 _wait_marks(d, "world4", 4, 120, tr.output)
-                started = tr.agent(TRAIN, lab.machines[3], "2:3", *extra)
-                out.append(max(_wait_marks(d, "world6", 6, 120, tr.output)) - started)
+                started = tr.agent(TRAIN, theirs[1], "2:3", *extra)
+                try:
+                    out.append(max(_wait_marks(d, "world6", 6, 120)) - started)
+                except AssertionError:
+                    out.append(math.inf)  # never: its agents' last words are printed
+                    print(f"P12 torchrun {extra}: no larger world in 120 s:", file=sys.stderr)
+                    print(tr.output()[-3000:], file=sys.stderr)
             finally:
                 Path(d, "stop").touch()
                 tr.stop()
     return xs, ys, zs
 
 
-def _joined_at(cluster: ElasticCluster, m: machines.Machine) -> float:
-    """When the supervisor took the agent in (its log's line)."""
-    log = Path(re.search(r"log:\s+(\S+)", cluster.k.ok("%elastic status").stdout).group(1))  # type: ignore[union-attr]
-    stamps = re.findall(rf"(\S+ \S+) INFO \S+: node \d+ joined: {m.hostname}\b", log.read_text())
-    assert stamps, log.read_text()[-2000:]
-    return time.mktime(time.strptime(stamps[-1].split(",")[0], "%Y-%m-%d %H:%M:%S")) + float(
-        "0." + stamps[-1].split(",")[1]
-    )
-
-
-def p13(lab: machines.Lab, d: str, cluster: ElasticCluster) -> tuple[list[str], list[str]]:
+def p13(
+    lab: machines.Lab, d: str, ours: list[machines.Machine], theirs: list[machines.Machine]
+) -> tuple[list[str], list[str]]:
     """What listens beyond loopback on this machine, each side's processes, while a job runs."""
-    cluster.wait_joined(2)
-    _clear(d)
-    msg_id, ex = cluster.k.start(f"%%elastic --nnodes 3 --nproc 2 --env BENCH_DIR={d}\n{TRAIN}")
-    _wait_marks(d, "world6", 6, 120)
-    ours = _listeners(lambda p: p.pid in {pid for pid, _ in cluster.k.tree.seen})
-    Path(d, "stop").touch()
-    cluster.k.collect(msg_id, ex, timeout=120)
+    with elastic(lab, d, ours) as cluster:
+        _clear(d)
+        msg_id, ex = cluster.k.start(f"%%elastic --nnodes 3 --nproc 2 --env BENCH_DIR={d}\n{TRAIN}")
+        _wait_marks(d, "world6", 6, 120)
+        mine = _listeners(lambda p: p.pid in {pid for pid, _ in cluster.k.tree.seen})
+        Path(d, "stop").touch()
+        cluster.k.collect(msg_id, ex, timeout=120)
     tr = Torchrun(lab, d)
     _clear(d)
     try:
         tr.agent(TRAIN, None, "3")
-        for m in lab.machines[2:4]:
+        for m in theirs:
             tr.agent(TRAIN, m, "3")
         _wait_marks(d, "world6", 6, 120, tr.output)
         here = tr.procs[0].pid
-        theirs = _listeners(lambda p: _descends(p, here))
+        others = _listeners(lambda p: _descends(p, here))
     finally:
         Path(d, "stop").touch()
         tr.stop()
-    return ours, theirs
+    return mine, others
 
 
 def _descends(p: psutil.Process, root: int) -> bool:
@@ -340,16 +389,22 @@ def main() -> None:
         sys.exit("benchmarks/multinode.py makes machines of namespaces: run it as root")
     # Where ranks mark their moments: seen by every machine (theirs have a /tmp of their own).
     d = tempfile.mkdtemp(prefix="elastic_nb-bench-", dir="/var/tmp")
-    with machines.lab(Path(tempfile.mkdtemp(prefix="elastic_nb-bench-lab-"))) as lab:
-        cluster = ElasticCluster(lab, d, 2)
-        lab.machine(), lab.machine()  # torchrun's two other machines
-        try:
-            p10_x, p10_y = p10(lab, d, n, cluster)
-            p11_x, p11_y = p11(lab, d, max(1, n // 2 + 1), cluster)
-            p12_x, p12_y, p12_z = p12(lab, d, max(1, n // 2 + 1), cluster)
-            ours, theirs = p13(lab, d, cluster)
-        finally:
-            cluster.shutdown()
+    lab_dir = tempfile.mkdtemp(prefix="elastic_nb-bench-lab-")
+    try:
+        with machines.lab(Path(lab_dir)) as lab:
+            mine = [lab.machine(), lab.machine()]  # elastic_nb's agents' machines
+            others = [lab.machine(), lab.machine()]  # torchrun's agents'
+            p10_x, p10_y = p10(lab, d, n, mine, others)
+            p11_x, p11_y = p11(lab, d, max(1, n // 2 + 1), mine, others)
+            p12_x, p12_y, p12_z = p12(lab, d, max(1, n // 2 + 1), mine, others)
+            ours, theirs = p13(lab, d, mine, others)
+    finally:
+        # The marks, torchrun's script and the machines' hosts files beside them, the lab.
+        for path in (d, *Path(d).parent.glob(f"{Path(d).name}-*"), lab_dir):
+            if Path(path).is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                Path(path).unlink(missing_ok=True)
     print(HEADER)
     ratio = median(p10_x) / median(p10_y)
     print(

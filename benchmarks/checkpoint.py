@@ -4,17 +4,18 @@ a user writes it without: torch.save by rank 0, then torch.load and load_state_d
 (PyTorch's DDP tutorial). Then the cost of an async save to training: the steps run while one is
 written, against steps with no save.
 
-Standalone: no kernel; `torchrun --standalone --nproc-per-node 2` runs this file with --worker,
-and rank 0 hands its measurements back in a JSON file. Each side's time is from a barrier to a
-barrier (the moment every rank can go on), and starts with nothing of the side before still
-under way: no dirty page left to write (os.sync), and no file of an earlier save still being
-removed (elastic_nb removes the step before with keep=1 in a thread of rank 0, which the next
-side would otherwise pay for; torch.save's earlier file is removed before its turn, so that it
-does not pay for truncating it either). Both sides write the same bytes (the model and Adam's two
-moments) to the same disk. elastic_nb's default save does not fsync, as torch.save does not; the
-fsync rows compare the two made durable (every file on disk before the save returns). The sides
-take turns, the same number of each, in pairs A/B then B/A: each ratio row also gives the median
-of the pairs' own ratios, which a machine's load drifting between pairs moves less.
+Standalone: no kernel; `torchrun --standalone --nproc-per-node 2` runs this file with --worker, and
+rank 0 hands its measurements back in a JSON file. Each side's time is from a barrier to a barrier
+(the moment every rank can go on), and starts with nothing of the side before still under way: no
+dirty page left to write (os.sync), and no file of an earlier save still being removed (elastic_nb
+removes the step before with keep=1 in a thread of rank 0, which the next side would otherwise pay
+for; torch.save's file is removed right after its turn, so that it does not pay for truncating it
+either, and so that the pages both sides' removals free have aged alike when the next turn writes:
+see Freed pages, below). Both sides write the same bytes (the model and Adam's two moments) to the
+same disk. elastic_nb's default save does not fsync, as torch.save does not; the fsync rows compare
+the two made durable (every file on disk before the save returns). The sides take turns, the same
+number of each, in pairs A/B then B/A: each ratio row also gives the median of the pairs' own
+ratios, which a machine's load drifting between pairs moves less.
 
 The async rows: steps while an async save is written (its writer process niced and paused
 three quarters of the time beside training, elastic_nb/checkpoint/writer.py), against steps with
@@ -39,6 +40,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYERS, WIDTH, BATCH = 24, 2048, 16  # 100.7M parameters
+# Freed pages. Where memory a process frees goes back to the machine's host (a VM's free page
+# reporting, as on the Firecracker VM these numbers came from: virtio_balloon's REPORTING feature),
+# a page the kernel hands out again is faulted back in by the host on its first touch: 200 MB/s
+# here, against 3 GB/s for a page still backed. A save's page cache is such pages. Removed just
+# before its turn (as torch.save's file was, until 2026-11-26), a side rewrites into pages still
+# backed, and its turn took 0.8 s; removed a turn earlier (as elastic_nb's step before is, by
+# keep=1, once its save is committed), the pages have gone back meanwhile, and the same 1.2 GB took
+# 2 s and more. Each side's files are therefore removed right after its own turn.
 BASELINE_STEPS = 4  # steps with no save, per run, to set the async rows against
 MAX_STEPS_DURING = 20  # steps beside one async save, at most
 PAIRS = 2  # of each save and load comparison per run (A/B, then B/A)
@@ -119,9 +128,14 @@ def worker(runs: int, out: str) -> None:
             ("load", "torch_load"),
         ):
             for name in pair if i % 2 == 0 else pair[::-1]:
-                if name.startswith("torch_save") and rank == 0 and theirs.exists():
-                    theirs.unlink()  # outside the timed part, as elastic_nb's removal is
                 add(name, timed(sides[name]))
+                if name == "torch_save" and rank == 0:
+                    result["bytes_torch"] = [theirs.stat().st_size]
+                if name in ("torch_save", "torch_load") and rank == 0:
+                    # Right after its turn (the fsync save's, once torch_load has read it),
+                    # outside the timed part, as elastic_nb removes the step before once its
+                    # save is committed (keep=1): see Freed pages, above.
+                    theirs.unlink()
 
     # Async: steps while a save is written, against steps with no save. Every rank steps while
     # any rank's save is in flight (DDP needs the same number of steps on every rank).
@@ -159,7 +173,6 @@ def worker(runs: int, out: str) -> None:
     ours.close()
     if rank == 0:
         result["params"] = [params]
-        result["bytes_torch"] = [theirs.stat().st_size]
         result["bytes_ours"] = [
             sum(f.stat().st_size for f in (scratch / "elastic_nb").rglob("*") if f.is_file())
         ]

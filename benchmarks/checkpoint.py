@@ -45,9 +45,10 @@ LAYERS, WIDTH, BATCH = 24, 2048, 16  # 100.7M parameters
 # a page the kernel hands out again is faulted back in by the host on its first touch: 200 MB/s
 # here, against 3 GB/s for a page still backed. A save's page cache is such pages. Removed just
 # before its turn (as torch.save's file was, until 2026-11-26), a side rewrites into pages still
-# backed, and its turn took 0.8 s; removed a turn earlier (as elastic_nb's step before is, by
-# keep=1, once its save is committed), the pages have gone back meanwhile, and the same 1.2 GB took
-# 2 s and more. Each side's files are therefore removed right after its own turn.
+# backed; removed a turn earlier (as elastic_nb's step before is, by keep=1, once its save is
+# committed), the pages have gone back meanwhile. Each side's files are therefore removed right
+# after its own turn: torch.save's median went from 0.87 s to 2.09 s, elastic_nb's from 2.03 s to
+# 1.76 s (benchmarks/README.md, P14).
 BASELINE_STEPS = 4  # steps with no save, per run, to set the async rows against
 MAX_STEPS_DURING = 20  # steps beside one async save, at most
 PAIRS = 2  # of each save and load comparison per run (A/B, then B/A)

@@ -213,7 +213,10 @@ class Checkpoints:
                 try:
                     writer = storage_writer(path, url=url, fsync=fsync)
                     dcp.save(state, storage_writer=writer, **kwargs)
-                except Exception as e:
+                # DCP's CheckpointException is a BaseException (torch/distributed/checkpoint/
+                # api.py): a rank whose write failed that let it pass skipped the commit, and
+                # the others waited there for it until it died.
+                except (Exception, dcp.CheckpointException) as e:
                     error = e  # still to the commit: the other ranks wait there for this one
             commit(error)
             return
@@ -244,17 +247,17 @@ class Checkpoints:
         fsync: bool,
         handover: Handover,
     ) -> None:
+        import torch.distributed.checkpoint as dcp
+
         error: BaseException | None = None
         try:
             if kwargs is not None:
-                import torch.distributed.checkpoint as dcp
-
                 assert self._writer is not None
                 writer = storage_writer(
                     path, url=url, fsync=fsync, process=self._writer, handover=handover
                 )
                 dcp.save(state, storage_writer=writer, **kwargs)
-        except Exception as e:
+        except (Exception, dcp.CheckpointException) as e:  # a BaseException: see save()
             error = e  # still to the commit: the other ranks wait there for this one
         finally:
             handover.release()
@@ -319,7 +322,7 @@ class Checkpoints:
                 _quiet_no_dist()
                 try:
                     dcp.load(state, checkpoint_id=path, no_dist=True)
-                except Exception as e:
+                except (Exception, dcp.CheckpointException) as e:  # see save()
                     error = f"rank {src} could not read {path}: {type(e).__name__}: {e}"
             state = ranks.broadcast_state(state, src, error)
             source = f"rank {src}"

@@ -488,4 +488,5 @@ class Job(RankGroup):
             checkpoints=self.checkpoints,
             world_size=self.world_size,
             restarts=self.restarts,
+            nodes_missing=self.nodes_missing,
         )

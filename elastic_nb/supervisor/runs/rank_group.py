@@ -101,6 +101,7 @@ class RankGroup:
         # (when, who, lost with its machine), for the words of what it cost
         self.last_failure: tuple[float, str, bool] | None = None
         self.teardown_at: float | None = None  # when ending the ranks began (our clock)
+        self.nodes_missing = False  # a multi-node group's nodes did not come (cause: nodes)
         self._outcome: tuple[str, str] | None = None
         self._decided = anyio.Event()
         self._heard = anyio.Event()  # every message of the launchers taken in (book.hear_out)
@@ -339,6 +340,7 @@ class RankGroup:
                 )
                 if isinstance(nodes, str):
                     self.report.event("round.failed", why=nodes)
+                    self.nodes_missing = not self.decided
                     self._decide("failed", nodes)
                     return
                 if counted:

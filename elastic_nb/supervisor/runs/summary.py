@@ -66,9 +66,11 @@ def summarize(
     checkpoints: CheckpointLog,
     world_size: int | None = None,
     restarts: int | None = None,
+    nodes_missing: bool = False,
 ) -> protocol.Summary:
     """`world_size` and `restarts`: a multi-node group's (its round's world, the restarts its
-    failures and departures spent); else the spec's and the attempt's."""
+    failures and departures spent); else the spec's and the attempt's. `nodes_missing`: a
+    multi-node group ended because too few nodes came."""
     root = verdict.root
     failure = None
     if outcome == "failed" and root is not None:
@@ -89,7 +91,7 @@ def summarize(
         job_id,
         outcome,
         reason,
-        cause=cause(outcome, failure, zombie),
+        cause=cause(outcome, failure, zombie, nodes_missing),
         world_size=spec.world_size if world_size is None else world_size,
         attempt=attempt,
         restarts=attempt if restarts is None else restarts,
@@ -122,7 +124,9 @@ def _checkpoint(log: CheckpointLog, outcome: str, root: RankState | None) -> dic
     return {**latest, "words": words}
 
 
-def cause(outcome: str, failure: dict[str, Any] | None, zombie: bool) -> str | None:
+def cause(
+    outcome: str, failure: dict[str, Any] | None, zombie: bool, nodes_missing: bool = False
+) -> str | None:
     """The job's cause class (report.CAUSE_HINTS explains each)."""
     if failure is not None:
         return str(failure["cause"])
@@ -131,7 +135,9 @@ def cause(outcome: str, failure: dict[str, Any] | None, zombie: bool) -> str | N
     if outcome in ("interrupted", "stopped"):
         return "interrupted"
     if outcome == "failed":
-        return "zombie" if zombie else "launcher"
+        if zombie:
+            return "zombie"
+        return "nodes" if nodes_missing else "launcher"
     return None
 
 

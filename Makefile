@@ -1,6 +1,8 @@
 # The two commands of the README:
 #   make demo   runs notebooks/quickstart.ipynb headlessly (%%elastic --nproc 4 on CPU) and prints its outputs
 #   make test   runs the whole test suite
+# and the inner loop, after each change:
+#   make test-fast  the unit tests and the core end-to-end tests (what `make floors` runs too)
 #   make floors runs a smoke subset on the oldest versions pyproject.toml claims (CI runs it too)
 # The first two create .venv on first use. TORCH is what pip installs when the venv has no torch: the pinned
 # CPU build by default (never let pip resolve an unpinned torch: that is a multi-GB CUDA download).
@@ -12,7 +14,7 @@ CHROMIUM ?= /usr/bin/chromium
 BIN      := $(VENV)/bin
 SUDO     := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: demo test bench floors node netns-tools
+.PHONY: demo test test-fast bench floors node netns-tools
 
 $(VENV)/.installed: pyproject.toml labextension/package.json labextension/yarn.lock | node
 	$(PYTHON) -m venv $(VENV)
@@ -36,10 +38,30 @@ $(LABEXT_BUILD): $(LABEXT_SRC) | $(VENV)/.installed
 	cd labextension && export PATH="$(CURDIR)/$(BIN):$$PATH" && jlpm install && jlpm build
 	touch $@
 
+# The suite runs on JOBS workers (pytest-xdist), a module's tests on one worker with its kernel:
+# most tests wait (for a kernel, a rank, a timeout) far more than they compute, so more workers
+# than cores. Then the tests marked `alone` (they hold a wall-clock bound that a loaded machine
+# would break, or measure load themselves) one at a time. $(call suite,PYTHON,SELECTION,ARGS)
+# runs both parts whatever the other did, and fails if either failed (a part with no test in the
+# selection is no failure, but the whole selection must have some).
+JOBS  ?= 4
+suite  = $(1) -m pytest -n $(JOBS) -m "($(2)) and not alone" $(3); parallel=$$?; \
+	$(1) -m pytest -m "($(2)) and alone" $(3); alone=$$?; \
+	[ $$parallel = 0 ] && [ $$alone = 0 ] || { [ $$parallel = 0 ] && [ $$alone = 5 ]; } || \
+	{ [ $$parallel = 5 ] && [ $$alone = 0 ]; }
+PYTHON_TESTS := ELASTIC_NB_CHROMIUM=$(CHROMIUM) $(BIN)/python
+EVERY_TEST   := unit or e2e or browser# every test is of one kind (tests/conftest.py)
+
 test: $(VENV)/.installed $(LABEXT_BUILD) $(CHROMIUM) | netns-tools
 	$(BIN)/ruff check elastic_nb tests scripts benchmarks
 	$(BIN)/mypy
-	ELASTIC_NB_CHROMIUM=$(CHROMIUM) $(BIN)/python -m pytest
+	$(call suite,$(PYTHON_TESTS),$(EVERY_TEST))
+
+# The inner loop, after each change: the unit tests and the core end-to-end tests (about 2 minutes
+# here), the same selection `make floors` runs on the floors.
+test-fast: $(VENV)/.installed | netns-tools
+	$(BIN)/ruff check elastic_nb tests scripts benchmarks
+	$(call suite,$(PYTHON_TESTS),$(FLOORS_TESTS))
 
 # pip builds the JupyterLab extension (labextension/, with jupyter-builder's jlpm) and needs node for
 # it: Debian's nodejs when there is none. (A wheel carries the built extension: installing one
@@ -77,7 +99,7 @@ FLOORS_SKIP  := tests/test_forensics.py::test_a_rank_that_skipped_into_a_barrier
                 tests/test_server_extension.py::test_the_config_file_enables_the_extension
 
 floors: $(FLOORS)/.installed
-	$(FLOORS)/bin/python -m pytest -p no:cacheprovider -m "$(FLOORS_TESTS)" $(FLOORS_SKIP:%=--deselect %)
+	$(call suite,$(FLOORS)/bin/python,$(FLOORS_TESTS),-p no:cacheprovider $(FLOORS_SKIP:%=--deselect %))
 
 # playwright: the browser test modules import it when collected (-m leaves them out).
 $(FLOORS)/.installed: pyproject.toml scripts/floors.py | node
@@ -85,6 +107,6 @@ $(FLOORS)/.installed: pyproject.toml scripts/floors.py | node
 	$(FLOORS)/bin/python -m pip install -q --upgrade pip
 	$(FLOORS)/bin/python scripts/floors.py > $(FLOORS)/constraints.txt
 	$(FLOORS)/bin/python -m pip install -q -c $(FLOORS)/constraints.txt -e . \
-		pytest pytest-timeout jupyter_client nbclient nbformat ipykernel "pytest-jupyter[server]" \
+		pytest pytest-timeout pytest-xdist jupyter_client nbclient nbformat ipykernel "pytest-jupyter[server]" \
 		playwright
 	touch $@

@@ -3,6 +3,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,6 +16,30 @@ from elastic_nb.common import procs
 from tests.kernel import Kernel, TreeWatch, pid_ended, wait_for
 
 KINDS = ("unit", "e2e", "browser")
+_RUNTIME = pytest.StashKey[
+    tuple[str, str | None]
+]()  # this run's XDG_RUNTIME_DIR, and the one before
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Supervisors register in a directory of this run's (and, under `make test`'s parallel
+    workers, of this worker's) own: the Jupyter servers a test starts list what registered there
+    (the Elastic jobs panel), and must not list another worker's jobs, nor a notebook the user
+    runs beside the suite. Every process the suite starts inherits it."""
+    runtime = tempfile.mkdtemp(prefix="enb-runtime-")  # short: a socket's path has 107 bytes
+    config.stash[_RUNTIME] = (runtime, os.environ.get("XDG_RUNTIME_DIR"))
+    os.environ["XDG_RUNTIME_DIR"] = runtime
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    runtime, saved = config.stash.get(_RUNTIME, (None, None))
+    if runtime is None:
+        return
+    shutil.rmtree(runtime, ignore_errors=True)
+    if saved is None:
+        os.environ.pop("XDG_RUNTIME_DIR", None)
+    else:
+        os.environ["XDG_RUNTIME_DIR"] = saved
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -30,6 +56,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         skip = pytest.mark.skip(reason="needs a CUDA device (this torch sees none)")
         for item in cuda:
             item.add_marker(skip)
+    _costliest_modules_first(items)
+
+
+def _costliest_modules_first(items: list[pytest.Item]) -> None:
+    """The parallel workers (`make test`: --dist loadscope) take whole modules in this order:
+    the modules with the most processes to start come first (an e2e test starts a job or a
+    kernel, a browser test drives a page against a server: about three times as long here), so
+    that a long module does not start last and run alone at the end; the unit modules fill the
+    gaps. Within a module the order is as written, and it is the same on every worker (computed
+    from the collection alone)."""
+    weight = {"unit": 0, "e2e": 1, "browser": 3}
+    cost: dict[str, int] = {}
+    for item in items:
+        kind = next(k for k in KINDS if item.get_closest_marker(k))
+        cost[item.path.name] = cost.get(item.path.name, 0) + weight[kind]
+    items.sort(key=lambda i: -cost[i.path.name])
 
 
 def _cuda_device() -> bool:

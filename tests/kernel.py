@@ -89,7 +89,7 @@ class TreeWatch:
             return []  # most tests: no need to ask anything
         kept = self.kept()
         return [
-            f"{pid} {cmd} (under {self._named(self.parent.get(pid))})"
+            f"{pid} {cmd} (under {self._named(self.parent.get(pid))}; now {_now(pid)})"
             for pid, cmd in live
             if pid not in kept
         ]
@@ -167,6 +167,17 @@ class TreeWatch:
         return [
             f"{pid} {cmd}" for (pid, started), cmd in list(self.seen.items()) if _runs(pid, started)
         ]
+
+
+def _now(pid: int) -> str:
+    """What a process is doing now, for a report of one that outlived its test: its state, its
+    command line as it reads now (one first seen mid-fork or mid-exec had none), its parent."""
+    try:
+        p = psutil.Process(pid)
+        with p.oneshot():
+            return f"{p.status()}, {' '.join(p.cmdline())[:120] or p.name()!r}, parent {p.ppid()}"
+    except psutil.Error as e:
+        return f"unreadable: {e!r}"
 
 
 def _runs(pid: int, started: float) -> bool:

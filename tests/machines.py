@@ -28,11 +28,12 @@ from pathlib import Path
 
 import psutil
 
-from tests import netns
+from tests import netns, workers
 
 _PREFIX = "enm"  # then the creator's pid: a sweep tells a live creator's from a dead one's
 _NAME = re.compile(rf"^{_PREFIX}(\d+)[bmhp](\d*)")
-_subnets = itertools.count(1)
+_subnets = itertools.count()
+_LABS_PER_WORKER = 250 // workers.MAX
 
 
 def _ip(*args: str) -> str:
@@ -180,7 +181,8 @@ def usable() -> str | None:
 @contextlib.contextmanager
 def lab(workdir: Path) -> Iterator[Lab]:
     sweep()
-    subnet = (os.getpid() % 200) + next(_subnets)
+    # A /24 of this test worker's own (tests/workers.py), a new one for each lab of its run.
+    subnet = 1 + workers.index() * _LABS_PER_WORKER + next(_subnets) % _LABS_PER_WORKER
     bridge = f"{_PREFIX}{os.getpid()}b{subnet}"[:15]
     host_address = f"10.78.{subnet}.1"
     _ip("link", "add", bridge, "type", "bridge")

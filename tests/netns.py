@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import psutil
 import pytest
 
+from tests import workers
+
 _PREFIX = "enb"  # then the creator's pid, so that a sweep can tell a live creator's
 _NETNS = re.compile(rf"^{_PREFIX}-(\d+)-(\d+)$")
 _LINK = re.compile(rf"^{_PREFIX}(\d+)[hp](\d+)$")
@@ -71,8 +73,12 @@ def _names(pid: int, n: int) -> tuple[str, str, str]:
 
 @contextlib.contextmanager
 def second_address(
-    address: str = "10.213.0.1", peer_address: str = "10.213.0.2"
+    address: str | None = None, peer_address: str | None = None
 ) -> Iterator[SecondAddress]:
+    """A veth with `address` here and `peer_address` in a new namespace (by default a /30 of
+    this test worker's own: tests/workers.py)."""
+    address = address or f"10.213.{workers.index()}.1"
+    peer_address = peer_address or f"10.213.{workers.index()}.2"
     ours = {a.address for addrs in psutil.net_if_addrs().values() for a in addrs}
     if address in ours:
         raise RuntimeError(f"{address} is already an address of this machine")

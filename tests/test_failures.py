@@ -164,6 +164,7 @@ def test_a_deadline_before_the_ranks_start_says_so(kernel: Kernel) -> None:
     assert_job_gone(ex.job_id)
 
 
+@pytest.mark.alone
 def test_interrupt_stops_every_rank(fresh_kernel: Kernel, cache_home: Path) -> None:
     k = fresh_kernel
     msg_id, ex = k.start(
@@ -188,6 +189,7 @@ def test_interrupt_stops_every_rank(fresh_kernel: Kernel, cache_home: Path) -> N
     assert k.ok("%%elastic --nproc 1\n'next'\n").result == "'next'"
 
 
+@pytest.mark.alone
 def test_interrupt_when_the_supervisor_does_not_answer(fresh_kernel: Kernel) -> None:
     """The kernel's fallback: a frozen supervisor cannot hold the notebook. After STOP_TIMEOUT_S
     the kernel kills the job's processes itself."""
@@ -214,6 +216,7 @@ def test_interrupt_when_the_supervisor_does_not_answer(fresh_kernel: Kernel) -> 
         supervisor.resume()
 
 
+@pytest.mark.alone
 def test_interrupt_while_ranks_block_in_a_collective(fresh_kernel: Kernel) -> None:
     k = fresh_kernel
     msg_id, ex = k.start(

@@ -570,6 +570,7 @@ def test_a_session_across_machines_survives_a_machines_death_by_restart_and_repl
     )
 
 
+@pytest.mark.alone
 @pytest.mark.parametrize("who", ["kernel", "supervisor"])
 def test_when_the_notebooks_side_dies_every_agent_ends_its_ranks_in_seconds(
     lab: machines.Lab, tmp_path: Path, who: str

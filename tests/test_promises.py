@@ -16,6 +16,7 @@ from tests.kernel import Kernel, assert_job_gone, free_port, pid_ended, run_summ
 pytestmark = pytest.mark.e2e
 
 
+@pytest.mark.alone
 def test_ranks_that_ignore_sigterm_are_killed_after_the_grace(
     kernel: Kernel, cache_home: Path
 ) -> None:

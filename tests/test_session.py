@@ -239,6 +239,7 @@ def test_a_replayed_cell_that_fails_stops_the_replay(session_kernel, tmp_path: P
     assert k.ok("%%elastic\nattempt\n").result == "1"  # the session serves on, attempt 1
 
 
+@pytest.mark.alone
 def test_interrupting_a_cell_keeps_the_session(session_kernel) -> None:
     k, _session = session_kernel
     pids = rank_pids(k)
@@ -256,6 +257,7 @@ def test_interrupting_a_cell_keeps_the_session(session_kernel) -> None:
     assert rank_pids(k) == pids
 
 
+@pytest.mark.alone
 def test_interrupting_ranks_stuck_in_a_collective_restarts_within_seconds(session_kernel) -> None:
     k, _session = session_kernel
     k.ok("%%elastic\ncounter += 3\n")
@@ -367,6 +369,7 @@ def test_a_dead_supervisor_takes_the_session_with_it(fresh_kernel: Kernel) -> No
     assert ex.result == "'1'" and "starting 1 rank" in ex.stdout
 
 
+@pytest.mark.alone
 def test_a_desync_is_named_in_seconds_and_the_session_comes_back(
     session_kernel, cache_home: Path
 ) -> None:

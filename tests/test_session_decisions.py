@@ -34,6 +34,7 @@ async def _nothing(msg: Any) -> None:
     return None
 
 
+@pytest.mark.alone
 def test_an_answer_that_lands_while_the_watch_looks_ends_the_cell_at_once(tmp_path: Path) -> None:
     """The last rank answers while the desync watch's look waits for a slow probe (the test
     answers once a probe waits at the gate): the cell is decided as soon as the look returns,

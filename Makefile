@@ -14,7 +14,7 @@ CHROMIUM ?= /usr/bin/chromium
 BIN      := $(VENV)/bin
 SUDO     := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: demo test test-fast bench floors node netns-tools
+.PHONY: demo test test-fast bench floors node netns-tools gpu-wheels gpu-check
 
 $(VENV)/.installed: pyproject.toml labextension/package.json labextension/yarn.lock | node
 	$(PYTHON) -m venv $(VENV)
@@ -57,11 +57,12 @@ test: $(VENV)/.installed $(LABEXT_BUILD) $(CHROMIUM) | netns-tools
 	$(BIN)/mypy
 	$(call suite,$(PYTHON_TESTS),$(EVERY_TEST))
 
-# The inner loop, after each change: the unit tests and the core end-to-end tests (about 2 minutes
-# here), the same selection `make floors` runs on the floors.
+# The inner loop, after each change (within 2 minutes here): the unit tests and the core end-to-end
+# tests, the selection `make floors` runs on the floors, but for the `alone` ones (their bounds are
+# make test's to check: here they would wait for the workers to end).
 test-fast: $(VENV)/.installed | netns-tools
 	$(BIN)/ruff check elastic_nb tests scripts benchmarks
-	$(call suite,$(PYTHON_TESTS),$(FLOORS_TESTS))
+	$(PYTHON_TESTS) -m pytest -n $(JOBS) -m "($(FLOORS_TESTS)) and not alone"
 
 # pip builds the JupyterLab extension (labextension/, with jupyter-builder's jlpm) and needs node for
 # it: Debian's nodejs when there is none. (A wheel carries the built extension: installing one
@@ -110,3 +111,14 @@ $(FLOORS)/.installed: pyproject.toml scripts/floors.py | node
 		pytest pytest-timeout pytest-xdist jupyter_client nbclient nbformat ipykernel "pytest-jupyter[server]" \
 		playwright
 	touch $@
+
+# The GPU check, one command on a lent GPU machine (no package registry there): gpu-wheels
+# downloads into .whl/ the wheels it lacks (CPython 3.12; the device tool carries .whl/), and
+# scripts/gpu_check.sh installs them there with --no-index and runs every step of the GPU issue
+# into one folder. Here, without CUDA, gpu-check rehearses it: the CPU stand-ins, and which steps
+# need CUDA (tests/test_gpu_check.py keeps it runnable).
+gpu-wheels: $(VENV)/.installed
+	PYTHON=$(BIN)/python bash scripts/gpu_wheels.sh
+
+gpu-check: $(VENV)/.installed
+	PYTHON=$(BIN)/python bash scripts/gpu_check.sh gpu-check-out

@@ -234,9 +234,36 @@ class Elastic:
 
 def runs() -> int:
     """--runs N from the command line (run_all passes it on): A/B pairs to take medians of."""
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--runs", type=int, default=5)
-    return parser.parse_args().runs
+    return parser().parse_args().runs
+
+
+def parser(cuda: bool = False) -> argparse.ArgumentParser:
+    """--runs N; with `cuda`, also --device cpu|cuda: the benchmark's body on the CPU (gloo) or
+    on GPUs (NCCL, the body's tensors and model on the rank's GPU), the same on both sides."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--runs", type=int, default=5)
+    if cuda:
+        p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    return p
+
+
+# The start of a body's cuda side (--device cuda): `device`, the rank's GPU, set as current. A
+# GPU per rank when there are enough; else the ranks share them, and since NCCL refuses two ranks
+# of one host on a GPU ("Duplicate GPU detected"), each rank then gets an NCCL_HOSTID of its own:
+# NCCL takes it for a host of its own and its traffic goes over sockets (as in gpu_oom_hang.py):
+# over loopback on both sides (elastic_nb's ranks have NCCL_SOCKET_IFNAME set to it already;
+# torchrun's would pick the first other interface). In the body, so that torchrun's ranks do
+# exactly the same.
+CUDA_DEVICE = """import os, torch
+if torch.cuda.device_count() < int(os.environ['WORLD_SIZE']):
+    os.environ['NCCL_HOSTID'] = f"elastic-nb-bench-rank-{os.environ['RANK']}"
+    os.environ.setdefault('NCCL_SOCKET_IFNAME', '=lo')
+device = torch.device('cuda', int(os.environ['LOCAL_RANK']) % torch.cuda.device_count())
+torch.cuda.set_device(device)
+"""
+# Its process group: NCCL's communicator made in init_process_group (device_id), not lazily at
+# the first collective, so that "past init_process_group" means NCCL is up.
+CUDA_INIT = "dist.init_process_group('nccl', device_id=device)\n"
 
 
 def alternate(runs: int, a: Callable[[], Any], b: Callable[[], Any]) -> tuple[list[Any], list[Any]]:

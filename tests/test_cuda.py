@@ -6,12 +6,14 @@ The CPU stand-ins stay beside them (test_success, test_forensics, test_warm, tes
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
 from pathlib import Path
 
 import pytest
 
-from tests.kernel import Kernel, assert_job_gone, run_summary
+from tests.kernel import Kernel, assert_job_gone, run_events, run_summary
 
 pytestmark = [pytest.mark.e2e, pytest.mark.cuda]
 
@@ -96,36 +98,68 @@ def test_nproc_gpu_counts_what_the_ranks_would_see(kernel: Kernel) -> None:
         kernel.ok("os.environ.pop('CUDA_VISIBLE_DEVICES', None)")
 
 
-def test_nccls_own_collective_timeout_names_the_rank_that_never_came(
-    kernel: Kernel, cache_home: Path
+# Rank 1 sleeps past --collective-timeout while rank 0 waits in a NCCL all_reduce (#2, cell line
+# 12; rank 1 sleeps at line 11). With fewer GPUs than ranks, each rank gets an NCCL_HOSTID of its
+# own: NCCL refuses two ranks of one host on a GPU ("Duplicate GPU detected"), and takes each for
+# a host of its own (its traffic over sockets), so that one GPU runs it too.
+NCCL_TIMEOUT = (
+    "%%elastic --nproc 2 --collective-timeout 20 --async-error-handling MODE\n"
+    "import os, time, torch, torch.distributed as dist\n"
+    "if torch.cuda.device_count() < 2:\n"
+    "    os.environ['NCCL_HOSTID'] = f\"elastic-nb-test-rank-{os.environ['RANK']}\"\n"
+    "torch.cuda.set_device(int(os.environ['LOCAL_RANK']) % torch.cuda.device_count())\n"
+    "dist.init_process_group('nccl')\n"
+    "x = torch.ones(1, device='cuda')\n"
+    "dist.all_reduce(x)\n"
+    "torch.cuda.synchronize()\n"
+    "if dist.get_rank() == 1:\n"
+    "    time.sleep(600)\n"
+    "dist.all_reduce(x)\n"
+    "torch.cuda.synchronize()\n"
+    "print('rank 0 back in the cell', flush=True)\n"
+)
+
+
+@pytest.mark.parametrize("mode", [1, 3, 0, 2])
+def test_nccls_own_collective_timeout_in_each_async_error_handling_mode(
+    kernel: Kernel, cache_home: Path, mode: int
 ) -> None:
-    """Rank 1 sleeps past --collective-timeout while rank 0 waits in a NCCL all_reduce: NCCL's
-    watchdog line is read as this torch prints it, every stack is taken while both live, and
-    the cell fails naming rank 1 (not the rank NCCL's SIGABRT reaches first). NCCL needs a GPU
-    per rank."""
-    if _gpus() < 2:
-        pytest.skip(
-            "a NCCL timeout needs two ranks, each with a GPU of its own: this machine has one"
-        )
-    ex = kernel.run(
-        "%%elastic --nproc 2 --collective-timeout 20\n"
-        "import os, time, torch, torch.distributed as dist\n"
-        "torch.cuda.set_device(int(os.environ['LOCAL_RANK']))\n"
-        "dist.init_process_group('nccl')\n"
-        "x = torch.ones(1, device='cuda')\n"
-        "dist.all_reduce(x)\n"
-        "torch.cuda.synchronize()\n"
-        "if dist.get_rank() == 1:\n"
-        "    time.sleep(600)\n"
-        "dist.all_reduce(x)\n"
-        "torch.cuda.synchronize()\n",
-        timeout=300,
-    )
-    assert ex.ename == "JobFailed"
-    assert "Watchdog caught collective operation timeout" in ex.stderr + ex.stdout
-    assert ex.error["evalue"].startswith("desync: rank 1 never entered"), ex.error["evalue"]
+    """NCCL's watchdog line is read as this torch prints it, and each --async-error-handling mode
+    does what the README's flag table says. 1 and 3 end the rank: the watchdog's first line fails
+    the cell, every stack taken while both ranks live, naming rank 1 (not the rank NCCL's abort
+    reaches first), well before NCCL's own end of it (the timeout, then its 60 s wait for the
+    flight recorder's dump). 0 and 2 keep the rank (elastic_nb turns NCCL's heartbeat monitor
+    off): an alert with every rank's stack names rank 1, nothing ends the rank, and the job goes
+    on, here until its --timeout (in mode 2 NCCL's error may reach rank 0's cell first)."""
+    keeps = mode in (0, 2)
+    cell = NCCL_TIMEOUT.replace("MODE", f"{mode}" + (" --timeout 50" if keeps else ""))
+    ex = kernel.run(cell, timeout=300)
+    out = ex.stderr + ex.stdout
+    assert "Watchdog caught collective operation timeout" in out, out[-5000:]
     s = run_summary(cache_home, ex.job_id)
-    assert s["failure"]["rank"] == 1
+    outcome = f"{ex.ename}: {ex.error and ex.error['evalue']}\nsummary: {s}\n{out[-5000:]}"
+    if not keeps:
+        assert ex.ename == "JobFailed", outcome
+        assert ex.error["evalue"].startswith("desync: rank 1 never entered"), outcome
+        assert s["failure"]["rank"] == 1, outcome
+        assert ex.seconds < 50, outcome
+    else:
+        alerts = [
+            e
+            for e in run_events(cache_home, ex.job_id)
+            if e["event"] == "alert" and e["kind"] == "collective_timeout"
+        ]
+        assert alerts, outcome
+        alert = alerts[0]
+        assert f"it lives on (--async-error-handling {mode})" in alert["title"], alert
+        assert "rank 1 never entered" in alert["title"] and alert["rank"] == 1, alert
+        assert all(f"rank {k} · " in (alert["text"] or "") for k in (0, 1)), alert
+        # Nothing of NCCL's ended a rank: the deadline did (or, in mode 2, the error that
+        # reached rank 0's cell).
+        if mode == 0:
+            assert (ex.ename, s["cause"]) == ("JobTimeout", "deadline"), outcome
+        else:
+            assert ex.ename in ("JobTimeout", "JobFailed") and s["cause"] != "signal", outcome
     assert_job_gone(ex.job_id)
 
 
@@ -138,7 +172,8 @@ def test_a_real_cuda_oom_with_memory_history_names_the_lines_that_filled_the_gpu
 
     The CPU suite reads synthetic snapshots in torch's format (test_memory.py); a real one, to
     keep in tests/data/, is for the GPU run (issue 27) to write: not there yet (see
-    tests/data/README.md)."""
+    tests/data/README.md). With GPU_CHECK_SNAPSHOTS set (scripts/gpu_check.sh), the snapshot and
+    the cell it names are copied there."""
     import pickle
 
     from elastic_nb.rank.memory import largest
@@ -166,6 +201,10 @@ def test_a_real_cuda_oom_with_memory_history_names_the_lines_that_filled_the_gpu
     assert path, text
     snapshot = pickle.loads(Path(path[1]).read_bytes())
     cell = Path(run_summary(cache_home, ex.job_id)["run_dir"]) / "cell.py"
+    if keep := os.environ.get("GPU_CHECK_SNAPSHOTS"):  # scripts/gpu_check.sh keeps them
+        Path(keep).mkdir(parents=True, exist_ok=True)
+        shutil.copy(path[1], Path(keep) / "memory_snapshot.pickle")
+        shutil.copy(cell, Path(keep) / "memory_snapshot_cell.py")
     assert [g["line"] for g in largest(snapshot, cell)[:2]] == [3, 4]
     assert_job_gone(ex.job_id)
 

@@ -61,16 +61,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def _costliest_modules_first(items: list[pytest.Item]) -> None:
     """The parallel workers (`make test`: --dist loadscope) take whole modules in this order:
-    the modules with the most processes to start come first (an e2e test starts a job or a
-    kernel, a browser test drives a page against a server: about three times as long here), so
-    that a long module does not start last and run alone at the end; the unit modules fill the
-    gaps. Within a module the order is as written, and it is the same on every worker (computed
-    from the collection alone)."""
-    weight = {"unit": 0, "e2e": 1, "browser": 3}
-    cost: dict[str, int] = {}
+    the modules with the most processes to start come first, so that a long module does not
+    start last and run alone at the end; the unit modules fill the gaps. An e2e test starts a job
+    or a kernel (a unit of cost), a browser test drives a page against a server (about three),
+    and a test with a time limit of its own (a wheel built, the GPU check's rehearsal: about a
+    tenth of their limit) a unit per 20 s of that limit. Within a module the order is as
+    written, and it is the same on every worker (computed from the collection alone)."""
+    weight = {"unit": 0.0, "e2e": 1.0, "browser": 3.0}
+    cost: dict[str, float] = {}
     for item in items:
         kind = next(k for k in KINDS if item.get_closest_marker(k))
-        cost[item.path.name] = cost.get(item.path.name, 0) + weight[kind]
+        limit = item.get_closest_marker("timeout")
+        own = weight[kind] if limit is None else max(weight[kind], float(limit.args[0]) / 20)
+        cost[item.path.name] = cost.get(item.path.name, 0.0) + own
     items.sort(key=lambda i: -cost[i.path.name])
 
 

@@ -89,7 +89,8 @@ class TreeWatch:
             return []  # most tests: no need to ask anything
         kept = self.kept()
         return [
-            f"{pid} {cmd} (under {self._named(self.parent.get(pid))}; now {_now(pid)})"
+            f"{pid} {cmd} (under {self._named(self.parent.get(pid))}; now {_now(pid)}; "
+            f"its parent now {_now(self.parent.get(pid, 0))}; kept: {sorted(kept)})"
             for pid, cmd in live
             if pid not in kept
         ]

@@ -16,9 +16,8 @@ from elastic_nb.common import procs
 from tests.kernel import Kernel, TreeWatch, pid_ended, wait_for
 
 KINDS = ("unit", "e2e", "browser")
-_RUNTIME = pytest.StashKey[
-    tuple[str, str | None]
-]()  # this run's XDG_RUNTIME_DIR, and the one before
+# This run's XDG_RUNTIME_DIR, and the one before it (pytest_configure).
+_RUNTIME = pytest.StashKey[tuple[str, str | None]]()
 
 
 def pytest_configure(config: pytest.Config) -> None:

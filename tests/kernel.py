@@ -239,8 +239,8 @@ def supervisor_registration(pid: int) -> registry.Registration | None:
 def kernel_keeps(kernel_pid: int, watch: TreeWatch) -> set[int]:
     """What may outlive a test under a kernel that runs: its supervisor and what that says it
     keeps (`status`): the zygote, the idle warm launcher with its tree (its fork server and
-    resource tracker: launcher/fork_server.py), and the ranks of every session
-    it runs with the fork servers and launchers above them (as the watch first saw them)."""
+    resource tracker: launcher/fork_server.py), and the ranks of every session it runs with the
+    fork servers and launchers above them (as the watch first saw them)."""
     sup = supervisor_of(kernel_pid)
     if sup is None:
         return set()
@@ -259,8 +259,8 @@ def kernel_keeps(kernel_pid: int, watch: TreeWatch) -> set[int]:
         kept.add(warm["pid"])
         # Its whole tree: its fork server and resource tracker, and while it is still warming
         # (not ready) the child it forks through its fork server (agent._wait_fork_server), seen
-        # running for over 10 s when eight rank processes and four workers shared two cores. An
-        # idle launcher has no job: nothing of a job can be under it.
+        # still running 10 s after a test when four workers' jobs shared two cores. An idle
+        # launcher has no job: nothing of a job can be under it.
         with contextlib.suppress(psutil.Error):
             kept.update(p.pid for p in psutil.Process(warm["pid"]).children(recursive=True))
     for session in status.get("sessions", ()):

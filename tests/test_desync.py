@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -315,6 +316,47 @@ def test_a_dump_someone_else_wrote_is_not_unpickled(tmp_path: Path) -> None:
     assert (
         read_nccl_dump(RunDir(tmp_path), link) is None
     )  # never follow a link planted in the run directory
+
+
+@pytest.mark.parametrize("dump", sorted(p.relative_to(DATA) for p in DATA.glob("*/fr-rank-*")))
+def test_torchs_own_dumps_read_as_plain_data(dump: Path) -> None:
+    """torch writes its dumps with no global in them: read without being able to run code, each
+    is what an unrestricted unpickler makes of it."""
+    import pickle
+
+    read = read_nccl_dump(RunDir(DATA), DATA / dump)
+    assert read == {"nccl": pickle.loads((DATA / dump).read_bytes())}
+
+
+class _Payload:
+    """What a forged dump holds: unpickling it touches `path` (any callable would do)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Path.touch, (self.path,))
+
+
+def test_a_forged_dump_runs_nothing(tmp_path: Path) -> None:
+    """A joined machine mirrors its ranks' dumps into the run directory (issue 33: one that
+    forged rank 0's ran its code in the supervisor within a second, the desync watch read it):
+    a dump that names any callable is not read, and nothing in it ran."""
+    import pickle
+
+    marker = tmp_path / "ran"
+    for forged in (
+        _Payload(marker),
+        {"entries": [_Payload(marker)], "version": "2.10"},  # deep inside a plausible dump
+    ):
+        p = tmp_path / "attempt-0" / "fr-rank-0"
+        p.parent.mkdir(exist_ok=True)
+        p.write_bytes(pickle.dumps(forged))
+        assert read_nccl_dump(RunDir(tmp_path), p) is None
+        assert not marker.exists()
+        pickle.loads(p.read_bytes())  # the payload works: unrestricted, it would have run
+        assert marker.exists()
+        marker.unlink()
 
 
 def test_a_rank_that_timed_out_waiting_for_the_leaver_still_points_at_it() -> None:

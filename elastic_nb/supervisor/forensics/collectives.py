@@ -24,6 +24,7 @@ a desync (it may still arrive).
 
 from __future__ import annotations
 
+import io
 import json
 import pickle
 from collections import Counter
@@ -157,13 +158,25 @@ def base(group: str) -> str:
 
 
 def read_nccl_dump(rd: RunDir, path: Path) -> dict[str, Any] | None:
-    """NCCL's own dump on a timeout (TORCH_FR_DUMP_TEMP_FILE<rank>), as a record. Unpickling
-    runs code: only what `RunDir.read_private` lets through (ours, nobody else's to write)."""
+    """NCCL's own dump on a timeout (TORCH_FR_DUMP_TEMP_FILE<rank>), as a record: only what
+    `RunDir.read_private` lets through (ours, nobody else's to write), and read as plain data
+    (`_PlainData`): a joined machine mirrors its ranks' dumps into the run directory, and one
+    that forged a pickle must not run code in the supervisor."""
     try:
-        dump = pickle.loads(rd.read_private(path))
-    except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ImportError, ValueError):
+        dump = _PlainData(io.BytesIO(rd.read_private(path))).load()
+    except (OSError, pickle.UnpicklingError, EOFError, ValueError, IndexError, KeyError):
         return None
     return {"nccl": dump} if isinstance(dump, dict) else None
+
+
+class _PlainData(pickle.Unpickler):
+    """A flight-recorder dump holds dicts, lists, tuples, strings, numbers, booleans and None:
+    torch's JIT pickler (c10d's FlightRecorder::dump) writes no global, so refusing every one
+    reads torch's dumps whole while a forged one cannot name a callable, the only way a pickle
+    runs code (tests/test_desync.py checks both on torch's own dumps)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"not plain data: {module}.{name}")
 
 
 # ---- the certain cases --------------------------------------------------------------------

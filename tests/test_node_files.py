@@ -5,6 +5,8 @@ The channel's whole path, from a real agent, is tests/test_multinode.py's."""
 
 from __future__ import annotations
 
+import os
+import threading
 from pathlib import Path
 
 import anyio
@@ -34,6 +36,13 @@ THE_NOTEBOOKS = [
     "attempt-0/../spec.json",
     "/etc/passwd",
     "",
+    # What the supervisor here opens or writes for itself: a probe's FIFO (a write to it blocked
+    # the supervisor until someone read it), a probe's answer, temporary and hidden names.
+    "attempt-0/rank-0.probe",
+    "attempt-0/rank-0.probe.json",
+    "attempt-0/rank-0.result.pkl.tmp",
+    "attempt-0/.rank-0.result.pkl.mirror.tmp",
+    "nodes/1-b/.hidden",
 ]
 
 
@@ -83,3 +92,43 @@ def test_a_nodes_mirror_sends_only_what_the_notebook_takes(tmp_path: Path) -> No
         f.write(" world")
     anyio.run(mirror.sweep)
     assert sent == [("attempt-0/rank-1.stdout", 5, b" world")]
+
+
+def test_a_chunk_past_the_end_of_a_file_is_refused(tmp_path: Path) -> None:
+    """A file grows only from its end: a chunk at 2**35 would make a sparse file whose hole the
+    log tailer read for 90 s, the event loop stalled (issue 33)."""
+    write_chunk(tmp_path, "attempt-1/rank-1.stdout", -1, b"abc")
+    with pytest.raises(ValueError, match="from byte 34359738368, past its end"):
+        write_chunk(tmp_path, "attempt-1/rank-1.stdout", 2**35, b"xy")
+    assert (tmp_path / "attempt-1" / "rank-1.stdout").stat().st_size == 3
+    write_chunk(tmp_path, "attempt-1/rank-1.stdout", 3, b"def")  # from its end: taken
+    assert (tmp_path / "attempt-1" / "rank-1.stdout").read_bytes() == b"abcdef"
+
+
+def test_only_regular_files_are_written_and_nothing_waits(tmp_path: Path) -> None:
+    """A FIFO, a link or a directory where a rank's file goes is refused at once: a write into
+    a FIFO nobody reads would block the supervisor's event loop in open(), a link would write
+    wherever it points. A whole file replaces what is there."""
+    attempt = tmp_path / "attempt-0"
+    attempt.mkdir()
+    os.mkfifo(attempt / "rank-0.stdout")
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"untouched")
+    (attempt / "rank-1.stdout").symlink_to(outside)
+    (attempt / "rank-2.stdout").mkdir()
+    refused: list[str] = []
+
+    def write_all() -> None:
+        for rank in (0, 1, 2):
+            with pytest.raises(ValueError, match="not a regular file here") as e:
+                write_chunk(tmp_path, f"attempt-0/rank-{rank}.stdout", 0, b"a node's")
+            refused.append(str(e.value))
+
+    writer = threading.Thread(target=write_all, daemon=True)
+    writer.start()
+    writer.join(10)
+    assert len(refused) == 3, refused  # all three at once, none blocked
+    assert outside.read_bytes() == b"untouched"
+    write_chunk(tmp_path, "attempt-0/rank-1.stdout", -1, b"whole")
+    assert (attempt / "rank-1.stdout").read_bytes() == b"whole"
+    assert not (attempt / "rank-1.stdout").is_symlink() and outside.read_bytes() == b"untouched"

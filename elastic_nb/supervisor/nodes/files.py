@@ -183,28 +183,53 @@ def from_node(rel: str) -> bool:
     parts = PurePosixPath(rel).parts
     if not parts or ".." in parts or rel.startswith("/"):
         return False
+    if parts[-1].startswith(".") or parts[-1].endswith(_LOCAL_SUFFIXES):
+        # Hidden names (this side's temporary files among them), and the probes' FIFOs and
+        # answers, which the supervisor here opens: a node that wrote one could stall it.
+        return False
     if _ATTEMPT.fullmatch(parts[0]):
         return len(parts) == 2
     return parts[0] == "nodes" or rel == CHECKPOINTS
 
 
+# Opened without following a link, and without waiting for a reader where something other than a
+# regular file sits at the path (a FIFO would block the supervisor's event loop in open()).
+_OPEN = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
 def write_chunk(top: Path, rel: str, offset: int, data: bytes) -> None:
-    """The notebook's side: a chunk of a node's file into the run directory `top`. Files are the
-    user's alone (results are unpickled: rundir.RunDir.read_private checks it)."""
+    """The notebook's side: a chunk of a node's file into the run directory `top`, into regular
+    files only, and growing a file only from its end (a chunk far beyond it would make a sparse
+    file whose hole every reader here would read). Files are the user's alone (results are
+    unpickled: rundir.RunDir.read_private checks it)."""
     if not from_node(rel):
         raise ValueError(f"a node sent a file it may not write: {rel!r}")
     parts = PurePosixPath(rel).parts
     path = top.joinpath(*parts)
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     if offset < 0:
-        # A whole file (a record, a result): replaced at once, as the rank wrote it.
+        # A whole file (a record, a result): replaced at once, as the rank wrote it (a link or
+        # anything else at its path is replaced, never followed).
         tmp = path.with_name(f".{path.name}.mirror.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as f:
+        with _regular(tmp, rel) as f:
+            f.truncate()
             f.write(data)
         os.replace(tmp, path)
         return
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
-    with os.fdopen(fd, "r+b") as f:
+    with _regular(path, rel) as f:
+        end = os.fstat(f.fileno()).st_size
+        if offset > end:
+            raise ValueError(f"a node sent {rel!r} from byte {offset}, past its end ({end})")
         f.seek(offset)
         f.write(data)
+
+
+def _regular(path: Path, rel: str) -> io.BufferedRandom:
+    try:
+        fd = os.open(path, _OPEN, 0o600)
+    except OSError as e:  # ELOOP: a link; ENXIO: a FIFO nobody reads
+        raise ValueError(f"a node sent {rel!r}, which is not a regular file here: {e}") from e
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ValueError(f"a node sent {rel!r}, which is not a regular file here")
+    return os.fdopen(fd, "r+b")

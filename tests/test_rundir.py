@@ -44,3 +44,20 @@ def test_a_planted_link_is_not_followed(rd: RunDir, tmp_path: Path) -> None:
     rd.result(0).symlink_to(elsewhere)
     with pytest.raises(OSError):
         rd.read_private(rd.result(0))
+
+
+def test_a_new_run_directory_and_every_folder_made_above_it_are_the_owners_alone(
+    tmp_path: Path,
+) -> None:
+    """A first job makes ~/.cache/elastic_nb/runs/ too: made with Path.mkdir's default mode
+    (0755 under the usual umask), every local user could list the jobs (issue 33)."""
+    old = os.umask(0o022)  # the usual umask, whatever this process had
+    try:
+        rd = RunDir(tmp_path / "cache" / "elastic_nb" / "runs" / "cafe0002")
+        rd.create("{}", "print(1)\n", {}, None)
+    finally:
+        os.umask(old)
+    made = [tmp_path / "cache", tmp_path / "cache" / "elastic_nb", rd.path.parent, rd.path]
+    assert {str(d): oct(d.stat().st_mode & 0o777) for d in made} == {str(d): "0o700" for d in made}
+    with pytest.raises(FileExistsError):  # a job's directory is new, never another's
+        rd.create("{}", "print(1)\n", {}, None)

@@ -28,6 +28,7 @@ Its layout is defined here and nowhere else::
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -153,12 +154,26 @@ class RunDir:
         """What NCCL dumps there on a collective timeout (pickled, torch's format)."""
         return self.flight_recorder_prefix(attempt).with_name(f"fr-rank-{rank}")
 
+    def make(self) -> None:
+        """The directory, new, and every missing directory above it, each the owner's alone.
+        (Path.mkdir(parents=True) makes the parents with the default mode, whatever `mode`
+        says: 0755 under the usual umask, where every local user could list the jobs.)"""
+        missing = []
+        d = self.path.parent
+        while not d.exists():
+            missing.append(d)
+            d = d.parent
+        for d in reversed(missing):
+            with contextlib.suppress(FileExistsError):  # made meanwhile by another job
+                d.mkdir(mode=0o700)
+        self.path.mkdir(mode=0o700)
+
     def create(
         self, spec_json: str, source: str, meta: dict[str, Any], payload: bytes | None
     ) -> None:
         """A new job's (or session cell's) directory, owner only (logs, the environment), with
         what its ranks read: the spec, the cell, how to run it, the pushed objects."""
-        self.path.mkdir(parents=True, exist_ok=False, mode=0o700)
+        self.make()
         self.spec.write_text(spec_json)
         self.cell.write_text(source)
         write_json(self.cell_meta, meta)

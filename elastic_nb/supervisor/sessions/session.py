@@ -102,7 +102,7 @@ class Session(RankGroup):
         return "running" if self.current is not None else "ready"
 
     def prepare(self) -> None:
-        self.rd.path.mkdir(parents=True, exist_ok=False, mode=0o700)
+        self.rd.make()
         self.report.open(self.rd.events)
         self.rd.spec.write_text(self.spec.to_json())
         self.report.event("created", nproc=self.spec.nproc)

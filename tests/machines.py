@@ -99,6 +99,15 @@ class Machine:
                 return children[0].pid
         return None
 
+    def commands(self) -> list[str]:
+        """The command line of every process still running in the machine (one that ended
+        meanwhile, a zombie included, is not)."""
+        found = []
+        for p in self.processes():
+            with contextlib.suppress(psutil.Error):
+                found.append(" ".join(p.cmdline()))
+        return found
+
     def processes(self) -> list[psutil.Process]:
         """Every process in the machine's PID namespace."""
         init = self.agent_pid

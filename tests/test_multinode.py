@@ -562,9 +562,7 @@ def test_a_session_across_machines_survives_a_machines_death_by_restart_and_repl
         k.ok("%elastic down", timeout=60)
     assert wait_for(
         lambda: (
-            not any(
-                "session_loop" in " ".join(p.cmdline()) for m in lab.machines for p in m.processes()
-            )
+            not any("session_loop" in command for m in lab.machines for command in m.commands())
         ),
         10,
     )

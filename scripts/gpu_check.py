@@ -176,18 +176,9 @@ def report(work: Path, out: Path) -> int:
     rows = []
     tsv = work / "steps.tsv"
     for line in tsv.read_text().splitlines() if tsv.exists() else []:
-        name, kind, rc, seconds, limit, left, gpu, note = (line.split("\t") + [""] * 8)[:8]
+        fields = ("name", "kind", "rc", "seconds", "limit", "left", "gpu", "note")  # record()'s
         rows.append(
-            dict(
-                name=name,
-                kind=kind,
-                rc=rc,
-                seconds=seconds,
-                limit=limit,
-                left=left,
-                gpu=gpu,
-                note=note,
-            )
+            dict(zip(fields, (line.split("\t") + [""] * len(fields))[: len(fields)], strict=True))
         )
     done = {r["name"] for r in rows}
     for name in STEPS:

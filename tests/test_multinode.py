@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import re
+import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -23,7 +24,14 @@ import pytest
 
 from elastic_nb.common import procs
 from tests import machines
-from tests.kernel import Kernel, run_dir, wait_for
+from tests.kernel import (
+    Kernel,
+    ask_supervisor,
+    run_dir,
+    supervisor_of,
+    supervisor_registration,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.e2e]
 
@@ -733,23 +741,60 @@ def _launcher(job: str, where: machines.Machine | None) -> psutil.Process | None
     return None
 
 
+def _launchers_to_be(k: Kernel, where: machines.Machine | None) -> list[int]:
+    """What starts the next round's launcher on `where` (None: this machine): here the pool's
+    idle launcher (ready: a job takes it as it is), there every child of the join agent (its
+    zygote and its idle launcher: whichever the round takes)."""
+    if where is not None:
+        assert where.agent_pid is not None
+        return [p.pid for p in psutil.Process(where.agent_pid).children()]
+    sup = supervisor_of(k.pid)
+    assert sup is not None
+    reg = supervisor_registration(sup.pid)
+    assert reg is not None
+
+    def warm() -> dict:
+        return ask_supervisor(reg.socket, {"kind": "status", "req": 1}, timeout=10)["data"]["warm"]
+
+    assert wait_for(lambda: (warm() or {}).get("ready"), 30), "no warm launcher here"
+    return [warm()["pid"]]
+
+
+@contextlib.contextmanager
+def _held(pids: list[int]) -> Iterator[None]:
+    """`pids` stopped (SIGSTOP) until the block ends."""
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+
 @pytest.mark.parametrize("where", ["here", "there"])
 def test_a_launcher_that_dies_before_its_ranks_run_ends_its_round_in_seconds(
     mn_kernel: Kernel, lab: machines.Lab, where: str
 ) -> None:
-    """A round's launcher killed as soon as it runs (in its rendezvous, before any rank of the
-    round ran), on this machine or another: the round fails at once (no wait for a rendezvous
-    that cannot close), the next round runs within a restart, and the cell ends with its
-    result; nothing of the job is left on any machine."""
+    """A round's launcher killed in its rendezvous, before any rank of the round ran, on this
+    machine or another: the round fails at once (no wait for a rendezvous that cannot close),
+    the next round runs within a restart, and the cell ends with its result; nothing of the job
+    is left on any machine."""
     k = mn_kernel
     _ensure_agents(k, lab, 1)
     machine = None if where == "here" else lab.machines[0]
-    msg_id, ex = k.start("%%elastic --nnodes 2 --nproc 2 --max-restarts 1" + _ALL_REDUCE)
-    k.collect(msg_id, ex, timeout=30, until=lambda e: bool(e.job_ids))
-    found: list[psutil.Process] = []
-    assert wait_for(lambda: found.append(_launcher(ex.job_id, machine)) or found[-1], 30, 0.01)
-    found[-1].kill()
-    killed_at = time.time()
+    # The other machine's launcher is held (stopped) until this one is killed: the round's
+    # rendezvous cannot close, so no rank of it runs before the kill (a warm round runs all its
+    # ranks within 0.2 s of its start, less than one scan for the launcher under load).
+    other = lab.machines[0] if where == "here" else None
+    with _held(_launchers_to_be(k, other)):
+        msg_id, ex = k.start("%%elastic --nnodes 2 --nproc 2 --max-restarts 1" + _ALL_REDUCE)
+        k.collect(msg_id, ex, timeout=30, until=lambda e: bool(e.job_ids))
+        found: list[psutil.Process] = []
+        assert wait_for(lambda: found.append(_launcher(ex.job_id, machine)) or found[-1], 30)
+        found[-1].kill()
+        killed_at = time.time()
     k.collect(msg_id, ex, timeout=90)
     assert ex.error is None, ex.traceback
     assert ex.result == "10.0", ex.stdout

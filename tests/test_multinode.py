@@ -18,6 +18,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -753,7 +754,7 @@ def _launchers_to_be(k: Kernel, where: machines.Machine | None) -> list[int]:
     reg = supervisor_registration(sup.pid)
     assert reg is not None
 
-    def warm() -> dict:
+    def warm() -> Any:
         return ask_supervisor(reg.socket, {"kind": "status", "req": 1}, timeout=10)["data"]["warm"]
 
     assert wait_for(lambda: (warm() or {}).get("ready"), 30), "no warm launcher here"

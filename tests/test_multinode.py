@@ -14,6 +14,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -810,3 +811,51 @@ def test_a_launcher_that_dies_before_its_ranks_run_ends_its_round_in_seconds(
     assert timeline[0]["running_s"] is None, timeline  # killed before its round ran
     assert ex.stdout.count("restart 1/1") == 1, ex.stdout
     _nothing_left(ex.job_id, lab)
+
+
+def _greeting(mechanism: bytes = b"CURVE") -> bytes:
+    """A ZMTP 3.0 greeting (rfc.zeromq.org/spec/23): what any peer sends before its handshake."""
+    return b"\xff" + bytes(8) + b"\x7f" + b"\x03\x00" + mechanism.ljust(20, b"\0") + bytes(32)
+
+
+def test_a_stranger_cannot_make_the_supervisor_hold_memory_before_the_handshake(
+    mn_kernel: Kernel, lab: machines.Lab
+) -> None:
+    """A host with no token sends a greeting and then a command frame that declares 1 GiB, and
+    starts sending it, on several connections at once: each is cut as soon as its size is read
+    (nothing past the protocol's largest message is taken before authentication), the
+    supervisor's memory does not grow, it answers `%elastic status` throughout, and each
+    connection's refusal is logged once, never under another's address."""
+    k = mn_kernel
+    host, port = k.join_line.split()[2].rsplit(":", 1)  # type: ignore[attr-defined]
+    supervisor = psutil.Process(_supervisor_pid(k))
+    cut = "cut before it said anything"
+    refused_before = _nodes(k).count(cut)
+    before = supervisor.memory_info().rss
+    conns, peers, taken = [], [], []
+    for _ in range(4):
+        s = socket.create_connection((host, int(port)), timeout=10)
+        conns.append(s)
+        peers.append("{}:{}".format(*s.getsockname()[:2]))
+        s.sendall(_greeting())
+        s.recv(64)  # the supervisor's greeting
+        s.sendall(b"\x06" + (1 << 30).to_bytes(8, "big"))  # a command frame of 1 GiB
+        sent = 0
+        with contextlib.suppress(OSError):
+            for _ in range(64):
+                sent += s.send(bytes(1 << 20))
+        taken.append(sent)
+        assert "supervisor: pid" in k.ok("%elastic status", timeout=10).stdout
+    grown = (supervisor.memory_info().rss - before) / 2**20  # the connections still open
+    for s in conns:
+        s.close()
+    assert grown < 32, (grown, taken)
+    # What a socket's buffers hold before the supervisor reads the size (the kernel's, not its).
+    assert all(t < 16 << 20 for t in taken), taken
+    # Each connection refused once, named by its own address and port where the supervisor read
+    # it before libzmq cut it (the cut comes within a round trip), never by another's.
+    lines = [x for x in _nodes(k).splitlines() if cut in x]
+    assert len(lines) == refused_before + len(peers), lines
+    for line in lines[refused_before:]:
+        who = line.split("refused a connection from ")[1].split(": ")[0]
+        assert who in peers or who == "an unknown address", (line, peers)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import psutil
 import pytest
 
 from elastic_nb.common import machine, protocol
@@ -133,3 +134,64 @@ def test_a_name_of_this_machine_is_taken_as_its_address() -> None:
         cluster.listener.close()
 
     anyio.run(main)
+
+
+def test_without_a_host_the_agents_port_is_on_the_primary_address_alone() -> None:
+    """Not every interface: the address the join command names (the default route's)."""
+
+    async def main() -> None:
+        async with anyio.create_task_group() as tg:
+            cluster = Cluster(tg)
+            await cluster.serve(None, 0)
+            assert cluster.listener is not None
+            assert cluster.listener.host == machine.primary_address() == cluster.addr
+            assert f"elastic-nb join {cluster.addr}:{cluster.listener.port} " in (
+                cluster.join_command()
+            )
+            bound = {
+                c.laddr
+                for c in psutil.Process().net_connections("tcp")
+                if c.status == psutil.CONN_LISTEN and c.laddr.port == cluster.listener.port
+            }
+            assert {a.ip for a in bound} == {cluster.addr}, bound
+            tg.cancel_scope.cancel()
+        cluster.listener.close()
+
+    anyio.run(main)
+
+
+def test_a_frame_over_the_channels_limit_is_never_sent_and_one_at_it_arrives() -> None:
+    """An agent refuses to send what the supervisor would cut its connection for (a larger
+    answer becomes an error answer, not a lost node); a frame within the limit arrives whole."""
+    from elastic_nb.supervisor.nodes.channel import MAX_FRAME, Dialer, FrameTooLarge, Keys, Listener
+
+    async def main() -> None:
+        keys = Keys.new()
+        listener = Listener(keys, "127.0.0.1", 0)
+        dialer = Dialer(Keys.from_token(keys.token()), "127.0.0.1", listener.port)
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(listener.serve_admission)
+                with anyio.fail_after(10):
+                    await dialer.handshake()
+                    beat = protocol.Beat(kind=protocol.BEAT, t=0.0, groups={})
+                    with pytest.raises(FrameTooLarge, match="beat of"):
+                        await dialer.send(beat, bytes(MAX_FRAME + 1))
+                    await dialer.send(beat, bytes(MAX_FRAME))
+                    _, header, blob, _ = await listener.receive()
+                    assert header["kind"] == protocol.BEAT and blob == bytes(MAX_FRAME)
+                tg.cancel_scope.cancel()
+        finally:
+            dialer.close()
+            listener.close()
+
+    anyio.run(main)
+
+
+def test_a_stack_dump_too_long_for_the_answer_keeps_its_last_lines() -> None:
+    from elastic_nb.supervisor.nodes.join_agent import _tail
+
+    text = "".join(f"line {i}\n" for i in range(100_000))
+    kept = _tail(text, 1000)
+    assert len(kept.encode()) <= 1000 + 4 and kept.startswith("...\nline ")
+    assert kept.endswith("line 99999\n") and _tail("short\n", 1000) == "short\n"

@@ -58,9 +58,8 @@ def nodes_table(nodes: dict[str, Any]) -> list[str]:
             f"fingerprint is {listening['token']} (%elastic join-command prints the token)"
         )
     for r in nodes.get("refused", []):
-        rows.append(
-            f"refused: {r.get('name') or ''} {r.get('addr') or ''} {r['why']}".replace("  ", " ")
-        )
+        who = f"{r.get('name') or ''} {r.get('addr') or ''}".strip()
+        rows.append(f"refused {who}: {r['why']}" if who else r["why"])
     return rows
 
 

@@ -312,7 +312,7 @@ class Supervisor:
         if self._cluster is None:
             self._cluster = Cluster(self._tg)
         if self._cluster.listener is None:
-            await self._cluster.serve(msg["host"] or "0.0.0.0", msg["port"])
+            await self._cluster.serve(msg["host"], msg["port"])
         elif msg["port"] and msg["port"] != self._cluster.listener.port:
             raise ValueError(
                 f"agents already join on port {self._cluster.listener.port}: --port cannot "

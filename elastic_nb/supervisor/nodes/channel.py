@@ -11,6 +11,14 @@ authenticated and encrypted by libzmq (no cryptography of ours), one connection 
   A handshake that fails before that (a wrong server key, replayed or forged bytes) is logged
   from the socket's monitor. Nothing reaches the supervisor's code from a peer that has not
   passed both.
+* **Limits before anything else.** A peer is cut the moment it declares a frame larger than
+  `MAX_FRAME` (2 MiB: the largest an agent sends is a file chunk of `files.CHUNK`, 1 MiB, and its
+  header; an answer is kept under it by the agent), before its handshake as after: a stranger
+  makes the supervisor hold at most that per connection, for at most `HANDSHAKE_S` (libzmq's
+  default is 30 s; a CURVE handshake takes a few round trips). An agent's messages wait in a queue
+  of `QUEUE` at most (then libzmq stops reading its connection: TCP holds the rest, nothing is
+  dropped). Refusals are logged with the peer's address and port, at most `LOG_BURST` a minute
+  for one address, then counted.
 * **Frames.** A message is the protocol's JSON header, and its blob as a second ZeroMQ frame.
   The supervisor's socket monitor says when a connection drops, naming the peer's address and
   port (each agent tells its own in its hello): a killed agent is known the moment the kernel
@@ -30,6 +38,7 @@ import logging
 import os
 import secrets
 import socket
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,11 +50,18 @@ from zmq.utils.monitor import parse_monitor_message
 
 from elastic_nb.common import protocol
 
-__all__ = ["Dialer", "Keys", "Listener", "TokenError"]
+__all__ = ["MAX_FRAME", "Dialer", "FrameTooLarge", "Keys", "Listener", "TokenError"]
 
 log = logging.getLogger(__name__)
 
 _ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # where libzmq asks (ZMQ RFC 27)
+MAX_FRAME = 2 << 20  # bytes of one frame an agent sends (the supervisor cuts a larger one)
+# What CURVE adds to a frame on the wire (a MESSAGE command: its name, nonce, flags and MAC: 33
+# bytes), which is what libzmq's limit counts.
+_CURVE_OVERHEAD = 64
+HANDSHAKE_S = 5.0
+QUEUE = 64  # an agent's messages the supervisor's socket holds before it stops reading them
+LOG_BURST = 5  # refusals logged per address and minute; the rest are counted
 _DOMAIN = b"elastic_nb"
 _KEY_BYTES = 32
 
@@ -122,6 +138,10 @@ def _tune(sock: zmq.Socket[Any]) -> None:
     sock.rcvhwm = 0
 
 
+class FrameTooLarge(protocol.ProtocolError):
+    """A frame the supervisor would cut the connection for (`MAX_FRAME`)."""
+
+
 class Listener:
     """The supervisor's side: one ROUTER socket that admits agents holding the token."""
 
@@ -135,6 +155,10 @@ class Listener:
         self._zap.bind(_ZAP_ENDPOINT)
         self._sock = self._ctx.socket(zmq.ROUTER)
         _tune(self._sock)
+        # Inbound, a full queue makes libzmq stop reading the connection (nothing is dropped).
+        self._sock.rcvhwm = QUEUE
+        self._sock.maxmsgsize = MAX_FRAME + _CURVE_OVERHEAD
+        self._sock.handshake_ivl = int(HANDSHAKE_S * 1000)
         self._sock.curve_server = True
         self._sock.curve_secretkey = keys.server_secret
         self._sock.curve_publickey = keys.server_public
@@ -151,6 +175,10 @@ class Listener:
         # by its descriptor: its peer's address is read when it is accepted).
         self._dropped_out, self.dropped = anyio.create_memory_object_stream[str](1000)
         self._peers: dict[int, str] = {}  # descriptor -> the peer's "ip:port"
+        # Descriptors of connections a message came from (so their handshake succeeded: libzmq
+        # names the connection of a succeeded handshake by the listener's address alone).
+        self._authenticated: set[int] = set()
+        self._logged: dict[str, tuple[float, int, int]] = {}  # ip -> (since, logged, held back)
         try:
             if port:
                 self._sock.bind(f"tcp://{host}:{port}")
@@ -192,28 +220,55 @@ class Listener:
             await self._zap.send_multipart([version, request_id, status, text, b"agent", b""])
 
     async def _watch_handshakes(self) -> None:
-        failed: list[str] = []  # reasons of handshakes that failed, until their connection drops
+        # Why handshakes failed, oldest first, until their connections drop (None: the ZAP
+        # handler has logged it). libzmq names such an event by the listener's address alone.
+        failed: list[str | None] = []
         while True:
             event = parse_monitor_message(await self._monitor.recv_multipart())
-            endpoint = event.get("endpoint", b"")
-            peer = endpoint.decode(errors="replace") if isinstance(endpoint, bytes) else endpoint
-            peer = str(peer).removeprefix("tcp://")
+            fd = event["value"]
             if event["event"] == zmq.EVENT_ACCEPTED:
-                self._peers[event["value"]] = _peer_of(event["value"]) or peer
+                self._peers[fd] = _peer_of(fd) or "an unknown address"
             elif event["event"] == zmq.EVENT_DISCONNECTED:
-                who = self._peers.pop(event["value"], peer)
-                if failed:
-                    # The connection whose handshake failed (its reason came first): named now
-                    # that its address is known.
-                    self._refused(who, f"its handshake failed ({failed.pop(0)})")
-                else:
+                who = self._peers.pop(fd, "an unknown address")
+                if fd in self._authenticated:
+                    self._authenticated.discard(fd)
                     with contextlib.suppress(anyio.WouldBlock):
                         self._dropped_out.send_nowait(who)
-            elif event["event"] != zmq.EVENT_HANDSHAKE_FAILED_AUTH:  # ZAP has said why for that
-                failed.append(_handshake_error(event["value"]))
+                elif failed:
+                    # The connection whose handshake failed (its reason came first): named now
+                    # that its address is known.
+                    why = failed.pop(0)
+                    if why is not None:
+                        self._refused(who, f"its handshake failed ({why})")
+                else:
+                    self._refused(
+                        who,
+                        "cut before it said anything (a frame over "
+                        f"{MAX_FRAME >> 20} MiB, a handshake over {HANDSHAKE_S:g} s, or it left)",
+                    )
+            elif event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                failed.append(None)
+            else:
+                failed.append(_handshake_error(fd))
 
     def _refused(self, peer: str, why: str) -> None:
-        text = f"refused a connection from {peer or 'an unknown address'}: {why}"
+        """Logged with the peer's "ip:port", at most LOG_BURST a minute for one ip: a stranger
+        retrying in a loop fills neither the log nor `%elastic nodes`."""
+        ip = peer.rsplit(":", 1)[0]
+        now = time.monotonic()
+        since, logged, held = self._logged.get(ip, (now, 0, 0))
+        if now - since > 60:
+            if held:
+                self._note(f"refused {held} more connection(s) from {ip} in the last minute")
+            since, logged, held = now, 0, 0
+        if logged < LOG_BURST:
+            self._note(f"refused a connection from {peer}: {why}")
+            logged += 1
+        else:
+            held += 1
+        self._logged[ip] = (since, logged, held)
+
+    def _note(self, text: str) -> None:
         log.warning(text)
         self.refusals.append(text)
         del self.refusals[:-100]
@@ -226,6 +281,7 @@ class Listener:
         address = ""
         with contextlib.suppress(zmq.ZMQError):
             address = str(msg[-1].get("Peer-Address"))
+            self._authenticated.add(msg[-1].get(zmq.SRCFD))
         header, blob = _decode([f.bytes for f in msg[1:]])
         return peer, header, blob, address
 
@@ -290,8 +346,16 @@ class Dialer:
         return _decode(frames)
 
     async def send(self, msg: protocol.Message, blob: bytes | None = None) -> None:
+        """Raises FrameTooLarge, sending nothing, where the supervisor would cut the
+        connection for a frame of this message."""
+        frames = _encode(msg, blob)
+        if max(map(len, frames)) > MAX_FRAME:
+            raise FrameTooLarge(
+                f"a {msg['kind']} of {max(map(len, frames))} bytes (the channel takes "
+                f"{MAX_FRAME} at most)"
+            )
         async with self._send_lock:
-            await self._sock.send_multipart(_encode(msg, blob), copy=blob is None)
+            await self._sock.send_multipart(frames, copy=blob is None)
 
     def close(self) -> None:
         self._monitor.close(linger=0)

@@ -46,9 +46,13 @@ class Cluster:
 
     # ---- serving agents --------------------------------------------------------------------
 
-    async def serve(self, host: str, port: int) -> None:
-        """Listen for agents on host:port (0: a free port) until the supervisor ends."""
-        if host not in ("0.0.0.0", ""):
+    async def serve(self, host: str | None, port: int) -> None:
+        """Listen for agents on host:port (0: a free port) until the supervisor ends. No host:
+        this machine's primary address (its default route's), the one the join command names,
+        not every interface: a container bridge, a VPN or a second network the machine is on
+        does not open the port to its hosts unasked (`--host 0.0.0.0` does)."""
+        host = host or self.addr
+        if host != "0.0.0.0":
             # A name is taken as the address it resolves to: the ranks' interface is the one
             # that holds it, and an address of no interface here is refused before anyone joins.
             found = await anyio.getaddrinfo(host, port, family=socket.AF_INET)
@@ -92,7 +96,7 @@ class Cluster:
 
     def join_command(self) -> str:
         assert self.listener is not None
-        host = self.addr if self.listener.host in ("0.0.0.0", "") else self.listener.host
+        host = self.addr if self.listener.host == "0.0.0.0" else self.listener.host
         return f"elastic-nb join {host}:{self.listener.port} --token {self.listener.keys.token()}"
 
     async def new_token(self) -> int:

@@ -29,7 +29,7 @@ __all__ = ["INPUTS", "Mirror", "from_node", "pack", "unpack", "write_chunk"]
 
 # A run directory's files that come from the notebook (never sent back).
 INPUTS = frozenset({"spec.json", "cell.py", "cell.json", "payload.pkl"})
-CHUNK = 4 << 20  # bytes of one file in one message
+CHUNK = 1 << 20  # bytes of one file in one message (the channel takes 2 MiB frames)
 _ATTEMPT = re.compile(r"attempt-\d+")
 # Probe FIFOs and their answers are the node's own business (the probe's answer travels as one).
 _LOCAL_SUFFIXES = (".probe", ".probe.json", ".tmp")

@@ -39,7 +39,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from elastic_nb.common import machine, procs, protocol
 from elastic_nb.common.rundir import RunDir
 from elastic_nb.common.spec import JobSpec
-from elastic_nb.supervisor.nodes.channel import Dialer, Keys
+from elastic_nb.supervisor.nodes.channel import MAX_FRAME, Dialer, Keys
 from elastic_nb.supervisor.nodes.files import Mirror, unpack
 from elastic_nb.supervisor.processes.launcher_pool import LauncherPool
 from elastic_nb.supervisor.processes.node import LocalNode
@@ -359,9 +359,12 @@ class JoinAgent:
             assert msg["kind"] == protocol.STACKS
             ranks = [g.ranks[(a, r)] for a, r in msg["ranks"] if (a, r) in g.ranks]
             dumps = await node.stacks(ranks, msg["wait_s"])
+            # The answer is one frame of the channel: each rank's dump keeps its last lines (the
+            # main thread's, which faulthandler writes last) within an even share of it.
+            share = MAX_FRAME // 2 // max(1, len(dumps))
             return {
                 "dumps": {
-                    str(rank): {"text": d.text, "state": d.state, "asked": d.asked}
+                    str(rank): {"text": _tail(d.text, share), "state": d.state, "asked": d.asked}
                     for rank, d in dumps.items()
                 }
             }
@@ -650,6 +653,15 @@ async def _write_all(stream: ByteStream, outbox: MemoryObjectReceiveStream[bytes
                 return
     with contextlib.suppress(Exception):
         await stream.aclose()
+
+
+def _tail(text: str, limit: int) -> str:
+    """`text`'s last whole lines within `limit` bytes (UTF-8)."""
+    data = text.encode()
+    if len(data) <= limit:
+        return text
+    kept = data[-limit:]
+    return "...\n" + kept[kept.find(b"\n") + 1 :].decode(errors="replace")
 
 
 def connected_from(pid: int | None, sock: socket.socket) -> bool:

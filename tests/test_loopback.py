@@ -8,6 +8,8 @@ import contextlib
 import ipaddress
 import os
 import socket
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -273,3 +275,48 @@ def test_a_session_listens_on_loopback_only_where_the_hostname_is_not(
         k.ok("%elastic down")
     assert_only_loopback(ranks, launcher, [s[:4] for s in probed])
     assert not [s for s in probed if s[4]], probed
+
+
+# Another process on this machine writes a pickle under the rendezvous state's key of a running
+# job's store, as a local user who found its port could: the pickle would make a directory.
+_FORGE = """
+import base64, os, pickle, sys
+from datetime import timedelta
+from torch.distributed import TCPStore
+
+class Payload:
+    def __reduce__(self):
+        return (os.mkdir, (sys.argv[3],))
+
+store = TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, timeout=timedelta(seconds=10))
+key = "torch.rendezvous." + sys.argv[2]
+assert store.check([key]), "no rendezvous state under " + key
+store.set(key, base64.b64encode(pickle.dumps(Payload())))
+"""
+
+
+def test_a_state_another_process_writes_into_the_rendezvous_store_is_never_unpickled(
+    kernel: Kernel, tmp_path: Path
+) -> None:
+    """The launcher refuses a rendezvous state its job's launchers did not sign (an HMAC under
+    a key only they hold) before anything unpickles it: the payload never runs, the job fails
+    saying why, and nothing of it is left."""
+    marker = tmp_path / "payload-ran"
+    msg_id, ex = kernel.start("%%elastic --nproc 2\n" + IN_CELL.format(dir=str(tmp_path)))
+    try:
+        assert wait_for(lambda: all((tmp_path / f"rank-{r}").exists() for r in (0, 1)), 90)
+        job = (tmp_path / "rank-0").read_text().split()[1]
+        (launcher,) = [p for p in procs.job_processes([job]) if _leads_its_group(p.pid)]
+        (port,) = [port for *_, port in listening({launcher.pid})]
+        subprocess.run(
+            [sys.executable, "-c", _FORGE, str(port), job, str(marker)], check=True, timeout=60
+        )
+        # Read back at the agent's next monitor tick: the launcher ends (or the payload runs).
+        assert wait_for(lambda: marker.exists() or not launcher.is_running(), 30)
+    finally:
+        (tmp_path / "go").touch()
+    ex = kernel.collect(msg_id, ex)
+    assert not marker.exists(), "the forged rendezvous state was unpickled"
+    assert ex.error is not None, ex.stdout
+    said = ex.traceback + ex.stdout + ex.stderr
+    assert "rendezvous state in the store was not written by this job's launchers" in said, said

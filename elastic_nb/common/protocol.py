@@ -48,6 +48,8 @@ Launcher -> supervisor
                                             once: only the launcher learns how)
   exits {attempt, codes: {rank: code}}      agent closed an attempt (exit codes, -N = signal N)
   tick {t}                                  agent monitor loop is alive (every TICK_EVERY_S)
+  agent_failed {error}                      torch's agent raised in its run (before it
+                                            ends the ranks: they die of its SIGTERM next)
   result {ok, error?}                       elastic_launch returned or raised
   store {port}                              a multi-node group's rendezvous store host (a
                                             launcher in that role) serves on 127.0.0.1:port
@@ -167,6 +169,7 @@ START: Final = "start"
 EXIT: Final = "exit"
 EXITS: Final = "exits"
 TICK: Final = "tick"
+AGENT_FAILED: Final = "agent_failed"
 RESULT: Final = "result"
 STORE: Final = "store"
 # supervisor <-> a session's ranks
@@ -641,6 +644,11 @@ class Tick(TypedDict):
     t: float
 
 
+class AgentFailed(TypedDict):
+    kind: Literal["agent_failed"]
+    error: str  # "RendezvousStateError: ..."
+
+
 class _Result(TypedDict):
     kind: Literal["result"]
     ok: bool
@@ -698,6 +706,7 @@ class LaunchRound(TypedDict):
     endpoint: str  # 127.0.0.1:PORT, on the launcher's machine
     addr: str  # this node's address: rank 0's process-group store and gloo listen there
     ifname: str  # the interface holding it (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME)
+    key: str  # the group's rendezvous key, hex: launcher/rendezvous.py signs the store's state
 
 
 class Assignment(TypedDict):
@@ -842,7 +851,7 @@ class Open(TypedDict):
     group: str
     spec: dict[str, Any]
     env: dict[str, str]  # --env: the agent's own environment is the ranks' base
-    round: dict[str, Any]  # attempt, nnodes, run_id (the node fills in its endpoint, address)
+    round: dict[str, Any]  # attempt, nnodes, run_id, key (the node fills in its endpoint, address)
     session: bool
 
 
@@ -923,7 +932,7 @@ KernelRequest = (
     | Join
 )
 KernelNews = Hello | Reply | Update | End
-LauncherNews = Ready | Rendezvous | Start | Exit | Exits | Tick | Result | StoreUp
+LauncherNews = Ready | Rendezvous | Start | Exit | Exits | Tick | AgentFailed | Result | StoreUp
 RankNews = RankHello | Ran
 SessionOrder = Run | Interrupt | Bye
 NodeNews = (

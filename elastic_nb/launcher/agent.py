@@ -14,6 +14,7 @@ import json
 import logging
 import math
 import os
+import secrets
 import signal
 import sys
 from typing import Any
@@ -21,11 +22,11 @@ from typing import Any
 from elastic_nb.common import loopback, modules, procs, protocol
 from elastic_nb.common.rundir import ATTEMPT_BASE_ENV, RUN_DIR_ENV, RunDir
 from elastic_nb.common.spec import TEARS_DOWN, JobSpec
+from elastic_nb.launcher import rendezvous
 from elastic_nb.launcher.observe import observe_agent
 from elastic_nb.launcher.pipe import Channel
 
 _PR_SET_PDEATHSIG = 1
-SYNC_POLL_S = 0.02  # how often a node waiting in the rendezvous reads its state (torch: 1 s)
 
 
 def main() -> None:
@@ -47,7 +48,7 @@ def main() -> None:
     from elastic_nb.rank.session_loop import serve
 
     observe_agent(channel)
-    _quicken_rendezvous()
+    rendezvous.quicken()
     _wait_fork_server()
     channel.send(protocol.Ready(kind=protocol.READY, pid=os.getpid()))
     line = sys.stdin.readline()
@@ -71,8 +72,10 @@ def main() -> None:
             # for the job's life; torch's c10d or static backend finds it at that endpoint.
             rdzv_server = loopback.rendezvous_server(_endpoint_port(spec.rdzv_endpoint))
             endpoint = f"{loopback.HOST}:{rdzv_server.port}"
+            rendezvous.sign(secrets.token_bytes(32))  # this launcher is its store's one client
         else:
             endpoint = plan["endpoint"]  # the group's store, on the notebook's machine
+            rendezvous.sign(bytes.fromhex(plan["key"]))
         config = _launch_config(spec, rd, job_id, endpoint, plan)
         # A session's ranks run cells until the supervisor says bye; a job's run its one cell.
         entrypoint = serve if spec.session else bootstrap
@@ -122,47 +125,6 @@ def _wait_fork_server() -> None:
     child = multiprocessing.get_context("forkserver").Process(target=os.getpid)
     child.start()
     child.join()
-
-
-def _quicken_rendezvous() -> None:
-    """Three costs of torch's dynamic rendezvous that buy elastic_nb's jobs nothing
-    (elastic/rendezvous/dynamic_rendezvous.py, torch 2.13):
-
-    - next_rendezvous() sleeps a random 0-0.3 s in round 0 "to skew the rendezvous attempts
-      across the nodes": a single-node job has one node, and a multi-node round's nodes all
-      start at the moment the supervisor says, their store on its machine;
-    - a node waiting for the others polls the store's state every second (the SYNC action's
-      "delay by one second to avoid overloading the backend"), and reads it back from the store
-      at most once a second (_BackendRendezvousStateHolder's cache_duration): a round's last
-      node to arrive was seen about a second late by the others (1 s of every multi-node round,
-      measured). The group's store serves a handful of nodes: a read every SYNC_POLL_S costs it
-      nothing;
-    - every recorded event names its method with inspect.stack(), twice, which builds the
-      source context of every frame (about 40 ms per launch); the frame's code has the name.
-    """
-    import torch.distributed.elastic.rendezvous.dynamic_rendezvous as dynamic
-
-    original_delay = dynamic._delay
-
-    def _delay(seconds: Any) -> None:
-        if not isinstance(seconds, tuple):  # the random skew (a range) is skipped
-            original_delay(min(float(seconds), SYNC_POLL_S))
-
-    def get_method_name(depth: int = 2) -> str:
-        try:
-            return sys._getframe(depth).f_code.co_name
-        except ValueError:
-            return "no_method_name"
-
-    holder = dynamic._BackendRendezvousStateHolder
-    original_init = holder.__init__
-
-    def __init__(self: Any, backend: Any, settings: Any, cache_duration: int = 1) -> None:
-        original_init(self, backend, settings, cache_duration=0)  # the SYNC poll bounds reads
-
-    dynamic._delay = _delay
-    dynamic.get_method_name = get_method_name
-    holder.__init__ = __init__  # type: ignore[method-assign]
 
 
 def _log_to(path: Any) -> None:

@@ -107,6 +107,25 @@ def observe_agent(channel: Channel) -> None:
     MultiprocessContext._close = _close  # type: ignore[method-assign]
     _report_forked_exits(channel, MultiprocessContext)
 
+    # The agent's own failure (its rendezvous refused a state, its store went away) is said
+    # before torch ends the ranks with SIGTERM: they did not fail, the agent did.
+    from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    original_invoke_run = SimpleElasticAgent._invoke_run
+
+    def _invoke_run(self: Any, role: str = "default") -> Any:
+        try:
+            return original_invoke_run(self, role)
+        except SignalException:
+            raise  # the supervisor (or a user) stopped it: nothing of its own failed
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+            channel.send(protocol.AgentFailed(kind=protocol.AGENT_FAILED, error=error))
+            raise
+
+    SimpleElasticAgent._invoke_run = _invoke_run  # type: ignore[method-assign]
+
     hold = os.environ.get("ELASTIC_NB_TEST_HOLD_BEFORE_SET")
     if hold:
         # Tests only: widen the window of torch's agent deadlock, between reading every rank's

@@ -417,6 +417,7 @@ class JoinAgent:
             endpoint=f"127.0.0.1:{g.store_port}",
             addr=addr,
             ifname=machine.interface_holding(addr),
+            key=str(plan["key"]),
         )
         node = LocalNode(g.rd, self._pool, self._orphans, self._reap)
         g.node = node

@@ -320,7 +320,7 @@ class RemoteNode(Node):
             group=group,
             spec=spec.to_dict(),
             env=dict(spec.env),
-            round={"attempt": plan["attempt"], "nnodes": plan["nnodes"], "run_id": plan["run_id"]},
+            round={k: plan[k] for k in ("attempt", "nnodes", "run_id", "key")},
             session=spec.session,
         )
         try:

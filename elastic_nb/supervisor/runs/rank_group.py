@@ -391,6 +391,15 @@ class RankGroup:
         """A session's rank on another machine connects (relayed by its agent)."""
         await stream.aclose()
 
+    def _agent_failed(self, node: Node, error: str) -> None:
+        """torch's agent on `node` raised: the ranks it now ends did not fail, it did."""
+        where = f" on {node.label}" if self.rounds is not None else ""
+        why = f"torchelastic's agent failed{where}: {error}"
+        if self.rounds is None:
+            self._decide("failed", why)
+        elif node in self.nodes and not self.decided and not self._changing:
+            self.round_failed(why)
+
     def _decide(self, outcome: str, reason: str) -> None:
         """The group's outcome, first come first served."""
         if self._outcome is not None:
@@ -413,6 +422,8 @@ class RankGroup:
                 self.report.rounds(self.rounds.timeline)
             elif msg["kind"] == protocol.START:
                 self._on_start(node, msg["attempt"], msg["rank"], msg["pid"])
+            elif msg["kind"] == protocol.AGENT_FAILED:
+                self._agent_failed(node, msg["error"])
             for r in self.book.take_exits(msg):
                 self._rank_ended(r)  # its exit was unknown when it was seen gone
         if node in self.nodes:

@@ -21,6 +21,7 @@ its nodes, world size, why, what the change cost) that the dashboard draws.
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -62,6 +63,9 @@ class Rounds:
         self.next_attempt = 0
         self.store_port = 0
         self._store: Any = None
+        # The group's launchers sign the rendezvous state with it (launcher/rendezvous.py): a
+        # local user who reaches the store cannot make them unpickle theirs.
+        self.key = secrets.token_hex(32)
         conf = spec.rdzv_conf
         self.join_timeout = float(conf.get("join_timeout", DEFAULT_JOIN_TIMEOUT_S))
         self.last_call = float(conf.get("last_call_timeout", 0))
@@ -94,6 +98,7 @@ class Rounds:
             endpoint=f"127.0.0.1:{self.store_port}",
             addr=addr,
             ifname=machine.interface_holding(addr),
+            key=self.key,
         )
 
     async def gather(

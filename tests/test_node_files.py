@@ -132,3 +132,23 @@ def test_only_regular_files_are_written_and_nothing_waits(tmp_path: Path) -> Non
     write_chunk(tmp_path, "attempt-0/rank-1.stdout", -1, b"whole")
     assert (attempt / "rank-1.stdout").read_bytes() == b"whole"
     assert not (attempt / "rank-1.stdout").is_symlink() and outside.read_bytes() == b"untouched"
+
+
+def test_a_ranks_file_waits_until_its_start_has_been_said(tmp_path: Path) -> None:
+    """The node's side holds a rank's files until the supervisor has heard that the launcher
+    started it (else it would refuse them), then sends them whole."""
+    top = tmp_path / "run"
+    (top / "attempt-0").mkdir(parents=True)
+    (top / "attempt-0" / "rank-1.out").write_text("early")
+    sent: list[str] = []
+    told: set[str] = set()
+
+    async def send(group: str, root: str, rel: str, offset: int, data: bytes) -> None:
+        sent.append(f"{rel} {offset} {data.decode()}")
+
+    mirror = Mirror(send, lambda group, rel: rel in told, roots={top: ("g1", "")})
+    anyio.run(mirror.sweep)
+    assert sent == []
+    told.add("attempt-0/rank-1.out")
+    anyio.run(mirror.sweep)
+    assert sent == ["attempt-0/rank-1.out -1 early"]

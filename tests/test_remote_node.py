@@ -195,3 +195,94 @@ def test_a_stack_dump_too_long_for_the_answer_keeps_its_last_lines() -> None:
     kept = _tail(text, 1000)
     assert len(kept.encode()) <= 1000 + 4 and kept.startswith("...\nline ")
     assert kept.endswith("line 99999\n") and _tail("short\n", 1000) == "short\n"
+
+
+def test_a_node_writes_only_the_files_of_the_ranks_its_launcher_started(tmp_path: Path) -> None:
+    """Through the agent's dispatch, as its messages arrive: rank 0's result from a node that
+    runs ranks 2 and 3 is refused (said once, nothing written: the kernel would unpickle it),
+    their own files are taken, and rank 0's once that node says its launcher started it."""
+
+    async def main() -> None:
+        node = _node(tmp_path, [])
+        link = node.link
+        link.dirs[("g1", "")] = tmp_path
+
+        def file(rel: str, data: bytes = b"x") -> None:
+            chunk = protocol.FileChunk(kind=protocol.FILE, group="g1", root="", path=rel, offset=-1)
+            link.dispatch(chunk, data)
+
+        def started(rank: int) -> None:
+            msg = {"kind": "start", "attempt": 0, "rank": rank, "pid": 100 + rank}
+            link.dispatch(protocol.LauncherSaid(kind=protocol.LAUNCHER, group="g1", msg=msg), None)
+
+        started(2)
+        started(3)
+        with pytest.raises(ValueError, match=r"rank-0\.result\.pkl.*did not start"):
+            file("attempt-0/rank-0.result.pkl", b"a forged result")
+        file("attempt-0/rank-0.result.pkl", b"again")  # its next chunks: dropped unsaid
+        for rel in ("attempt-1/rank-2.out", "nodes/2-other/launcher.log", "checkpoints.jsonl"):
+            with pytest.raises(ValueError, match="did not start"):
+                file(rel)
+        file("attempt-0/rank-2.out", b"two")
+        file("attempt-0/fr-rank-3", b"three")
+        file(f"nodes/1-{link.name}/launcher.log", b"log")
+        assert not (tmp_path / "attempt-0" / "rank-0.result.pkl").exists()
+        assert (tmp_path / "attempt-0" / "rank-2.out").read_bytes() == b"two"
+        assert (tmp_path / "attempt-0" / "fr-rank-3").read_bytes() == b"three"
+        started(0)
+        file("checkpoints.jsonl", b"{}")
+        file("attempt-0/rank-0.result.pkl", b"rank 0's")
+        assert (tmp_path / "attempt-0" / "rank-0.result.pkl").read_bytes() == b"rank 0's"
+
+    anyio.run(main)
+
+
+def test_a_nodes_files_stop_at_their_caps(monkeypatch: pytest.MonkeyPatch) -> None:
+    from elastic_nb.supervisor.nodes import files
+
+    taken = files.NodeFiles("1-b")
+    taken.started("g", 0, 1)
+    with pytest.raises(ValueError, match="past 4 GiB"):
+        taken.admit("g", "attempt-0/rank-1.out", files.MAX_FILE - 1, 2)
+    taken.admit("g", "attempt-0/rank-1.out", files.MAX_FILE - 2, 2)
+    monkeypatch.setattr(files, "MAX_GROUP", 10)
+    taken.admit("g", "attempt-0/rank-1.err", -1, 8)
+    with pytest.raises(ValueError, match="group g's files past"):
+        taken.admit("g", "attempt-0/rank-1.err", 8, 8)
+
+
+def test_a_relayed_rank_hello_is_taken_only_for_a_rank_of_that_machine(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A pid names a rank only on the machine it runs on: a process on node 1 whose pid there
+    equals rank 0's pid here is not rank 0 (nor is a process here rank 2 of node 1)."""
+    from types import SimpleNamespace
+
+    from elastic_nb.supervisor.ranks.rank_book import RankBook
+    from elastic_nb.supervisor.ranks.rank_links import RankLinks
+
+    async def main() -> None:
+        there = _node(tmp_path, [])
+        here: Any = SimpleNamespace(number=0, label="this machine")  # what the check reads
+        book = RankBook(RunDir(str(tmp_path)))
+        book.add(0, 0, 4242, time.time(), here)
+        book.add(0, 2, 4242, time.time(), there)
+
+        async def until(predicate: Any, timeout: float) -> bool:
+            return bool(predicate())
+
+        links = RankLinks("s1", book, until, lambda: None, lambda *a: None)
+
+        def hello(rank: int) -> Any:
+            return protocol.RankHello(kind=protocol.RANK_HELLO, attempt=0, rank=rank)
+
+        stream: Any = None
+        assert await links._hello(stream, hello(0), 4242, there) is None
+        assert await links._hello(stream, hello(2), 4242, None) is None
+        assert "as rank 0 of attempt 0: that rank runs on this machine" in caplog.text
+        assert f"as rank 2 of attempt 0: that rank runs on {there.label}" in caplog.text
+        assert (await links._hello(stream, hello(2), 4242, there)) is not None
+        assert (await links._hello(stream, hello(0), 4242, None)) is not None
+
+    with caplog.at_level(logging.WARNING):
+        anyio.run(main)

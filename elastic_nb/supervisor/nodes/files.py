@@ -3,13 +3,15 @@
 * **Out** (`pack`, `unpack`): what a group's ranks read, sent once to each node as a tar: the
   run directory's inputs (spec, cell, how to run it, pushed objects) and the notebook's own
   modules the cell imports (they land in the per-job working directory, first on sys.path).
-* **Back** (`Mirror` on the node, `write_chunk` on the notebook's side): everything the node's
-  ranks and launcher leave in their run directory (logs, records, stack dumps, flight
-  recorders, results) is copied into the notebook's run directory as it grows, so that every
-  reader there (the log tailer, the rank book, `%elastic logs`) reads one place, and a node's
-  files are kept up to the moment it vanished. Rank numbers are global, so a rank's files sit
-  where they would on one machine; a node's own files (its launcher's log) go under
-  ``nodes/<node>/``.
+* **Back** (`Mirror` on the node, `NodeFiles` and `write_chunk` on the notebook's side):
+  everything the node's ranks and launcher leave in their run directory (logs, records, stack
+  dumps, flight recorders, results) is copied into the notebook's run directory as it grows, so
+  that every reader there (the log tailer, the rank book, `%elastic logs`) reads one place, and
+  a node's files are kept up to the moment it vanished. Rank numbers are global, so a rank's
+  files sit where they would on one machine; a node's own files (its launcher's log) go under
+  ``nodes/<node>/``. A node writes only the files of the ranks its launcher started (it says
+  so before it sends any of theirs), its own folder, and, where it runs rank 0, the checkpoint
+  records; at most `MAX_FILE` bytes of one file and `MAX_GROUP` of one group.
 """
 
 from __future__ import annotations
@@ -25,12 +27,30 @@ from pathlib import Path, PurePosixPath
 
 from elastic_nb.common.rundir import CHECKPOINTS
 
-__all__ = ["INPUTS", "Mirror", "from_node", "pack", "unpack", "write_chunk"]
+__all__ = [
+    "INPUTS",
+    "MAX_FILE",
+    "MAX_GROUP",
+    "Mirror",
+    "NodeFiles",
+    "from_node",
+    "owner",
+    "pack",
+    "unpack",
+    "write_chunk",
+]
 
 # A run directory's files that come from the notebook (never sent back).
 INPUTS = frozenset({"spec.json", "cell.py", "cell.json", "payload.pkl"})
 CHUNK = 1 << 20  # bytes of one file in one message (the channel takes 2 MiB frames)
-_ATTEMPT = re.compile(r"attempt-\d+")
+_ATTEMPT = re.compile(r"attempt-(\d+)")
+_RANK_FILE = re.compile(
+    r"(?:fr-)?rank-(\d+)(?:\..+)?"
+)  # rank-3.out, fr-rank-3 (its flight recorder)
+# A node's files: a disk is not another machine's to fill (a result or a memory snapshot is a
+# few GB at most; logs past this are a runaway loop).
+MAX_FILE = 4 << 30  # bytes of one file
+MAX_GROUP = 16 << 30  # bytes of one group's files from one node, rewrites counted
 # Probe FIFOs and their answers are the node's own business (the probe's answer travels as one).
 _LOCAL_SUFFIXES = (".probe", ".probe.json", ".tmp")
 
@@ -91,6 +111,9 @@ class Mirror:
     relative path -> where it goes instead (the launcher's log, under nodes/<node>/)."""
 
     send: Callable[[str, str, str, int, bytes], Awaitable[None]]  # group, root, path, offset, data
+    # Whether a file (group, path) may go now: a rank's once the supervisor has heard that the
+    # launcher started it (until then it waits for the next sweep).
+    ready: Callable[[str, str], bool] = lambda group, rel: True
     roots: dict[Path, tuple[str, str]] = field(default_factory=dict)
     renames: dict[str, str] = field(default_factory=dict)
     _sent: dict[Path, _Sent] = field(default_factory=dict)
@@ -129,8 +152,8 @@ class Mirror:
             return
         rel = path.relative_to(top).as_posix()
         rel = self.renames.get(rel, rel)
-        if not from_node(rel):
-            return  # the notebook's side would refuse it
+        if not from_node(rel) or not self.ready(group, rel):
+            return  # the notebook's side would refuse it (now)
         replaced = last is None or last.inode != st.st_ino or st.st_size < last.size
         offset = 0 if replaced else last.size  # type: ignore[union-attr]
         try:
@@ -190,6 +213,49 @@ def from_node(rel: str) -> bool:
     if _ATTEMPT.fullmatch(parts[0]):
         return len(parts) == 2
     return parts[0] == "nodes" or rel == CHECKPOINTS
+
+
+def owner(rel: str) -> tuple[int, int] | None:
+    """(attempt, rank) of a rank's file of a run directory (``attempt-2/rank-3.out``,
+    ``attempt-2/fr-rank-3``); None for any other."""
+    parts = PurePosixPath(rel).parts
+    attempt = _ATTEMPT.fullmatch(parts[0]) if len(parts) == 2 else None
+    rank = _RANK_FILE.fullmatch(parts[1]) if attempt else None
+    return (int(attempt.group(1)), int(rank.group(1))) if attempt and rank else None
+
+
+@dataclass
+class NodeFiles:
+    """The notebook's side: which files one node may write (`admit`), from what it has said."""
+
+    own: str  # its folder under nodes/ ("<number>-<name>")
+    ranks: dict[str, set[tuple[int, int]]] = field(default_factory=dict)  # group -> started
+    taken: dict[str, int] = field(default_factory=dict)  # group -> bytes written
+
+    def started(self, group: str, attempt: int, rank: int) -> None:
+        self.ranks.setdefault(group, set()).add((attempt, rank))
+
+    def admit(self, group: str, rel: str, offset: int, size: int) -> None:
+        """Raises ValueError (saying why) where the node may not write `size` bytes of `rel`
+        at `offset` (-1: the whole file); counts them where it may."""
+        if not from_node(rel):
+            raise ValueError(f"a file it may not write: {rel!r}")
+        parts = PurePosixPath(rel).parts
+        mine = self.ranks.get(group, set())
+        if parts[0] == "nodes":
+            theirs = len(parts) < 3 or parts[1] != self.own
+        elif rel == CHECKPOINTS:
+            theirs = not any(rank == 0 for _, rank in mine)  # rank 0 keeps them
+        else:
+            theirs = owner(rel) not in mine
+        if theirs:
+            raise ValueError(f"{rel!r}, a file of a rank (or node) its launcher did not start")
+        if (size if offset < 0 else offset + size) > MAX_FILE:
+            raise ValueError(f"{rel!r} past {MAX_FILE >> 30} GiB: the rest is not written")
+        taken = self.taken.get(group, 0) + size
+        if taken > MAX_GROUP:
+            raise ValueError(f"group {group}'s files past {MAX_GROUP >> 30} GiB: not written")
+        self.taken[group] = taken
 
 
 # Opened without following a link, and without waiting for a reader where something other than a

@@ -37,10 +37,10 @@ from anyio.abc import ByteStream, SocketListener, TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from elastic_nb.common import machine, procs, protocol
-from elastic_nb.common.rundir import RunDir
+from elastic_nb.common.rundir import CHECKPOINTS, RunDir
 from elastic_nb.common.spec import JobSpec
 from elastic_nb.supervisor.nodes.channel import MAX_FRAME, Dialer, Keys
-from elastic_nb.supervisor.nodes.files import Mirror, unpack
+from elastic_nb.supervisor.nodes.files import Mirror, owner, unpack
 from elastic_nb.supervisor.processes.launcher_pool import LauncherPool
 from elastic_nb.supervisor.processes.node import LocalNode
 from elastic_nb.supervisor.ranks.rank_state import RankState
@@ -72,6 +72,9 @@ class _Group:
         self.spec: JobSpec | None = None
         self.node: LocalNode | None = None
         self.ranks: dict[tuple[int, int], RankState] = {}
+        # (attempt, rank) the supervisor has been told the launcher started: their files may go
+        # (files.NodeFiles refuses a rank's file it has not heard of).
+        self.told: set[tuple[int, int]] = set()
         # What the supervisor sends to each relayed connection, in order (one writer each).
         self.streams: dict[int, MemoryObjectSendStream[bytes]] = {}
         self.store: SocketListener | None = None  # launchers' connections to the rendezvous
@@ -105,7 +108,7 @@ class JoinAgent:
         # before it: a stop overtaking an open would leave its ranks running).
         self._lifecycle: dict[str, anyio.Lock] = {}
         self._last_heard = time.monotonic()
-        self._mirror = Mirror(self._send_file)
+        self._mirror = Mirror(self._send_file, self._may_send)
         self._tg: TaskGroup | None = None
         self._leaving: str | None = None  # why this membership ends
         self._stopped = False  # a signal said to leave for good
@@ -491,6 +494,8 @@ class JoinAgent:
             await self._send(
                 protocol.LauncherSaid(kind=protocol.LAUNCHER, group=g.id, msg=dict(msg))
             )
+            if msg["kind"] == protocol.START:
+                g.told.add((msg["attempt"], msg["rank"]))
         await node.launcher_exited()
         outcome, reason = node.launcher_outcome(g.rd.launcher_log)
         await self._mirror.sweep(g.id)
@@ -589,6 +594,16 @@ class JoinAgent:
             ),
             data,
         )
+
+    def _may_send(self, group: str, rel: str) -> bool:
+        """A rank's file once the supervisor knows its launcher started it (files.NodeFiles)."""
+        g = self._groups.get(group)
+        if g is None:
+            return False
+        if rel == CHECKPOINTS:
+            return any(r == 0 for _, r in g.told)  # rank 0 keeps them
+        rank = owner(rel)
+        return rank is None or rank in g.told
 
     async def _mirror_loop(self) -> None:
         while True:

@@ -34,13 +34,14 @@ from elastic_nb.common.procs import MemoryLimit
 from elastic_nb.common.rundir import RunDir
 from elastic_nb.common.spec import JobSpec
 from elastic_nb.supervisor.forensics.watchdogs import Agent
-from elastic_nb.supervisor.nodes.files import INPUTS, pack, write_chunk
+from elastic_nb.supervisor.nodes.files import INPUTS, NodeFiles, pack, write_chunk
 from elastic_nb.supervisor.processes.node import MemoryReading, Node, StackDump, Survivor
 from elastic_nb.supervisor.ranks.rank_state import RankState
 
 __all__ = ["AgentLink", "NodeLost", "RelayedStream", "RemoteNode"]
 
-SessionStreams = Callable[[ByteStream, int | None], Awaitable[None]]
+# A session rank's relayed connection: the stream, its pid as the agent saw it, the node.
+SessionStreams = Callable[[ByteStream, int | None, Node], Awaitable[None]]
 
 # How long an order waits for its agent's answer past the order's own time (a stop's grace,
 # a probe's wait): what a node's machine may take to act and send its files; a teardown never
@@ -125,6 +126,8 @@ class AgentLink:
         self.nodes: dict[str, RemoteNode] = {}  # group -> its current round's node here
         self.dirs: dict[tuple[str, str], Path] = {}  # (group, root) -> the run directory here
         self.streams: dict[tuple[str, int], RelayedStream] = {}
+        self.files = NodeFiles(f"{number}-{info['name']}")  # what it may write here
+        self._refused_files: set[tuple[str, str]] = set()  # said once each
         self._answers: dict[int, tuple[anyio.Event, list[protocol.Answer]]] = {}
         self._reqs = itertools.count(1)
         self.lost = anyio.Event()
@@ -202,7 +205,14 @@ class AgentLink:
             top = self.dirs.get((msg["group"], msg["root"]))
             if top is None:
                 raise protocol.ProtocolError(f"a file of an unknown group: {msg['group']}")
-            write_chunk(top, msg["path"], msg["offset"], blob or b"")
+            try:
+                self.files.admit(msg["group"], msg["path"], msg["offset"], len(blob or b""))
+                write_chunk(top, msg["path"], msg["offset"], blob or b"")
+            except ValueError as e:
+                key = (msg["group"], msg["path"])
+                if key not in self._refused_files:  # its next chunks are dropped unsaid
+                    self._refused_files.add(key)
+                    raise ValueError(f"{self.label()} sent {e}") from None
             return
         if kind == protocol.STREAM_OPEN:
             assert msg["kind"] == protocol.STREAM_OPEN
@@ -223,6 +233,11 @@ class AgentLink:
                     relayed.ended()
                     del self.streams[(msg["group"], msg["stream"])]
             return
+        if kind == protocol.LAUNCHER:
+            assert msg["kind"] == protocol.LAUNCHER
+            said = msg["msg"]
+            if said.get("kind") == protocol.START:
+                self.files.started(msg["group"], int(said["attempt"]), int(said["rank"]))
         if kind not in (
             protocol.LAUNCHER,
             protocol.LAUNCHER_EXIT,
@@ -601,7 +616,7 @@ class RemoteNode(Node):
         """A connection from the agent's machine: a launcher's to the group's rendezvous store
         (joined to it here, on loopback), or a session rank's to its session."""
         if to == protocol.STREAM_SESSION and self._session_streams is not None:
-            await self._session_streams(stream, peer)
+            await self._session_streams(stream, peer, self)
             return
         if to != protocol.STREAM_STORE:
             await stream.aclose()

@@ -15,6 +15,7 @@ import anyio
 from anyio.abc import ByteStream
 
 from elastic_nb.common import protocol
+from elastic_nb.supervisor.processes.node import Node
 from elastic_nb.supervisor.ranks.rank_book import RankBook
 from elastic_nb.supervisor.ranks.rank_state import RankState
 
@@ -69,9 +70,12 @@ class RankLinks:
         # alive, even if its watcher has not run yet: a cell sent now would meet a dead rank
         return len(links) == nproc and all(self._book.node(link.r).alive(link.r) for link in links)
 
-    async def serve(self, stream: ByteStream, peer: int | None = None) -> None:
+    async def serve(
+        self, stream: ByteStream, peer: int | None = None, node: Node | None = None
+    ) -> None:
         """One connection (the listener's handler, or a rank on another machine whose agent
-        relays it, `peer` its pid as the agent saw it): a hello, then the rank's answers."""
+        relays it, `peer` its pid as the agent saw it, `node` that machine): a hello, then the
+        rank's answers."""
         decoder = protocol.FrameDecoder()
         link: Link | None = None
         try:
@@ -90,7 +94,7 @@ class RankLinks:
                     if link is None:
                         if msg["kind"] != protocol.RANK_HELLO:
                             raise protocol.ProtocolError(f"{msg['kind']!r} before rank_hello")
-                        link = await self._hello(stream, msg, peer)
+                        link = await self._hello(stream, msg, peer, node)
                         if link is None:
                             return
                     elif msg["kind"] == protocol.RAN:
@@ -102,10 +106,11 @@ class RankLinks:
                 await stream.aclose()
 
     async def _hello(
-        self, stream: ByteStream, msg: protocol.RankHello, peer: int | None
+        self, stream: ByteStream, msg: protocol.RankHello, peer: int | None, node: Node | None
     ) -> Link | None:
-        """A rank of ours, by its pid (the kernel's word on the peer, not the message's; on
-        another machine, its kernel's word as its agent heard it)."""
+        """A rank of ours, by its machine and its pid there (the kernel's word on the peer, not
+        the message's; on another machine, its kernel's word as its agent heard it): a pid is
+        a rank's only on the machine it runs on."""
         attempt, rank = msg["attempt"], msg["rank"]
         await self._until(lambda: self._book.get(attempt, rank) is not None, HELLO_WAIT_S)
         r = self._book.get(attempt, rank)
@@ -115,6 +120,8 @@ class RankLinks:
             why = "no such rank"
         elif r.died_at is not None:
             why = "that rank has ended"
+        elif self._book.node(r).number != (node.number if node else 0):
+            why = f"that rank runs on {self._book.node(r).label}"
         elif r.pid != peer:
             why = f"torchelastic started pid {r.pid} as that rank"
         else:

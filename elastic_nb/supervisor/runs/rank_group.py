@@ -387,7 +387,7 @@ class RankGroup:
         if node in self.nodes and not self.decided and not self._changing:
             self.round_failed(outcome[1])
 
-    async def _relayed_rank(self, stream: Any, peer: int | None) -> None:
+    async def _relayed_rank(self, stream: Any, peer: int | None, node: Node) -> None:
         """A session's rank on another machine connects (relayed by its agent)."""
         await stream.aclose()
 

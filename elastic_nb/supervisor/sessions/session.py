@@ -301,8 +301,8 @@ class Session(RankGroup):
         with contextlib.suppress(OSError):
             self.socket_path.unlink()
 
-    async def _relayed_rank(self, stream: Any, peer: int | None) -> None:
-        await self._ranks.serve(stream, peer)
+    async def _relayed_rank(self, stream: Any, peer: int | None, node: Node) -> None:
+        await self._ranks.serve(stream, peer, node)
 
     async def _summarize(self, outcome: str, reason: str) -> protocol.Summary:
         self.tailer.poll(final=True)

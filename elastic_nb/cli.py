@@ -1,8 +1,9 @@
 """`elastic-nb` (also ``python -m elastic_nb``): a terminal's side of elastic_nb.
 
-elastic-nb join HOST:PORT [--token TOKEN] [--workdir DIR] [--addr ADDR] [--rejoin]
+elastic-nb join HOST:PORT [--token TOKEN | --token-file PATH] [--workdir DIR] [--addr ADDR]
+                [--rejoin]
     make this machine a node of a notebook's jobs (the line %elastic join-command prints; the
-    token from $ELASTIC_NB_TOKEN where --token is not given)
+    token from $ELASTIC_NB_TOKEN where neither is given)
 elastic-nb runs [--log-dir DIR]
     the latest run directories, with their outcome
 elastic-nb logs RUN [--rank R] [--attempt K] [--tail N] [--log-dir DIR]
@@ -35,6 +36,12 @@ def main(argv: list[str] | None = None) -> int:
         "line, other users of this machine cannot read)",
     )
     join.add_argument(
+        "--token-file",
+        type=Path,
+        help="read the token from this file, which must be its owner's alone (%%%%elastic "
+        "join-command --token-file writes it so)",
+    )
+    join.add_argument(
         "--workdir",
         type=Path,
         default=cache_home() / "agent",
@@ -62,6 +69,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.command == "join":
+        if args.token_file is not None:
+            try:
+                args.token = read_token(args.token_file)
+            except (OSError, ValueError) as e:
+                print(f"elastic-nb join: {e}", file=sys.stderr)
+                return 2
         if not args.token:
             parser.error(f"join: a token is needed: --token TOKEN or ${TOKEN_ENV}")
         from elastic_nb.supervisor.nodes.channel import TokenError
@@ -85,6 +98,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print("\n".join(rank_logs(rd, args.rank, args.attempt, args.tail)))
     return 0
+
+
+def read_token(path: Path) -> str:
+    """The token in `path`, a file no one but its owner (this user) can read or write."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    with os.fdopen(fd) as f:
+        st = os.fstat(f.fileno())
+        if st.st_uid != os.getuid() or st.st_mode & 0o077:
+            raise ValueError(
+                f"{path} is not this user's alone (mode {st.st_mode & 0o777:o}): a token others "
+                f"can read admits them too (chmod 600 {path})"
+            )
+        return f.read().strip()
 
 
 if __name__ == "__main__":

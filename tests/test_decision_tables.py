@@ -51,11 +51,17 @@ README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
 
 
 def readme_section(title: str) -> str:
-    """The README's section under `title` (a heading's text), up to the next heading."""
+    """The README's section under `title` (a heading's text), up to the next heading (a line
+    starting with # outside a fenced code block)."""
     start = README.index(f"\n{title}\n")
-    following = re.search(r"\n#+ ", README[start + len(title) + 2 :])
-    end = start + len(title) + 2 + following.start() if following else len(README)
-    return README[start:end]
+    lines = README[start + 1 :].split("\n")
+    fenced, end = False, len(lines)
+    for i, line in enumerate(lines[1:], 1):
+        fenced ^= line.startswith("```")
+        if not fenced and re.match(r"#+ ", line):
+            end = i
+            break
+    return "\n" + "\n".join(lines[:end])
 
 
 def readme_between(section: str, before: str, after: str) -> str:

@@ -859,3 +859,39 @@ def test_a_stranger_cannot_make_the_supervisor_hold_memory_before_the_handshake(
     for line in lines[refused_before:]:
         who = line.split("refused a connection from ")[1].split(": ")[0]
         assert who in peers or who == "an unknown address", (line, peers)
+
+
+def test_the_join_token_stays_out_of_the_notebook_with_a_token_file(
+    mn_kernel: Kernel, lab: machines.Lab
+) -> None:
+    """`%elastic join-command` says that its output holds the token (saved with the notebook);
+    with `--token-file PATH` the output holds none: the token is in a file of the user's alone,
+    which the line reads on the other machine (a shared home there); a file others could read is
+    refused by the agent."""
+    import shutil
+    import uuid
+
+    k = mn_kernel
+    _ensure_agents(k, lab, 1)
+    plain = k.ok("%elastic join-command").stdout
+    token = k.join_line.split("--token ")[1].split()[0]  # type: ignore[attr-defined]
+    assert token in plain and "the token above is saved with this notebook's outputs" in plain
+    shared = Path("/var/tmp") / f"elastic_nb-test-{uuid.uuid4().hex}"  # machines mount their /tmp
+    try:
+        path = shared / "token"
+        said = k.ok(f"%elastic join-command --token-file {path}").stdout
+        assert token not in said, said
+        line = said.strip()
+        assert line.endswith(f"--token-file {path}"), said
+        assert path.read_text().strip() == token and path.stat().st_mode & 0o777 == 0o600
+        path.chmod(0o644)
+        m = lab.machine()
+        m.join(line)
+        assert m.agent is not None and m.agent.wait(30) == 2
+        assert f"{path} is not this user's alone (mode 644)" in m.output(), m.output()
+        path.chmod(0o600)
+        m.join(line)
+        machines.wait_joined(lambda: _nodes(k), 2)
+        m.stop()
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)

@@ -1,21 +1,35 @@
 """What `%elastic join-command` and `%elastic nodes` print: the line that adds a machine to this
 notebook's jobs, and the machines there are.
 
-    %elastic join-command [--host H] [--port P] [--new-token]
+    %elastic join-command [--host H] [--port P] [--new-token] [--token-file PATH]
     %elastic nodes
+
+The line carries the join token, and a notebook's outputs are saved with it: the output says so
+(clear it before sharing the notebook; `--new-token` revokes it), and `--token-file PATH` keeps
+the token out of the output altogether (a file of the user's alone, which a cluster's shared
+home directory brings to the other machines: the line reads it from there).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
+from pathlib import Path
 from typing import Any
 
 from elastic_nb.kernel.client import SupervisorClient
 
-__all__ = ["join_command", "nodes_table"]
+__all__ = ["join_command", "nodes_table", "write_token"]
 
-JOIN_USAGE = "usage: %elastic join-command [--host HOST] [--port PORT] [--new-token]"
+JOIN_USAGE = (
+    "usage: %elastic join-command [--host HOST] [--port PORT] [--new-token] [--token-file PATH]"
+)
+SAVED_NOTE = (
+    "# the token above is saved with this notebook's outputs: clear this output before sharing "
+    "the notebook (or revoke it: %elastic join-command --new-token); --token-file PATH keeps it "
+    "out of the output"
+)
 
 
 def join_command(client: SupervisorClient, rest: str) -> str:
@@ -25,6 +39,7 @@ def join_command(client: SupervisorClient, rest: str) -> str:
     parser.add_argument("--host")
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--new-token", action="store_true")
+    parser.add_argument("--token-file", type=Path)
     try:
         args = parser.parse_args(rest.split())
     except SystemExit:
@@ -32,10 +47,26 @@ def join_command(client: SupervisorClient, rest: str) -> str:
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port {args.port}: out of range")
     reply = client.join(args.host, args.port, args.new_token)
-    command = str(reply["command"])
+    line, token = str(reply["command"]).split(" --token ")
+    if args.token_file is None:
+        command = f"{line} --token {token}\n{SAVED_NOTE}"
+    else:
+        path = args.token_file.expanduser().absolute()
+        write_token(path, token)
+        command = f"{line} --token-file {path}"
     if reply.get("dropped"):
         command += f"\n# the old token no longer works: {reply['dropped']} node(s) were dropped"
     return command
+
+
+def write_token(path: Path, token: str) -> None:
+    """The token into `path`, readable by its owner alone (made so before the token is in it)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    os.replace(tmp, path)
 
 
 def nodes_table(nodes: dict[str, Any]) -> list[str]:

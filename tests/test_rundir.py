@@ -61,3 +61,16 @@ def test_a_new_run_directory_and_every_folder_made_above_it_are_the_owners_alone
     assert {str(d): oct(d.stat().st_mode & 0o777) for d in made} == {str(d): "0o700" for d in made}
     with pytest.raises(FileExistsError):  # a job's directory is new, never another's
         rd.create("{}", "print(1)\n", {}, None)
+
+
+def test_a_record_larger_than_any_of_ours_is_not_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from elastic_nb.common import rundir
+
+    monkeypatch.setattr(rundir, "MAX_RECORD", 100)
+    path = tmp_path / "rank-1.done.json"
+    path.write_text('{"ok": true}')
+    assert rundir.read_json(path) == {"ok": True}
+    path.write_text('{"ok": "' + "x" * 100 + '"}')
+    assert rundir.read_json(path) is None

@@ -171,3 +171,23 @@ def test_a_progress_bar_of_200_000_updates_is_its_last_state(tmp_path: Path) -> 
     t.poll()
     (batch,) = t.take()
     assert batch.lines == ["done"] and batch.progress is None
+
+
+def test_a_log_that_grew_by_much_is_read_over_several_polls(tmp_path: Path) -> None:
+    """One poll reads 16 MiB at most (a node's 4 GiB log would have stalled the supervisor's
+    event loop for a whole read); every line still arrives, the last poll reads the rest."""
+    path = tmp_path / "rank-1.out"
+    line = b"x" * 1023 + b"\n"
+    path.write_bytes(line * (40 * 1024))  # 40 MiB
+    t = tailer_for(path, max_lines=10)
+    polls = 0
+    seen = 0
+    while True:
+        t.poll()
+        polls += 1
+        got = sum(len(b.lines) + b.skipped for b in t.take())
+        if not got:
+            break
+        assert got <= 16 * 1024, got
+        seen += got
+    assert polls == 4 and seen == 40 * 1024, (polls, seen)

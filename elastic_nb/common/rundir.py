@@ -44,6 +44,7 @@ RUN_DIR_ENV = "ELASTIC_NB_RUN_DIR"  # every rank's: its job's (or session's) run
 # whose restart count starts at 0); unset for a single-node job, whose restarts are torch's.
 ATTEMPT_BASE_ENV = "ELASTIC_NB_ATTEMPT_BASE"
 CHECKPOINTS = "checkpoints.jsonl"
+MAX_RECORD = 64 << 20  # bytes of a JSON record (a failure with its traceback is kilobytes)
 
 _ATTEMPT = re.compile(r"attempt-(\d+)\Z")
 
@@ -229,7 +230,11 @@ def write_json(path: Path, obj: Any) -> None:
 
 
 def read_json(path: Path) -> Any | None:
+    """A record (None: not there, or larger than any record of ours: MAX_RECORD, which a node's
+    forged one could be, read on the supervisor's event loop)."""
     try:
-        return json.loads(path.read_bytes())
+        with open(path, "rb") as f:
+            data = f.read(MAX_RECORD + 1)
     except FileNotFoundError:
         return None
+    return json.loads(data) if len(data) <= MAX_RECORD else None

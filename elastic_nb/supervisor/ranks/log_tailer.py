@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from elastic_nb.common.protocol import LogBatch
 __all__ = ["MAX_LINE_CHARS", "Batch", "LogTailer"]
 
 _READ_CHUNK = 4 * 1024 * 1024
+_POLL_READ = 16 * 1024 * 1024
 MAX_LINE_CHARS = 4000  # characters of one line handed out; the log file has the rest
 _CONTINUATION = bytes(range(0x80, 0xC0))  # UTF-8 bytes that do not start a character
 
@@ -85,7 +87,9 @@ class _Stream:
                 self.fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
             except FileNotFoundError:
                 return
-        while True:
+        # At most _POLL_READ a poll but the last: a log that grew by gigabytes (a rank printing
+        # in a loop, a node's file) is read over many polls, never in one stall of the loop.
+        for _ in range(_POLL_READ // _READ_CHUNK if not final else sys.maxsize):
             data = os.read(self.fd, _READ_CHUNK)
             if not data:
                 break

@@ -16,6 +16,7 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -893,5 +894,60 @@ def test_the_join_token_stays_out_of_the_notebook_with_a_token_file(
         m.join(line)
         machines.wait_joined(lambda: _nodes(k), 2)
         m.stop()
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
+
+
+def test_a_state_another_process_writes_into_the_groups_store_runs_nothing(
+    mn_kernel: Kernel, lab: machines.Lab
+) -> None:
+    """A local user who finds the group's rendezvous store (on the notebook's loopback) writes a
+    pickle under the round's state: no launcher (here or on the other machine, through its
+    relay) unpickles it; the round fails naming the forged state, and nothing of the job is
+    left on any machine."""
+    import shutil
+    import uuid
+
+    from tests.test_loopback import _FORGE
+
+    k = mn_kernel
+    _ensure_agents(k, lab, 1)
+    shared = Path("/var/tmp") / f"elastic_nb-test-{uuid.uuid4().hex}"  # every machine sees it
+    shared.mkdir()
+    marker = shared / "payload-ran"
+    cell = f"""
+import os, time, torch.distributed as dist
+dist.init_process_group()
+open(os.path.join({str(shared)!r}, f"rank-{{dist.get_rank()}}"), "w").close()
+while not os.path.exists(os.path.join({str(shared)!r}, "go")):
+    time.sleep(0.05)
+"""
+    supervisor = psutil.Process(_supervisor_pid(k))  # before the cell: it keeps the kernel busy
+    try:
+        msg_id, ex = k.start("%%elastic --nnodes 2 --nproc 1\n" + cell)
+        k.collect(msg_id, ex, timeout=30, until=lambda e: bool(e.job_ids))
+        assert wait_for(lambda: all((shared / f"rank-{r}").exists() for r in (0, 1)), 60)
+        stores = [
+            c.laddr.port
+            for p in supervisor.children()
+            for c in p.net_connections("tcp")
+            if c.status == psutil.CONN_LISTEN and c.laddr.ip == "127.0.0.1"
+        ]
+        assert len(stores) == 1, stores
+        subprocess.run(
+            [sys.executable, "-c", _FORGE, str(stores[0]), f"{ex.job_id}-0", str(marker)],
+            check=True,
+            timeout=60,
+        )
+        k.collect(msg_id, ex, timeout=60)
+    finally:
+        (shared / "go").touch()
+    try:
+        assert not marker.exists(), "the forged rendezvous state was unpickled"
+        assert ex.error is not None, ex.stdout
+        said = ex.traceback + ex.stdout
+        assert "torchelastic's agent failed on node" in said, said
+        assert "RendezvousStateError: the rendezvous state in the store was not written" in said
+        _nothing_left(ex.job_id, lab)
     finally:
         shutil.rmtree(shared, ignore_errors=True)

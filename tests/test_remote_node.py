@@ -220,7 +220,12 @@ def test_a_node_writes_only_the_files_of_the_ranks_its_launcher_started(tmp_path
         with pytest.raises(ValueError, match=r"rank-0\.result\.pkl.*did not start"):
             file("attempt-0/rank-0.result.pkl", b"a forged result")
         file("attempt-0/rank-0.result.pkl", b"again")  # its next chunks: dropped unsaid
-        for rel in ("attempt-1/rank-2.out", "nodes/2-other/launcher.log", "checkpoints.jsonl"):
+        for rel in (
+            "attempt-0/fr-rank-0",  # rank 0's flight recorder: the desync watch reads it
+            "attempt-1/rank-2.out",
+            "nodes/2-other/launcher.log",
+            "checkpoints.jsonl",
+        ):
             with pytest.raises(ValueError, match="did not start"):
                 file(rel)
         file("attempt-0/rank-2.out", b"two")

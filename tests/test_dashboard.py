@@ -229,7 +229,9 @@ def test_states_chips_alerts_and_the_attempts_timeline(
     clock.now += 0.2
     dash.flush()
     delta = c.customs[1]
-    assert delta["header"] == {"attempt": 1, "state": "restarting"}
+    # One machine: every new attempt is a restart (the header said "restarts 0/1" beside the
+    # summary's "restarts 1/1").
+    assert delta["header"] == {"attempt": 1, "restarts": 1, "state": "restarting"}
     attempts = delta["attempts"]
     assert [a["attempt"] for a in attempts] == [0, 1]
     assert attempts[0]["ranks"]["1"] == {"state": "failed", "label": "ValueError"}
@@ -247,6 +249,7 @@ def test_states_chips_alerts_and_the_attempts_timeline(
     final = c.snapshots[-1]
     assert final["attempts"][1]["outcome"] == "succeeded"
     assert final["header"]["state"] == "succeeded" and final["header"]["wall_s"] == 9.5
+    assert final["header"]["restarts"] == 1
 
 
 def test_progress_bars_show_their_latest_state(

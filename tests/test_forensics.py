@@ -290,6 +290,10 @@ def test_a_silent_rank_raises_a_hang_alert_and_the_job_keeps_running(
     k.interrupt()
     k.collect(msg_id, ex, timeout=30)
     assert ex.ename == "KeyboardInterrupt"
+    # The finding outlives the interrupt: the summary keeps it, with every rank's stack.
+    summary = json.loads((ex.run_dir / "summary.json").read_text())
+    assert "rank 1 never entered all_reduce #1 (cell line 7)" in summary["reason"], summary
+    assert "time.sleep(600)" in summary["diagnosis"]["stacks"]
     assert_job_gone(job)
 
 
@@ -609,4 +613,28 @@ def test_ranks_write_no_core_dumps(kernel: Kernel) -> None:
         "%%elastic --nproc 2\nimport resource\nprint('core', resource.getrlimit(resource.RLIMIT_CORE)[0])\n"
     )
     assert "[rank 0] core 0" in ex.stdout and "[rank 1] core 0" in ex.stdout
+    assert_job_gone(ex.job_id)
+
+
+def test_a_hang_ended_by_the_timeout_keeps_its_finding(kernel: Kernel) -> None:
+    """--timeout ends a job while a hang alert stands: the error and the summary still say
+    which rank never entered which collective and show every rank's stack, rather than only
+    "stopped by elastic_nb (SIGTERM)" for every rank."""
+    msg_id, ex = kernel.start(
+        "%%elastic --nproc 2 --hang-after 2 --timeout 20 --collective-timeout off\n"
+        "import time, torch, torch.distributed as dist\n"
+        "dist.init_process_group()\n"
+        "print('initialised', flush=True)\n"
+        "if dist.get_rank() == 1:\n"
+        "    time.sleep(600)\n"
+        "dist.all_reduce(torch.ones(1))\n"
+    )
+    ex = kernel.collect(msg_id, ex, timeout=90)
+    finding = "rank 1 never entered all_reduce #1 (cell line 7): it was at cell line 6"
+    assert ex.ename == "JobTimeout", (ex.ename, ex.traceback)
+    assert "the --timeout of 20 s passed; before that: no output and no exit" in ex.traceback
+    assert finding in ex.traceback, ex.traceback
+    assert "where every rank was" in ex.traceback and "time.sleep(600)" in ex.traceback
+    summary = json.loads((ex.run_dir / "summary.json").read_text())
+    assert finding in summary["reason"] and "time.sleep(600)" in summary["diagnosis"]["stacks"]
     assert_job_gone(ex.job_id)

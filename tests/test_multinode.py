@@ -155,7 +155,23 @@ def test_a_cell_runs_on_every_node_and_its_logs_come_home(
     assert launcher_logs == ["node-1", "node-2"], launcher_logs
     summary = json.loads((rd / "summary.json").read_text())
     assert (summary["outcome"], summary["world_size"], summary["restarts"]) == ("succeeded", 6, 0)
+    # What the JupyterLab panel and the notebook's toolbar list (their rank picker too): the
+    # world, not one node's ranks.
+    (listed,) = [j for j in _overview(k) if j["id"] == ex.job_id]
+    assert (listed["world_size"], listed["restarts"]) == (6, 0), listed
     _nothing_left(ex.job_id, lab)
+
+
+def _overview(k: Kernel) -> list[dict]:
+    """Every job of the kernel's supervisor, as the JupyterLab panel asks for them."""
+    sup = supervisor_of(k.pid)
+    assert sup is not None
+    reg = supervisor_registration(sup.pid)
+    assert reg is not None
+    jobs: list[dict] = ask_supervisor(reg.socket, {"kind": "overview", "req": 1}, timeout=10)[
+        "data"
+    ]["jobs"]
+    return jobs
 
 
 def _here() -> str:

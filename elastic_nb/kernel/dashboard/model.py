@@ -86,6 +86,7 @@ class DashboardState:
         # sample whole (the chip's figures)
         self.memory: dict[str, dict[str, Any]] = {}
         self.summary: dict[str, Any] | None = None
+        self._multi_node = False  # rounds seen: they keep the header's world size and restarts
         self._delta: Delta = {}
 
     # ---- folding ----------------------------------------------------------------------------
@@ -131,7 +132,7 @@ class DashboardState:
         on the cell's first screen, not below a second copy of the rank's traceback.
         """
         outcome = summary["outcome"]
-        self._header(state=outcome, wall_s=summary.get("wall_s"))
+        self._header(state=outcome, wall_s=summary.get("wall_s"), restarts=summary["restarts"])
         last = self.attempts[-1]
         last["outcome"] = outcome
         last["why"] = summary.get("reason")
@@ -166,6 +167,7 @@ class DashboardState:
                 )
             self.attempts[attempt]["round"] = entry
         last = rounds[-1]
+        self._multi_node = True
         self._header(world_size=last["world_size"], restarts=last["restarts"])
         self._delta["attempts"] = self.attempts
 
@@ -207,6 +209,10 @@ class DashboardState:
             self.attempts.append(_attempt(len(self.attempts), time.time() - self.header["started"]))
         self._delta["attempts"] = self.attempts
         self._header(attempt=attempt)
+        if not self._multi_node:
+            # On one machine every new attempt is a restart; a multi-node job's rounds say
+            # which of theirs spent one (an arrival does not).
+            self._header(restarts=attempt)
         world = self.header["world_size"]
         for rank in [r for r in self.ranks if int(r) >= world]:
             # A smaller world (a node left): its ranks' chips go (their tabs keep their lines).

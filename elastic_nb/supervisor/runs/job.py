@@ -63,6 +63,7 @@ __all__ = ["Job"]
 
 WATCH_S = 0.25  # the zombie watchdog and --hang-after look this often
 PEER_GONE_WAIT_S = 1.0  # for the rank whose going a peer error reports to be seen gone
+STOPPED = ("timeout", "interrupted", "stopped")  # outcomes that end a job from outside it
 
 
 class Job(RankGroup):
@@ -91,6 +92,9 @@ class Job(RankGroup):
         self._diagnosed = anyio.Event()  # replaced after each diagnosis ends
         self._deferred: list[tuple[RankState, str]] = []
         self.finding: Finding | None = None  # what the summary says about a timeout or desync
+        # The last hang or kept-alive watchdog alert's finding, by attempt: a job stopped while it
+        # stood (--timeout, an interrupt, Stop) ends with it, not with "stopped" on every rank.
+        self.standing: tuple[int, Finding] | None = None
         self._watchdog_alerts: set[int] = set()  # attempts whose NCCL timeouts end nothing
 
     # ---- for the service -----------------------------------------------------------------
@@ -337,6 +341,7 @@ class Job(RankGroup):
     async def _report_where(self, kind: str, title: str) -> None:
         """An alert with every rank's stack and what they say of a desync; nothing ends."""
         found = where_finding(title, await self._evidence())
+        self.standing = (self.attempt, found)
         self.report.alert(kind, "warning", found.title, rank=found.culprit, text=found.stacks)
 
     async def _diagnose_timeout(self, r: RankState, kind: str) -> None:
@@ -471,6 +476,11 @@ class Job(RankGroup):
         return self._verdict_summary(outcome, reason, Verdict(None, None, []))
 
     def _verdict_summary(self, outcome: str, reason: str, verdict: Verdict) -> protocol.Summary:
+        finding = self.finding
+        if finding is None and outcome in STOPPED and self.standing is not None:
+            attempt, found = self.standing
+            if attempt == self.attempt:
+                finding, reason = found, f"{reason}; before that: {found.title}"
         return summary.summarize(
             job_id=self.id,
             spec=self.spec,
@@ -481,7 +491,7 @@ class Job(RankGroup):
             attempt=self.attempt,
             created=self.created,
             zombie=self._watchdog_fired,
-            diagnosis=self.finding.record if self.finding else None,
+            diagnosis=finding.record if finding else None,
             leftovers=self._leftovers,
             lines=self.tailer.lines_total(),
             memory=self.memory.peaks.record(),

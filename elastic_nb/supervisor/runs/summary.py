@@ -102,7 +102,7 @@ def summarize(
         wall_s=ended - created,
         run_dir=str(rd),
         failure=failure,
-        diagnosis=diagnosis if outcome == "failed" else None,
+        diagnosis=diagnosis if outcome != "succeeded" else None,
         others=verdict.others if outcome != "succeeded" else [],
         launcher_log_tail=_log_tail(rd) if outcome == "failed" and failure is None else None,
         leftovers=leftovers,

@@ -41,6 +41,7 @@ from elastic_nb.supervisor.ranks.evidence import EvidenceCollector
 from elastic_nb.supervisor.ranks.rank_links import Link, RankLinks
 from elastic_nb.supervisor.ranks.rank_state import RankState
 from elastic_nb.supervisor.runs import summary
+from elastic_nb.supervisor.runs.diagnosis import where_finding
 from elastic_nb.supervisor.runs.rank_group import RankGroup
 from elastic_nb.supervisor.runs.reporter import Reporter, Send
 from elastic_nb.supervisor.runs.rounds import Machines
@@ -554,4 +555,6 @@ class Session(RankGroup):
         collector = EvidenceCollector(self.rd, self.book.node, cell.source, cell.rd.cell)
         ev = await collector.collect(self.book.of(self.attempt))
         title = f"no output from any rank for {cell.spec.hang_after:g} s (--hang-after)"
-        cell.report.alert("hang", "warning", title, text=ev.stacks)
+        found = where_finding(title, ev)
+        cell.standing = found  # a stop while it stands ends the cell with it
+        cell.report.alert("hang", "warning", found.title, rank=found.culprit, text=found.stacks)

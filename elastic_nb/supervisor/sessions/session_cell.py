@@ -90,6 +90,7 @@ class SessionCell:
         self.answers: dict[int, bool] = {}  # rank -> finished (True) or raised (False)
         self.attempt = 0
         self.finding: Finding | None = None  # a desync found while it ran
+        self.standing: Finding | None = None  # its last hang alert's finding (`stopped` says it)
         self.restarted_to: int | None = None  # the session's attempt after the restart it brought
         self.peaks = Peaks()  # its ranks' memory peaks while the kernel follows it
         self.checkpoints = CheckpointLog(self.rd.checkpoints)  # its session's, once submitted
@@ -277,8 +278,12 @@ class SessionCell:
         """The outcome a stop request gives: interrupted, stopped or timeout."""
         reason = self.stop_reason or "user"
         if reason == "timeout":
-            return "timeout", f"the --timeout of {self.spec.timeout:g} s passed"
-        return summary.STOPS.get(reason, ("stopped", reason))
+            outcome, said = "timeout", f"the --timeout of {self.spec.timeout:g} s passed"
+        else:
+            outcome, said = summary.STOPS.get(reason, ("stopped", reason))
+        if self.standing is not None:
+            said += f"; before that: {self.standing.title}"
+        return outcome, said
 
     def _failed(self, failed: list[int]) -> str:
         words = self.finding.title if self.finding else failure_words(self, self.attempt, failed)
@@ -336,6 +341,7 @@ class SessionCell:
     ) -> protocol.Summary:
         """The cell's summary, written and returned (the closing alerts are queued)."""
         behind = self.finding.desync.behind if self.finding and self.finding.desync else None
+        found = self.finding or (self.standing if self.stop_reason else None)
         verdict = analyze(ranks, teardown_at, behind, len(ranks)) if ranks else None
         result = summary.summarize(
             job_id=self.id,
@@ -347,7 +353,7 @@ class SessionCell:
             attempt=self.attempt,
             created=self.created,
             zombie=False,
-            diagnosis=self.finding.record if self.finding else None,
+            diagnosis=found.record if found else None,
             leftovers=[],
             lines=lines,
             memory=self.peaks.record(),

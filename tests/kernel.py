@@ -88,6 +88,10 @@ class TreeWatch:
         if not live:
             return []  # most tests: no need to ask anything
         kept = self.kept()
+        if any(pid not in kept for pid, _ in live):
+            # Asked afresh: what the supervisor keeps may have changed since the cached answer
+            # (its idle launcher, still warming, forked a child through its fork server).
+            kept = self.kept(fresh=True)
         return [
             f"{pid} {cmd} (under {self._named(self.parent.get(pid))}; now {_now(pid)}; "
             f"its parent now {_now(self.parent.get(pid, 0))}; kept: {sorted(kept)})"
@@ -101,13 +105,13 @@ class TreeWatch:
             return f"{pid}, the root"
         return next((f"{pid} {c}" for (q, _), c in list(self.seen.items()) if q == pid), str(pid))
 
-    def kept(self) -> set[int]:
+    def kept(self, fresh: bool = False) -> set[int]:
         """The pids under the root that may outlive a test (a supervisor and what it keeps).
-        Asked at most once a second: a supervisor's status takes 0.1-0.2 s here (it measures
-        the warm processes' PSS), and the per-test check polls while a job's last processes
-        exit."""
+        Asked at most once a second unless `fresh`: a supervisor's status takes 0.1-0.2 s here
+        (it measures the warm processes' PSS), and the per-test check polls while a job's last
+        processes exit."""
         now = time.monotonic()
-        if self._kept_at is None or now - self._kept_at[0] >= 1.0:
+        if fresh or self._kept_at is None or now - self._kept_at[0] >= 1.0:
             self._kept_at = (now, self._kept(self))
         return self._kept_at[1]
 

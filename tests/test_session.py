@@ -10,6 +10,7 @@ import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -475,3 +476,55 @@ def test_bad_input_to_up_launches_nothing(kernel: Kernel, cache_home: Path) -> N
     assert "no session is up" in k.ok("%elastic session").stdout
     ex = k.run("%%elastic --no-replay --nproc 1\n'alone'\n")
     assert ex.result == "'alone'" and "--no-replay: no session is up" in ex.stderr
+
+
+def _dashboard_of(k: Kernel, cell: str) -> Any:
+    """The cell's dashboard as the kernel's model folds what the supervisor sent it (the panel
+    reads the same history back)."""
+    from elastic_nb.kernel.dashboard.model import DashboardState
+    from elastic_nb.kernel.flags import job_spec
+
+    path = supervisor_socket(k)
+    (entry,) = [
+        j
+        for j in ask_supervisor(path, {"kind": "overview", "req": 1})["data"]["jobs"]
+        if j["id"] == cell
+    ]
+    events = ask_supervisor(path, {"kind": "events", "req": 1, "job": cell, "since": 0})["data"]
+    state = DashboardState(cell, entry["logs_dir"], job_spec({"nproc": 2}), entry["session"])
+    for e in events["events"]:
+        if e["kind"] == "update":
+            state.apply(e)
+        elif e["kind"] == "end":
+            state.end(e["summary"])
+    return state, events["events"]
+
+
+def test_a_cells_chips_say_what_its_ranks_did(session_kernel) -> None:
+    """While a session cell runs, its chips say its ranks run it; after it failed (and the
+    restart it brought), they say how each rank of its attempt ended: the one that exited, and
+    the one stopped with it. The header counts the restart."""
+    k, _session = session_kernel
+    ex = k.run(
+        "%%elastic\n"
+        "import time\n"
+        "print('in the cell', flush=True)\n"
+        "time.sleep(1)\n"
+        "if dist.get_rank() == 1:\n"
+        "    os._exit(1)\n"
+        "dist.all_reduce(torch.ones(1))\n"
+    )
+    assert ex.ename == "JobFailed", ex.traceback
+    (cell,) = ex.job_ids
+    state, events = _dashboard_of(k, cell)
+    running = [
+        e["ranks"]
+        for e in events
+        if e["kind"] == "update"
+        and any(c["state"] == "running" for c in e.get("ranks", {}).values())
+    ]
+    assert running and set(running[0]) == {"0", "1"}, events
+    chips = {r: (c["state"], c["label"]) for r, c in state.ranks.items()}
+    assert chips["1"] == ("failed", "exit code 1"), chips
+    assert chips["0"][0] in ("failed", "stopped"), chips
+    assert state.header["restarts"] == 1 and state.header["attempt"] == 0, state.header

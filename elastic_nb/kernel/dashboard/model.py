@@ -133,7 +133,14 @@ class DashboardState:
         """
         outcome = summary["outcome"]
         self._header(state=outcome, wall_s=summary.get("wall_s"), restarts=summary["restarts"])
-        last = self.attempts[-1]
+        attempt = summary["attempt"]
+        if attempt < self.header["attempt"] and attempt < len(self.attempts):
+            # A session cell whose failure restarted its session (the restart and the replay
+            # showed under it): it ends showing its own attempt, how each of its ranks ended.
+            self._header(attempt=attempt)
+            for rank, ended in self.attempts[attempt]["ranks"].items():
+                self._chip(rank, {**ended, "attempt": attempt})
+        last = self.attempts[min(attempt, len(self.attempts) - 1)]
         last["outcome"] = outcome
         last["why"] = summary.get("reason")
         self._delta["attempts"] = self.attempts

@@ -386,6 +386,13 @@ class Session(RankGroup):
             )
         self._shown_attempt = self.attempt
         links = await self._send(cell, dirs)
+        for link in links:  # its ranks run it now (their ends are its conclusion's to say)
+            cell.report.chip(
+                link.r.rank,
+                protocol.Chip(
+                    state="running", label="running", attempt=cell.attempt, pid=link.r.pid
+                ),
+            )
         outcome, reason, teardown_at, restarts = await cell.decide(links, self)
         if self.current is cell:
             self.current = None

@@ -608,3 +608,23 @@ def ask_supervisor(
         while len(replies) < 2:
             replies.extend(m for m, _ in decoder.feed(s.recv(65536)))
     return replies[1]
+
+
+def dashboard_of(k: Kernel, job: str, flags: dict[str, Any]) -> tuple[Any, list[dict[str, Any]]]:
+    """A job's (or session cell's) dashboard as the kernel's model folds what the supervisor
+    sent its renderer (the history the JupyterLab panel reads back), and that history. `flags`:
+    the cell's, as job_spec takes them."""
+    from elastic_nb.kernel.dashboard.model import DashboardState
+    from elastic_nb.kernel.flags import job_spec
+
+    path = supervisor_socket(k)
+    jobs = ask_supervisor(path, {"kind": "overview", "req": 1})["data"]["jobs"]
+    (entry,) = [j for j in jobs if j["id"] == job]
+    events = ask_supervisor(path, {"kind": "events", "req": 1, "job": job, "since": 0})["data"]
+    state = DashboardState(job, entry["logs_dir"], job_spec(flags), entry["session"])
+    for e in events["events"]:
+        if e["kind"] == "update":
+            state.apply(e)
+        elif e["kind"] == "end":
+            state.end(e["summary"])
+    return state, events["events"]

@@ -30,6 +30,7 @@ from tests import machines
 from tests.kernel import (
     Kernel,
     ask_supervisor,
+    dashboard_of,
     run_dir,
     supervisor_of,
     supervisor_registration,
@@ -292,6 +293,14 @@ def test_a_node_that_leaves_is_known_in_seconds_and_the_rest_go_on(
     assert running_at - killed_at <= LEFT_BOUND_S + 1.0, (left, killed_at)
     assert ex.stdout.count("restart 1/1") == 1, ex.stdout
     assert "restarts 1/1" in ex.stdout
+    # The dashboard: attempt 0's ranks ended with their round (none stays "running" in the
+    # timeline), the lost node's say so, and their log tabs stay; the header's figures agree.
+    dash, _ = dashboard_of(k, ex.job_id, {"nproc": 2, "nnodes": "2:3", "max_restarts": 1})
+    ended = {r: c["state"] for r, c in dash.attempts[0]["ranks"].items()}
+    assert len(ended) == 6 and "running" not in ended.values(), dash.attempts[0]
+    assert {dash.attempts[0]["ranks"][r]["label"] for r in ("4", "5")} == {"lost with its node"}
+    assert set(dash.tails) >= {str(r) for r in range(6)} and set(dash.ranks) == set("0123")
+    assert (dash.header["world_size"], dash.header["restarts"]) == (4, 1), dash.header
     _nothing_left(ex.job_id, lab)
     assert not lost.processes()  # the machine's namespace ended with its init
 

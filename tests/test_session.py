@@ -10,14 +10,21 @@ import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import psutil
 import pytest
 
 from elastic_nb.common import procs
 from tests.conftest import ours
-from tests.kernel import Kernel, ask_supervisor, run_dir, run_summary, supervisor_socket, wait_for
+from tests.kernel import (
+    Kernel,
+    ask_supervisor,
+    dashboard_of,
+    run_dir,
+    run_summary,
+    supervisor_socket,
+    wait_for,
+)
 from tests.nccl import stuck_with_a_watchdog
 
 pytestmark = [pytest.mark.e2e, pytest.mark.core]
@@ -478,28 +485,6 @@ def test_bad_input_to_up_launches_nothing(kernel: Kernel, cache_home: Path) -> N
     assert ex.result == "'alone'" and "--no-replay: no session is up" in ex.stderr
 
 
-def _dashboard_of(k: Kernel, cell: str) -> Any:
-    """The cell's dashboard as the kernel's model folds what the supervisor sent it (the panel
-    reads the same history back)."""
-    from elastic_nb.kernel.dashboard.model import DashboardState
-    from elastic_nb.kernel.flags import job_spec
-
-    path = supervisor_socket(k)
-    (entry,) = [
-        j
-        for j in ask_supervisor(path, {"kind": "overview", "req": 1})["data"]["jobs"]
-        if j["id"] == cell
-    ]
-    events = ask_supervisor(path, {"kind": "events", "req": 1, "job": cell, "since": 0})["data"]
-    state = DashboardState(cell, entry["logs_dir"], job_spec({"nproc": 2}), entry["session"])
-    for e in events["events"]:
-        if e["kind"] == "update":
-            state.apply(e)
-        elif e["kind"] == "end":
-            state.end(e["summary"])
-    return state, events["events"]
-
-
 def test_a_cells_chips_say_what_its_ranks_did(session_kernel) -> None:
     """While a session cell runs, its chips say its ranks run it; after it failed (and the
     restart it brought), they say how each rank of its attempt ended: the one that exited, and
@@ -516,7 +501,7 @@ def test_a_cells_chips_say_what_its_ranks_did(session_kernel) -> None:
     )
     assert ex.ename == "JobFailed", ex.traceback
     (cell,) = ex.job_ids
-    state, events = _dashboard_of(k, cell)
+    state, events = dashboard_of(k, cell, {"nproc": 2})
     running = [
         e["ranks"]
         for e in events

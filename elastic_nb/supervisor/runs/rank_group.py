@@ -326,10 +326,12 @@ class RankGroup:
             try:
                 started, stop_s = time.time(), None
                 if self.nodes:
-                    self.replaced.add(rounds.next_attempt - 1)
+                    ending = rounds.next_attempt - 1
+                    self.replaced.add(ending)
                     self.report.set_state("restarting")
                     await self.stop_nodes(ended=False)
                     stop_s = time.time() - started
+                    await self._round_ended(ending, started)
 
                 def waiting(words: str) -> None:
                     self.report.set_state("waiting")
@@ -355,6 +357,18 @@ class RankGroup:
             finally:
                 self._changing = False
             await self.start_nodes(nodes, plan)
+
+    async def _round_ended(self, attempt: int, at: float) -> None:
+        """The ended round's ranks as its end left them, for the timeline: a rank stopped for the
+        next round says so (it stayed "running" there); one that failed or was lost keeps its
+        word. Sent before the next round's chips take their ranks' places (an update holds one
+        chip a rank)."""
+        for r in self.book.of(attempt):
+            chip = self.book.chip(r, at)
+            if r.kind(at) == "terminated":
+                chip["state"], chip["label"] = "stopped", "stopped for the next round"
+            self.report.chip(r.rank, chip)
+        await self._flush()
 
     def _round_alert(self, entry: protocol.Round) -> None:
         counted = entry["counted"]

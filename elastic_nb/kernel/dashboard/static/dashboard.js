@@ -469,7 +469,8 @@ class View {
   }
 
   drawTabs() {
-    const ranks = Object.keys(this.data.ranks).sort((a, b) => a - b);
+    // A rank of a smaller world (its node left) has no chip any more, but keeps its tab and lines.
+    const ranks = Object.keys({ ...this.data.tails, ...this.data.ranks }).sort((a, b) => a - b);
     const tabs = [["all", "all ranks"], ...ranks.map((r) => [r, `rank ${r}`])];
     this.q(".enb-tabs").innerHTML = tabs
       .map(([id, name]) => {

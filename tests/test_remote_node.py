@@ -150,7 +150,7 @@ def test_without_a_host_the_agents_port_is_on_the_primary_address_alone() -> Non
             )
             bound = {
                 c.laddr
-                for c in psutil.Process().net_connections("tcp")
+                for c in psutil.net_connections("tcp")  # (the floors' psutil: no Process's)
                 if c.status == psutil.CONN_LISTEN and c.laddr.port == cluster.listener.port
             }
             assert {a.ip for a in bound} == {cluster.addr}, bound

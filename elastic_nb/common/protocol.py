@@ -48,7 +48,7 @@ Launcher -> supervisor
                                             once: only the launcher learns how)
   exits {attempt, codes: {rank: code}}      agent closed an attempt (exit codes, -N = signal N)
   tick {t}                                  agent monitor loop is alive (every TICK_EVERY_S)
-  agent_failed {error}                      torch's agent raised in its run (before it
+  agent_failed {error, t}                   torch's agent raised in its run (before it
                                             ends the ranks: they die of its SIGTERM next)
   result {ok, error?}                       elastic_launch returned or raised
   store {port}                              a multi-node group's rendezvous store host (a
@@ -647,6 +647,7 @@ class Tick(TypedDict):
 class AgentFailed(TypedDict):
     kind: Literal["agent_failed"]
     error: str  # "RendezvousStateError: ..."
+    t: float  # when (the launcher's clock): the SIGTERMs the agent then sends its ranks are later
 
 
 class _Result(TypedDict):

@@ -121,7 +121,9 @@ def observe_agent(channel: Channel) -> None:
             raise  # the supervisor (or a user) stopped it: nothing of its own failed
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
-            channel.send(protocol.AgentFailed(kind=protocol.AGENT_FAILED, error=error))
+            channel.send(
+                protocol.AgentFailed(kind=protocol.AGENT_FAILED, error=error, t=time.time())
+            )
             raise
 
     SimpleElasticAgent._invoke_run = _invoke_run  # type: ignore[method-assign]

@@ -63,6 +63,7 @@ __all__ = ["Job"]
 
 WATCH_S = 0.25  # the zombie watchdog and --hang-after look this often
 PEER_GONE_WAIT_S = 1.0  # for the rank whose going a peer error reports to be seen gone
+AGENT_WORD_S = 1.0  # for torch's agent to say it failed, when a rank died of its SIGTERM
 STOPPED = ("timeout", "interrupted", "stopped")  # outcomes that end a job from outside it
 
 
@@ -243,6 +244,12 @@ class Job(RankGroup):
             self._under_way.add(r.attempt)
             self.task_group.start_soon(self._diagnose_peer, r, kind)
             return
+        if kind == "signal" and r.exit_code == -signal.SIGTERM and r.attempt == self.attempt:
+            # torch's agent ends its ranks with SIGTERM when it fails itself, and says so first
+            # (agent_failed): its word may still be on its way through the launcher's pipe.
+            self._under_way.add(r.attempt)
+            self.task_group.start_soon(self._hear_the_agent, r, kind)
+            return
         self._fail_attempt(r, kind)
 
     def _fail_attempt(self, r: RankState, kind: str, reason: str | None = None) -> None:
@@ -379,6 +386,19 @@ class Job(RankGroup):
                 self._fail_attempt(culprit, "desync", reason=self.finding.title)
                 return
             self._fail_attempt(r, kind)
+        finally:
+            self._diagnosis_ended(r.attempt)
+            self._decide_deferred()
+
+    async def _hear_the_agent(self, r: RankState, kind: str) -> None:
+        """`r` died of a SIGTERM elastic_nb did not send: the agent's own failure, if it says so
+        within AGENT_WORD_S, is the attempt's (RankGroup._agent_failed); else `r`'s death."""
+        try:
+            with anyio.move_on_after(AGENT_WORD_S):
+                while r.attempt not in self.agent_failed_in and not self.decided:
+                    await anyio.sleep(0.02)
+            if r.attempt not in self.agent_failed_in and not self.decided:
+                self._fail_attempt(r, kind)
         finally:
             self._diagnosis_ended(r.attempt)
             self._decide_deferred()

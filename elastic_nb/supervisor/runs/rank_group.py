@@ -90,6 +90,7 @@ class RankGroup:
         self.restarts = 0  # spent: a single-node group's is its attempt (torch's count)
         self.restarts_at: dict[int, int] = {0: 0}  # attempt -> restarts spent when it began
         self.replaced: set[int] = set()  # attempts a new round ended (no failure of theirs)
+        self.agent_failed_in: set[int] = set()  # attempts whose torch agent failed (agent_failed)
         self.book = RankBook(self.rd)
         self.report = Reporter(group_id, send)
         self.tailer = LogTailer(marks=NCCL_TIMEOUT_MARKS, noise=TORCH_LOG_NOISE)
@@ -405,12 +406,17 @@ class RankGroup:
         """A session's rank on another machine connects (relayed by its agent)."""
         await stream.aclose()
 
-    def _agent_failed(self, node: Node, error: str) -> None:
-        """torch's agent on `node` raised: the ranks it now ends did not fail, it did."""
+    def _agent_failed(self, node: Node, error: str, at: float) -> None:
+        """torch's agent on `node` raised at `at` (our clock): the ranks it ends from then on
+        did not fail, it did."""
         where = f" on {node.label}" if self.rounds is not None else ""
         why = f"torchelastic's agent failed{where}: {error}"
+        self.agent_failed_in.add(self.attempt)
         if self.rounds is None:
             self._decide("failed", why)
+            if self.teardown_at is not None:
+                # Its SIGTERMs came after `at`: ranks they ended were stopped, not failed.
+                self.teardown_at = min(self.teardown_at, at)
         elif node in self.nodes and not self.decided and not self._changing:
             self.round_failed(why)
 
@@ -437,7 +443,7 @@ class RankGroup:
             elif msg["kind"] == protocol.START:
                 self._on_start(node, msg["attempt"], msg["rank"], msg["pid"])
             elif msg["kind"] == protocol.AGENT_FAILED:
-                self._agent_failed(node, msg["error"])
+                self._agent_failed(node, msg["error"], msg["t"] + node.clock_offset)
             for r in self.book.take_exits(msg):
                 self._rank_ended(r)  # its exit was unknown when it was seen gone
         if node in self.nodes:

@@ -498,3 +498,18 @@ def test_the_checkpoint_header_carries_how_it_was_written(tmp_path: Path) -> Non
     dash.apply({"checkpoints": [one]})
     assert dash.take_delta() is not None
     assert dash.snapshot()["header"]["checkpoint"]["how"] == "written in 1.4 s by 1 rank"
+
+
+def test_a_desyncs_failure_is_said_once(tmp_path: Path) -> None:
+    """A desync's alert (its stacks) and the failure it ends in say the same words: the failure
+    adds no second alert (they showed as [desync] and [failure] with identical text)."""
+    dash = Dashboard("cafe0001", str(tmp_path), job_spec({"nproc": 2}))
+    title = "desync: rank 1 left the cell while rank 0 waited in all_reduce #3 (cell line 7)"
+    desync = {"kind": "desync", "severity": "error", "title": title, "rank": 1, "text": "stacks"}
+    failure = {**desync, "kind": "failure", "text": "the failure report\nstacks"}
+    dash.update({"alerts": [desync]})
+    dash.update({"alerts": [failure]})
+    assert [a["kind"] for a in dash.state.alerts] == ["desync"]
+    other = {**failure, "title": "rank 1 failed first: ValueError: boom"}
+    dash.update({"alerts": [other]})
+    assert [a["kind"] for a in dash.state.alerts] == ["desync", "failure"]

@@ -197,6 +197,8 @@ class DashboardState:
         self._delta.setdefault("ranks", {})[rank] = chip
 
     def _alert(self, alert: dict[str, Any]) -> None:
+        if alert.get("kind") == "failure" and any(a["title"] == alert["title"] for a in self.alerts):
+            return  # the failure as an alert has already said (a desync's: its stacks, too)
         alert = {**alert, "n": self._alerts_seen}
         self._alerts_seen += 1
         text = alert.get("text")

@@ -301,6 +301,12 @@ def test_a_session_cell_shows_its_session_and_a_partial_failure(page: Any, lab: 
             "if int(os.environ['RANK']) == 1:\n"
             "    raise ValueError('x')\n"
             "time.sleep(60)\n",
+            "%%elastic\n"
+            "import os, time\n"
+            "time.sleep(1)\n"
+            "if int(os.environ['RANK']) == 1:\n"
+            "    os._exit(1)\n"
+            "time.sleep(60)\n",
             "%elastic down",
         ],
     )
@@ -355,9 +361,27 @@ def test_a_session_cell_shows_its_session_and_a_partial_failure(page: Any, lab: 
     )
     shot(page, dash, "dashboard-session-failed.png")
 
+    # Rank 1 exits: the session restarts and replays the journal (cell 2) under this cell. Its
+    # dashboard ends on its own attempt: rank 1's chip says how it ended, the header counts the
+    # restart it brought, and the replay is one alert that grew to its end.
     nb.run(4)
-    nb.wait_done(4, timeout=30)
-    expect(_stdout(nb, 4)).to_contain_text([f"session {session} ended"])
+    nb.wait_done(4, timeout=90)
+    dash = nb.cell(4).locator(".enb")
+    expect(dash.locator(".enb-state")).to_have_text("failed")
+    expect(dash.locator(".enb-restarts")).to_have_text("session attempt 0 · restarts 1/3")
+    rank1 = dash.locator('.enb-chip[data-rank="1"]')
+    expect(rank1).to_have_class(has_class("enb-s-failed"))
+    expect(rank1.locator(".enb-chip-label")).to_have_text("exit code 1")
+    replay = dash.locator('.enb-alert[data-kind="replay"]')
+    expect(replay).to_have_count(1)
+    expect(replay.locator(".enb-alert-title")).to_contain_text(
+        "the session's state is back: 1 cell replayed in", use_inner_text=True
+    )
+    shot(page, dash, "dashboard-session-restarted.png")
+
+    nb.run(5)
+    nb.wait_done(5, timeout=30)
+    expect(_stdout(nb, 5)).to_contain_text([f"session {session} ended"])
     assert wait_for(lambda: not _job_processes(session), timeout=10)
 
 

@@ -513,3 +513,18 @@ def test_a_desyncs_failure_is_said_once(tmp_path: Path) -> None:
     other = {**failure, "title": "rank 1 failed first: ValueError: boom"}
     dash.update({"alerts": [other]})
     assert [a["kind"] for a in dash.state.alerts] == ["desync", "failure"]
+
+
+def test_a_replay_is_one_alert_that_grows(tmp_path: Path) -> None:
+    """Alerts of one key (a replay's steps) take each other's place: one line, as it stands,
+    and each new word says which one it replaces (the browser redraws that one)."""
+    dash = Dashboard("cafe0001", str(tmp_path), job_spec({"nproc": 2}))
+    steps = ["replaying 2 cells", "1 done", "the session's state is back: 2 cells replayed"]
+    for title in steps:
+        dash.update({"alerts": [{"kind": "replay", "severity": "info", "title": title,
+                                 "rank": None, "text": None, "key": "replay-1"}]})  # fmt: skip
+    dash.update({"alerts": [{"kind": "restart", "severity": "warning", "title": "other",
+                             "rank": None, "text": None}]})  # fmt: skip
+    alerts = list(dash.state.alerts)
+    assert [a["title"] for a in alerts] == [steps[-1], "other"]
+    assert alerts[0]["replaces"] == 1 and alerts[0]["n"] == 2

@@ -309,13 +309,17 @@ def check_hello(msg: Hello) -> None:
 # ---- records --------------------------------------------------------------------------------
 
 
-class Alert(TypedDict):
+class _Alert(TypedDict):
     kind: str  # failure, oom, desync, collective_timeout, hang, zombie, restart, stacks, ...
     severity: str  # error, warning, info
     title: str
     rank: int | None  # the rank it is about, if one
     text: str | None  # the detail: stacks, a traceback, a memory report
     time: float
+
+
+class Alert(_Alert, total=False):
+    key: str  # one story told as it goes (a replay): it replaces the last alert of its key
 
 
 class Chip(TypedDict, total=False):

@@ -197,14 +197,23 @@ class DashboardState:
         self._delta.setdefault("ranks", {})[rank] = chip
 
     def _alert(self, alert: dict[str, Any]) -> None:
-        if alert.get("kind") == "failure" and any(a["title"] == alert["title"] for a in self.alerts):
+        if alert.get("kind") == "failure" and any(
+            a["title"] == alert["title"] for a in self.alerts
+        ):
             return  # the failure as an alert has already said (a desync's: its stacks, too)
         alert = {**alert, "n": self._alerts_seen}
         self._alerts_seen += 1
         text = alert.get("text")
         if text and len(text) > MAX_ALERT_TEXT:
             alert["text"] = text[:MAX_ALERT_TEXT] + "\n... (cut; the run directory has all)"
-        self.alerts.append(alert)
+        key = alert.get("key")
+        earlier = next((a for a in self.alerts if key and a.get("key") == key), None)
+        if earlier is not None:
+            # The same story, further on (a replay): in the earlier one's place.
+            alert["replaces"] = earlier["n"]
+            self.alerts[self.alerts.index(earlier)] = alert
+        else:
+            self.alerts.append(alert)
         self._delta.setdefault("alerts", []).append(alert)
         if alert.get("kind") == "restart":
             # The restart alert arrives before the new attempt's first start.

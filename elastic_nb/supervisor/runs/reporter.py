@@ -70,12 +70,25 @@ class Reporter:
         self._ranks[rank] = chip
 
     def alert(
-        self, kind: str, severity: str, title: str, rank: int | None = None, text: str | None = None
+        self,
+        kind: str,
+        severity: str,
+        title: str,
+        rank: int | None = None,
+        text: str | None = None,
+        key: str | None = None,
     ) -> None:
-        """A typed event any renderer can show: what, how bad, which rank, optional detail."""
+        """A typed event any renderer can show: what, how bad, which rank, optional detail;
+        `key`: a story told as it goes, whose every alert replaces the last of that key."""
         alert = protocol.Alert(
             kind=kind, severity=severity, title=title, rank=rank, text=text, time=time.time()
         )
+        if key is not None:
+            alert["key"] = key
+            for i, earlier in enumerate(self.recent_alerts):
+                if earlier.get("key") == key:
+                    del self.recent_alerts[i]  # the panel lists the story once, as it stands
+                    break
         self._alerts.append(alert)
         self.recent_alerts.append(alert)
         self.event("alert", **alert)

@@ -25,9 +25,11 @@ class Followed:
     def add(self, cell: SessionCell) -> None:
         self.cells.append(cell)
 
-    def alert(self, kind: str, severity: str, title: str, rank: int | None = None) -> None:
+    def alert(
+        self, kind: str, severity: str, title: str, rank: int | None = None, key: str | None = None
+    ) -> None:
         for cell in self.cells:
-            cell.report.alert(kind, severity, title, rank=rank)
+            cell.report.alert(kind, severity, title, rank=rank, key=key)
 
     def logs_target(self, current: SessionCell | None) -> SessionCell | None:
         return current if current in self.cells else next(iter(self.cells), None)

@@ -172,10 +172,12 @@ class Session(RankGroup):
             cell.report.alert("stacks", "info", title, text=ev.stacks)
         return f"{title}\n{ev.stacks}"
 
-    def alert(self, kind: str, severity: str, title: str, rank: int | None = None) -> None:
+    def alert(
+        self, kind: str, severity: str, title: str, rank: int | None = None, key: str | None = None
+    ) -> None:
         """About the session: to its own stream and to every cell the kernel follows."""
-        self.report.alert(kind, severity, title, rank=rank)
-        self.followed.alert(kind, severity, title, rank=rank)
+        self.report.alert(kind, severity, title, rank=rank, key=key)
+        self.followed.alert(kind, severity, title, rank=rank, key=key)
 
     # ---- waiting for the ranks ---------------------------------------------------------------
 
@@ -486,13 +488,13 @@ class Session(RankGroup):
         replayed = journal.to_replay()
         left_out = len(journal.cells) - len(replayed)
         record = journal.start_replay(attempt)
+        # One alert that grows as the replay goes (each replaces the last of its key).
+        key = f"replay-{attempt}"
+        head = f"attempt {attempt}: replaying {cells(len(replayed))}" + (
+            f" ({left_out} left out: --no-replay)" if left_out else ""
+        )
         if replayed:
-            self.alert(
-                "replay",
-                "info",
-                f"attempt {attempt}: replaying {cells(len(replayed))}"
-                + (f" ({left_out} left out: --no-replay)" if left_out else ""),
-            )
+            self.alert("replay", "info", head, key=key)
         t0 = time.monotonic()
         for c in replayed:
             t = time.monotonic()
@@ -504,14 +506,21 @@ class Session(RankGroup):
                 self.alert(
                     "replay",
                     "error",
-                    f"the replay stopped: cell {c.no} ({c.first_line}) failed on "
+                    f"{head}: the replay stopped: cell {c.no} ({c.first_line}) failed on "
                     f"{failure_words(c, attempt, failed)}; the cells after it did not run",
                     rank=failed[0],
+                    key=key,
                 )
                 break
             record["cells"] += 1
             took = time.monotonic() - t
-            self.alert("replay", "info", f"replayed cell {c.no} ({c.first_line}) in {took:.2f} s")
+            self.alert(
+                "replay",
+                "info",
+                f"{head}: {record['cells']} done, the last: replayed cell {c.no} "
+                f"({c.first_line}) in {took:.2f} s",
+                key=key,
+            )
         record["seconds"] = time.monotonic() - t0
         if replayed and not record["failed"]:
             self.alert(
@@ -519,6 +528,7 @@ class Session(RankGroup):
                 "info",
                 f"the session's state is back: {cells(record['cells'])} replayed in "
                 f"{record['seconds']:.2f} s",
+                key=key,
             )
 
     async def _replay_cell(self, cell: SessionCell) -> bool:

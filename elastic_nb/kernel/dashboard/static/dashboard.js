@@ -56,11 +56,18 @@ function apply(d, delta) {
     if (chip === null) delete d.ranks[rank]; // a smaller world: a node left
     else d.ranks[rank] = chip;
   }
-  if (delta.alerts) {
-    d.alerts.push(...delta.alerts);
-    d.alertsSeen += delta.alerts.length;
-    trim(d.alerts, d.limits.alerts);
+  for (const a of delta.alerts ?? []) {
+    // A story told as it goes (a replay): its new word takes the earlier one's place.
+    const at = a.replaces === undefined ? -1 : d.alerts.findIndex((x) => x.n === a.replaces);
+    if (at >= 0) {
+      d.alerts[at] = a;
+      (d.replaced ??= []).push(a);
+    } else {
+      d.alerts.push(a);
+      d.alertsSeen += 1;
+    }
   }
+  trim(d.alerts, d.limits.alerts);
   if (delta.attempts) d.attempts = delta.attempts;
   for (const [rank, stream, texts] of delta.lines ?? []) {
     if (rank !== null) {
@@ -399,8 +406,12 @@ class View {
       box.innerHTML = "";
       this.drawnAlerts = this.data.alertsSeen - this.data.alerts.length;
     }
-    // Alerts only grow (the oldest fall off past the limit): draw the new ones, keeping the
-    // open/closed state of those drawn already.
+    // Alerts grow (the oldest fall off past the limit), and one may take an earlier one's
+    // place: draw those, keeping the open/closed state of the others drawn already.
+    for (const a of this.data.replaced ?? []) {
+      box.querySelector(`.enb-alert[data-n="${a.replaces}"]`)?.replaceWith(this.alertElement(a));
+    }
+    this.data.replaced = [];
     const alerts = this.data.alerts;
     const fresh = Math.min(alerts.length, this.data.alertsSeen - this.drawnAlerts);
     for (const a of alerts.slice(alerts.length - fresh)) box.appendChild(this.alertElement(a));

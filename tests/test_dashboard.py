@@ -237,7 +237,11 @@ def test_states_chips_alerts_and_the_attempts_timeline(
     assert attempts[0]["ranks"]["1"] == {"state": "failed", "label": "ValueError"}
     assert attempts[0]["why"] == restart["title"]
     assert delta["ranks"]["1"]["state"] == "starting"  # attempt 1's rank 1 is not up yet
-    assert ["1", "note", ["── attempt 1 ──"]] in delta["lines"]
+    assert ["1", "mark", ["── attempt 1 ──"]] in delta["lines"]
+    # Each rank's tab has its separator; the all-ranks tab one, not one a rank (three for two).
+    assert [line for line in dash.state.all if "── attempt 1 ──" in line[-1]] == [
+        [None, "note", "── attempt 1 ──"]
+    ]
 
     # A late line from the replaced attempt does not land in the new attempt's tab.
     dash.update({"logs": [batch(0, 0, "out", ["late"], None)]})

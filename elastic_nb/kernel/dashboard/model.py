@@ -239,7 +239,7 @@ class DashboardState:
         for rank in [str(r) for r in range(world)]:
             self._chip(rank, self._waiting_chip(int(rank), attempt))
             self._progress(rank, None)
-            self._append(rank, "note", [f"── attempt {attempt} ──"])
+            self._append(rank, "mark", [f"── attempt {attempt} ──"])
         self._append(None, "note", [f"── attempt {attempt} ──"])
 
     def _waiting_chip(self, rank: int, attempt: int) -> dict[str, Any]:
@@ -257,14 +257,17 @@ class DashboardState:
             self._append(rank, stream, lines)
 
     def _append(self, rank: str | None, stream: str, texts: list[str]) -> None:
-        """Lines for one rank's tab and the all-ranks tab (rank None: the all-ranks tab only)."""
+        """Lines for one rank's tab and the all-ranks tab (rank None: the all-ranks tab only; a
+        "mark", the attempt's separator in a rank's tab: that tab only, the all-ranks tab has
+        its own, once)."""
         texts = _newest(texts, ALL_LINES, ALL_CHARS)
         if rank is not None:
             tail = self.tails.setdefault(rank, collections.deque())
             tail.extend([stream, t] for t in texts)
             self._trim(rank, tail, TAIL_LINES, TAIL_CHARS, texts)
-        self.all.extend([rank, stream, t] for t in texts)
-        self._trim(None, self.all, ALL_LINES, ALL_CHARS, texts)
+        if stream != "mark":
+            self.all.extend([rank, stream, t] for t in texts)
+            self._trim(None, self.all, ALL_LINES, ALL_CHARS, texts)
         self._delta.setdefault("lines", []).append([rank, stream, texts])
 
     def _trim(

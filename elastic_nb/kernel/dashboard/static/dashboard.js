@@ -75,6 +75,7 @@ function apply(d, delta) {
       for (const t of texts) tail.push([stream, t]);
       trim(tail, d.limits.tail, d.limits.tail_chars);
     }
+    if (stream === "mark") continue; // an attempt's separator in a rank's tab: the all tab has its own
     for (const t of texts) d.all.push([rank, stream, t]);
     trim(d.all, d.limits.all, d.limits.all_chars);
   }
@@ -378,7 +379,7 @@ class View {
     const bar = this.data.progress[rank];
     if (bar) return bar[1];
     const tail = this.data.tails[rank] ?? [];
-    for (let i = tail.length - 1; i >= 0; i--) if (tail[i][0] !== "note") return tail[i][1];
+    for (let i = tail.length - 1; i >= 0; i--) if (tail[i][0] !== "note" && tail[i][0] !== "mark") return tail[i][1];
     return "";
   }
 

@@ -50,7 +50,7 @@ def test_rank_chips_appear_while_the_cell_runs(page: Any, lab: LabServer, tmp_pa
             "held = []\n"
             "for step in range(10_000):\n"
             "    print(f'rank {os.environ[\"RANK\"]} step {step}', flush=True)\n"
-            "    held.append(b'\\x01' * 2_000_000 * int(os.environ['RANK']))  # rank 1 grows\n"
+            "    held.append(b'\\x01' * 5_000_000 * int(os.environ['RANK']))  # rank 1 grows\n"
             "    time.sleep(0.2)\n"
         ],
     )
@@ -77,19 +77,31 @@ def test_rank_chips_appear_while_the_cell_runs(page: Any, lab: LabServer, tmp_pa
             rf"it\)\n{re.escape(str(tmp_path))}/step-000000000003-[0-9a-f]+$"
         ),
     )
-    # Each chip draws its rank's memory: a sparkline of its samples (one a second) and the
-    # latest figure; rank 1's climbs.
+    # Each chip draws its rank's memory: a sparkline of its samples (one a second) on the job's
+    # one scale, the latest figure and the peak; rank 1's climbs (its growth a minute shown)
+    # until it holds twice rank 0's, and is flagged as the outlier.
     for r in (0, 1):
         chip = dash.locator(f'.enb-chip[data-rank="{r}"]')
         expect(chip.locator(".enb-spark polyline.enb-spark-host")).to_have_attribute(
             "points", re.compile(r"^(\S+ ){3,}\S+$"), timeout=30_000
         )
-        expect(chip.locator(".enb-chip-mem-text")).to_have_text(re.compile(r"^\d+ MiB host$"))
-    points = dash.locator('.enb-chip[data-rank="1"] polyline.enb-spark-host').get_attribute(
-        "points"
+    size = r"[\d.]+ [KMG]iB"
+    expect(dash.locator('.enb-chip[data-rank="0"] .enb-chip-mem-text')).to_have_text(
+        re.compile(rf"^{size} host · peak {size}$")
     )
-    heights = [float(p.split(",")[1]) for p in (points or "").split()]
-    assert heights[-1] < heights[0], points  # higher up the chip: more memory
+    rank1 = dash.locator('.enb-chip[data-rank="1"] .enb-chip-mem')
+    expect(rank1.locator(".enb-chip-mem-text")).to_have_text(
+        re.compile(rf"^{size} host · peak {size} · \+{size}/min · [\d.]+× the others$"),
+        timeout=60_000,
+    )
+    expect(rank1).to_have_class(has_class("enb-mem-outlier"))
+
+    def heights(r: int) -> list[float]:
+        line = dash.locator(f'.enb-chip[data-rank="{r}"] polyline.enb-spark-host')
+        return [float(p.split(",")[1]) for p in (line.get_attribute("points") or "").split()]
+
+    assert heights(1)[-1] < heights(1)[0]  # higher up the chip: more memory
+    assert heights(0)[-1] > heights(1)[-1]  # one scale: rank 0 holds less, its line is lower
     nb.expect_running(1)
     expect(dash.locator(".enb-state")).to_have_text("running")
     expect(dash.locator(".enb-hint")).to_contain_text("Interrupt the kernel", use_inner_text=True)

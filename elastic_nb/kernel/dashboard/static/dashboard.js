@@ -179,22 +179,19 @@ function bytes(n) {
 }
 
 // A rank's memory over its last minutes: host memory (a line) and GPU memory (a second line, if
-// it holds any), each scaled to its own range.
+// it holds any), on the job's scale: `tops` holds the highest figure of any rank of the job for
+// each (index 1 host, 2 GPU), so a rank holding a third of another's fills a third of its box.
 const SPARK_W = 120;
 const SPARK_H = 22;
-function sparkline(series) {
+function sparkline(series, tops) {
   if (series.length < 2) return "";
   const t0 = series[0][0];
   const span = Math.max(series.at(-1)[0] - t0, 1);
   const line = (i, cls) => {
     const points = series.filter((p) => p[i] !== null && p[i] !== undefined);
     if (points.length < 2) return "";
-    const values = points.map((p) => p[i]);
-    const top = Math.max(...values);
-    // From its lowest point to its top, over at least a quarter of the top: growth shows,
-    // a few MiB of jitter does not fill the box.
-    const range = Math.max(top - Math.min(...values), top / 4) || 1;
-    const y = (v) => SPARK_H - 1 - ((v - (top - range)) / range) * (SPARK_H - 3);
+    const top = tops[i] || Math.max(...points.map((p) => p[i])) || 1;
+    const y = (v) => SPARK_H - 1 - (v / top) * (SPARK_H - 3);
     const xy = points
       .map((p) => `${(((p[0] - t0) / span) * SPARK_W).toFixed(1)},${y(p[i]).toFixed(1)}`)
       .join(" ");
@@ -203,6 +200,37 @@ function sparkline(series) {
     return `<polygon class="${cls} enb-spark-area" points="${x0},${SPARK_H} ${xy} ${x1},${SPARK_H}"/><polyline class="${cls}" points="${xy}"/>`;
   };
   return `<svg class="enb-spark" viewBox="0 0 ${SPARK_W} ${SPARK_H}" width="${SPARK_W}" height="${SPARK_H}" preserveAspectRatio="none">${line(1, "enb-spark-host")}${line(2, "enb-spark-gpu")}</svg>`;
+}
+
+// The job's scale: each figure's highest sample over every rank.
+function memoryTops(memory) {
+  const tops = { 1: 0, 2: 0 };
+  for (const m of Object.values(memory)) {
+    for (const p of m.series) for (const i of [1, 2]) tops[i] = Math.max(tops[i], p[i] ?? 0);
+  }
+  return tops;
+}
+
+// Host memory's change per minute over the last minute of samples (null: under 10 s of them).
+function growthPerMinute(series) {
+  const last = series.at(-1);
+  const first = series.find((p) => p[0] >= last[0] - 60 && p[1] !== null);
+  if (!first || last[0] - first[0] < 10 || last[1] === null) return null;
+  return ((last[1] - first[1]) / (last[0] - first[0])) * 60;
+}
+
+// The rank whose host memory is at least twice every other's median: the outlier a person
+// should look at first (null: none, or one rank).
+const OUTLIER = 2;
+function memoryOutlier(memory) {
+  const held = Object.entries(memory)
+    .filter(([, m]) => m.last?.rss)
+    .map(([r, m]) => [r, m.last.rss]);
+  if (held.length < 2) return null;
+  const [rank, most] = held.reduce((a, b) => (b[1] > a[1] ? b : a));
+  const others = held.filter(([r]) => r !== rank).map(([, v]) => v).sort((a, b) => a - b);
+  const median = others[Math.floor(others.length / 2)];
+  return most >= OUTLIER * median ? { rank, ratio: most / median } : null;
 }
 
 // The chip's memory: its sparkline, the latest figures, and in its title the peaks it shows.
@@ -220,14 +248,20 @@ function roundWords(r) {
     <span class="enb-round-took">${esc(took)}</span></span>`;
 }
 
-function memoryChip(m) {
+function memoryChip(m, tops, outlier) {
   if (!m?.last) return "";
   const last = m.last;
   const device = last.gpu ?? null;
   const cuda = last.cuda ?? null;
-  let figures = `${bytes(last.rss)} host`;
-  if (device) figures += ` · GPU ${device.index}: ${bytes(device.process)}`;
-  else if (cuda) figures += ` · GPU ${cuda.device}: ${bytes(cuda.reserved)}`;
+  const figures = [`${bytes(last.rss)} host`];
+  if (device) figures.push(`GPU ${device.index}: ${bytes(device.process)}`);
+  else if (cuda) figures.push(`GPU ${cuda.device}: ${bytes(cuda.reserved)}`);
+  const growth = growthPerMinute(m.series);
+  if (m.series.length > 1) figures.push(`peak ${bytes(Math.max(...m.series.map((p) => p[1] ?? 0)))}`);
+  if (growth !== null && Math.abs(growth) >= 2 ** 20) {
+    figures.push(`${growth > 0 ? "+" : "−"}${bytes(Math.abs(growth))}/min`);
+  }
+  if (outlier) figures.push(`${outlier.ratio.toFixed(1)}× the others`);
   const peak = (i) => Math.max(...m.series.map((p) => p[i] ?? 0));
   const span = m.series.length > 1 ? m.series.at(-1)[0] - m.series[0][0] : 0;
   const title = [
@@ -237,7 +271,8 @@ function memoryChip(m) {
   ]
     .filter(Boolean)
     .join("\n");
-  return `<span class="enb-chip-mem" title="${esc(title)}">${sparkline(m.series)}<span class="enb-chip-mem-text">${esc(figures)}</span></span>`;
+  const cls = outlier ? " enb-mem-outlier" : "";
+  return `<span class="enb-chip-mem${cls}" title="${esc(title)}">${sparkline(m.series, tops)}<span class="enb-chip-mem-text">${figures.map((f) => `<span class="enb-fig">${esc(f)}</span>`).join(" · ")}</span></span>`;
 }
 
 const RUNNING = new Set(["starting", "rendezvous", "running", "restarting"]);
@@ -385,6 +420,8 @@ class View {
 
   drawChips() {
     const ranks = Object.keys(this.data.ranks).sort((a, b) => a - b);
+    const tops = memoryTops(this.data.memory);
+    const outlier = memoryOutlier(this.data.memory);
     this.q(".enb-chips").innerHTML = ranks
       .map((r) => {
         const c = this.data.ranks[r];
@@ -396,7 +433,7 @@ class View {
         return `<div class="enb-chip enb-s-${esc(c.state)}" data-rank="${esc(r)}" title="${esc(title)}">
           <span class="enb-chip-rank">rank ${esc(r)}</span>${node}
           <span class="enb-chip-label">${esc(c.label ?? c.state)}</span>
-          <span class="enb-chip-last">${esc(last)}</span>${memoryChip(this.data.memory[r])}</div>`;
+          <span class="enb-chip-last">${esc(last)}</span>${memoryChip(this.data.memory[r], tops, outlier?.rank === r ? outlier : null)}</div>`;
       })
       .join("");
   }

@@ -1001,3 +1001,24 @@ def test_a_step_one_node_could_not_write_is_committed_and_loaded_nowhere(
         assert all("COMMITTED" not in files for n, files in steps.items() if "0002-" in n), steps
     loaded = checkpoint_tests.emitted(tmp_path, "loaded", 2)
     assert loaded == [{"step": 1, "steps": [1], "shared": False}] * 2, loaded
+
+
+# ---- the memory outlier a hang alert names (diagnosis.memory_words) ---------------------------
+
+
+@pytest.mark.parametrize(
+    ("held", "said"),
+    [
+        ({0: 100 << 20, 1: 450 << 20}, "; rank 1 holds 4.5× the others' host memory (450 MiB)"),
+        ({0: 100 << 20, 1: 199 << 20}, ""),  # under twice: not an outlier
+        ({0: 100 << 20, 1: 200 << 20}, "; rank 1 holds 2.0× the others' host memory (200 MiB)"),
+        ({0: 100 << 20, 1: 110 << 20, 2: 900 << 20, 3: 105 << 20}, "; rank 2 holds 8.6×"),
+        ({0: 100 << 20, 1: None}, ""),  # one rank measured: nothing to compare
+        ({}, ""),
+    ],
+)
+def test_a_memory_outlier_is_named_where_it_stands_out(held: dict, said: str) -> None:
+    from elastic_nb.supervisor.runs.diagnosis import memory_words
+
+    words = memory_words(held)
+    assert words.startswith(said) and (bool(words) == bool(said)), words

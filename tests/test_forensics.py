@@ -619,18 +619,22 @@ def test_ranks_write_no_core_dumps(kernel: Kernel) -> None:
 def test_a_hang_ended_by_the_timeout_keeps_its_finding(kernel: Kernel) -> None:
     """--timeout ends a job while a hang alert stands: the error and the summary still say
     which rank never entered which collective and show every rank's stack, rather than only
-    "stopped by elastic_nb (SIGTERM)" for every rank."""
+    "stopped by elastic_nb (SIGTERM)" for every rank; the alert names the rank that holds far
+    more memory than the others."""
     msg_id, ex = kernel.start(
         "%%elastic --nproc 2 --hang-after 2 --timeout 20 --collective-timeout off\n"
         "import time, torch, torch.distributed as dist\n"
         "dist.init_process_group()\n"
+        "held = b'\\x01' * (600 << 20) if dist.get_rank() == 1 else b''  # written: resident\n"
         "print('initialised', flush=True)\n"
         "if dist.get_rank() == 1:\n"
         "    time.sleep(600)\n"
         "dist.all_reduce(torch.ones(1))\n"
     )
     ex = kernel.collect(msg_id, ex, timeout=90)
-    finding = "rank 1 never entered all_reduce #1 (cell line 7): it was at cell line 6"
+    finding = "rank 1 never entered all_reduce #1 (cell line 8): it was at cell line 7"
+    # The silent rank holds far more memory than the other: the hang alert says so.
+    assert re.search(r"rank 1 holds [\d.]+× the others' host memory \(\d+ MiB\)", ex.stdout)
     assert ex.ename == "JobTimeout", (ex.ename, ex.traceback)
     assert "the --timeout of 20 s passed; before that: no output and no exit" in ex.traceback
     assert finding in ex.traceback, ex.traceback

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from elastic_nb.common.report import oom_lines
+from elastic_nb.common.report import oom_lines, size
 from elastic_nb.common.spec import JobSpec
 from elastic_nb.supervisor.forensics.collectives import CertainDesync, History
 from elastic_nb.supervisor.forensics.desync import Desync
@@ -77,13 +77,35 @@ def timeout_finding(r: RankState, ev: Evidence, spec: JobSpec) -> Finding:
     return Finding(title, culprit, desync, ev.stacks)
 
 
-def where_finding(title: str, ev: Evidence) -> Finding:
+def where_finding(title: str, ev: Evidence, held: dict[int, int | None] | None = None) -> Finding:
     """Nothing ended (a hang, stacks on request, a watchdog that keeps the rank): where
-    everyone is, and what they say of a desync."""
+    everyone is, what they say of a desync, and (`held`: each rank's host memory) the rank
+    holding far more memory than the others."""
     if ev.desync is not None:
         title += f": {ev.desync.text}"
+    title += memory_words(held or {})
     culprit = ev.desync.behind[0] if ev.desync is not None and ev.desync.behind else None
     return Finding(title, culprit, ev.desync, ev.stacks)
+
+
+MEMORY_OUTLIER = 2.0  # a rank holding this many times the others' median stands out
+
+
+def memory_words(held: dict[int, int | None]) -> str:
+    """'; rank 1 holds 4.5× the others' host memory (1.2 GiB)': the rank whose latest host
+    memory (`held`: rank -> bytes) is at least MEMORY_OUTLIER times the others' median, said
+    beside a hang or a desync (a rank that silently filled its memory is often the one stuck);
+    '' where none is."""
+    known = {r: v for r, v in held.items() if v}
+    if len(known) < 2:
+        return ""
+    rank = max(known, key=lambda r: known[r])
+    others = sorted(v for r, v in known.items() if r != rank)
+    median = others[len(others) // 2]
+    ratio = known[rank] / median
+    if ratio < MEMORY_OUTLIER:
+        return ""
+    return f"; rank {rank} holds {ratio:.1f}× the others' host memory ({size(known[rank])})"
 
 
 def desync_finding(ev: Evidence) -> Finding:

@@ -347,7 +347,7 @@ class Job(RankGroup):
 
     async def _report_where(self, kind: str, title: str) -> None:
         """An alert with every rank's stack and what they say of a desync; nothing ends."""
-        found = where_finding(title, await self._evidence())
+        found = where_finding(title, await self._evidence(), self.held_memory())
         self.standing = (self.attempt, found)
         self.report.alert(kind, "warning", found.title, rank=found.culprit, text=found.stacks)
 

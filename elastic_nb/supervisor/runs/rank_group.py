@@ -157,6 +157,10 @@ class RankGroup:
             for rank, s in sorted(self.memory.latest(a).items())
         }
 
+    def held_memory(self) -> dict[int, int | None]:
+        """Each rank's latest host memory in the current attempt (rank -> bytes)."""
+        return {rank: s["rss"] for rank, s in self.memory.latest(self.attempt).items()}
+
     def signal(self, ranks: list[RankState], sig: int) -> None:
         for r in ranks:
             self.book.node(r).signal(r, sig)

@@ -572,6 +572,6 @@ class Session(RankGroup):
         collector = EvidenceCollector(self.rd, self.book.node, cell.source, cell.rd.cell)
         ev = await collector.collect(self.book.of(self.attempt))
         title = f"no output from any rank for {cell.spec.hang_after:g} s (--hang-after)"
-        found = where_finding(title, ev)
+        found = where_finding(title, ev, self.held_memory())
         cell.standing = found  # a stop while it stands ends the cell with it
         cell.report.alert("hang", "warning", found.title, rank=found.culprit, text=found.stacks)

@@ -1006,6 +1006,7 @@ def test_a_step_one_node_could_not_write_is_committed_and_loaded_nowhere(
 # ---- the memory outlier a hang alert names (diagnosis.memory_words) ---------------------------
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("held", "said"),
     [

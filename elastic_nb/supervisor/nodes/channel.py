@@ -267,6 +267,8 @@ class Listener:
         else:
             held += 1
         self._logged[ip] = (since, logged, held)
+        if len(self._logged) > 1000:  # many addresses: those quiet for a minute are forgotten
+            self._logged = {k: v for k, v in self._logged.items() if now - v[0] <= 60}
 
     def _note(self, text: str) -> None:
         log.warning(text)

@@ -44,9 +44,9 @@ __all__ = [
 INPUTS = frozenset({"spec.json", "cell.py", "cell.json", "payload.pkl"})
 CHUNK = 1 << 20  # bytes of one file in one message (the channel takes 2 MiB frames)
 _ATTEMPT = re.compile(r"attempt-(\d+)")
-_RANK_FILE = re.compile(
-    r"(?:fr-)?rank-(\d+)(?:\..+)?"
-)  # rank-3.out, fr-rank-3 (its flight recorder)
+# A rank's file in an attempt's folder: rank-3.out, rank-3.done.json, fr-rank-3 (its flight
+# recorder).
+_RANK_FILE = re.compile(r"(?:fr-)?rank-(\d+)(?:\..+)?")
 # A node's files: a disk is not another machine's to fill (a result or a memory snapshot is a
 # few GB at most; logs past this are a runaway loop).
 MAX_FILE = 4 << 30  # bytes of one file

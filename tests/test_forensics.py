@@ -17,6 +17,7 @@ from tests.kernel import (
     Execution,
     Kernel,
     assert_job_gone,
+    dashboard_of,
     run_dir,
     run_events,
     run_summary,
@@ -620,7 +621,7 @@ def test_a_hang_ended_by_the_timeout_keeps_its_finding(kernel: Kernel) -> None:
     """--timeout ends a job while a hang alert stands: the error and the summary still say
     which rank never entered which collective and show every rank's stack, rather than only
     "stopped by elastic_nb (SIGTERM)" for every rank; the alert names the rank that holds far
-    more memory than the others."""
+    more memory than the others; each rank's chip says where it was."""
     msg_id, ex = kernel.start(
         "%%elastic --nproc 2 --hang-after 2 --timeout 20 --collective-timeout off\n"
         "import time, torch, torch.distributed as dist\n"
@@ -641,4 +642,10 @@ def test_a_hang_ended_by_the_timeout_keeps_its_finding(kernel: Kernel) -> None:
     assert "where every rank was" in ex.traceback and "time.sleep(600)" in ex.traceback
     summary = json.loads((ex.run_dir / "summary.json").read_text())
     assert finding in summary["reason"] and "time.sleep(600)" in summary["diagnosis"]["stacks"]
+    # Each rank's chip said where it was while the alert stood, and still says so at the end.
+    dash, events = dashboard_of(kernel, ex.job_id, {"nproc": 2})
+    said = [c["label"] for e in events for c in e.get("ranks", {}).values()]
+    assert "waiting in all_reduce · line 8" in said and "line 7" in said, said
+    labels = {r: c["label"] for r, c in dash.ranks.items()}
+    assert labels == {"0": "stopped · waiting in all_reduce · line 8", "1": "stopped · line 7"}
     assert_job_gone(ex.job_id)

@@ -112,6 +112,19 @@ def where_from_record(rank: int, record: dict[str, Any]) -> RankWhere:
     return RankWhere(rank, "raised", parse_traceback(record.get("traceback") or ""))
 
 
+def place_words(w: RankWhere, cell: str) -> str:
+    """Where a rank is, in a chip's few words: 'waiting in all_reduce · line 14', 'line 13',
+    'finished the cell'."""
+    if w.how == "finished":
+        return "finished the cell"
+    cf = w.cell_frame(cell)
+    op = w.collective()
+    parts = [f"{'raised in' if w.how == 'raised' else 'waiting in'} {op}"] if op else []
+    if cf is not None:
+        parts.append(f"line {cf.line}")
+    return " · ".join(parts) or (w.note or w.how)
+
+
 def format_stacks(where: dict[int, RankWhere], cell: str, cell_lines: list[str]) -> str:
     """Per rank: a headline with the cell line, then its innermost frames down to the cell."""
     out: list[str] = []

@@ -25,6 +25,7 @@ from elastic_nb.supervisor.forensics.desync import Desync, desync_verdict
 from elastic_nb.supervisor.forensics.stacks import (
     RankWhere,
     format_stacks,
+    place_words,
     where_from_dump,
     where_from_record,
 )
@@ -43,6 +44,7 @@ class Evidence:
     histories: dict[int, History]
     desync: Desync | None  # what the two say of who is out of step, if anyone is
     stacks: str  # every rank's stack, trimmed to the cell's frames, as reports show them
+    places: dict[int, str]  # each rank's place in a few words (stacks.place_words)
 
 
 class EvidenceCollector:
@@ -81,7 +83,9 @@ class EvidenceCollector:
             if r.where is not None and r.rank in where:
                 where[r.rank].name = r.name  # across machines, each rank named with its node
         desync = desync_verdict(where, self._cell, self._lines, histories)
-        return Evidence(where, histories, desync, format_stacks(where, self._cell, self._lines))
+        text = format_stacks(where, self._cell, self._lines)
+        places = {rank: place_words(w, self._cell) for rank, w in where.items()}
+        return Evidence(where, histories, desync, text, places)
 
     async def look(
         self, ranks: list[RankState], before: dict[int, History]

@@ -96,6 +96,9 @@ class Job(RankGroup):
         # The last hang or kept-alive watchdog alert's finding, by attempt: a job stopped while it
         # stood (--timeout, an interrupt, Stop) ends with it, not with "stopped" on every rank.
         self.standing: tuple[int, Finding] | None = None
+        # Where each rank was at that alert (its chip says so until a rank speaks again, and
+        # after a stop): attempt, rank -> words, the lines counted then.
+        self._places: tuple[int, dict[int, str], int] | None = None
         self._watchdog_alerts: set[int] = set()  # attempts whose NCCL timeouts end nothing
 
     # ---- for the service -----------------------------------------------------------------
@@ -312,6 +315,9 @@ class Job(RankGroup):
         now = time.monotonic()
         hang_after = self.spec.hang_after if quiet else None
         in_cell = self.book.in_the_cell(self.attempt)
+        if self._places is not None and self._places[2] != self.tailer.activity_total():
+            self._places = None  # a rank spoke: the chips say "running" again
+            self._show_places()
         if self.silence.due(now, self.tailer.activity_total(), in_cell, hang_after):
             silent_for = now - self.silence.last_activity
             title = f"no output and no exit from any rank for {silent_for:.0f} s (--hang-after)"
@@ -347,9 +353,21 @@ class Job(RankGroup):
 
     async def _report_where(self, kind: str, title: str) -> None:
         """An alert with every rank's stack and what they say of a desync; nothing ends."""
-        found = where_finding(title, await self._evidence(), self.held_memory())
+        ev = await self._evidence()
+        found = where_finding(title, ev, self.held_memory())
         self.standing = (self.attempt, found)
         self.report.alert(kind, "warning", found.title, rank=found.culprit, text=found.stacks)
+        self._places = (self.attempt, ev.places, self.tailer.activity_total())
+        self._show_places()
+
+    def _show_places(self) -> None:
+        """Each live rank's chip: where it is (the last alert's places), or running again."""
+        places = self._places[1] if self._places and self._places[0] == self.attempt else {}
+        for r in self.book.of(self.attempt):
+            if r.died_at is None and not self.decided:
+                chip = self.book.chip(r, self.teardown_at)
+                chip["label"] = places.get(r.rank, chip["label"])
+                self.report.chip(r.rank, chip)
 
     async def _diagnose_timeout(self, r: RankState, kind: str) -> None:
         try:
@@ -483,8 +501,13 @@ class Job(RankGroup):
         current = self.book.of(self.attempt)
         behind = self.book.behind.get(self.attempt)
         verdict = analyze(current, self.teardown_at, behind, self.world_size)
+        standing = self._places if self._places and self._places[0] == self.attempt else None
         for r in current:
-            self.report.chip(r.rank, self.book.chip(r, self.teardown_at, verdict.root))
+            chip = self.book.chip(r, self.teardown_at, verdict.root)
+            if standing and outcome in STOPPED and r.kind(self.teardown_at) == "terminated":
+                # Stopped while a hang alert stood: where it was, not only how it ended.
+                chip["label"] = f"stopped · {standing[1].get(r.rank, chip['label'])}"
+            self.report.chip(r.rank, chip)
         result = self._verdict_summary(outcome, reason, verdict)
         for alert in summary.closing_alerts(result, current, self._leftovers):
             self.report.alert(**alert)

@@ -362,6 +362,15 @@ def test_a_cells_timeout_and_hang_after_keep_the_session(session_kernel) -> None
     # The hang's finding outlives the timeout: the error keeps it, with every rank's stack.
     assert f"the --timeout of {HANG_AFTER_S + 3:g} s passed; before that: {alert}" in ex.traceback
     assert "where every rank was" in ex.traceback and "time.sleep(60)" in ex.traceback
+    # Each rank's chip said where it was while the alert stood, and still says so at the end.
+    (cell,) = ex.job_ids
+    state, events = dashboard_of(k, cell, {"nproc": 2})
+    said = [c["label"] for e in events for c in e.get("ranks", {}).values()]
+    assert "line 4" in said, said
+    assert {r: c["label"] for r, c in state.ranks.items()} == {
+        "0": "stopped · line 4",
+        "1": "stopped · line 4",
+    }, state.ranks
     assert k.ok("%%elastic\ncounter\n").result == "1"  # interrupted, not restarted
     assert "attempt 0, restarts 0/3" in k.ok("%elastic session").stdout
 

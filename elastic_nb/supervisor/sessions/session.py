@@ -565,6 +565,9 @@ class Session(RankGroup):
             if cell is None or not cell.running or cell.spec.hang_after is None:
                 continue
             lines = self.tailer.activity_total()
+            if cell.places is not None and cell.places[1] != lines:
+                cell.places = None  # a rank spoke: its chips say "running" again
+                cell.chips(cell.ranks(self.book.of(cell.attempt)), None)
             if self.silence.due(time.monotonic(), lines, True, cell.spec.hang_after):
                 self.task_group.start_soon(self._hang_alert, cell)
 
@@ -575,3 +578,6 @@ class Session(RankGroup):
         found = where_finding(title, ev, self.held_memory())
         cell.standing = found  # a stop while it stands ends the cell with it
         cell.report.alert("hang", "warning", found.title, rank=found.culprit, text=found.stacks)
+        if cell.running:
+            cell.places = (ev.places, self.tailer.activity_total())
+            cell.chips(cell.ranks(self.book.of(cell.attempt)), None)

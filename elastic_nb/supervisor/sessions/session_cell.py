@@ -91,6 +91,9 @@ class SessionCell:
         self.attempt = 0
         self.finding: Finding | None = None  # a desync found while it ran
         self.standing: Finding | None = None  # its last hang alert's finding (`stopped` says it)
+        # Where each rank stood at that alert (its chip says so until a rank speaks again), and
+        # the session's line count then.
+        self.places: tuple[dict[int, str], int] | None = None
         self.restarted_to: int | None = None  # the session's attempt after the restart it brought
         self.peaks = Peaks()  # its ranks' memory peaks while the kernel follows it
         self.checkpoints = CheckpointLog(self.rd.checkpoints)  # its session's, once submitted
@@ -307,15 +310,20 @@ class SessionCell:
         return out
 
     def chips(self, ranks: list[RankState], teardown_at: float | None) -> None:
+        """Each rank's chip: how it ended in the cell, or running (where it stands while a hang
+        alert stands; a stop then keeps where it was: "stopped · waiting in all_reduce · line 8")."""
+        places = self.places[0] if self.places else {}
         for r in ranks:
             if r.done is not None:
                 label, state = "finished", "done"
             elif r.failure is None and r.died_at is None:
-                label, state = "running", "running"
+                label, state = places.get(r.rank, "running"), "running"
             else:
                 kind = r.kind(teardown_at)
                 state = "stopped" if kind in ("terminated", "peer") else "failed"
                 label = r.label(teardown_at)
+                if self.stop_reason and r.rank in places and state == "stopped":
+                    label = f"stopped · {places[r.rank]}"
             chip = protocol.Chip(state=state, label=label, attempt=r.attempt, pid=r.pid)
             if state in ("failed", "stopped"):
                 chip["detail"] = r.failure_summary()

@@ -106,6 +106,10 @@ def test_rank_chips_appear_while_the_cell_runs(page: Any, lab: LabServer, tmp_pa
         assert heights(0)[-1] > heights(1)[-1]  # one scale: rank 0 holds less, its line is lower
         nb.expect_running(1)
         expect(dash.locator(".enb-state")).to_have_text("running")
+        # Its ranks made a process group: the header says what a stuck collective would do.
+        expect(dash.locator(".enb-worst")).to_have_text(
+            re.compile(r"^a stuck collective fails the cell within [\d.]+ s$")
+        )
         expect(dash.locator(".enb-hint")).to_contain_text(
             "Interrupt the kernel", use_inner_text=True
         )

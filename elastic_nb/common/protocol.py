@@ -603,6 +603,7 @@ class Update(_Update, total=False):
     memory: list[MemorySample]  # each rank's samples since the last update
     checkpoints: list[dict[str, Any]]  # checkpoints saved since the last update (their records)
     rounds: list[Round]  # a multi-node job's rounds so far (the whole timeline, when it changed)
+    groups: bool  # a rank made a process group: its collectives can time out (said once)
 
 
 class End(TypedDict):

@@ -141,6 +141,10 @@ class RunDir:
     def collectives(self, attempt: int, rank: int) -> Path:
         return self.attempt(attempt) / f"rank-{rank}.collectives.json"
 
+    def group(self, attempt: int, rank: int) -> Path:
+        """Written when the rank makes its first process group: a collective can time out."""
+        return self.attempt(attempt) / f"rank-{rank}.group.json"
+
     def probe(self, attempt: int, rank: int) -> Path:
         return self.attempt(attempt) / f"rank-{rank}.probe"
 

@@ -16,6 +16,7 @@ import ast
 import builtins
 import contextlib
 import faulthandler
+import functools
 import importlib
 import io
 import json
@@ -28,6 +29,7 @@ import time
 import types
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from elastic_nb.common import loopback, modules, procs
@@ -81,6 +83,8 @@ def prepare(run_dir: str, env: dict[str, str], start_env: dict[str, str]) -> Ran
     os.environ.pop(ATTEMPT_BASE_ENV, None)
     spec = JobSpec.from_json(rd.spec.read_text())
     _prepare_process(spec, rd)
+    if spec.collective_timeout is not None:
+        _note_the_first_group(rd.group(attempt, rank))
     _arm_forensics(rd, attempt, rank)
     return Rank(rd, rank, attempt, spec, _fresh_main().__dict__)
 
@@ -313,6 +317,25 @@ def _patch_default_timeouts(seconds: float) -> None:
     c10d.default_pg_timeout = td
     # None on CPU-only builds, a timedelta where NCCL is compiled in.
     c10d.default_pg_nccl_timeout = td
+
+
+def _note_the_first_group(path: Path) -> None:
+    """Leave `path` when the rank makes its first process group (init_process_group, new_group
+    and DeviceMesh all make theirs in c10d's `_new_process_group_helper`): from then on a
+    collective can time out, and the dashboard says what --collective-timeout will do."""
+    import torch.distributed.distributed_c10d as c10d
+
+    make = c10d._new_process_group_helper
+
+    @functools.wraps(make)
+    def noted(*args: Any, **kwargs: Any) -> Any:
+        made = make(*args, **kwargs)
+        c10d._new_process_group_helper = make  # once is enough
+        with contextlib.suppress(OSError):
+            write_json(path, {"time": time.time()})
+        return made
+
+    c10d._new_process_group_helper = noted
 
 
 def _fresh_main() -> types.ModuleType:

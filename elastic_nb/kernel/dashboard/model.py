@@ -62,6 +62,7 @@ class DashboardState:
             "restarts": 0,
             "max_restarts": spec.max_restarts,
             "worst_case_s": spec.worst_case_s,
+            "collectives": False,  # a rank made a process group: worst_case_s applies
             "background": spec.background,
             "state": "starting",
             "attempt": 0,
@@ -100,6 +101,8 @@ class DashboardState:
             self._new_attempt(int(attempt))
         if "state" in msg:
             self._header(state=msg["state"])
+        if msg.get("groups") and not self.header["collectives"]:
+            self._header(collectives=True)
         if msg.get("checkpoints"):
             saved = msg["checkpoints"][-1]
             self._header(checkpoint={**saved, "how": report.checkpoint_how(saved)})

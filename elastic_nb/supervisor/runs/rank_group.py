@@ -56,6 +56,7 @@ POLL_S = 0.05  # log tail and record polling
 FLUSH_S = 0.1  # one update per group per flush: at most 10 messages a second
 CUDA_WAIT_S = 0.5  # for a rank's allocator figures (its probe thread answers in milliseconds)
 IDLE_STOP_GRACE_S = 0.2  # SIGTERM -> SIGKILL for a node of a multi-node group with no live rank
+GROUPS_LOOK_S = 1.0  # a look for the ranks' first process group (a few stats)
 
 
 class RankGroup:
@@ -102,6 +103,10 @@ class RankGroup:
         # (when, who, lost with its machine), for the words of what it cost
         self.last_failure: tuple[float, str, bool] | None = None
         self.teardown_at: float | None = None  # when ending the ranks began (our clock)
+        # The latest attempt a rank of which made a process group (its collectives can time
+        # out: the dashboards say what --collective-timeout will do), and the next look for one.
+        self.groups_made: int | None = None
+        self._groups_look = 0.0
         self.nodes_missing = False  # a multi-node group's nodes did not come (cause: nodes)
         self._outcome: tuple[str, str] | None = None
         self._decided = anyio.Event()
@@ -506,10 +511,25 @@ class RankGroup:
                 self._on_watchdog_line(attempt, rank, line)
             self.poll_checkpoints()
             self._poll()
+            self._watch_groups()
             if time.monotonic() >= next_flush:
                 await self._flush()
                 next_flush = time.monotonic() + FLUSH_S
             await anyio.sleep(POLL_S)
+
+    def _watch_groups(self, last: bool = False) -> None:
+        """Once a rank of the attempt has made a process group (rank/bootstrap.py leaves a
+        record), its followers say what a stuck collective will do. `last`: the look at the
+        end, whenever the one before it was (a job of a second made one after it)."""
+        now = time.monotonic()
+        if self.groups_made == self.attempt or (now < self._groups_look and not last):
+            return
+        self._groups_look = now + GROUPS_LOOK_S
+        attempt = self.attempt
+        if any(self.rd.group(attempt, r.rank).exists() for r in self.book.of(attempt)):
+            self.groups_made = attempt
+            for report in self._followers():
+                report.groups_made()
 
     def poll_checkpoints(self) -> None:
         """What the cells' checkpoints did since the last poll: a save to the header, a resume
@@ -610,6 +630,7 @@ class RankGroup:
     async def _finish(self) -> None:
         assert self._outcome is not None
         outcome, reason = self._outcome
+        self._watch_groups(last=True)
         try:
             self.summary = await self._summarize(outcome, reason)
         except Exception as e:  # the kernel must hear the end whatever broke here

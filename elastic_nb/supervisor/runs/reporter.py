@@ -40,6 +40,7 @@ class Reporter:
         self._memory: list[protocol.MemorySample] = []
         self._checkpoints: list[dict[str, Any]] = []
         self._rounds: list[protocol.Round] | None = None
+        self._groups = False  # a rank made a process group: for the next update
         self._state_dirty = True
         self.seq = 0  # of the latest message in `history`
         self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY)
@@ -101,6 +102,10 @@ class Reporter:
         """A rank's memory sample, for the next update."""
         self._memory.append(sample)
 
+    def groups_made(self) -> None:
+        """A rank of the job has made a process group: its collectives can time out."""
+        self._groups = True
+
     def rounds(self, rounds: list[protocol.Round]) -> None:
         """A multi-node job's timeline changed: the whole of it, for the next update."""
         self._rounds = [protocol.Round(**r) for r in rounds]
@@ -122,6 +127,8 @@ class Reporter:
             update["checkpoints"], self._checkpoints = self._checkpoints, []
         if self._rounds is not None:
             update["rounds"], self._rounds = self._rounds, None
+        if self._groups:
+            update["groups"], self._groups = True, False
         logs = [b.record() for b in tailer.take()] if tailer is not None else []
         if logs:
             update["logs"] = logs

@@ -376,6 +376,8 @@ class Session(RankGroup):
         cell.no, cell.attempt = self.cells_run, self.attempt
         cell.report.event("run", no=cell.no, attempt=self.attempt)
         cell.report.set_state("running")
+        if self.groups_made == self.attempt:
+            cell.report.groups_made()  # an earlier cell made the ranks' process group
         self.silence = Silence(last_activity=time.monotonic())
         if self.attempt > self._shown_attempt:
             # Whether or not it waited for them, the cell runs on new ranks: say why.

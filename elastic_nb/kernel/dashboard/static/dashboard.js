@@ -275,6 +275,19 @@ function memoryChip(m, tops, outlier) {
   return `<span class="enb-chip-mem${cls}" title="${esc(title)}">${sparkline(m.series, tops)}<span class="enb-chip-mem-text">${figures.map((f) => `<span class="enb-fig">${esc(f)}</span>`).join(" · ")}</span></span>`;
 }
 
+// What --collective-timeout will do, once a rank has a process group (before, nothing can time
+// out): each attempt fails within its share of the worst case, the cell within all of it (a
+// session cell within one share: its failure restarts the session, not the cell).
+function collectiveWords(h) {
+  if (h.worst_case_s == null) return "";
+  const n = (x) => String(+x.toFixed(1));
+  const attempts = (h.max_restarts ?? 0) + 1;
+  if (h.session) return `a stuck collective fails the cell within ${n(h.worst_case_s / attempts)} s`;
+  return attempts > 1
+    ? `a stuck collective fails its attempt within ${n(h.worst_case_s / attempts)} s, the cell within ${n(h.worst_case_s)} s`
+    : `a stuck collective fails the cell within ${n(h.worst_case_s)} s`;
+}
+
 const RUNNING = new Set(["starting", "rendezvous", "running", "restarting"]);
 
 // ---- the view ------------------------------------------------------------------------------
@@ -394,8 +407,7 @@ class View {
     this.q(".enb-restarts").textContent = h.session
       ? `session attempt ${h.attempt} · restarts ${restarts}/${h.max_restarts}`
       : `restarts ${restarts}/${h.max_restarts}`;
-    this.q(".enb-worst").textContent =
-      h.worst_case_s != null ? `stuck collective fails within ${h.worst_case_s} s` : "";
+    this.q(".enb-worst").textContent = h.collectives && running ? collectiveWords(h) : "";
     const saved = h.checkpoint;
     const checkpoint = this.q(".enb-checkpoint");
     checkpoint.hidden = !saved;

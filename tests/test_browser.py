@@ -422,3 +422,131 @@ def _job_processes(job: str) -> list[Any]:
     from elastic_nb.common import procs
 
     return procs.job_processes([job])
+
+
+# The six scenarios of what the screen says (issue 34): memory growth on one rank
+# (test_rank_chips_appear_while_the_cell_runs), a session whose rank dies
+# (test_a_session_cell_shows_its_session_and_a_partial_failure), and these four.
+
+_CHECKPOINTED = """%%elastic --nproc 2 --max-restarts 1 --env ELASTIC_NB_CHECKPOINT_DIR={ckpt}
+import os, torch, torch.distributed as dist
+from elastic_nb import checkpoint
+dist.init_process_group()
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+start = checkpoint.load(model, opt)
+print("first step", 0 if start is None else start + 1, flush=True)
+attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+for step in range(0 if start is None else start + 1, 10):
+    opt.zero_grad()
+    model(torch.ones(8, 4)).sum().backward()
+    opt.step()
+    if step == 5:
+        checkpoint.save(step, model, opt)
+    if attempt == 0 and step == 7 and dist.get_rank() == 1:
+        raise RuntimeError("rank 1 broke at step 7")
+    dist.barrier()
+"""
+
+
+def test_a_checkpointed_restart_on_the_timeline(page: Any, lab: LabServer, tmp_path: Path) -> None:
+    """Rank 1 fails after a save; the job restarts from the checkpoint and succeeds. The header
+    counts the restart, the timeline draws both attempts on the job's time (the first ended in
+    the restart, the second succeeded) and says once why the first ended, with what the failure
+    cost: the restart alert is not said a second time above it."""
+    nb = open_notebook(page, lab, "restart.ipynb", [_CHECKPOINTED.format(ckpt=tmp_path / "ckpt")])
+    nb.run(1)
+    nb.wait_done(1, timeout=120)
+    dash = nb.cell(1).locator(".enb")
+    expect(dash.locator(".enb-state")).to_have_text("succeeded")
+    expect(dash.locator(".enb-restarts")).to_have_text("restarts 1/1")
+    expect(dash.locator(".enb-checkpoint")).to_contain_text("checkpoint: step 5")
+    timeline = dash.locator(".enb-attempts")
+    expect(timeline).to_be_visible()
+    expect(timeline.locator(".enb-tl-lane:not(.enb-tl-axis) .enb-tl-name")).to_have_text(
+        ["this machine"]
+    )
+    bars = timeline.locator(".enb-tl-bar")
+    expect(bars).to_have_count(2)
+    expect(bars.nth(0)).to_have_class(has_class("enb-o-restarted"))
+    expect(bars.nth(0)).to_have_text(re.compile(r"^attempt 0 · [\d.]+ s$"))
+    expect(bars.nth(1)).to_have_class(has_class("enb-o-succeeded"))
+    # The bars share one time axis: attempt 1 begins where attempt 0 ends.
+    left = [float(bars.nth(i).evaluate("b => parseFloat(b.style.left)")) for i in (0, 1)]
+    width0 = float(bars.nth(0).evaluate("b => parseFloat(b.style.width)"))
+    assert left[0] == 0 and abs(left[0] + width0 - left[1]) < 0.05, (left, width0)
+    ended = timeline.locator('.enb-attempt[data-attempt="0"] .enb-attempt-why')
+    expect(ended).to_have_text(
+        re.compile(
+            r"^ended: attempt 0 failed: rank 1 RuntimeError: rank 1 broke at step 7 \(cell line 17\); "
+            r"restarting as attempt 1 \(restart 1/1\); .*step 5"
+        )
+    )
+    expect(timeline.locator('.enb-attempt[data-attempt="1"] .enb-attempt-why')).to_have_count(0)
+    # Said once: the restart's words are the timeline's, not an alert's as well.
+    expect(dash.locator('.enb-alert[data-kind="restart"]')).to_be_hidden()
+    expect(dash.locator(".enb-alerts")).not_to_contain_text(
+        "restarting as attempt 1", use_inner_text=True
+    )
+    shot(page, dash, "dashboard-checkpointed-restart.png")
+    assert_job_gone(job_of(nb, 1))
+
+
+def test_a_desync_and_a_hang_ended_by_the_timeout(page: Any, lab: LabServer) -> None:
+    """A rank skips a collective: the desync is said once (its alert; the failure adds no second
+    one with the same words). Then a rank sleeps while the other waits in all_reduce, past
+    --hang-after, until --timeout ends the cell: the hang's finding stays in the error, and each
+    chip says where its rank was."""
+    nb = open_notebook(
+        page,
+        lab,
+        "forensics.ipynb",
+        [
+            "%%elastic --nproc 2 --collective-timeout 5\n"
+            "import time, torch, torch.distributed as dist\n"
+            "dist.init_process_group()\n"
+            "x = torch.ones(1)\n"
+            "dist.all_reduce(x)\n"
+            "if dist.get_rank() != 1:\n"
+            "    dist.all_reduce(x)   # rank 1 skips this one\n"
+            "time.sleep(120)\n",
+            "%%elastic --nproc 2 --hang-after 2 --timeout 15 --collective-timeout off\n"
+            "import time, torch, torch.distributed as dist\n"
+            "dist.init_process_group()\n"
+            "print('initialised', flush=True)\n"
+            "if dist.get_rank() == 1:\n"
+            "    time.sleep(600)\n"
+            "dist.all_reduce(torch.ones(1))\n",
+        ],
+    )
+    nb.run(1)
+    nb.wait_done(1, timeout=60)
+    dash = nb.cell(1).locator(".enb")
+    expect(dash.locator(".enb-state")).to_have_text("failed")
+    finding = "rank 1 never entered all_reduce #2 (cell line 7): it was at cell line 8"
+    alerts = dash.locator(".enb-alert")
+    expect(alerts.filter(has_text=finding)).to_have_count(1)
+    nb.expect_output(1, f"JobFailed: desync: {finding}")
+    shot(page, dash, "dashboard-desync.png")
+    assert_job_gone(job_of(nb, 1))
+
+    nb.run(2)
+    nb.wait_done(2, timeout=60)
+    dash = nb.cell(2).locator(".enb")
+    expect(dash.locator(".enb-state")).to_have_text("timeout")
+    expect(dash.locator('.enb-chip[data-rank="0"] .enb-chip-label')).to_have_text(
+        "stopped · waiting in all_reduce · line 7"
+    )
+    expect(dash.locator('.enb-chip[data-rank="1"] .enb-chip-label')).to_have_text(
+        "stopped · line 6"
+    )
+    hang = dash.locator('.enb-alert[data-kind="hang"]')
+    expect(hang).to_have_count(1)
+    expect(hang.locator(".enb-alert-title")).to_contain_text(
+        "rank 1 never entered all_reduce #1 (cell line 7): it was at cell line 6",
+        use_inner_text=True,
+    )
+    nb.expect_output(2, "ran past its deadline: the --timeout of 15 s passed; before that: no output")
+    expect(dash.locator(".enb-worst")).to_have_text("")  # --collective-timeout off: no note
+    shot(page, dash, "dashboard-hang-timeout.png")
+    assert_job_gone(job_of(nb, 2))

@@ -212,6 +212,7 @@ def test_states_chips_alerts_and_the_attempts_timeline(
         "title": "attempt 0 failed: rank 1 ValueError: boom; restarting as attempt 1",
         "rank": 1,
         "text": None,
+        "ends": 0,  # the attempt it ended (it may arrive with the next attempt's first word)
     }
     dash.update({"ranks": {"1": failed}, "alerts": [restart]})
     clock.now += 0.2
@@ -235,7 +236,9 @@ def test_states_chips_alerts_and_the_attempts_timeline(
     attempts = delta["attempts"]
     assert [a["attempt"] for a in attempts] == [0, 1]
     assert attempts[0]["ranks"]["1"] == {"state": "failed", "label": "ValueError"}
-    assert attempts[0]["why"] == restart["title"]
+    assert attempts[0]["why"] == restart["title"]  # why attempt 0 ended: the restart's words
+    # Each attempt of the timeline spans its start to its end: attempt 0 ended as 1 began.
+    assert attempts[0]["ended_s"] == attempts[1]["started"] and attempts[1]["ended_s"] is None
     assert delta["ranks"]["1"]["state"] == "starting"  # attempt 1's rank 1 is not up yet
     assert ["1", "mark", ["── attempt 1 ──"]] in delta["lines"]
     # Each rank's tab has its separator; the all-ranks tab one, not one a rank (three for two).
@@ -252,6 +255,7 @@ def test_states_chips_alerts_and_the_attempts_timeline(
     dash.end(_summary("succeeded", str(tmp_path), attempt=1, restarts=1, max_restarts=1))
     final = c.snapshots[-1]
     assert final["attempts"][1]["outcome"] == "succeeded"
+    assert final["attempts"][1]["ended_s"] == 9.5  # the job's wall time
     assert final["header"]["state"] == "succeeded" and final["header"]["wall_s"] == 9.5
     assert final["header"]["restarts"] == 1
 
@@ -452,6 +456,11 @@ def test_a_multinode_jobs_rounds_and_nodes_reach_the_dashboard(tmp_path: Path) -
     assert sorted(state.ranks) == ["0", "1", "2", "3"]
     assert state.header["world_size"] == 4 and state.header["restarts"] == 1
     assert [a["round"]["why"] for a in state.attempts] == [first["why"], left["why"]]
+    # Why a round began is why the one before it ended: attempt 0 did not lose node 2, it ended
+    # because node 2 left. (The restart alert, which arrives after the round, does not move it.)
+    restart = {"kind": "restart", "severity": "warning", "title": "attempt 1: " + left["why"]}
+    state.apply({"alerts": [restart]})
+    assert [a["why"] for a in state.attempts] == [left["why"], None]
     joined = round_(2, 3, "node 3 (m3) joined", False, 1)
     state.apply({"rounds": [first, left, joined], "attempt": 2})
     assert sorted(state.ranks) == [str(r) for r in range(6)]
@@ -517,6 +526,15 @@ def test_a_desyncs_failure_is_said_once(tmp_path: Path) -> None:
     other = {**failure, "title": "rank 1 failed first: ValueError: boom"}
     dash.update({"alerts": [other]})
     assert [a["kind"] for a in dash.state.alerts] == ["desync", "failure"]
+    # The same finding under another lead: a collective timeout's alert said it first.
+    finding = "rank 1 never entered all_reduce #2 (cell line 7): it was at cell line 8"
+    timeout = {
+        **desync,
+        "kind": "collective_timeout",
+        "title": f"rank 0 timed out after 5 s: {finding}",
+    }
+    dash.update({"alerts": [timeout, {**failure, "title": f"desync: {finding}"}]})
+    assert [a["kind"] for a in dash.state.alerts] == ["desync", "failure", "collective_timeout"]
 
 
 def test_a_replay_is_one_alert_that_grows(tmp_path: Path) -> None:

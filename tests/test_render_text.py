@@ -13,7 +13,9 @@ from elastic_nb.kernel.render_text import TextRenderer
 pytestmark = pytest.mark.unit
 
 
-def _round(attempt: int, nodes: list[str], why: str, counted: bool) -> dict[str, Any]:
+def _round(
+    attempt: int, nodes: list[str], why: str, counted: bool, started: float = 0.0
+) -> dict[str, Any]:
     return {
         "attempt": attempt,
         "nodes": nodes,
@@ -21,7 +23,7 @@ def _round(attempt: int, nodes: list[str], why: str, counted: bool) -> dict[str,
         "why": why,
         "counted": counted,
         "restarts": int(counted),
-        "started": 0.0,
+        "started": started,
         "stop_s": None,
         "rendezvous_s": 0.1,
         "running_s": 0.4,
@@ -49,3 +51,47 @@ def test_each_round_says_where_its_own_ranks_run() -> None:
         "[elastic_nb] attempt 2 · world size 3 · node 0 (vm): ranks 0; node 2 (gpu-c): ranks 1; "
         "node 3 (gpu-d): ranks 2, running 0.4 s after it began",
     ]
+
+
+def test_the_end_says_the_timeline_in_words() -> None:
+    """A job across machines that lost a node and got one back: at its end one line an attempt,
+    each from its start to its end (seconds into the job), its nodes and world, and why it
+    ended: the round after it's beginning (attempt 0 did not lose node 1: it ended because node 1
+    left)."""
+    from elastic_nb.common import protocol
+
+    out = io.StringIO()
+    r = TextRenderer("cafe0001", "/runs/cafe0001", out, io.StringIO())
+    a, b, c = "node 0 (vm)", "node 1 (gpu-b)", "node 2 (gpu-c)"
+    t0 = 1000.0
+    rounds = [_round(0, [a, b], "first round", False, t0)]
+    r.update({"rounds": rounds, "attempt": 0})
+    rounds.append(_round(1, [a], f"{b} left: connection lost", True, t0 + 12.5))
+    r.update({"rounds": rounds, "attempt": 1})
+    rounds.append(_round(2, [a, c], f"{c} joined", False, t0 + 20.0))
+    r.update({"rounds": rounds, "attempt": 2})
+    out.seek(0)
+    out.truncate()
+    end = protocol.summary("cafe0001", "succeeded", "every rank finished the cell")
+    end.update(started=t0, wall_s=31.0, attempt=2, world_size=2, run_dir="/runs/cafe0001")
+    r.end(end)
+    assert out.getvalue().splitlines()[:4] == [
+        "[elastic_nb] timeline:",
+        f"[elastic_nb]   attempt 0 · 0.0 s to 12.5 s (12 s) · {a}, {b} · world size 2 · "
+        f"ended: {b} left: connection lost",
+        f"[elastic_nb]   attempt 1 · 12.5 s to 20.0 s (7.5 s) · {a} · world size 1 · "
+        f"ended: {c} joined",
+        f"[elastic_nb]   attempt 2 · 20.0 s to 31.0 s (11 s) · {a}, {c} · world size 2",
+    ]
+
+
+def test_one_attempt_on_one_machine_has_no_timeline() -> None:
+    from elastic_nb.common import protocol
+
+    out = io.StringIO()
+    r = TextRenderer("cafe0001", "/runs/cafe0001", out, io.StringIO())
+    r.update({"state": "running", "attempt": 0})
+    end = protocol.summary("cafe0001", "succeeded", "every rank finished the cell")
+    end.update(started=1000.0, wall_s=3.0, world_size=2, run_dir="/runs/cafe0001")
+    r.end(end)
+    assert "timeline" not in out.getvalue()

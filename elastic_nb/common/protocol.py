@@ -320,6 +320,7 @@ class _Alert(TypedDict):
 
 class Alert(_Alert, total=False):
     key: str  # one story told as it goes (a replay): it replaces the last alert of its key
+    ends: int  # a restart's: the attempt it ended (its words are why that attempt ended)
 
 
 class Chip(TypedDict, total=False):

@@ -111,6 +111,26 @@ def _spans(ranks: list[int]) -> str:
     return ", ".join(out)
 
 
+def timeline_lines(attempts: list[dict[str, Any]], wall_s: float) -> list[str]:
+    """The timeline in words (the dashboard draws it): an attempt a line, from its start to its
+    end in seconds into the job, its nodes and world size across machines, and why it ended.
+    `attempts`: each attempt's `started` (seconds into the job), and `nodes`, `world_size`, `why`
+    where known."""
+    lines = ["[elastic_nb] timeline:"]
+    for i, a in enumerate(attempts):
+        end = attempts[i + 1]["started"] if i + 1 < len(attempts) else wall_s
+        parts = [
+            f"attempt {a['attempt']}",
+            f"{a['started']:.1f} s to {end:.1f} s ({duration(end - a['started'])})",
+        ]
+        if a.get("nodes"):
+            parts.append(f"{', '.join(a['nodes'])} · world size {a['world_size']}")
+        if a.get("why"):
+            parts.append(f"ended: {a['why']}")
+        lines.append("[elastic_nb]   " + " · ".join(parts))
+    return lines
+
+
 def summary_line(s: Summary) -> str:
     restarts = f"restarts {s['restarts']}/{s['max_restarts']}"
     parts = [

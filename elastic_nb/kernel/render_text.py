@@ -60,6 +60,10 @@ class TextRenderer:
         self._left = MAX_CELL_CHARS  # of rank output this cell may still print
         self._where: dict[int, str] = {}  # a multi-node job's ranks: rank -> its node
         self._rounds_said = 0  # rounds whose line was printed
+        # The timeline, printed at the end of a job that restarted or ran across machines: each
+        # attempt's start (wall clock), nodes and world size, and why it ended.
+        self._attempts: list[dict[str, Any]] = [{"attempt": 0, "t": time.time()}]
+        self._multi_node = False
         self._memory: dict[int, tuple[int | None, ...]] = {}  # each rank's latest figures
         self._memory_attempt = -1
         self._memory_shown: dict[int, tuple[int | None, ...]] | None = None  # as the last line said
@@ -83,6 +87,7 @@ class TextRenderer:
         for rank, chip in msg.get("ranks", {}).items():
             if chip.get("node"):
                 self._where[int(rank)] = chip["node"]
+        self._follow_attempts(msg)
         for entry in msg.get("rounds", ())[self._rounds_said :]:
             if entry["running_s"] is None:
                 break  # said once every rank of it runs (its ranks' nodes are known then)
@@ -123,6 +128,28 @@ class TextRenderer:
             self._memory_line(msg["memory"])
         self._out.flush()
         self._err.flush()
+
+    def _follow_attempts(self, msg: dict[str, Any]) -> None:
+        """Each attempt's start, and across machines its round (whose beginning says why the
+        one before it ended, in a few words). One machine's attempts end in a restart, whose
+        alert said why as it happened."""
+        for entry in msg.get("rounds", ()):
+            self._multi_node = True
+            self._attempt(entry["attempt"], entry["started"]).update(
+                nodes=entry["nodes"], world_size=entry["world_size"]
+            )
+            if entry["attempt"]:
+                self._attempts[entry["attempt"] - 1]["why"] = entry["why"]
+        if msg.get("attempt") is not None:
+            self._attempt(msg["attempt"], time.time())
+        for alert in msg.get("alerts", ()):
+            if alert.get("ends") is not None and not self._multi_node:
+                self._attempt(alert["ends"], time.time())["why"] = "restarted (said above)"
+
+    def _attempt(self, attempt: int, t: float) -> dict[str, Any]:
+        while len(self._attempts) <= attempt:
+            self._attempts.append({"attempt": len(self._attempts), "t": t})
+        return self._attempts[attempt]
 
     def _memory_line(self, samples: list[dict[str, Any]]) -> None:
         """Take the samples in; say the ranks' memory if it is time and it moved."""
@@ -173,6 +200,11 @@ class TextRenderer:
         peaks = report.peaks_line(summary) if self._mode == "live" else None
         if peaks:
             self._out.write(peaks + "\n")
+        if self._mode == "live" and (len(self._attempts) > 1 or self._multi_node):
+            started = summary["started"] or self._attempts[0]["t"]
+            attempts = [{**a, "started": max(0.0, a["t"] - started)} for a in self._attempts]
+            attempts[0]["started"] = 0.0  # the last attempt's end is the summary's to say
+            self._out.write("\n".join(report.timeline_lines(attempts, summary["wall_s"])) + "\n")
         self._out.write(report.summary_line(summary) + "\n")
         self._out.flush()
 

@@ -146,11 +146,13 @@ class DashboardState:
         last = self.attempts[min(attempt, len(self.attempts) - 1)]
         last["outcome"] = outcome
         last["why"] = summary.get("reason")
+        if summary.get("wall_s") is not None:
+            last["ended_s"] = summary["wall_s"]
         self._delta["attempts"] = self.attempts
         for rank in list(self.progress):
             self._progress(rank, None)
         headline = report.failure_headline(summary) if outcome in ("failed", "timeout") else None
-        if any(a["title"] == headline for a in self.alerts):
+        if headline is not None and self._said(headline):
             headline = None
         in_error: list[int] = []
         if not self.header["background"] and outcome in ("failed", "timeout", "stopped"):
@@ -172,10 +174,10 @@ class DashboardState:
         for entry in rounds:
             attempt = entry["attempt"]
             while len(self.attempts) <= attempt:
-                self.attempts.append(
-                    _attempt(len(self.attempts), entry["started"] - self.header["started"])
-                )
+                self._begin_attempt(entry["started"] - self.header["started"])
             self.attempts[attempt]["round"] = entry
+            if attempt:  # why a round began is why the one before it ended
+                self.attempts[attempt - 1]["why"] = entry["why"]
         last = rounds[-1]
         self._multi_node = True
         self._header(world_size=last["world_size"], restarts=last["restarts"])
@@ -199,10 +201,14 @@ class DashboardState:
         self.ranks[rank] = chip
         self._delta.setdefault("ranks", {})[rank] = chip
 
+    def _said(self, title: str) -> bool:
+        """Whether an alert already said what `title` says: the same words, or the same finding
+        under another lead ("desync: F" after "rank 0 timed out in all_reduce after 5 s: F")."""
+        finding = title.split(": ", 1)[-1]
+        return any(a["title"] == title or a["title"].endswith(f": {finding}") for a in self.alerts)
+
     def _alert(self, alert: dict[str, Any]) -> None:
-        if alert.get("kind") == "failure" and any(
-            a["title"] == alert["title"] for a in self.alerts
-        ):
+        if alert.get("kind") == "failure" and self._said(alert["title"]):
             return  # the failure as an alert has already said (a desync's: its stacks, too)
         alert = {**alert, "n": self._alerts_seen}
         self._alerts_seen += 1
@@ -218,16 +224,18 @@ class DashboardState:
         else:
             self.alerts.append(alert)
         self._delta.setdefault("alerts", []).append(alert)
-        if alert.get("kind") == "restart":
-            # The restart alert arrives before the new attempt's first start.
-            self.attempts[-1]["why"] = alert["title"]
+        ends = alert.get("ends")
+        if ends is not None and ends < len(self.attempts) and not self._multi_node:
+            # Why the attempt ended: the restart's words (a multi-node job's rounds say why each
+            # began, which is why the one before ended).
+            self.attempts[ends]["why"] = alert["title"]
             self._delta["attempts"] = self.attempts
 
     def _new_attempt(self, attempt: int) -> None:
         self.memory = {}  # new processes: their memory starts afresh (dashboard.js alike)
         self._delta.pop("memory", None)
         while len(self.attempts) <= attempt:
-            self.attempts.append(_attempt(len(self.attempts), time.time() - self.header["started"]))
+            self._begin_attempt(time.time() - self.header["started"])
         self._delta["attempts"] = self.attempts
         self._header(attempt=attempt)
         if not self._multi_node:
@@ -244,6 +252,13 @@ class DashboardState:
             self._progress(rank, None)
             self._append(rank, "mark", [f"── attempt {attempt} ──"])
         self._append(None, "note", [f"── attempt {attempt} ──"])
+
+    def _begin_attempt(self, started: float) -> None:
+        """The next attempt, begun `started` seconds into the job: the one before it ended then
+        (the timeline draws each attempt from its start to its end)."""
+        if self.attempts:
+            self.attempts[-1]["ended_s"] = started
+        self.attempts.append(_attempt(len(self.attempts), started))
 
     def _waiting_chip(self, rank: int, attempt: int) -> dict[str, Any]:
         return {
@@ -353,4 +368,14 @@ def _newest(texts: list[str], lines: int, chars: int) -> list[str]:
 
 
 def _attempt(attempt: int, started: float) -> dict[str, Any]:
-    return {"attempt": attempt, "started": started, "ranks": {}, "outcome": None, "why": None}
+    """One attempt of the timeline: when it began and ended (seconds into the job; ended None
+    while it runs), how each rank ended, its outcome and why it ended (the restart's words, the
+    next round's, or the job's end), and across machines its round."""
+    return {
+        "attempt": attempt,
+        "started": started,
+        "ended_s": None,
+        "ranks": {},
+        "outcome": None,
+        "why": None,
+    }

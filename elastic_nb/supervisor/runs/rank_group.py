@@ -145,9 +145,9 @@ class RankGroup:
     def attempt_failed(self, attempt: int) -> bool:
         return attempt in self.book.failed_attempts
 
-    def alert(self, kind: str, severity: str, title: str, rank: int | None = None) -> None:
-        """About the group, to whoever follows it."""
-        self.report.alert(kind, severity, title, rank=rank)
+    def alert(self, kind: str, severity: str, title: str, **about: Any) -> None:
+        """About the group, to whoever follows it (`about`: Reporter.alert's rank, key or ends)."""
+        self.report.alert(kind, severity, title, **about)
 
     def memory_now(self) -> dict[str, dict[str, Any]]:
         """Each rank's latest memory sample, its peak and its growth per minute (host memory):

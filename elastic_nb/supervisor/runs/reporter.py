@@ -78,12 +78,16 @@ class Reporter:
         rank: int | None = None,
         text: str | None = None,
         key: str | None = None,
+        ends: int | None = None,
     ) -> None:
         """A typed event any renderer can show: what, how bad, which rank, optional detail;
-        `key`: a story told as it goes, whose every alert replaces the last of that key."""
+        `key`: a story told as it goes, whose every alert replaces the last of that key; `ends`:
+        a restart's, the attempt it ended."""
         alert = protocol.Alert(
             kind=kind, severity=severity, title=title, rank=rank, text=text, time=time.time()
         )
+        if ends is not None:
+            alert["ends"] = ends
         if key is not None:
             alert["key"] = key
             for i, earlier in enumerate(self.recent_alerts):

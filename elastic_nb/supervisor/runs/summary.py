@@ -203,7 +203,8 @@ def restart_alert(
     if root is not None and root.failed_at is not None:
         cost = cost_words(checkpoints, root.failed_at, root.name, root.lost is not None)
         title += f"; {cost}" if cost else ""
-    return dict(kind="restart", severity="warning", title=title, rank=root.rank if root else None)
+    rank = root.rank if root else None
+    return dict(kind="restart", severity="warning", title=title, rank=rank, ends=attempt)
 
 
 def unkillable(survivors: list[Survivor]) -> dict[str, Any]:

@@ -7,6 +7,7 @@ each ends with its last lines, its closing alerts and its summary.
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import anyio
 
@@ -25,11 +26,10 @@ class Followed:
     def add(self, cell: SessionCell) -> None:
         self.cells.append(cell)
 
-    def alert(
-        self, kind: str, severity: str, title: str, rank: int | None = None, key: str | None = None
-    ) -> None:
+    def alert(self, kind: str, severity: str, title: str, **about: Any) -> None:
+        """`about`: Reporter.alert's rank, key or ends."""
         for cell in self.cells:
-            cell.report.alert(kind, severity, title, rank=rank, key=key)
+            cell.report.alert(kind, severity, title, **about)
 
     def logs_target(self, current: SessionCell | None) -> SessionCell | None:
         return current if current in self.cells else next(iter(self.cells), None)

@@ -172,12 +172,11 @@ class Session(RankGroup):
             cell.report.alert("stacks", "info", title, text=ev.stacks)
         return f"{title}\n{ev.stacks}"
 
-    def alert(
-        self, kind: str, severity: str, title: str, rank: int | None = None, key: str | None = None
-    ) -> None:
-        """About the session: to its own stream and to every cell the kernel follows."""
-        self.report.alert(kind, severity, title, rank=rank, key=key)
-        self.followed.alert(kind, severity, title, rank=rank, key=key)
+    def alert(self, kind: str, severity: str, title: str, **about: Any) -> None:
+        """About the session: to its own stream and to every cell the kernel follows (`about`:
+        Reporter.alert's rank, key or ends)."""
+        self.report.alert(kind, severity, title, **about)
+        self.followed.alert(kind, severity, title, **about)
 
     # ---- waiting for the ranks ---------------------------------------------------------------
 
@@ -259,6 +258,7 @@ class Session(RankGroup):
             f"(restart {self.restarts + 1}/{self.spec.max_restarts}), then replays "
             f"{cells(replays)}" + (f"; {cost}" if cost else ""),
             rank=r.rank,
+            ends=r.attempt,
         )
         if self.multi_node:
             self.new_round(why, counted=True)  # the next round: the nodes there are now

@@ -234,18 +234,44 @@ function memoryOutlier(memory) {
 }
 
 // The chip's memory: its sparkline, the latest figures, and in its title the peaks it shows.
-// A multi-node round: its nodes and world, why it began (and whether that spent a restart:
-// failures and departures do, arrivals do not), what the change took.
+// A multi-node round: its nodes and world, whether its beginning spent a restart (failures and
+// departures do, arrivals do not), what the change took. Why it began is the row above's end.
 function roundWords(r) {
-  const spent = r.attempt === 0 ? "" : r.counted ? ` · restart ${r.restarts}` : " · no restart spent";
+  const spent = r.attempt === 0 ? "" : r.counted ? `restart ${r.restarts}` : "no restart spent";
   const took = [
     r.stop_s != null ? `stopping ${duration(r.stop_s)}` : "",
     r.rendezvous_s != null ? `rendezvous ${duration(r.rendezvous_s)}` : "",
     r.running_s != null ? `running after ${duration(r.running_s)}` : "waiting for its ranks",
   ].filter(Boolean).join(", ");
-  return `<span class="enb-round"><span class="enb-round-why${r.counted ? " enb-round-counted" : ""}">${esc(r.why)}${spent}</span>
-    <span class="enb-round-nodes">${esc(r.nodes.join(", "))} · world size ${r.world_size}</span>
+  return `<span class="enb-round"><span class="enb-round-nodes">${esc(r.nodes.join(", "))} · world size ${r.world_size}</span>
+    ${spent ? `<span class="enb-round-spent${r.counted ? " enb-round-counted" : ""}">${spent}</span>` : ""}
     <span class="enb-round-took">${esc(took)}</span></span>`;
+}
+
+// The membership timeline as a picture: the job's time along, one lane per node (one machine:
+// one lane), each attempt a bar from its start to its end coloured by how it ended, a node that
+// left marked where it left. `now`: seconds into the job.
+function timelinePicture(attempts, now) {
+  const end = (a) => a.ended_s ?? now;
+  const span = Math.max(now, ...attempts.map(end), 0.001);
+  const pct = (s) => `${((Math.max(0, s) / span) * 100).toFixed(2)}%`;
+  const lanes = [];
+  for (const a of attempts) for (const n of a.round?.nodes ?? ["this machine"]) if (!lanes.includes(n)) lanes.push(n);
+  const rows = lanes.map((lane) => {
+    const marks = attempts.map((a, i) => {
+      const nodes = a.round?.nodes ?? ["this machine"];
+      if (!nodes.includes(lane)) return "";
+      const how = a.outcome ?? (i < attempts.length - 1 ? (a.round && !attempts[i + 1].round?.counted ? "changed" : "restarted") : "running");
+      const left = i < attempts.length - 1 && attempts[i + 1].round && !attempts[i + 1].round.nodes.includes(lane);
+      const words = `attempt ${a.attempt} · ${duration(end(a) - a.started)}`;
+      const bar = `<div class="enb-tl-bar enb-o-${esc(how)}" style="left:${pct(a.started)};width:${pct(end(a) - a.started)}" title="${esc(`${words}${a.why ? ` · ended: ${a.why}` : ""}`)}">${esc(words)}</div>`;
+      const gone = left ? `<span class="enb-tl-left" style="left:${pct(end(a))}" title="${esc(a.why ?? `${lane} left`)}">✕ left</span>` : "";
+      return bar + gone;
+    });
+    return `<div class="enb-tl-lane"><span class="enb-tl-name">${esc(lane)}</span><div class="enb-tl-track">${marks.join("")}</div></div>`;
+  });
+  const axis = `<div class="enb-tl-lane enb-tl-axis"><span class="enb-tl-name"></span><div class="enb-tl-track"><span style="left:0">0 s</span><span style="left:50%">${duration(span / 2)}</span><span style="right:0">${duration(span)}</span></div></div>`;
+  return `<div class="enb-timeline">${rows.join("")}${axis}</div>`;
 }
 
 function memoryChip(m, tops, outlier) {
@@ -253,7 +279,8 @@ function memoryChip(m, tops, outlier) {
   const last = m.last;
   const device = last.gpu ?? null;
   const cuda = last.cuda ?? null;
-  const figures = [`${bytes(last.rss)} host`];
+  // An ended rank's last look finds no process: its peak says what it held.
+  const figures = last.rss != null ? [`${bytes(last.rss)} host`] : [];
   if (device) figures.push(`GPU ${device.index}: ${bytes(device.process)}`);
   else if (cuda) figures.push(`GPU ${cuda.device}: ${bytes(cuda.reserved)}`);
   const growth = growthPerMinute(m.series);
@@ -338,7 +365,10 @@ class View {
       e.preventDefault(); // a tab opens its log, it never closes the logs
       this.select(tab.dataset.tab);
     });
-    this.timer = setInterval(() => this.drawHeader(), 1000);
+    this.timer = setInterval(() => {
+      this.drawHeader();
+      if (!this.q(".enb-attempts").hidden) this.drawAttempts(); // the running bar grows
+    }, 1000);
     this.redraw = (delta) => this.draw(delta);
     this.draw(null);
   }
@@ -509,24 +539,37 @@ class View {
       .join("")}</div>`;
   }
 
+  // The timeline: its picture, then a row of words an attempt (its time, how each rank ended,
+  // its round, why it ended). A restart's words are said there, not again as an alert above.
   drawAttempts() {
     const attempts = this.data.attempts;
     const box = this.q(".enb-attempts");
     // One attempt's story is the header's and the alerts': the timeline is for restarts, and
     // for a multi-node job's rounds (its members, from the first one).
     box.hidden = attempts.length < 2 && !attempts[0]?.round;
-    box.innerHTML = attempts
-      .map((a) => {
+    this.q(".enb-alerts").classList.toggle("enb-restarts-in-timeline", !box.hidden);
+    if (box.hidden) return;
+    const rows = attempts
+      .map((a, i) => {
         const ranks = Object.keys(a.ranks)
           .sort((x, y) => x - y)
           .map((r) => `<span class="enb-dot enb-s-${esc(a.ranks[r].state)}" title="rank ${esc(r)}: ${esc(a.ranks[r].label)}">${esc(r)}</span>`)
           .join("");
         const round = a.round ? roundWords(a.round) : "";
-        const why = a.why && !a.round ? `<span class="enb-attempt-why">${esc(a.why)}</span>` : "";
-        return `<div class="enb-attempt"><span class="enb-attempt-n">attempt ${a.attempt}</span>
-          <span class="enb-attempt-t">+${duration(a.started)}</span>${ranks}${round}${why}</div>`;
+        const last = i === attempts.length - 1;
+        const ended = a.why && !(last && a.outcome === "succeeded") ? `<span class="enb-attempt-why">ended: ${esc(a.why)}</span>` : "";
+        const took = a.ended_s != null ? `, ${duration(a.ended_s - a.started)}` : "";
+        return `<div class="enb-attempt" data-attempt="${a.attempt}"><span class="enb-attempt-n">attempt ${a.attempt}</span>
+          <span class="enb-attempt-t">from ${duration(a.started)}${took}</span>${ranks}${round}${ended}</div>`;
       })
       .join("");
+    box.innerHTML = timelinePicture(attempts, this.now()) + rows;
+  }
+
+  // Seconds into the job: now while it runs, its wall time once it ended.
+  now() {
+    const h = this.data.header;
+    return RUNNING.has(h.state) || h.wall_s == null ? Date.now() / 1000 - this.data.offset - h.started : h.wall_s;
   }
 
   drawTabs() {

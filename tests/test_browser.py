@@ -546,7 +546,9 @@ def test_a_desync_and_a_hang_ended_by_the_timeout(page: Any, lab: LabServer) -> 
         "rank 1 never entered all_reduce #1 (cell line 7): it was at cell line 6",
         use_inner_text=True,
     )
-    nb.expect_output(2, "ran past its deadline: the --timeout of 15 s passed; before that: no output")
+    nb.expect_output(
+        2, "ran past its deadline: the --timeout of 15 s passed; before that: no output"
+    )
     expect(dash.locator(".enb-worst")).to_have_text("")  # --collective-timeout off: no note
     shot(page, dash, "dashboard-hang-timeout.png")
     assert_job_gone(job_of(nb, 2))

@@ -610,21 +610,47 @@ def ask_supervisor(
     return replies[1]
 
 
-def dashboard_of(k: Kernel, job: str, flags: dict[str, Any]) -> tuple[Any, list[dict[str, Any]]]:
+def dashboard_of(
+    k: Kernel, job: str, flags: dict[str, Any], keep: str | None = None
+) -> tuple[Any, list[dict[str, Any]]]:
     """A job's (or session cell's) dashboard as the kernel's model folds what the supervisor
     sent its renderer (the history the JupyterLab panel reads back), and that history. `flags`:
-    the cell's, as job_spec takes them."""
-    from elastic_nb.kernel.dashboard.model import DashboardState
-    from elastic_nb.kernel.flags import job_spec
-
+    the cell's, as job_spec takes them. `keep`: a name to keep the history under, in
+    test-output/histories/ (what `history_dashboard` draws again)."""
     path = supervisor_socket(k)
     jobs = ask_supervisor(path, {"kind": "overview", "req": 1})["data"]["jobs"]
     (entry,) = [j for j in jobs if j["id"] == job]
     events = ask_supervisor(path, {"kind": "events", "req": 1, "job": job, "since": 0})["data"]
-    state = DashboardState(job, entry["logs_dir"], job_spec(flags), entry["session"])
-    for e in events["events"]:
+    history = {
+        "job": job,
+        "logs_dir": entry["logs_dir"],
+        "session": entry["session"],
+        "flags": flags,
+        "events": events["events"],
+    }
+    if keep is not None:
+        HISTORIES.mkdir(parents=True, exist_ok=True)
+        (HISTORIES / f"{keep}.json").write_text(json.dumps(history, indent=1))
+    return history_dashboard(history), events["events"]
+
+
+HISTORIES = Path(__file__).resolve().parent.parent / "test-output" / "histories"
+
+
+def history_dashboard(history: dict[str, Any]) -> Any:
+    """The kernel's dashboard model of a job's history (dashboard_of's), folded as the kernel
+    folds it live; its clock starts at the history's first message."""
+    from elastic_nb.kernel.dashboard.model import DashboardState
+    from elastic_nb.kernel.flags import job_spec
+
+    events = history["events"]
+    spec = job_spec(history["flags"])
+    state = DashboardState(history["job"], history["logs_dir"], spec, history["session"])
+    if events:
+        state.header["started"] = events[0]["t"]
+    for e in events:
         if e["kind"] == "update":
             state.apply(e)
         elif e["kind"] == "end":
             state.end(e["summary"])
-    return state, events["events"]
+    return state

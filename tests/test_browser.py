@@ -552,3 +552,64 @@ def test_a_desync_and_a_hang_ended_by_the_timeout(page: Any, lab: LabServer) -> 
     expect(dash.locator(".enb-worst")).to_have_text("")  # --collective-timeout off: no note
     shot(page, dash, "dashboard-hang-timeout.png")
     assert_job_gone(job_of(nb, 2))
+
+
+def test_a_node_lost_from_a_three_node_job(page: Any, lab: LabServer) -> None:
+    """The dashboard of a 3-node job that lost a node (one kept from a real run of
+    test_multinode's, tests/data/history-node-lost.json, folded by the kernel's model as it
+    folds one live and drawn from its snapshot as a reload draws it): every figure agrees with
+    the run's records. Its world is 4 after 6, one restart spent; the timeline has a lane a
+    node, the lost node's ending where it left, marked; attempt 0's ranks all ended (none stays
+    "running"); the lost node's ranks keep their log tabs."""
+    history = Path(__file__).parent / "data" / "history-node-lost.json"
+    repo = Path(__file__).resolve().parent.parent
+    nb = open_notebook(
+        page,
+        lab,
+        "node-lost.ipynb",
+        [
+            f"import json, sys\nsys.path.insert(0, {str(repo)!r})\n"
+            "from tests.kernel import history_dashboard\n"
+            "from elastic_nb.kernel.dashboard.widget import DashboardWidget\n"
+            f"state = history_dashboard(json.loads(open({str(history)!r}).read()))\n"
+            "state.take_delta()\n"
+            "DashboardWidget(snapshot=state.snapshot(), text='a node lost')\n"
+        ],
+    )
+    nb.run(1)
+    nb.wait_done(1)
+    dash = nb.cell(1).locator(".enb")
+    expect(dash.locator(".enb-state")).to_have_text("succeeded")
+    expect(dash.locator(".enb-world")).to_have_text("4 ranks")
+    expect(dash.locator(".enb-restarts")).to_have_text("restarts 1/1")
+    expect(dash.locator(".enb-chip")).to_have_count(4)
+    expect(dash.locator(".enb-tab")).to_have_text(
+        ["all ranks"] + [f"rank {r}" for r in range(6)]  # the lost node's ranks keep theirs
+    )
+    timeline = dash.locator(".enb-attempts")
+    lanes = timeline.locator(".enb-tl-lane:not(.enb-tl-axis)")
+    expect(lanes.locator(".enb-tl-name")).to_have_text(
+        ["node 0 (vm)", "node 1 (node-1)", "node 2 (node-2)"]
+    )
+    for lane in (0, 1):
+        expect(lanes.nth(lane).locator(".enb-tl-bar")).to_have_count(2)
+        expect(lanes.nth(lane).locator(".enb-tl-left")).to_have_count(0)
+    lost = lanes.nth(2)
+    expect(lost.locator(".enb-tl-bar")).to_have_count(1)
+    expect(lost.locator(".enb-tl-bar")).to_have_class(has_class("enb-o-restarted"))
+    expect(lost.locator(".enb-tl-left")).to_have_attribute(
+        "title", re.compile(r"^node 2 \(node-2\) rank 4 was lost: its node left")
+    )
+    first = timeline.locator('.enb-attempt[data-attempt="0"]')
+    expect(first.locator(".enb-dot")).to_have_count(6)
+    expect(first.locator(".enb-dot.enb-s-running")).to_have_count(0)
+    expect(first.locator(".enb-attempt-why")).to_have_text(
+        re.compile(r"^ended: node 2 \(node-2\) rank 4 was lost: its node left")
+    )
+    second = timeline.locator('.enb-attempt[data-attempt="1"]')
+    expect(second.locator(".enb-round-nodes")).to_have_text(
+        "node 0 (vm), node 1 (node-1) · world size 4"
+    )
+    expect(second.locator(".enb-round-spent")).to_have_text("restart 1")
+    expect(dash.locator('.enb-alert[data-kind="restart"]')).to_be_hidden()
+    shot(page, dash, "dashboard-node-lost.png")

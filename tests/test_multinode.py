@@ -295,7 +295,9 @@ def test_a_node_that_leaves_is_known_in_seconds_and_the_rest_go_on(
     assert "restarts 1/1" in ex.stdout
     # The dashboard: attempt 0's ranks ended with their round (none stays "running" in the
     # timeline), the lost node's say so, and their log tabs stay; the header's figures agree.
-    dash, _ = dashboard_of(k, ex.job_id, {"nproc": 2, "nnodes": "2:3", "max_restarts": 1})
+    dash, _ = dashboard_of(
+        k, ex.job_id, {"nproc": 2, "nnodes": "2:3", "max_restarts": 1}, keep="node-lost"
+    )
     ended = {r: c["state"] for r, c in dash.attempts[0]["ranks"].items()}
     assert len(ended) == 6 and "running" not in ended.values(), dash.attempts[0]
     assert {dash.attempts[0]["ranks"][r]["label"] for r in ("4", "5")} == {"lost with its node"}

@@ -22,6 +22,7 @@ from tests.lab import (
     LabServer,
     Notebook,
     browser_fixture,  # noqa: F401  (the fixture `browser`)
+    has_class,
     job_of,
     open_notebook,
     page_fixture,  # noqa: F401  (the fixture `page`)
@@ -141,6 +142,10 @@ def test_the_panel_follows_and_stops_a_busy_cell(page: Any, lab: LabServer) -> N
     expect(card.locator(".enb-panel-state")).to_have_text("stopped")
     expect(card.locator(".enb-panel-stop")).to_be_hidden()
     expect(card.locator(".enb-panel-summary")).to_contain_text(f"job {job} stopped")
+    # At the panel's default width nothing of the card is cut: it wraps (the summary ends with
+    # the logs' path, the last thing "…" used to hide).
+    expect(card.locator(".enb-panel-summary")).to_contain_text(re.compile(r"logs: /\S+$"))
+    _whole(card.locator(".enb-panel-where, .enb-panel-facts, .enb-panel-summary, .enb-panel-alert"))
     expect(indicator).to_be_hidden()
     page.screenshot(path=str(_shot("labext-panel-stopped.png")))
 
@@ -230,6 +235,12 @@ def test_a_session_and_its_cell_in_the_panel(page: Any, lab: LabServer) -> None:
     )
     expect(cell).to_have_count(1, timeout=60_000)
     expect(cell.locator(".enb-panel-facts")).to_contain_text(f"session {session}")
+    # Grouped: the cell right under its session, set in.
+    listed = panel.locator(".enb-panel-list > .enb-panel-job").evaluate_all(
+        "cards => cards.map(c => c.dataset.job)"
+    )
+    assert listed.index(cell.get_attribute("data-job")) == listed.index(session) + 1, listed
+    expect(cell).to_have_class(has_class("enb-panel-in-session"))
     page.screenshot(path=str(_shot("labext-panel-session.png")))
     # Drawn with the theme's own colours: dark in JupyterLab Dark.
     _theme(page, "JupyterLab Dark")
@@ -248,6 +259,15 @@ def test_a_session_and_its_cell_in_the_panel(page: Any, lab: LabServer) -> None:
     page.locator(".jp-Dialog").get_by_role("button", name="Take down").click()
     expect(up).to_have_attribute("data-running", "false")
     assert wait_for(lambda: not job_processes(session), timeout=15), job_processes(session)
+
+
+def _whole(parts: Any) -> None:
+    """Each of `parts` shows all of its text: none overflows its box (cut, or hidden)."""
+    cut = parts.evaluate_all(
+        "els => els.filter(e => e.scrollWidth > e.clientWidth + 1 || e.scrollHeight > "
+        "e.clientHeight + 1).map(e => e.className + ': ' + e.textContent)"
+    )
+    assert parts.count() and not cut, cut
 
 
 def open_panel(page: Any) -> Any:

@@ -60,7 +60,7 @@ export class JobsPanel extends Widget {
   }
 
   private _render(): void {
-    const jobs = [...this._model.jobs].sort(order);
+    const jobs = grouped(this._model.jobs);
     const seen = new Set(jobs.map(j => j.id));
     for (const [id, card] of this._cards) {
       if (!seen.has(id)) {
@@ -76,6 +76,10 @@ export class JobsPanel extends Widget {
         card = new JobCard(job, this._model, this._actions);
         this._cards.set(job.id, card);
       }
+      card.node.classList.toggle(
+        'enb-panel-in-session',
+        job.kind === 'cell' && jobs.some(j => j.kind === 'session' && j.id === job.session)
+      );
       if (this._list.children[i] !== card.node) {
         this._list.insertBefore(card.node, this._list.children[i] ?? null);
       }
@@ -142,6 +146,26 @@ export function machineLine(n: {
   }
   const torch = `torch ${n.torch ?? '-'}${n.cuda ? ` (CUDA ${n.cuda})` : ''}`;
   return `node ${n.node}: ${n.name} (${n.addr}) · ${gpus} · ${n.cpus} CPUs · ${torch} · ${state}`;
+}
+
+/**
+ * Running first, then the newest first; a session's cells right under their session (a cell
+ * whose session is not listed stands on its own).
+ */
+export function grouped(jobs: readonly IJob[]): IJob[] {
+  const sorted = [...jobs].sort(order);
+  const sessions = new Set(sorted.filter(j => j.kind === 'session').map(j => j.id));
+  const out: IJob[] = [];
+  for (const job of sorted) {
+    if (job.kind === 'cell' && job.session !== null && sessions.has(job.session)) {
+      continue; // placed under its session
+    }
+    out.push(job);
+    if (job.kind === 'session') {
+      out.push(...sorted.filter(j => j.kind === 'cell' && j.session === job.id));
+    }
+  }
+  return out;
 }
 
 /** Running first, then the newest first. */

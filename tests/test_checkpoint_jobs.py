@@ -69,6 +69,16 @@ def test_a_rank_fails_after_a_save_the_next_attempt_resumes_there(
         out,
     )
     assert resumed, out
+    # Text mode's timeline at the end: each attempt's span on the job's clock, the first's end
+    # told as it happened (the restart line above), not a second time.
+    timeline = re.search(
+        r"\[elastic_nb\] timeline:\n"
+        r"\[elastic_nb\]   attempt 0 · 0\.0 s to ([\d.]+) s \([^)]+\) · ended: restarted \(said above\)\n"
+        r"\[elastic_nb\]   attempt 1 · ([\d.]+) s to ([\d.]+) s \([^)]+\)\n",
+        ex.stdout,
+    )
+    assert timeline and timeline[1] == timeline[2], ex.stdout
+    assert float(timeline[2]) < float(timeline[3]), ex.stdout
     records = _records(cache_home, ex.job_id)
     assert [(r["event"], r["step"]) for r in records] == [
         ("loaded", None),

@@ -26,6 +26,7 @@ from tests.lab import (
     serve,
     shot,
 )
+from tests.scenarios import CHECKPOINTED_RESTART, expect_a_checkpointed_restart
 
 pytestmark = pytest.mark.browser
 
@@ -72,4 +73,17 @@ def test_the_dashboard_renders_in_notebook_7(page: Any, lab: LabServer) -> None:
         expect(chip.locator(".enb-chip-last")).to_have_text("sum 3.0")
     nb.expect_output(1, "3.0")  # rank 0's last expression, the cell's result
     shot(page, dash, "dashboard-notebook7.png")
+    assert_job_gone(job_of(nb, 1))
+
+
+def test_a_checkpointed_restart_in_notebook_7(page: Any, lab: LabServer, tmp_path: Path) -> None:
+    """The same screen as in JupyterLab (tests/test_browser.py): the restart counted, the
+    timeline drawn, its words said once."""
+    cell = CHECKPOINTED_RESTART.format(ckpt=tmp_path / "ckpt")
+    nb = open_notebook(page, lab, "notebook7-restart.ipynb", [cell])
+    nb.run(1)
+    nb.wait_done(1, timeout=120)
+    dash = nb.cell(1).locator(".enb")
+    expect_a_checkpointed_restart(dash)
+    shot(page, dash, "dashboard-notebook7-restart.png")
     assert_job_gone(job_of(nb, 1))

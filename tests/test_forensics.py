@@ -232,7 +232,7 @@ def test_four_ranks_one_leaves_early_every_waiter_and_its_chip(tmp_path: Path) -
         # The dashboard's chip says what rank 2 did, not a green "exited 0".
         chips = [m["ranks"]["2"] for _, m in rec.updates if "2" in m.get("ranks", {})]
         assert chips[-1]["state"] == "failed"
-        assert chips[-1]["label"] == "left the cell after 3 collectives"
+        assert chips[-1]["label"] == "left the cell early"
         assert_job_gone(job.id)
     finally:
         c.close()

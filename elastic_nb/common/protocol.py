@@ -327,7 +327,7 @@ class Chip(TypedDict, total=False):
     """One rank of the current attempt, as a dashboard shows it."""
 
     state: str  # running, done, failed, stopped, zombie
-    label: str  # a few words: "exited 0", "ValueError", "left the cell after 7 collectives"
+    label: str  # a few words: "exited 0", "ValueError", "left the cell early"
     attempt: int
     pid: int | None
     detail: str  # the whole story, for a failed or stopped rank

@@ -75,8 +75,11 @@ def _describe_finding(
             name = f"{last.name} " if last else ""
             at = f", {_at(last.line, lines)}" if last and last.line else ""
             its = f" (its last: {name}#{n}{at})"
-            notes[r] = f"left the cell after {n} collective{'s' if n != 1 else ''}{of}"
-            parts.append(f"{_who(where, r)} {notes[r]}" + (its if n else ""))
+            left = f"left the cell after {n} collective{'s' if n != 1 else ''}{of}"
+            # The chip says what happened in the user's words: a count of collectives is the
+            # wire's (a person counts steps), said in the finding with where the others wait.
+            notes[r] = "left the cell early"
+            parts.append(f"{_who(where, r)} {left}" + (its if n else ""))
         text = "; ".join(parts) + "; " + waits
         backward = any(_in_backward(w.op, where.get(w.rank)) for w in f.waiters)
         hint = _DDP_HINT if backward else _LEFT_HINT

@@ -75,7 +75,7 @@ class RankState:
     rss_peak: int | None = None  # the most host memory it was seen holding (sampled each second)
     armed: bool = False  # its stack dump handler is registered: it runs our bootstrap
     watchdog: dict[str, Any] | None = None  # NCCL's watchdog said it timed out: {time, line}
-    blame: str | None = None  # what a desync verdict found it did ("left the cell after 7 ...")
+    blame: str | None = None  # what a desync verdict found it did ("left the cell early")
     where: str | None = None  # a multi-node job's: its node, "node 1 (gpu-b)"
     lost: str | None = None  # its node left with it: "node 1 (gpu-b) left: connection lost"
 

@@ -89,15 +89,25 @@ def test_rank_chips_appear_while_the_cell_runs(page: Any, lab: LabServer, tmp_pa
             )
         size = r"[\d.]+ [KMG]iB"
         # (Rank 0 grows too while it starts, under load for a while: its growth may show.)
+        share = rf"\([\d.]+% of {size}\)"  # of the host memory its ranks may use
         expect(dash.locator('.enb-chip[data-rank="0"] .enb-chip-mem-text')).to_have_text(
-            re.compile(rf"^{size} host · peak {size}(?: · [+−]{size}/min)?$")
+            re.compile(rf"^{size} host {share} · peak {size}(?: · [+−]{size}/min)?$")
         )
         rank1 = dash.locator('.enb-chip[data-rank="1"] .enb-chip-mem')
         expect(rank1.locator(".enb-chip-mem-text")).to_have_text(
-            re.compile(rf"^{size} host · peak {size} · \+{size}/min · [\d.]+× the others$"),
+            re.compile(
+                rf"^{size} host {share} · peak {size} · \+{size}/min · [\d.]+× the others$"
+            ),
             timeout=60_000,
         )
         expect(rank1).to_have_class(has_class("enb-mem-outlier"))
+        # Each chip holds its own words: none runs past its box into the next chip.
+        spill = dash.locator(".enb-chip").evaluate_all(
+            "chips => chips.filter(c => [...c.querySelectorAll('*')].some(e => "
+            "e.getBoundingClientRect().right > c.getBoundingClientRect().right + 1))"
+            ".map(c => c.dataset.rank)"
+        )
+        assert not spill, spill
 
         def heights(r: int) -> list[float]:
             line = dash.locator(f'.enb-chip[data-rank="{r}"] polyline.enb-spark-host')

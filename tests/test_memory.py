@@ -201,7 +201,9 @@ def test_no_gpus_no_questions_to_the_ranks(tmp_path: Path, monkeypatch: pytest.M
 
 def _gpu_sample(rank: int, t: float, process: int, used: int) -> protocol.MemorySample:
     share = protocol.GpuShare(index=3, process=process, used=used, total=80 * GiB)
-    return protocol.MemorySample(attempt=0, rank=rank, t=t, rss=GiB, cuda=None, gpu=share)
+    return protocol.MemorySample(
+        attempt=0, rank=rank, t=t, rss=GiB, cuda=None, gpu=share, limit=None
+    )
 
 
 @pytest.mark.unit
@@ -264,7 +266,15 @@ async def _until(predicate: Any, timeout: float = 10) -> None:
 
 
 def _sample(attempt: int, rank: int, t: float, rss: int) -> dict[str, Any]:
-    return {"attempt": attempt, "rank": rank, "t": t, "rss": rss, "cuda": None, "gpu": None}
+    return {
+        "attempt": attempt,
+        "rank": rank,
+        "t": t,
+        "rss": rss,
+        "cuda": None,
+        "gpu": None,
+        "limit": None,
+    }
 
 
 @pytest.mark.unit

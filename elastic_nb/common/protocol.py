@@ -391,6 +391,7 @@ class MemorySample(TypedDict):
     rss: int | None
     cuda: CudaMemory | None
     gpu: GpuShare | None
+    limit: int | None  # the host memory its ranks may use: their cgroup's limit, or the machine's
 
 
 class MemoryPeak(TypedDict):

@@ -595,6 +595,7 @@ class RankGroup:
                 rss=reading.rss.get(r.rank),
                 cuda=cuda.get(r.rank),
                 gpu=reading.gpu.get(r.rank),
+                limit=reading.limit.limit if reading.limit else None,
             )
             self.memory.add(sample)
             for report in self._followers():

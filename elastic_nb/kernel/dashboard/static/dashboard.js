@@ -279,10 +279,13 @@ function memoryChip(m, tops, outlier) {
   const last = m.last;
   const device = last.gpu ?? null;
   const cuda = last.cuda ?? null;
-  // An ended rank's last look finds no process: its peak says what it held.
-  const figures = last.rss != null ? [`${bytes(last.rss)} host`] : [];
-  if (device) figures.push(`GPU ${device.index}: ${bytes(device.process)}`);
-  else if (cuda) figures.push(`GPU ${cuda.device}: ${bytes(cuda.reserved)}`);
+  // An ended rank's last look finds no process: its peak says what it held. Each figure with its
+  // share of what bounds it: the host memory its ranks may use, the GPU's.
+  const share = (n, of) => (of ? ` (${((100 * n) / of).toFixed(n / of < 0.1 ? 1 : 0)}% of ${bytes(of)})` : "");
+  // (a figure wraps only before its share: "233 MiB host" / "(1.0% of 23.5 GiB)")
+  const figures = last.rss != null ? [`${bytes(last.rss)} host${share(last.rss, last.limit)}`] : [];
+  if (device) figures.push(`GPU ${device.index}: ${bytes(device.process)}${share(device.process, device.total)}`);
+  else if (cuda) figures.push(`GPU ${cuda.device}: ${bytes(cuda.reserved)}${share(cuda.reserved, cuda.total)}`);
   const growth = growthPerMinute(m.series);
   if (m.series.length > 1) figures.push(`peak ${bytes(Math.max(...m.series.map((p) => p[1] ?? 0)))}`);
   if (growth !== null && Math.abs(growth) >= 2 ** 20) {
@@ -299,7 +302,13 @@ function memoryChip(m, tops, outlier) {
     .filter(Boolean)
     .join("\n");
   const cls = outlier ? " enb-mem-outlier" : "";
-  return `<span class="enb-chip-mem${cls}" title="${esc(title)}">${sparkline(m.series, tops)}<span class="enb-chip-mem-text">${figures.map((f) => `<span class="enb-fig">${esc(f)}</span>`).join(" · ")}</span></span>`;
+  const fig = (f) => {
+    const at = f.indexOf(" (");
+    return at < 0
+      ? `<span class="enb-fig">${esc(f)}</span>`
+      : `<span class="enb-fig">${esc(f.slice(0, at))}</span> <span class="enb-fig-share">${esc(f.slice(at + 1))}</span>`;
+  };
+  return `<span class="enb-chip-mem${cls}" title="${esc(title)}">${sparkline(m.series, tops)}<span class="enb-chip-mem-text">${figures.map(fig).join(" · ")}</span></span>`;
 }
 
 // What --collective-timeout will do, once a rank has a process group (before, nothing can time

@@ -95,9 +95,7 @@ def test_rank_chips_appear_while_the_cell_runs(page: Any, lab: LabServer, tmp_pa
         )
         rank1 = dash.locator('.enb-chip[data-rank="1"] .enb-chip-mem')
         expect(rank1.locator(".enb-chip-mem-text")).to_have_text(
-            re.compile(
-                rf"^{size} host {share} · peak {size} · \+{size}/min · [\d.]+× the others$"
-            ),
+            re.compile(rf"^{size} host {share} · peak {size} · \+{size}/min · [\d.]+× the others$"),
             timeout=60_000,
         )
         expect(rank1).to_have_class(has_class("enb-mem-outlier"))

@@ -65,3 +65,32 @@ def test_each_channel_takes_only_its_own_messages_whole() -> None:
     with pytest.raises(protocol.ProtocolError):
         protocol.rank_news({"kind": "run", "cell": "x", "run_dir": "/"})  # the supervisor's word
     assert protocol.session_order({"kind": "bye"}) == {"kind": "bye"}
+
+
+def test_nested_records_are_checked_whole_and_the_field_named() -> None:
+    """A record inside a message (a node's group in its beat, a chip in an update, a summary's
+    memory peaks) is checked as deep as its type goes; the error names the first field that
+    does not fit, by its path."""
+    group = {
+        "launcher": 42,
+        "launcher_alive": True,
+        "state": ["S", "sleeping"],
+        "tick_age": 0.1,
+        "running": True,
+        "zombies": [[0, 1]],
+        "oom_kills": None,
+    }
+    beat = {"kind": "beat", "t": 1.0, "groups": {"cafe0001": group}}
+    assert protocol.node_news(beat) == beat
+    with pytest.raises(protocol.ProtocolError, match=r"beat: groups\['g'\]\.launcher is missing"):
+        protocol.node_news({**beat, "groups": {"g": {"bogus": 1}}})
+    with pytest.raises(protocol.ProtocolError, match=r"beat: groups\['g'\]\.zombies\[0\]\[1\] "):
+        protocol.node_news({**beat, "groups": {"g": {**group, "zombies": [[0, "1"]]}}})
+    update = {"kind": "update", "job": "cafe0001", "ranks": {"0": {"state": "running"}}}
+    assert protocol.kernel_news(update) == update
+    with pytest.raises(protocol.ProtocolError, match=r"update: ranks\['0'\]\.state is not a str"):
+        protocol.kernel_news({**update, "ranks": {"0": {"state": 5}}})
+    with pytest.raises(protocol.ProtocolError, match=r"update: logs\[0\] is not a record"):
+        protocol.kernel_news({**update, "logs": ["a line"]})
+    # Keys a record does not declare are a newer writer's: taken, not checked.
+    assert protocol.kernel_news({**update, "ranks": {"0": {"state": "running", "new": 1}}})

@@ -108,7 +108,7 @@ import json
 import signal
 import types
 import typing
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Final, Literal, TypedDict, Union
 
 __all__ = [
@@ -1014,58 +1014,160 @@ def node_order(frame: Frame) -> NodeOrder:
 
 def assignment(frame: Frame) -> Assignment:
     """The launcher's assignment, checked (it has no kind: it is the line's one message)."""
-    for key, hint in typing.get_type_hints(Assignment).items():
-        if key not in frame or not _fits(frame[key], hint):
-            raise ProtocolError(f"the assignment's {key} is missing or not a {_name(hint)}")
+    if not _fits_of(Assignment)(frame):
+        why = _misfit(frame, Assignment, "") or "does not fit its type"
+        raise ProtocolError(
+            f"the assignment {why}" if why.startswith("without ") else f"the assignment: {why}"
+        )
     return typing.cast(Assignment, frame)
 
 
-_KINDS: dict[object, dict[str, type]] = {}
+_KINDS: dict[object, dict[str, tuple[type, Callable[[Any], bool]]]] = {}
 
 
 def _check(frame: Frame, channel: object) -> Frame:
-    """The frame if it is one of the channel's messages with every field it needs, of its type
-    (checked as deep as a field's declared type goes: records inside a message are the
-    writer's, JSON keeps their shape); else ProtocolError."""
+    """The frame if it is one of the channel's messages with every field it needs, of its type,
+    nested records, lists and maps included; else ProtocolError naming the first field that
+    does not fit."""
     kinds = _KINDS.get(channel)
     if kinds is None:
         kinds = _KINDS[channel] = {
-            typing.get_args(typing.get_type_hints(t)["kind"])[0]: t
+            typing.get_args(typing.get_type_hints(t)["kind"])[0]: (t, _fits_of(t))
             for t in typing.get_args(channel)
         }
     kind = frame.get("kind")
-    cls = kinds.get(kind) if isinstance(kind, str) else None
-    if cls is None:
+    entry = kinds.get(kind) if type(kind) is str else None
+    if entry is None:
         raise ProtocolError(f"unexpected message kind {kind!r} on this channel")
-    hints = typing.get_type_hints(cls)
-    missing = sorted(cls.__required_keys__ - set(frame))  # type: ignore[attr-defined]
-    if missing:
-        raise ProtocolError(f"{kind} without {', '.join(missing)}")
-    for key, hint in hints.items():
-        if key in frame and key != "kind" and not _fits(frame[key], hint):
-            raise ProtocolError(f"{kind}: {key} is not a {_name(hint)}: {frame[key]!r:.80}")
+    cls, fits = entry
+    if not fits(frame):
+        why = _misfit(frame, cls, "") or "does not fit its type"
+        raise ProtocolError(f"{kind} {why}" if why.startswith("without ") else f"{kind}: {why}")
     return frame
 
 
-def _fits(value: Any, hint: Any) -> bool:
+# ---- the checker ------------------------------------------------------------------------------
+#
+# Each message type compiles once into a function (generated Python source: one expression a
+# field) that says whether a frame fits it, nested records, lists and maps included; the path of
+# the first field that does not fit is found only then, by `_misfit`, slowly.
+
+_MISSING = object()
+_NUM = (int, float)
+
+
+def _expr(hint: Any, v: str, depth: int, names: dict[str, Any]) -> str:
+    """A Python expression, true when the value named `v` fits `hint`."""
     origin = typing.get_origin(hint)
     if hint is Any:
-        return True
-    if origin in (Union, types.UnionType):
-        return any(_fits(value, h) for h in typing.get_args(hint))
+        return "True"
     if hint is type(None):
-        return value is None
+        return f"{v} is None"
     if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if hint in (str, bool):
-        return isinstance(value, hint)
-    if origin is dict or (isinstance(hint, type) and issubclass(hint, dict)):
-        return isinstance(value, dict)  # a record: its writer's shape
+        return f"type({v}) in _NUM"
+    if hint in (str, int, bool):
+        return f"type({v}) is {hint.__name__}"
+    if origin is Literal:
+        return f"{v} in {typing.get_args(hint)!r}"
+    if origin in (Union, types.UnionType):
+        return "(" + " or ".join(_expr(h, v, depth, names) for h in typing.get_args(hint)) + ")"
+    if _is_record(hint):
+        names[f"_fits_{hint.__name__}"] = _fits_of(hint)
+        return f"_fits_{hint.__name__}({v})"
+    x = f"_x{depth}"
     if origin is list:
-        return isinstance(value, list)
-    return True
+        (item,) = typing.get_args(hint) or (Any,)
+        each = _expr(item, x, depth + 1, names)
+        every = "" if each == "True" else f" and all({each} for {x} in {v})"
+        return f"(type({v}) is list{every})"
+    if origin is dict or hint is dict:
+        key, value = typing.get_args(hint) or (Any, Any)
+        each = " and ".join(
+            e
+            for e in (_expr(key, f"_k{depth}", depth + 1, names), _expr(value, x, depth + 1, names))
+            if e != "True"
+        )
+        every = f" and all({each} for _k{depth}, {x} in {v}.items())" if each else ""
+        return f"(type({v}) is dict{every})"
+    raise TypeError(f"the protocol's checker has no rule for {hint!r}")
+
+
+def _is_record(hint: Any) -> bool:
+    return isinstance(hint, type) and issubclass(hint, dict) and hasattr(hint, "__required_keys__")
+
+
+_FITS: dict[type, Callable[[Any], bool]] = {}
+
+
+def _fits_of(cls: type) -> Callable[[Any], bool]:
+    """`cls`'s compiled check (a TypedDict): whether a value is a dict with each of its required
+    keys and every key it declares of its type (keys it does not declare are a newer writer's)."""
+    known = _FITS.get(cls)
+    if known is not None:
+        return known
+    names: dict[str, Any] = {"_MISSING": _MISSING, "_NUM": _NUM}
+    required = cls.__required_keys__  # type: ignore[attr-defined]
+    lines = [
+        f"def _fits_{cls.__name__}(m):",
+        "    if type(m) is not dict: return False",
+        "    g = m.get",
+    ]
+    for key, hint in typing.get_type_hints(cls).items():
+        test = _expr(hint, "v", 0, names)
+        lines.append(f"    v = g({key!r}, _MISSING)")
+        if key in required:
+            lines.append(f"    if v is _MISSING or not ({test}): return False")
+        elif test != "True":
+            lines.append(f"    if v is not _MISSING and not ({test}): return False")
+    lines.append("    return True")
+    exec("\n".join(lines), names)  # our own source, from our own type hints
+    fits: Callable[[Any], bool] = names[f"_fits_{cls.__name__}"]
+    _FITS[cls] = fits
+    return fits
+
+
+def _misfit(value: Any, hint: Any, path: str) -> str | None:
+    """Where `value` does not fit `hint`: the path of the first field that does not, and why
+    (None: it fits). Only called once the compiled check said no."""
+    origin = typing.get_origin(hint)
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(hint)
+        if any(_misfit(value, h, path) is None for h in args):
+            return None
+        records = [h for h in args if _is_record(h)]
+        if len(records) == 1 and isinstance(value, dict):
+            return _misfit(value, records[0], path)
+        return f"{path} is not a {_name(hint)}: {value!r:.80}"
+    if _is_record(hint):
+        if not isinstance(value, dict):
+            return f"{path} is not a record: {value!r:.80}"
+        for key, h in typing.get_type_hints(hint).items():
+            if key not in value:
+                if key in hint.__required_keys__:
+                    return f"{path}.{key} is missing" if path else f"without {key}"
+                continue
+            found = _misfit(value[key], h, f"{path}.{key}" if path else key)
+            if found:
+                return found
+        return None
+    if origin is list and isinstance(value, list):
+        (item,) = typing.get_args(hint) or (Any,)
+        for i, x in enumerate(value):
+            found = _misfit(x, item, f"{path}[{i}]")
+            if found:
+                return found
+        return None
+    if (origin is dict or hint is dict) and isinstance(value, dict):
+        key_hint, value_hint = typing.get_args(hint) or (Any, Any)
+        for k, x in value.items():
+            found = _misfit(k, key_hint, f"{path} key") or _misfit(x, value_hint, f"{path}[{k!r}]")
+            if found:
+                return found
+        return None
+    names: dict[str, Any] = {"_MISSING": _MISSING, "_NUM": _NUM}
+    if eval(_expr(hint, "value", 0, names), names, {"value": value}):  # our own source, as above
+        return None
+    return f"{path} is not a {_name(hint)}: {value!r:.80}"
 
 
 def _name(hint: Any) -> str:

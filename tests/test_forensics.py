@@ -645,7 +645,11 @@ def test_a_hang_ended_by_the_timeout_keeps_its_finding(kernel: Kernel) -> None:
     # Each rank's chip said where it was while the alert stood, and still says so at the end.
     dash, events = dashboard_of(kernel, ex.job_id, {"nproc": 2})
     said = [c["label"] for e in events for c in e.get("ranks", {}).values()]
-    assert "waiting in all_reduce · line 8" in said and "line 7" in said, said
+    silent = re.compile(r"silent (\d+) s · line 7")
+    assert "waiting in all_reduce #1 · line 8" in said, said
+    assert any(silent.fullmatch(label) for label in said), said
     labels = {r: c["label"] for r, c in dash.ranks.items()}
-    assert labels == {"0": "stopped · waiting in all_reduce · line 8", "1": "stopped · line 7"}
+    assert labels["0"] == "stopped · waiting in all_reduce #1 · line 8", labels
+    quiet = re.fullmatch(r"stopped · silent (\d+) s · line 7", labels["1"])
+    assert quiet and 2 <= int(quiet[1]) <= 5, labels  # --hang-after 2: silent 2 s, and the look
     assert_job_gone(ex.job_id)

@@ -112,14 +112,16 @@ def where_from_record(rank: int, record: dict[str, Any]) -> RankWhere:
     return RankWhere(rank, "raised", parse_traceback(record.get("traceback") or ""))
 
 
-def place_words(w: RankWhere, cell: str) -> str:
-    """Where a rank is, in a chip's few words: 'waiting in all_reduce · line 14', 'line 13',
+def place_words(w: RankWhere, cell: str, seq: int | None = None) -> str:
+    """Where a rank is, in a chip's few words: 'waiting in all_reduce #5 · line 14' (`seq`: the
+    number of the collective it waits in, where its flight recorder says), 'line 13',
     'finished the cell'."""
     if w.how == "finished":
         return "finished the cell"
     cf = w.cell_frame(cell)
     op = w.collective()
-    parts = [f"{'raised in' if w.how == 'raised' else 'waiting in'} {op}"] if op else []
+    number = f" #{seq}" if seq is not None else ""
+    parts = [f"{'raised in' if w.how == 'raised' else 'waiting in'} {op}{number}"] if op else []
     if cf is not None:
         parts.append(f"line {cf.line}")
     return " · ".join(parts) or (w.note or w.how)

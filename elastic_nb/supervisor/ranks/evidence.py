@@ -84,7 +84,10 @@ class EvidenceCollector:
                 where[r.rank].name = r.name  # across machines, each rank named with its node
         desync = desync_verdict(where, self._cell, self._lines, histories)
         text = format_stacks(where, self._cell, self._lines)
-        places = {rank: place_words(w, self._cell) for rank, w in where.items()}
+        places = {
+            rank: place_words(w, self._cell, _number(w, histories.get(rank)))
+            for rank, w in where.items()
+        }
         return Evidence(where, histories, desync, text, places)
 
     async def look(
@@ -129,3 +132,9 @@ class EvidenceCollector:
                 w.note = dump.state[1]
             where[rank] = w
         return where
+
+
+def _number(w: RankWhere, history: History | None) -> int | None:
+    """The number of the collective the rank's stack waits in, from its flight recorder."""
+    op = history.waiting_in() if history is not None else None
+    return op.seq if op is not None and op.name == w.collective() else None

@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -74,6 +75,7 @@ class _Stream:
     skipped: int = 0
     total: int = 0
     quiet: int = 0  # lines of noise among total
+    active_at: float | None = None  # when it last took a line the rank wrote itself (monotonic)
     marked: list[str] = field(default_factory=list)
     progress: str | None = None
     progress_sent: str | None = None
@@ -137,8 +139,11 @@ class _Stream:
 
     def _add(self, raws: list[bytes], cut: int = 0) -> None:
         """Finished lines; `cut`: characters already left out of the first."""
+        quiet = self.quiet
         if self.marks or self.noise:
             self._sort(raws)
+        if len(raws) > self.quiet - quiet:
+            self.active_at = time.monotonic()
         # Only the newest max_lines can survive to the next batch: decode just those.
         keep = raws[-self.max_lines :]
         self.total += len(raws)
@@ -249,6 +254,15 @@ class LogTailer:
     def activity_total(self) -> int:
         """Lines the ranks wrote themselves: torch's own logging (noise) left out."""
         return sum(s.total - s.quiet for s in self._streams.values())
+
+    def silent_for(self, attempt: int, rank: int) -> float | None:
+        """Seconds since the rank last wrote a line of its own (None: none yet)."""
+        times = [
+            s.active_at
+            for stream in ("out", "err")
+            if (s := self._streams.get((attempt, rank, stream))) and s.active_at is not None
+        ]
+        return time.monotonic() - max(times) if times else None
 
     def last_line(self, attempt: int, rank: int) -> str | None:
         s = self._streams.get((attempt, rank, "out"))

@@ -357,7 +357,7 @@ class Job(RankGroup):
         found = where_finding(title, ev, self.held_memory())
         self.standing = (self.attempt, found)
         self.report.alert(kind, "warning", found.title, rank=found.culprit, text=found.stacks)
-        self._places = (self.attempt, ev.places, self.tailer.activity_total())
+        self._places = (self.attempt, self.places(ev.places), self.tailer.activity_total())
         self._show_places()
 
     def _show_places(self) -> None:

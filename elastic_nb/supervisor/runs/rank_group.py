@@ -517,6 +517,16 @@ class RankGroup:
                 next_flush = time.monotonic() + FLUSH_S
             await anyio.sleep(POLL_S)
 
+    def places(self, places: dict[int, str]) -> dict[int, str]:
+        """The chips' words of where each rank is (Evidence.places), a rank in no collective
+        with how long it has been silent: 'silent 9 s · line 13'."""
+        out = dict(places)
+        for rank, place in places.items():
+            silent = self.tailer.silent_for(self.attempt, rank)
+            if silent is not None and not place.startswith(("waiting in", "raised in", "finished")):
+                out[rank] = f"silent {silent:.0f} s · {place}"
+        return out
+
     def _watch_groups(self, last: bool = False) -> None:
         """Once a rank of the attempt has made a process group (rank/bootstrap.py leaves a
         record), its followers say what a stuck collective will do. `last`: the look at the

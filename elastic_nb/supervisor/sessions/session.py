@@ -581,5 +581,5 @@ class Session(RankGroup):
         cell.standing = found  # a stop while it stands ends the cell with it
         cell.report.alert("hang", "warning", found.title, rank=found.culprit, text=found.stacks)
         if cell.running:
-            cell.places = (ev.places, self.tailer.activity_total())
+            cell.places = (self.places(ev.places), self.tailer.activity_total())
             cell.chips(cell.ranks(self.book.of(cell.attempt)), None)

@@ -12,7 +12,7 @@ import timeit
 from collections.abc import Callable
 from typing import Any
 
-from elastic_nb.common import protocol
+from elastic_nb import protocol
 
 _CHIP = {"state": "running", "label": "running", "attempt": 0, "pid": 4242}
 _BATCH = {
@@ -38,16 +38,16 @@ _GROUP = {
 }  # fmt: skip
 # (channel's parser, a typical message of it): the messages that come most often on each
 MESSAGES: list[tuple[str, Callable[[Any], Any], dict[str, Any]]] = [
-    ("kernel: stop", protocol.kernel_request, {"kind": "stop", "req": 7, "job": "cafe0001", "reason": "user"}),
-    ("kernel: update (2 chips, 2 log batches, 2 samples)", protocol.kernel_news, {
+    ("kernel: stop", protocol.kernel.kernel_request, {"kind": "stop", "req": 7, "job": "cafe0001", "reason": "user"}),
+    ("kernel: update (2 chips, 2 log batches, 2 samples)", protocol.kernel.kernel_news, {
         "kind": "update", "job": "cafe0001", "ranks": {"0": _CHIP, "1": _CHIP},
         "logs": [_BATCH, {**_BATCH, "rank": 0}], "memory": [_SAMPLE, {**_SAMPLE, "rank": 0}],
     }),
-    ("kernel: reply", protocol.kernel_news, {"kind": "reply", "req": 7, "ok": True, "data": {}}),
-    ("launcher: start", protocol.launcher_news, {"kind": "start", "attempt": 0, "rank": 1, "pid": 4242}),
-    ("launcher: tick", protocol.launcher_news, {"kind": "tick", "t": 1.7e9}),
-    ("session rank: ran", protocol.rank_news, {"kind": "ran", "cell": "cafe0002", "ok": True}),
-    ("join agent: beat (1 group)", protocol.node_news, {"kind": "beat", "t": 1.7e9, "groups": {"cafe0001": _GROUP}}),
+    ("kernel: reply", protocol.kernel.kernel_news, {"kind": "reply", "req": 7, "ok": True, "data": {}}),
+    ("launcher: start", protocol.launcher.launcher_news, {"kind": "start", "attempt": 0, "rank": 1, "pid": 4242}),
+    ("launcher: tick", protocol.launcher.launcher_news, {"kind": "tick", "t": 1.7e9}),
+    ("session rank: ran", protocol.sessions.rank_news, {"kind": "ran", "cell": "cafe0002", "ok": True}),
+    ("join agent: beat (1 group)", protocol.agents.node_news, {"kind": "beat", "t": 1.7e9, "groups": {"cafe0001": _GROUP}}),
 ]  # fmt: skip
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import anyio
 
-from elastic_nb.common import protocol
+from elastic_nb import protocol
 from elastic_nb.common.rundir import RunDir
 from elastic_nb.common.spec import JobSpec
 from elastic_nb.supervisor.forensics.watchdogs import Agent
@@ -39,7 +39,7 @@ class FakeNode(Node):
         self.probe_gate: anyio.Event | None = None  # set: probes answer; unset: they wait
         self.probing = anyio.Event()  # set once a probe waits at the gate (a look has begun)
         self.memory = MemoryReading({}, {}, None, gpus=False)  # what read_memory finds
-        self.cuda: dict[int, protocol.CudaMemory] = {}  # rank -> its allocator's answer
+        self.cuda: dict[int, protocol.records.CudaMemory] = {}  # rank -> its allocator's answer
         self.kills: int | None = None  # the OOM killer's count where the ranks run
         self.stopped = False
         self.closed = False
@@ -51,9 +51,9 @@ class FakeNode(Node):
         self._say.send_nowait({"kind": kind, **fields})
 
     def start_ranks(self, attempt: int, pids: dict[int, int]) -> None:
-        self.say(protocol.RENDEZVOUS, attempt=attempt, seconds=0.01)
+        self.say(protocol.launcher.RENDEZVOUS, attempt=attempt, seconds=0.01)
         for rank, pid in pids.items():
-            self.say(protocol.START, attempt=attempt, rank=rank, pid=pid)
+            self.say(protocol.launcher.START, attempt=attempt, rank=rank, pid=pid)
 
     def rank_dies(self, attempt: int, rank: int, code: int) -> None:
         self._codes[(attempt, rank)] = code
@@ -69,12 +69,12 @@ class FakeNode(Node):
         group: str,
         spec: JobSpec,
         env: dict[str, str],
-        plan: protocol.LaunchRound | None = None,
+        plan: protocol.launcher.LaunchRound | None = None,
     ) -> bool:
         self.oom_base = self.kills
         return True
 
-    async def messages(self) -> AsyncIterator[protocol.LauncherNews]:
+    async def messages(self) -> AsyncIterator[protocol.launcher.LauncherNews]:
         async for msg in self._heard:
             yield msg
 
@@ -130,7 +130,7 @@ class FakeNode(Node):
         }
 
     async def probe(self, r: RankState, what: str, wait_s: float) -> dict[str, Any] | None:
-        if what == protocol.PROBE_MEMORY:
+        if what == protocol.rank_probes.PROBE_MEMORY:
             return {"cuda": self.cuda.get(r.rank)}
         if self.probe_gate is not None:
             self.probing.set()

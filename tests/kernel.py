@@ -596,14 +596,18 @@ def ask_supervisor(
 ) -> dict[str, Any]:
     """A request to a supervisor over its socket, as another client (the JupyterLab panel's
     way): answered while a cell keeps the kernel busy. Returns the reply."""
-    from elastic_nb.common import protocol
+    from elastic_nb import protocol
 
     with socket.socket(socket.AF_UNIX) as s:
         s.settimeout(timeout)
         s.connect(socket_path)
-        s.sendall(protocol.encode({"kind": "hello", "version": protocol.VERSION, "role": "tool"}))
-        s.sendall(protocol.encode(request))  # type: ignore[arg-type]
-        decoder = protocol.FrameDecoder()
+        s.sendall(
+            protocol.wire.encode(
+                {"kind": "hello", "version": protocol.wire.VERSION, "role": "tool"}
+            )
+        )
+        s.sendall(protocol.wire.encode(request))  # type: ignore[arg-type]
+        decoder = protocol.wire.FrameDecoder()
         replies: list[dict[str, Any]] = []
         while len(replies) < 2:
             replies.extend(m for m, _ in decoder.feed(s.recv(65536)))

@@ -12,7 +12,7 @@ from typing import Any
 import comm
 import pytest
 
-from elastic_nb.common import protocol
+from elastic_nb import protocol
 from elastic_nb.kernel.dashboard import Dashboard, widget
 from elastic_nb.kernel.flags import job_spec
 from elastic_nb.supervisor.ranks.log_tailer import LogTailer
@@ -117,7 +117,7 @@ def _summary(outcome: str, run_dir: str, **extra: Any) -> dict[str, Any]:
 
 
 def batch(attempt: int, rank: int, stream: str, lines: list[str], progress: str | None) -> Any:
-    return protocol.LogBatch(
+    return protocol.records.LogBatch(
         attempt=attempt, rank=rank, stream=stream, lines=lines, skipped=0, progress=progress
     )
 

@@ -24,9 +24,10 @@ import anyio
 import pytest
 from IPython.core.magic_arguments import parse_argstring
 
+from elastic_nb import protocol
 from elastic_nb.checkpoint.commit import Commit
 from elastic_nb.checkpoint.directory import Directory, Layout, step_name
-from elastic_nb.common import machine, protocol, report
+from elastic_nb.common import machine, report
 from elastic_nb.common.rundir import RUN_DIR_ENV, RunDir
 from elastic_nb.common.spec import JobSpec
 from elastic_nb.kernel.flags import C10D_CONF, SpecError, job_spec
@@ -526,7 +527,7 @@ def test_a_job_whose_nodes_never_came_ends_with_cause_nodes(tmp_path: Path) -> N
             await job.run()
 
     anyio.run(main)
-    (end,) = [m for m in sent if m["kind"] == protocol.END]
+    (end,) = [m for m in sent if m["kind"] == protocol.kernel.END]
     s = end["summary"]
     assert (s["outcome"], s["cause"]) == ("failed", "nodes"), s
     assert "only 1 of the 2 nodes it needs were there within 1.0 s" in s["reason"]
@@ -691,11 +692,13 @@ def test_an_agent_speaking_another_protocol_is_refused_and_one_that_matches_join
 
             cluster.listener_send = send  # type: ignore[method-assign]
             info: Any = {**cluster.info, "name": "gpu-b"}
-            old = protocol.NodeHello(
-                kind=protocol.NODE_HELLO, version=protocol.VERSION - 1, info=info
+            old = protocol.agents.NodeHello(
+                kind=protocol.agents.NODE_HELLO, version=protocol.wire.VERSION - 1, info=info
             )
             await cluster._hello(b"old", old, None, "10.0.0.6")
-            same = protocol.NodeHello(kind=protocol.NODE_HELLO, version=protocol.VERSION, info=info)
+            same = protocol.agents.NodeHello(
+                kind=protocol.agents.NODE_HELLO, version=protocol.wire.VERSION, info=info
+            )
             await cluster._hello(b"same", same, None, "10.0.0.7")
             assert list(cluster.agents) == [b"same"]
             assert [r["addr"] for r in cluster.refused] == ["10.0.0.6"]
@@ -705,12 +708,12 @@ def test_an_agent_speaking_another_protocol_is_refused_and_one_that_matches_join
     (peer, refused), (peer2, welcome) = sent
     assert (peer, refused["kind"], peer2, welcome["kind"]) == (
         b"old",
-        protocol.REFUSED,
+        protocol.agents.REFUSED,
         b"same",
-        protocol.WELCOME,
+        protocol.agents.WELCOME,
     )
     assert (
-        f"speaks protocol {protocol.VERSION - 1}, the notebook's {protocol.VERSION}"
+        f"speaks protocol {protocol.wire.VERSION - 1}, the notebook's {protocol.wire.VERSION}"
         in (refused["error"])
     )
 

@@ -10,7 +10,7 @@ from typing import Any
 import anyio
 import pytest
 
-from elastic_nb.common import protocol
+from elastic_nb import protocol
 from elastic_nb.common.rundir import RunDir, write_json
 from elastic_nb.kernel.flags import job_spec
 from elastic_nb.supervisor.runs.job import Job
@@ -43,7 +43,7 @@ _META = {"display": True, "modules": {}, "objects": [], "pull": []}
 
 
 def _end(sent: list[dict[str, Any]]) -> dict[str, Any]:
-    ends = [m for m in sent if m["kind"] == protocol.END]
+    ends = [m for m in sent if m["kind"] == protocol.kernel.END]
     assert len(ends) == 1, sent
     return ends[0]["summary"]
 
@@ -144,7 +144,7 @@ def test_rank_1_left_the_cell_after_3_collectives_while_rank_0_waits_in_the_4th(
     text = summary["failure"]["summary"]
     assert "rank 1 left the cell after 3 collectives" in text
     assert "rank 0 waits in all_reduce #4" in text
-    alerts = [a for m in sent if m["kind"] == protocol.UPDATE for a in m.get("alerts", [])]
+    alerts = [a for m in sent if m["kind"] == protocol.kernel.UPDATE for a in m.get("alerts", [])]
     assert any(a["kind"] == "desync" and a["rank"] == 1 for a in alerts)
 
 

@@ -13,7 +13,8 @@ from pathlib import Path
 import anyio
 import pytest
 
-from elastic_nb.common import procs, protocol
+from elastic_nb import protocol
+from elastic_nb.common import procs
 from elastic_nb.common.rundir import RunDir
 from elastic_nb.supervisor.processes.launcher_pool import LauncherPool
 from elastic_nb.supervisor.processes.node import LocalNode
@@ -71,7 +72,7 @@ def test_a_stack_dump_is_read_whole_when_its_rank_pauses_in_the_middle(tmp_path:
     rd.attempt(0).mkdir(parents=True)
     path, cell = rd.stacks(0, 0), str(rd.cell)
     end = '  File "<string>", line 1 in <module>'
-    path.write_text(f"{protocol.STACKS_END_MARK}{end}\n")
+    path.write_text(f"{protocol.rank_probes.STACKS_END_MARK}{end}\n")
     rank = subprocess.Popen(
         [sys.executable, "-c", _PAUSING_DUMPER.format(path=str(path), cell=cell, end=end)],
         stdout=subprocess.PIPE,

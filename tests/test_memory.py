@@ -20,7 +20,8 @@ from typing import Any
 import anyio
 import pytest
 
-from elastic_nb.common import procs, protocol, report
+from elastic_nb import protocol
+from elastic_nb.common import procs, report
 from elastic_nb.common.procs import MemoryLimit
 from elastic_nb.common.rundir import RunDir
 from elastic_nb.kernel.dashboard.model import DashboardState
@@ -65,14 +66,14 @@ def _job(tmp_path: Path) -> tuple[Job, FakeNode, list[dict[str, Any]]]:
 
 
 def _reading(used: int, rss: dict[int, int], gpu_used: int = 10 * GiB) -> MemoryReading:
-    share = protocol.GpuShare(index=3, process=gpu_used, used=gpu_used, total=80 * GiB)
+    share = protocol.records.GpuShare(index=3, process=gpu_used, used=gpu_used, total=80 * GiB)
     return MemoryReading(
         rss, {0: share}, MemoryLimit(used, 10 * GiB, "its cgroup's memory.max (/job)"), gpus=True
     )
 
 
-def _cuda(reserved: int) -> protocol.CudaMemory:
-    return protocol.CudaMemory(
+def _cuda(reserved: int) -> protocol.records.CudaMemory:
+    return protocol.records.CudaMemory(
         device=0, allocated=reserved // 2, reserved=reserved, peak=reserved, total=80 * GiB
     )
 
@@ -90,14 +91,14 @@ def test_samples_alerts_once_per_crossing_and_a_host_ooms_peak(
     node.kills = 0
     node.cuda = {0: _cuda(12 * GiB)}
 
-    def samples() -> list[protocol.MemorySample]:
-        return [s for m in sent if m["kind"] == protocol.UPDATE for s in m.get("memory", ())]
+    def samples() -> list[protocol.records.MemorySample]:
+        return [s for m in sent if m["kind"] == protocol.kernel.UPDATE for s in m.get("memory", ())]
 
-    def memory_alerts() -> list[protocol.Alert]:
+    def memory_alerts() -> list[protocol.records.Alert]:
         return [
             a
             for m in sent
-            if m["kind"] == protocol.UPDATE
+            if m["kind"] == protocol.kernel.UPDATE
             for a in m.get("alerts", ())
             if a["kind"] == "memory"
         ]
@@ -153,7 +154,7 @@ def test_samples_alerts_once_per_crossing_and_a_host_ooms_peak(
     s0 = next(s for s in samples() if s["rank"] == 0)
     assert s0["rss"] == 300 * MiB and s0["cuda"] == _cuda(12 * GiB) and s0["gpu"]["index"] == 3
     assert next(s for s in samples() if s["rank"] == 1)["cuda"] is None  # it answered none
-    end = next(m for m in sent if m["kind"] == protocol.END)["summary"]
+    end = next(m for m in sent if m["kind"] == protocol.kernel.END)["summary"]
     assert end["cause"] == "host_oom" and end["failure"]["rank"] == 1
     assert end["failure"]["summary"] == (
         "killed by SIGKILL from the kernel's OOM killer (host memory; it peaked at 3.5 GiB "
@@ -196,12 +197,12 @@ def test_no_gpus_no_questions_to_the_ranks(tmp_path: Path, monkeypatch: pytest.M
             await _until(lambda: job.summary is not None)
 
     anyio.run(main)
-    assert protocol.PROBE_MEMORY not in asked
+    assert protocol.rank_probes.PROBE_MEMORY not in asked
 
 
-def _gpu_sample(rank: int, t: float, process: int, used: int) -> protocol.MemorySample:
-    share = protocol.GpuShare(index=3, process=process, used=used, total=80 * GiB)
-    return protocol.MemorySample(
+def _gpu_sample(rank: int, t: float, process: int, used: int) -> protocol.records.MemorySample:
+    share = protocol.records.GpuShare(index=3, process=process, used=used, total=80 * GiB)
+    return protocol.records.MemorySample(
         attempt=0, rank=rank, t=t, rss=GiB, cuda=None, gpu=share, limit=None
     )
 

@@ -361,7 +361,7 @@ def test_a_wrong_token_and_a_forged_message_are_refused_and_run_nothing(
     what no agent sends (a file outside its run directory): dropped and logged, nothing written."""
     import anyio
 
-    from elastic_nb.common import protocol
+    from elastic_nb import protocol
     from elastic_nb.supervisor.nodes.channel import Dialer, Keys
 
     k = mn_kernel
@@ -391,15 +391,17 @@ def test_a_wrong_token_and_a_forged_message_are_refused_and_run_nothing(
                     "elastic_nb": _version(), "workdir": "/tmp",
                 }  # fmt: skip
                 await d.send(
-                    protocol.NodeHello(kind="node_hello", version=protocol.VERSION, info=info)
+                    protocol.agents.NodeHello(
+                        kind="node_hello", version=protocol.wire.VERSION, info=info
+                    )
                 )  # type: ignore[typeddict-item]
                 welcome, _ = await d.receive()
                 assert welcome["kind"] == "welcome"
-                evil = protocol.FileChunk(
+                evil = protocol.agents.FileChunk(
                     kind="file", group="x", root="", path="../../../../evil", offset=-1
                 )
                 await d.send(evil, b"nope")
-                await d.send(protocol.NodeHello(kind="node_hello", version=0, info=info))  # type: ignore[typeddict-item]
+                await d.send(protocol.agents.NodeHello(kind="node_hello", version=0, info=info))  # type: ignore[typeddict-item]
                 await anyio.sleep(0.5)
         finally:
             d.close()

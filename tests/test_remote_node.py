@@ -14,7 +14,8 @@ import anyio
 import psutil
 import pytest
 
-from elastic_nb.common import machine, protocol
+from elastic_nb import protocol
+from elastic_nb.common import machine
 from elastic_nb.common.rundir import RunDir
 from elastic_nb.supervisor.nodes import remote_node
 from elastic_nb.supervisor.nodes.cluster import Cluster
@@ -44,8 +45,8 @@ def test_a_rounds_news_that_nobody_reads_any_more_is_dropped(tmp_path: Path) -> 
     async def main() -> None:
         node = _node(tmp_path, [])
         node._said.close()
-        said = protocol.LauncherSaid(
-            kind=protocol.LAUNCHER,
+        said = protocol.agents.LauncherSaid(
+            kind=protocol.agents.LAUNCHER,
             group="g1",
             msg={"kind": "start", "attempt": 0, "rank": 0, "pid": 123},
         )
@@ -69,7 +70,7 @@ def test_a_stop_the_agent_never_answers_is_bounded(
         with anyio.fail_after(10, shield=True):  # as a teardown's; failing, not hanging
             survivors = await node.stop(0.1, lambda sig, pids: None)
         assert survivors == []
-        assert [m["kind"] for m in sent] == [protocol.STOP]
+        assert [m["kind"] for m in sent] == [protocol.kernel.STOP]
         assert time.monotonic() - started < 5
 
     anyio.run(main)
@@ -174,12 +175,12 @@ def test_a_frame_over_the_channels_limit_is_never_sent_and_one_at_it_arrives() -
                 tg.start_soon(listener.serve_admission)
                 with anyio.fail_after(10):
                     await dialer.handshake()
-                    beat = protocol.Beat(kind=protocol.BEAT, t=0.0, groups={})
+                    beat = protocol.agents.Beat(kind=protocol.agents.BEAT, t=0.0, groups={})
                     with pytest.raises(FrameTooLarge, match="beat of"):
                         await dialer.send(beat, bytes(MAX_FRAME + 1))
                     await dialer.send(beat, bytes(MAX_FRAME))
                     _, header, blob, _ = await listener.receive()
-                    assert header["kind"] == protocol.BEAT and blob == bytes(MAX_FRAME)
+                    assert header["kind"] == protocol.agents.BEAT and blob == bytes(MAX_FRAME)
                 tg.cancel_scope.cancel()
         finally:
             dialer.close()
@@ -208,12 +209,17 @@ def test_a_node_writes_only_the_files_of_the_ranks_its_launcher_started(tmp_path
         link.dirs[("g1", "")] = tmp_path
 
         def file(rel: str, data: bytes = b"x") -> None:
-            chunk = protocol.FileChunk(kind=protocol.FILE, group="g1", root="", path=rel, offset=-1)
+            chunk = protocol.agents.FileChunk(
+                kind=protocol.agents.FILE, group="g1", root="", path=rel, offset=-1
+            )
             link.dispatch(chunk, data)
 
         def started(rank: int) -> None:
             msg = {"kind": "start", "attempt": 0, "rank": rank, "pid": 100 + rank}
-            link.dispatch(protocol.LauncherSaid(kind=protocol.LAUNCHER, group="g1", msg=msg), None)
+            link.dispatch(
+                protocol.agents.LauncherSaid(kind=protocol.agents.LAUNCHER, group="g1", msg=msg),
+                None,
+            )
 
         started(2)
         started(3)
@@ -279,7 +285,9 @@ def test_a_relayed_rank_hello_is_taken_only_for_a_rank_of_that_machine(
         links = RankLinks("s1", book, until, lambda: None, lambda *a: None)
 
         def hello(rank: int) -> Any:
-            return protocol.RankHello(kind=protocol.RANK_HELLO, attempt=0, rank=rank)
+            return protocol.sessions.RankHello(
+                kind=protocol.sessions.RANK_HELLO, attempt=0, rank=rank
+            )
 
         stream: Any = None
         assert await links._hello(stream, hello(0), 4242, there) is None

@@ -58,7 +58,7 @@ def test_the_end_says_the_timeline_in_words() -> None:
     each from its start to its end (seconds into the job), its nodes and world, and why it
     ended: the round after it's beginning (attempt 0 did not lose node 1: it ended because node 1
     left)."""
-    from elastic_nb.common import protocol
+    from elastic_nb import protocol
 
     out = io.StringIO()
     r = TextRenderer("cafe0001", "/runs/cafe0001", out, io.StringIO())
@@ -72,7 +72,7 @@ def test_the_end_says_the_timeline_in_words() -> None:
     r.update({"rounds": rounds, "attempt": 2})
     out.seek(0)
     out.truncate()
-    end = protocol.summary("cafe0001", "succeeded", "every rank finished the cell")
+    end = protocol.records.summary("cafe0001", "succeeded", "every rank finished the cell")
     end.update(started=t0, wall_s=31.0, attempt=2, world_size=2, run_dir="/runs/cafe0001")
     r.end(end)
     assert out.getvalue().splitlines()[:4] == [
@@ -86,12 +86,12 @@ def test_the_end_says_the_timeline_in_words() -> None:
 
 
 def test_one_attempt_on_one_machine_has_no_timeline() -> None:
-    from elastic_nb.common import protocol
+    from elastic_nb import protocol
 
     out = io.StringIO()
     r = TextRenderer("cafe0001", "/runs/cafe0001", out, io.StringIO())
     r.update({"state": "running", "attempt": 0})
-    end = protocol.summary("cafe0001", "succeeded", "every rank finished the cell")
+    end = protocol.records.summary("cafe0001", "succeeded", "every rank finished the cell")
     end.update(started=1000.0, wall_s=3.0, world_size=2, run_dir="/runs/cafe0001")
     r.end(end)
     assert "timeline" not in out.getvalue()

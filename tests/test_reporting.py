@@ -10,7 +10,7 @@ from typing import Any
 import anyio
 import pytest
 
-from elastic_nb.common import protocol
+from elastic_nb import protocol
 from elastic_nb.supervisor.ranks.log_tailer import LogTailer
 from elastic_nb.supervisor.runs.reporter import Reporter
 from elastic_nb.supervisor.runs.summary import cause, closing_alerts
@@ -38,7 +38,7 @@ def test_the_reporter_sends_one_update_per_flush_and_keeps_a_diary(tmp_path: Pat
     anyio.run(main)
     assert len(sent) == 1
     update = sent[0]
-    assert update["kind"] == protocol.UPDATE and update["job"] == "cafe0001"
+    assert update["kind"] == protocol.kernel.UPDATE and update["job"] == "cafe0001"
     assert update["state"] == "running" and update["ranks"] == {"0": {"state": "done"}}
     assert [a["title"] for a in update["alerts"]] == ["quiet"]
     diary = (tmp_path / "events.jsonl").read_text()

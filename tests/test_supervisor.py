@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from elastic_nb.common import protocol
+from elastic_nb import protocol
 from elastic_nb.common.errors import SupervisorDied
 from elastic_nb.kernel.cell import prepare_cell
 from elastic_nb.kernel.client import GONE, SupervisorClient
@@ -107,7 +107,7 @@ def test_a_bad_connection_is_dropped_and_the_supervisor_serves_on(
     client: SupervisorClient, tmp_path: Path
 ) -> None:
     for garbage in (
-        protocol.encode({"kind": "jobs", "req": 1}),  # a request before hello
+        protocol.wire.encode({"kind": "jobs", "req": 1}),  # a request before hello
         b'{"kind": "hello", "blob": -5}\n',  # a frame that is not one
         b"\xff\xfe not json at all\n",
     ):
@@ -210,7 +210,7 @@ def test_an_unreadable_frame_drops_the_connection_and_says_why() -> None:
     c._sock, c._proc, c._alive, c.gone_reason = ours, None, True, "it exited"
     c._pending, c._subscribers, c._send_lock, c._req = {}, {}, threading.Lock(), iter(range(9))
     job = c.subscribe("cafe0001")
-    reader = threading.Thread(target=c._read, args=(protocol.FrameDecoder(),))
+    reader = threading.Thread(target=c._read, args=(protocol.wire.FrameDecoder(),))
     reader.start()
     theirs.sendall(b"this is not a frame\n")
     reader.join(timeout=5)

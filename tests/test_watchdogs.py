@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from elastic_nb.common import protocol
+from elastic_nb import protocol
 from elastic_nb.kernel.flags import job_spec
 from elastic_nb.supervisor.forensics.watchdogs import Agent, agent_stuck, stuck_agent, zombie_bound
 from elastic_nb.supervisor.ranks.rank_state import RankState
@@ -82,5 +82,7 @@ def test_another_machines_agent_is_given_the_channels_lag() -> None:
         )
 
     assert stuck(bound + 0.3, 0.0)  # on this machine: stuck
-    assert not stuck(bound + 0.3, protocol.LOST_AFTER_S)  # on another: it may be the way here
-    assert stuck(bound + protocol.LOST_AFTER_S + 0.3, protocol.LOST_AFTER_S)
+    assert not stuck(
+        bound + 0.3, protocol.agents.LOST_AFTER_S
+    )  # on another: it may be the way here
+    assert stuck(bound + protocol.agents.LOST_AFTER_S + 0.3, protocol.agents.LOST_AFTER_S)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from elastic_nb.common import report
-from elastic_nb.common.protocol import Summary
+from elastic_nb.protocol.records import Summary
 
 __all__ = ["CellError", "ElasticError", "JobFailed", "JobStopped", "JobTimeout", "SupervisorDied"]
 

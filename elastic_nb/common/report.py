@@ -12,7 +12,7 @@ import re
 import signal
 from typing import Any
 
-from elastic_nb.common.protocol import Round, Summary
+from elastic_nb.protocol.records import Round, Summary
 
 __all__ = [
     "CAUSE_HINTS",

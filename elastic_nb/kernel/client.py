@@ -23,7 +23,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from elastic_nb.common import modules, protocol
+from elastic_nb import protocol
+from elastic_nb.common import modules
 from elastic_nb.common.errors import Refused, SupervisorDied
 from elastic_nb.common.registry import runtime_dir
 from elastic_nb.common.spec import JobSpec
@@ -120,16 +121,16 @@ class SupervisorClient:
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.connect(self.socket_path)  # queued in the backlog until the supervisor accepts
         self._sock.settimeout(HELLO_TIMEOUT_S)
-        hello_msg = protocol.encode(
-            protocol.Hello(
-                kind=protocol.HELLO,
-                version=protocol.VERSION,
-                role=protocol.ROLE_KERNEL,
+        hello_msg = protocol.wire.encode(
+            protocol.kernel.Hello(
+                kind=protocol.kernel.HELLO,
+                version=protocol.wire.VERSION,
+                role=protocol.kernel.ROLE_KERNEL,
                 kernel_pid=os.getpid(),
             )
         )
         self._sock.sendall(hello_msg)
-        decoder = protocol.FrameDecoder()
+        decoder = protocol.wire.FrameDecoder()
         frame = None
         with contextlib.suppress(OSError):
             while frame is None:
@@ -141,12 +142,12 @@ class SupervisorClient:
             raise SupervisorDied(
                 f"the elastic_nb supervisor did not start; its log says:\n{self._log_tail()}"
             )
-        hello = protocol.kernel_news(frame)
-        if hello["kind"] != protocol.HELLO:
+        hello = protocol.kernel.kernel_news(frame)
+        if hello["kind"] != protocol.kernel.HELLO:
             raise SupervisorDied(f"the elastic_nb supervisor said {hello['kind']!r} first")
         if hello.get("error"):
             raise SupervisorDied(str(hello.get("error")))
-        protocol.check_hello(hello)
+        protocol.kernel.check_hello(hello)
         self.pid = hello.get("pid", 0)
         self._sock.settimeout(None)
         self._reader = threading.Thread(
@@ -174,15 +175,15 @@ class SupervisorClient:
 
     # ---- frames -----------------------------------------------------------------------------
 
-    def _read(self, decoder: protocol.FrameDecoder) -> None:
+    def _read(self, decoder: protocol.wire.FrameDecoder) -> None:
         try:
             while True:
                 data = self._sock.recv(1 << 16)
                 if not data:
                     break
                 for frame, _ in decoder.feed(data):
-                    self._dispatch(protocol.kernel_news(frame))
-        except protocol.ProtocolError as e:
+                    self._dispatch(protocol.kernel.kernel_news(frame))
+        except protocol.wire.ProtocolError as e:
             # The stream cannot be trusted past this point: drop it (the supervisor then stops
             # this kernel's jobs and exits) and say why, rather than go silent.
             self.gone_reason = f"it sent a frame the kernel could not read ({e})"
@@ -197,12 +198,12 @@ class SupervisorClient:
             for q in [*self._pending.values(), *self._subscribers.values()]:
                 q.put(GONE)
 
-    def _dispatch(self, msg: protocol.KernelNews) -> None:
-        if msg["kind"] == protocol.REPLY:
+    def _dispatch(self, msg: protocol.kernel.KernelNews) -> None:
+        if msg["kind"] == protocol.kernel.REPLY:
             q = self._pending.pop(msg["req"] or -1, None)
             if q is not None:
                 q.put(msg)
-        elif msg["kind"] == protocol.UPDATE or msg["kind"] == protocol.END:
+        elif msg["kind"] == protocol.kernel.UPDATE or msg["kind"] == protocol.kernel.END:
             q = self._subscribers.get(msg["job"])
             if q is not None:
                 q.put(msg)
@@ -233,24 +234,24 @@ class SupervisorClient:
         """The number of the next request (its reply carries it back)."""
         return next(self._req)
 
-    def send(self, msg: protocol.KernelRequest) -> None:
+    def send(self, msg: protocol.kernel.KernelRequest) -> None:
         """Fire and forget (a stop while the cell is being interrupted)."""
-        self._write(protocol.encode(msg))
+        self._write(protocol.wire.encode(msg))
 
     def request(
         self,
-        msg: protocol.KernelRequest,
+        msg: protocol.kernel.KernelRequest,
         blob: bytes | None = None,
         timeout: float = REQUEST_TIMEOUT_S,
     ) -> dict[str, Any]:
         """Send a request (made with `next_req`) and wait for its reply; returns the reply's
         data, or raises Refused with the supervisor's reason."""
         kind = msg["kind"]
-        req = msg["req"] if msg["kind"] != protocol.HELLO else 0
+        req = msg["req"] if msg["kind"] != protocol.kernel.HELLO else 0
         q: queue.Queue[Any] = queue.Queue(1)
         self._pending[req] = q
         try:
-            self._write(protocol.encode(msg, blob))
+            self._write(protocol.wire.encode(msg, blob))
             reply = q.get(timeout=timeout)
         except queue.Empty:
             # A supervisor that does not answer cannot be trusted with the next job either.
@@ -300,12 +301,12 @@ class SupervisorClient:
             # Writing a large --push payload to disk is part of the request: its time is not
             # the supervisor's slowness (about 200 MB/s here; a minute more per 10 GB).
             timeout = REQUEST_TIMEOUT_S + len(payload or b"") / SLOW_DISK_BYTES_PER_S
-            submit = protocol.Submit(
-                kind=protocol.SUBMIT,
+            submit = protocol.kernel.Submit(
+                kind=protocol.kernel.SUBMIT,
                 req=self.next_req(),
                 job=job_id,
                 spec=spec.to_dict(),
-                cell=protocol.CellSource(source=source, meta=meta),
+                cell=protocol.kernel.CellSource(source=source, meta=meta),
                 env=dict(os.environ),
                 session=session,
             )
@@ -318,8 +319,8 @@ class SupervisorClient:
     def up(self, session_id: str, spec: JobSpec) -> dict[str, Any]:
         """Start a session (subscribe to `session_id` first: its updates and end come as a
         job's). An interrupt that lands before the reply still ends it."""
-        up = protocol.Up(
-            kind=protocol.UP,
+        up = protocol.kernel.Up(
+            kind=protocol.kernel.UP,
             req=self.next_req(),
             session=session_id,
             spec=spec.to_dict(),
@@ -330,52 +331,70 @@ class SupervisorClient:
         except KeyboardInterrupt:
             with contextlib.suppress(SupervisorDied):
                 self.send(
-                    protocol.Down(kind=protocol.DOWN, req=self.next_req(), session=session_id)
+                    protocol.kernel.Down(
+                        kind=protocol.kernel.DOWN, req=self.next_req(), session=session_id
+                    )
                 )
             raise
 
     def down(self, session_id: str) -> None:
-        self.request(protocol.Down(kind=protocol.DOWN, req=self.next_req(), session=session_id))
+        self.request(
+            protocol.kernel.Down(kind=protocol.kernel.DOWN, req=self.next_req(), session=session_id)
+        )
 
     def session(self, session_id: str) -> dict[str, Any]:
         return self.request(
-            protocol.SessionInfo(kind=protocol.SESSION, req=self.next_req(), session=session_id)
+            protocol.kernel.SessionInfo(
+                kind=protocol.kernel.SESSION, req=self.next_req(), session=session_id
+            )
         )
 
     def stop(self, job_id: str | None = None, reason: str = "user") -> list[str]:
-        stop = protocol.Stop(kind=protocol.STOP, req=self.next_req(), job=job_id, reason=reason)
+        stop = protocol.kernel.Stop(
+            kind=protocol.kernel.STOP, req=self.next_req(), job=job_id, reason=reason
+        )
         stopping: list[str] = self.request(stop)["stopping"]
         return stopping
 
     def send_stop(self, job_id: str, reason: str) -> None:
         """Stop a job without waiting for the answer (the cell is being interrupted)."""
-        self.send(protocol.Stop(kind=protocol.STOP, req=self.next_req(), job=job_id, reason=reason))
+        self.send(
+            protocol.kernel.Stop(
+                kind=protocol.kernel.STOP, req=self.next_req(), job=job_id, reason=reason
+            )
+        )
 
     def stacks(self, job_id: str | None = None) -> str:
         """Every rank's stack, now, of the job (the latest running one by default)."""
-        msg = protocol.Stacks(kind=protocol.STACKS, req=self.next_req(), job=job_id)
+        msg = protocol.kernel.Stacks(kind=protocol.kernel.STACKS, req=self.next_req(), job=job_id)
         text: str = self.request(msg)["text"]
         return text
 
     def keep_warm(self, on: bool) -> None:
-        self.request(protocol.Warm(kind=protocol.WARM, req=self.next_req(), on=on))
+        self.request(protocol.kernel.Warm(kind=protocol.kernel.WARM, req=self.next_req(), on=on))
 
     def jobs(self) -> list[dict[str, Any]]:
         jobs: list[dict[str, Any]] = self.request(
-            protocol.Jobs(kind=protocol.JOBS, req=self.next_req())
+            protocol.kernel.Jobs(kind=protocol.kernel.JOBS, req=self.next_req())
         )["jobs"]
         return jobs
 
     def status(self) -> dict[str, Any]:
-        return self.request(protocol.Status(kind=protocol.STATUS, req=self.next_req()))
+        return self.request(
+            protocol.kernel.Status(kind=protocol.kernel.STATUS, req=self.next_req())
+        )
 
     def nodes(self) -> dict[str, Any]:
-        return self.request(protocol.Nodes(kind=protocol.NODES, req=self.next_req()))
+        return self.request(protocol.kernel.Nodes(kind=protocol.kernel.NODES, req=self.next_req()))
 
     def join(self, host: str | None, port: int, new_token: bool) -> dict[str, Any]:
         return self.request(
-            protocol.Join(
-                kind=protocol.JOIN, req=self.next_req(), host=host, port=port, new_token=new_token
+            protocol.kernel.Join(
+                kind=protocol.kernel.JOIN,
+                req=self.next_req(),
+                host=host,
+                port=port,
+                new_token=new_token,
             )
         )
 

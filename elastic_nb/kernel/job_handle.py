@@ -21,12 +21,13 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
-from elastic_nb.common import procs, protocol
+from elastic_nb import protocol
+from elastic_nb.common import procs
 from elastic_nb.common.errors import ElasticError, JobFailed, JobStopped, JobTimeout, SupervisorDied
-from elastic_nb.common.protocol import Summary
 from elastic_nb.common.rundir import RunDir
 from elastic_nb.common.spec import JobSpec
 from elastic_nb.kernel.client import GONE, SupervisorClient
+from elastic_nb.protocol.records import Summary
 
 __all__ = ["JobHandle", "Renderer"]
 
@@ -278,11 +279,11 @@ class JobHandle:
                 f"{self.id} ran; the job's processes were killed. The next %%elastic cell starts "
                 "a new one."
             )
-        if msg["kind"] == protocol.UPDATE:
+        if msg["kind"] == protocol.kernel.UPDATE:
             self._state = msg.get("state", self._state)
             if renderer is not None:
                 renderer.update(msg)
-        elif msg["kind"] == protocol.END:
+        elif msg["kind"] == protocol.kernel.END:
             self.summary = msg["summary"]
             if renderer is not None:
                 self._rendered_end = True
@@ -304,7 +305,7 @@ class JobHandle:
         """Last resort from the kernel itself: kill every process carrying this job's marker,
         and give the cell back once they are gone."""
         procs.kill_job([self.session or self.id], signal.SIGKILL, wait_s=procs.KILL_WAIT_S)
-        self.summary = protocol.summary(
+        self.summary = protocol.records.summary(
             self.id,
             outcome,
             reason,

@@ -57,7 +57,6 @@ from IPython.core.magic_arguments import argument, argument_group, magic_argumen
 from IPython.display import display
 
 from elastic_nb.common.errors import Refused
-from elastic_nb.common.protocol import Summary
 from elastic_nb.common.spec import JobSpec
 from elastic_nb.kernel.cell import explicit_timeouts, notebook_modules, prepare_cell
 from elastic_nb.kernel.client import current_client, get_client
@@ -73,6 +72,7 @@ from elastic_nb.kernel.session_handle import (
     describe,
     up_options,
 )
+from elastic_nb.protocol.records import Summary
 
 __all__ = ["ElasticMagics"]
 

@@ -20,7 +20,7 @@ import time
 from typing import Any, Literal, TextIO
 
 from elastic_nb.common import report
-from elastic_nb.common.protocol import Summary
+from elastic_nb.protocol.records import Summary
 
 __all__ = ["MAX_CELL_CHARS", "TextRenderer"]
 

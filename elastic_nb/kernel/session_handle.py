@@ -17,13 +17,14 @@ import threading
 import time
 from typing import Any
 
-from elastic_nb.common import protocol, report
+from elastic_nb import protocol
+from elastic_nb.common import report
 from elastic_nb.common.errors import ElasticError, SupervisorDied
-from elastic_nb.common.protocol import Summary
 from elastic_nb.common.spec import JobSpec
 from elastic_nb.kernel.client import GONE, SupervisorClient
 from elastic_nb.kernel.job_handle import WAKE_S
 from elastic_nb.kernel.options import OPTIONS
+from elastic_nb.protocol.records import Summary
 
 __all__ = ["NO_SESSION_NO_REPLAY", "SessionHandle", "describe", "up_options"]
 
@@ -153,18 +154,18 @@ class SessionHandle:
 
     def _take(self, msg: Any, echo: bool = False) -> None:
         if msg is GONE:
-            self.summary = protocol.summary(self.id, "failed", "the supervisor is gone")
+            self.summary = protocol.records.summary(self.id, "failed", "the supervisor is gone")
             raise SupervisorDied(
                 f"the elastic_nb supervisor is gone ({self._client.gone_reason}); the session's "
                 "ranks went with it"
             )
-        if msg["kind"] == protocol.UPDATE:
+        if msg["kind"] == protocol.kernel.UPDATE:
             self.state = msg.get("state", self.state)
             self.attempt = msg.get("attempt", self.attempt)
             for alert in msg.get("alerts", ()) if echo else ():
                 stream = sys.stderr if alert["severity"] == "error" else sys.stdout
                 print(f"[elastic_nb] session {self.id}: {alert['title']}", file=stream)
-        elif msg["kind"] == protocol.END:
+        elif msg["kind"] == protocol.kernel.END:
             self.summary = msg["summary"]
             self.state = self.summary["outcome"]
             if echo:

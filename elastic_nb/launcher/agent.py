@@ -19,7 +19,8 @@ import signal
 import sys
 from typing import Any
 
-from elastic_nb.common import loopback, modules, procs, protocol
+from elastic_nb import protocol
+from elastic_nb.common import loopback, modules, procs
 from elastic_nb.common.rundir import ATTEMPT_BASE_ENV, RUN_DIR_ENV, RunDir
 from elastic_nb.common.spec import TEARS_DOWN, JobSpec
 from elastic_nb.launcher import rendezvous
@@ -50,11 +51,11 @@ def main() -> None:
     observe_agent(channel)
     rendezvous.quicken()
     _wait_fork_server()
-    channel.send(protocol.Ready(kind=protocol.READY, pid=os.getpid()))
+    channel.send(protocol.launcher.Ready(kind=protocol.launcher.READY, pid=os.getpid()))
     line = sys.stdin.readline()
     if not line:
         return  # the supervisor let us go without a job
-    assignment = protocol.assignment(json.loads(line))
+    assignment = protocol.launcher.assignment(json.loads(line))
     job_id, rd, plan = assignment["job"], RunDir(assignment["run_dir"]), assignment["round"]
     procs.mark_process(job_id)
     _log_to(rd.launcher_log)
@@ -80,24 +81,26 @@ def main() -> None:
         # A session's ranks run cells until the supervisor says bye; a job's run its one cell.
         entrypoint = serve if spec.session else bootstrap
         elastic_launch(config, entrypoint)(str(rd.path), job_env, start_env)
-        channel.send(protocol.Result(kind=protocol.RESULT, ok=True))
+        channel.send(protocol.launcher.Result(kind=protocol.launcher.RESULT, ok=True))
     except ChildFailedError as e:
         failures = {
             str(rank): {"exitcode": f.exitcode, "pid": f.pid, "message": f.message}
             for rank, f in e.failures.items()
         }
         channel.send(
-            protocol.Result(kind=protocol.RESULT, ok=False, error="ranks failed", failures=failures)
+            protocol.launcher.Result(
+                kind=protocol.launcher.RESULT, ok=False, error="ranks failed", failures=failures
+            )
         )
         code = 1
     except SignalException as e:
         error = f"launcher received {e.sigval.name}"
-        channel.send(protocol.Result(kind=protocol.RESULT, ok=False, error=error))
+        channel.send(protocol.launcher.Result(kind=protocol.launcher.RESULT, ok=False, error=error))
         code = 128 + int(e.sigval)
     except BaseException as e:
         logging.getLogger(__name__).exception("elastic_launch raised")
         error = f"{type(e).__name__}: {e}"
-        channel.send(protocol.Result(kind=protocol.RESULT, ok=False, error=error))
+        channel.send(protocol.launcher.Result(kind=protocol.launcher.RESULT, ok=False, error=error))
         code = 1
     # Nothing is left to do once the ranks are joined and the result is sent, and finalizing an
     # interpreter that loaded torch takes about 0.4 s that the notebook would wait for.
@@ -152,7 +155,7 @@ def die_with_parent() -> None:
 
 
 def _apply_environment(
-    spec: JobSpec, job_id: str, rd: RunDir, plan: protocol.LaunchRound | None
+    spec: JobSpec, job_id: str, rd: RunDir, plan: protocol.launcher.LaunchRound | None
 ) -> None:
     """Ranks inherit this process's environment (torchelastic only adds its rank variables)."""
     env = os.environ
@@ -200,7 +203,7 @@ def _launch_config(
     rd: RunDir,
     job_id: str,
     rdzv_endpoint: str,
-    plan: protocol.LaunchRound | None,
+    plan: protocol.launcher.LaunchRound | None,
 ) -> Any:
     from torch.distributed.launcher.api import LaunchConfig
 

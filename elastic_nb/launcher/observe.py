@@ -14,7 +14,7 @@ import threading
 import time
 from typing import Any
 
-from elastic_nb.common import protocol
+from elastic_nb import protocol
 from elastic_nb.common.rundir import ATTEMPT_BASE_ENV, RUN_DIR_ENV, attempt_of
 from elastic_nb.launcher.pipe import Channel
 
@@ -39,8 +39,8 @@ class _EventHandler(logging.Handler):
             state = md.get("state")
             if state == "START" and md.get("global_rank") is not None:
                 self._channel.send(
-                    protocol.Start(
-                        kind=protocol.START,
+                    protocol.launcher.Start(
+                        kind=protocol.launcher.START,
                         attempt=attempt,
                         rank=int(md["global_rank"]),
                         pid=int(md["worker_id"]),
@@ -48,8 +48,8 @@ class _EventHandler(logging.Handler):
                 )
             elif state == "RENDEZVOUS":
                 self._channel.send(
-                    protocol.Rendezvous(
-                        kind=protocol.RENDEZVOUS,
+                    protocol.launcher.Rendezvous(
+                        kind=protocol.launcher.RENDEZVOUS,
                         attempt=attempt,
                         seconds=(md.get("duration_ms") or 0) / 1000,
                     )
@@ -102,7 +102,9 @@ def observe_agent(channel: Channel) -> None:
             env = self.envs[local_rank]
             codes[env["RANK"]] = proc.exitcode
         attempt = attempt_of(self.envs[0])
-        channel.send(protocol.Exits(kind=protocol.EXITS, attempt=attempt, codes=codes))
+        channel.send(
+            protocol.launcher.Exits(kind=protocol.launcher.EXITS, attempt=attempt, codes=codes)
+        )
 
     MultiprocessContext._close = _close  # type: ignore[method-assign]
     _report_forked_exits(channel, MultiprocessContext)
@@ -122,7 +124,9 @@ def observe_agent(channel: Channel) -> None:
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
             channel.send(
-                protocol.AgentFailed(kind=protocol.AGENT_FAILED, error=error, t=time.time())
+                protocol.launcher.AgentFailed(
+                    kind=protocol.launcher.AGENT_FAILED, error=error, t=time.time()
+                )
             )
             raise
 
@@ -182,8 +186,12 @@ def _report_forked_exits(channel: Channel, context: Any) -> None:
             for sentinel in ready:
                 rank, p = pending.pop(sentinel)
                 channel.send(
-                    protocol.Exit(
-                        kind=protocol.EXIT, attempt=attempt, rank=rank, pid=p.pid, code=p.exitcode
+                    protocol.launcher.Exit(
+                        kind=protocol.launcher.EXIT,
+                        attempt=attempt,
+                        rank=rank,
+                        pid=p.pid,
+                        code=p.exitcode,
                     )
                 )
 

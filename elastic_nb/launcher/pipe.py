@@ -7,7 +7,7 @@ import os
 import threading
 import time
 
-from elastic_nb.common import protocol
+from elastic_nb import protocol
 
 __all__ = ["Channel"]
 
@@ -20,8 +20,8 @@ class Channel:
         self._lock = threading.Lock()
         self._last_tick = 0.0
 
-    def send(self, msg: protocol.LauncherNews) -> None:
-        data = protocol.encode(msg)
+    def send(self, msg: protocol.launcher.LauncherNews) -> None:
+        data = protocol.wire.encode(msg)
         with self._lock:
             try:
                 while data:
@@ -31,6 +31,6 @@ class Channel:
 
     def tick(self) -> None:
         now = time.monotonic()
-        if now - self._last_tick >= protocol.TICK_EVERY_S:
+        if now - self._last_tick >= protocol.launcher.TICK_EVERY_S:
             self._last_tick = now
-            self.send(protocol.Tick(kind=protocol.TICK, t=time.time()))
+            self.send(protocol.launcher.Tick(kind=protocol.launcher.TICK, t=time.time()))

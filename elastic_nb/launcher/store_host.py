@@ -13,7 +13,8 @@ from __future__ import annotations
 import os
 import sys
 
-from elastic_nb.common import loopback, modules, protocol
+from elastic_nb import protocol
+from elastic_nb.common import loopback, modules
 from elastic_nb.launcher.agent import die_with_parent
 from elastic_nb.launcher.pipe import Channel
 
@@ -25,5 +26,5 @@ def main() -> None:
     os.dup2(2, 1)
     die_with_parent()
     server = loopback.rendezvous_server(int(os.environ.get(modules.STORE_PORT_ENV) or 0))
-    channel.send(protocol.StoreUp(kind=protocol.STORE, port=server.port))
+    channel.send(protocol.launcher.StoreUp(kind=protocol.launcher.STORE, port=server.port))
     sys.stdin.read()  # until the supervisor lets go (EOF): the group has ended

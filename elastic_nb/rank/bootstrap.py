@@ -33,9 +33,9 @@ from pathlib import Path
 from typing import Any
 
 from elastic_nb.common import loopback, modules, procs
-from elastic_nb.common.protocol import STACK_SIGNAL, STACKS_END_MARK
 from elastic_nb.common.rundir import ATTEMPT_BASE_ENV, RunDir, attempt_of, write_json
 from elastic_nb.common.spec import MANAGED_ENV, JobSpec
+from elastic_nb.protocol.rank_probes import STACK_SIGNAL, STACKS_END_MARK
 from elastic_nb.rank import memory, recorder
 from elastic_nb.rank.outcomes import dump, dump_result, record_failure
 

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from elastic_nb.common.protocol import CudaMemory
+from elastic_nb.protocol.records import CudaMemory
 
 __all__ = ["calls_of", "cuda_memory", "largest", "record_history", "snapshot_at_oom"]
 

@@ -30,8 +30,8 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
-from elastic_nb.common.protocol import PROBE_FULL, PROBE_MEMORY, PROBE_STACKS
 from elastic_nb.common.rundir import write_json
+from elastic_nb.protocol.rank_probes import PROBE_FULL, PROBE_MEMORY, PROBE_STACKS
 from elastic_nb.rank.memory import cuda_memory
 
 __all__ = ["serve_probes", "snapshot", "write_final"]
@@ -92,7 +92,7 @@ def write_final(path: Path, cell: str) -> None:
 def serve_probes(fifo: Path, answer: Path, cell: str, stacks: TextIO) -> None:
     """Answer the supervisor's probes from a thread: it writes ``"<n> status|full|memory"`` into the
     FIFO, this thread writes the snapshot, tagged with n, to `answer`; ``"<n> stacks <deadline>"``
-    has every thread's stack written to `stacks` (see protocol.STACK_SIGNAL). Opening a FIFO
+    has every thread's stack written to `stacks` (see protocol.rank_probes.STACK_SIGNAL). Opening a FIFO
     blocks until the other side opens it: an idle rank pays nothing. Where no FIFO can be made
     (a --log-dir on a file system without them), the rank runs without: the supervisor then
     finds a desync at the collective timeout, from the records ranks leave, and signals the

@@ -31,7 +31,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from elastic_nb.common import protocol
+from elastic_nb import protocol
 from elastic_nb.common.rundir import RunDir
 from elastic_nb.common.spec import JobSpec
 from elastic_nb.rank import bootstrap
@@ -43,19 +43,19 @@ def serve(run_dir: str, env: dict[str, str], start_env: dict[str, str]) -> bool:
     """Run the session's cells in this rank until the supervisor says bye (or goes)."""
     me = bootstrap.prepare(run_dir, env, start_env)
     bootstrap.refuse_a_bad_fork()  # before any cell: this rank's restarts would all fail alike
-    channel = _Channel(os.environ[protocol.SESSION_SOCKET_ENV])
+    channel = _Channel(os.environ[protocol.sessions.SESSION_SOCKET_ENV])
     channel.send(
-        protocol.RankHello(
-            kind=protocol.RANK_HELLO, rank=me.rank, attempt=me.attempt, pid=os.getpid()
+        protocol.sessions.RankHello(
+            kind=protocol.sessions.RANK_HELLO, rank=me.rank, attempt=me.attempt, pid=os.getpid()
         )
     )
     while True:
         msg = channel.next()
-        if msg is None or msg["kind"] != protocol.RUN:
+        if msg is None or msg["kind"] != protocol.sessions.RUN:
             return True  # bye, or the supervisor is gone
         cell = msg["cell"]
         ok = _run_one(channel, RunDir(msg["run_dir"]), cell, me)
-        channel.send(protocol.Ran(kind=protocol.RAN, cell=cell, ok=ok))
+        channel.send(protocol.sessions.Ran(kind=protocol.sessions.RAN, cell=cell, ok=ok))
 
 
 def _run_one(channel: _Channel, crd: RunDir, cell: str, me: bootstrap.Rank) -> bool:
@@ -83,16 +83,18 @@ class _Channel:
         self._lock = threading.Lock()  # `_current` and `_cancelled`, between the two threads
         self._current: str | None = None  # the cell the main thread runs
         self._cancelled: set[str] = set()  # interrupted before they started
-        self._queue: queue.Queue[protocol.Run | protocol.Bye | None] = queue.Queue()
+        self._queue: queue.Queue[protocol.sessions.Run | protocol.sessions.Bye | None] = (
+            queue.Queue()
+        )
         self._main = threading.main_thread().ident
         signal.signal(signal.SIGINT, self._on_sigint)
         threading.Thread(target=self._read, name="elastic_nb-session", daemon=True).start()
 
-    def send(self, msg: protocol.RankNews) -> None:
+    def send(self, msg: protocol.sessions.RankNews) -> None:
         with self._send_lock:
-            self._sock.sendall(protocol.encode(msg))
+            self._sock.sendall(protocol.wire.encode(msg))
 
-    def next(self) -> protocol.Run | protocol.Bye | None:
+    def next(self) -> protocol.sessions.Run | protocol.sessions.Bye | None:
         """The next message for the main thread (a cell to run, or bye); None: the supervisor
         is gone."""
         return self._queue.get()
@@ -116,16 +118,16 @@ class _Channel:
             raise KeyboardInterrupt
 
     def _read(self) -> None:
-        decoder = protocol.FrameDecoder()
+        decoder = protocol.wire.FrameDecoder()
         try:
             while data := self._sock.recv(1 << 16):
                 for frame, _ in decoder.feed(data):
-                    msg = protocol.session_order(frame)
-                    if msg["kind"] == protocol.INTERRUPT:
+                    msg = protocol.sessions.session_order(frame)
+                    if msg["kind"] == protocol.sessions.INTERRUPT:
                         self._interrupt(msg["cell"])
                     else:
                         self._queue.put(msg)
-        except (OSError, protocol.ProtocolError):
+        except (OSError, protocol.wire.ProtocolError):
             pass
         self._queue.put(None)
 

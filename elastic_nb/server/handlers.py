@@ -18,7 +18,7 @@ from jupyter_server.base.handlers import APIHandler
 from jupyter_server.utils import url_path_join
 from tornado import web
 
-from elastic_nb.common import protocol
+from elastic_nb import protocol
 from elastic_nb.common.rundir import RunDir
 from elastic_nb.server import supervisors
 from elastic_nb.server.supervisors import Supervisor, SupervisorError
@@ -52,7 +52,7 @@ class _Handler(APIHandler):
                 return sup, entry
         raise web.HTTPError(404, f"no job {job_id}")
 
-    async def ask(self, sup: Supervisor, msg: protocol.KernelRequest) -> dict[str, Any]:
+    async def ask(self, sup: Supervisor, msg: protocol.kernel.KernelRequest) -> dict[str, Any]:
         try:
             return await self.blocking(sup.request, msg)
         except SupervisorError as e:
@@ -110,11 +110,16 @@ class StopHandler(_Handler):
         sup, entry = await self.owner(job_id)
         if entry["kind"] == "session":
             await self.ask(
-                sup, protocol.Down(kind=protocol.DOWN, req=1, session=job_id, reason="panel")
+                sup,
+                protocol.kernel.Down(
+                    kind=protocol.kernel.DOWN, req=1, session=job_id, reason="panel"
+                ),
             )
             stopping = [job_id] if entry["running"] else []
         else:
-            stop = protocol.Stop(kind=protocol.STOP, req=1, job=job_id, reason="panel")
+            stop = protocol.kernel.Stop(
+                kind=protocol.kernel.STOP, req=1, job=job_id, reason="panel"
+            )
             reply = await self.ask(sup, stop)
             stopping = reply["stopping"]
         self.finish(json.dumps({"stopping": stopping}))
@@ -127,7 +132,9 @@ class StacksHandler(_Handler):
         sup, entry = await self.owner(job_id)
         if not entry["running"]:
             raise web.HTTPError(409, f"job {job_id} is not running")
-        reply = await self.ask(sup, protocol.Stacks(kind=protocol.STACKS, req=1, job=job_id))
+        reply = await self.ask(
+            sup, protocol.kernel.Stacks(kind=protocol.kernel.STACKS, req=1, job=job_id)
+        )
         ranks = split_stacks(reply["text"])
         for r in ranks:
             r["pid"] = reply.get("pids", {}).get(str(r["rank"]))
@@ -174,16 +181,16 @@ class EventsHandler(_Handler):
             since = int(self.get_argument("since", "0"))
         except ValueError:
             raise web.HTTPError(400, "since is a number") from None
-        events = protocol.Events(kind=protocol.EVENTS, req=1, job=job_id, since=since)
+        events = protocol.kernel.Events(kind=protocol.kernel.EVENTS, req=1, job=job_id, since=since)
         reply = await self.ask(sup, events)
         self.finish(json.dumps({"events": reply["events"], "seq": reply["seq"]}))
 
 
 def _overview_of(sup: Supervisor) -> list[dict[str, Any]]:
     try:
-        jobs: list[dict[str, Any]] = sup.request(protocol.Overview(kind=protocol.OVERVIEW, req=1))[
-            "jobs"
-        ]
+        jobs: list[dict[str, Any]] = sup.request(
+            protocol.kernel.Overview(kind=protocol.kernel.OVERVIEW, req=1)
+        )["jobs"]
         return jobs
     except SupervisorError:
         return []  # gone or going (its jobs with it), or of another elastic_nb version
@@ -191,7 +198,7 @@ def _overview_of(sup: Supervisor) -> list[dict[str, Any]]:
 
 def _nodes_of(sup: Supervisor) -> dict[str, Any] | None:
     try:
-        return sup.request(protocol.Nodes(kind=protocol.NODES, req=1))
+        return sup.request(protocol.kernel.Nodes(kind=protocol.kernel.NODES, req=1))
     except SupervisorError:
         return None
 

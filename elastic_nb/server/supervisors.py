@@ -1,6 +1,6 @@
 """Finding this user's supervisors (elastic_nb.common.registry) and asking them things, for the server
 extension. Requests go over the supervisor's private Unix socket, as a non-kernel client
-(`protocol.ROLE_PANEL`): a connection that ends is nothing to the supervisor (only its kernel's
+(`protocol.kernel.ROLE_PANEL`): a connection that ends is nothing to the supervisor (only its kernel's
 is its lifeline). Blocking calls: the handlers run them in a thread.
 """
 
@@ -11,7 +11,8 @@ import socket
 from dataclasses import dataclass
 from typing import Any
 
-from elastic_nb.common import protocol, registry
+from elastic_nb import protocol
+from elastic_nb.common import registry
 from elastic_nb.common.registry import runtime_dir
 
 __all__ = ["Supervisor", "SupervisorError", "find"]
@@ -41,10 +42,12 @@ class Supervisor:
     def kernel_id(self) -> str | None:
         return self.registration.kernel_id
 
-    def request(self, msg: protocol.KernelRequest, timeout: float = TIMEOUT_S) -> dict[str, Any]:
+    def request(
+        self, msg: protocol.kernel.KernelRequest, timeout: float = TIMEOUT_S
+    ) -> dict[str, Any]:
         """One request (one connection: its `req` is the only one), its reply's data;
         SupervisorError if refused or unreachable."""
-        req = msg["req"] if msg["kind"] != protocol.HELLO else 0
+        req = msg["req"] if msg["kind"] != protocol.kernel.HELLO else 0
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.settimeout(timeout)
             try:
@@ -54,26 +57,28 @@ class Supervisor:
                     registry.forget(self.registration)
                 raise SupervisorError(f"supervisor {self.pid} cannot be reached: {e}") from e
             try:
-                hello = protocol.Hello(
-                    kind=protocol.HELLO, version=protocol.VERSION, role=protocol.ROLE_PANEL
+                hello = protocol.kernel.Hello(
+                    kind=protocol.kernel.HELLO,
+                    version=protocol.wire.VERSION,
+                    role=protocol.kernel.ROLE_PANEL,
                 )
-                sock.sendall(protocol.encode(hello) + protocol.encode(msg))
+                sock.sendall(protocol.wire.encode(hello) + protocol.wire.encode(msg))
                 return _reply(sock, req, self.pid)
             except OSError as e:
                 raise SupervisorError(f"supervisor {self.pid} did not answer: {e}") from e
 
 
 def _reply(sock: socket.socket, req: int, pid: int) -> dict[str, Any]:
-    decoder = protocol.FrameDecoder()
+    decoder = protocol.wire.FrameDecoder()
     while True:
         data = sock.recv(1 << 16)
         if not data:
             raise SupervisorError(f"supervisor {pid} closed the connection")
         for frame, _ in decoder.feed(data):
-            if frame.get("kind") == protocol.HELLO and frame.get("error"):
+            if frame.get("kind") == protocol.kernel.HELLO and frame.get("error"):
                 raise SupervisorError(str(frame["error"]))  # another version of elastic_nb
-            msg = protocol.kernel_news(frame)
-            if msg["kind"] == protocol.REPLY and msg["req"] == req:
+            msg = protocol.kernel.kernel_news(frame)
+            if msg["kind"] == protocol.kernel.REPLY and msg["req"] == req:
                 if not msg["ok"]:
                     error = str(msg.get("error"))
                     # The supervisor's refusal of an id it does not know: a KeyError.

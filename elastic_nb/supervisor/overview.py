@@ -9,8 +9,8 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from elastic_nb.common.protocol import Summary
 from elastic_nb.common.report import summary_line
+from elastic_nb.protocol.records import Summary
 
 if TYPE_CHECKING:
     from elastic_nb.supervisor.runs.job import Job

@@ -23,7 +23,8 @@ import anyio
 import psutil
 from anyio.abc import SocketListener, SocketStream, TaskGroup
 
-from elastic_nb.common import procs, protocol, registry
+from elastic_nb import protocol
+from elastic_nb.common import procs, registry
 from elastic_nb.common.rundir import RunDir
 from elastic_nb.common.spec import JobSpec
 from elastic_nb.supervisor import overview
@@ -46,20 +47,20 @@ class Connection:
     def __init__(self, stream: SocketStream) -> None:
         self._stream = stream
         self._lock = anyio.Lock()
-        self._decoder = protocol.FrameDecoder()
+        self._decoder = protocol.wire.FrameDecoder()
         self.closed = False
 
     async def send(self, msg: protocol.Message, blob: bytes | None = None) -> None:
         if self.closed:
             return
-        data = protocol.encode(msg, blob)
+        data = protocol.wire.encode(msg, blob)
         async with self._lock:
             try:
                 await self._stream.send(data)
             except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
                 self.closed = True
 
-    async def messages(self) -> AsyncIterator[tuple[protocol.Frame, bytes | None]]:
+    async def messages(self) -> AsyncIterator[tuple[protocol.wire.Frame, bytes | None]]:
         while True:
             try:
                 data = await self._stream.receive()
@@ -209,21 +210,21 @@ class Supervisor:
             # A frame that is no message ends this connection only (ProtocolError); a request
             # the supervisor cannot serve is refused in its reply.
             async for frame, blob in conn.messages():
-                if not greeted and frame["kind"] != protocol.HELLO:
-                    raise protocol.ProtocolError(f"{frame['kind']!r} before hello")
-                if frame["kind"] == protocol.HELLO:
-                    hello = protocol.kernel_request(frame)
-                    assert hello["kind"] == protocol.HELLO
+                if not greeted and frame["kind"] != protocol.kernel.HELLO:
+                    raise protocol.wire.ProtocolError(f"{frame['kind']!r} before hello")
+                if frame["kind"] == protocol.kernel.HELLO:
+                    hello = protocol.kernel.kernel_request(frame)
+                    assert hello["kind"] == protocol.kernel.HELLO
                     try:
-                        protocol.check_hello(hello)
-                    except protocol.ProtocolError as e:
+                        protocol.kernel.check_hello(hello)
+                    except protocol.wire.ProtocolError as e:
                         await conn.send(_hello(error=str(e)))
                         return
-                    is_kernel, greeted = hello.get("role") == protocol.ROLE_KERNEL, True
+                    is_kernel, greeted = hello.get("role") == protocol.kernel.ROLE_KERNEL, True
                     await conn.send(_hello(pid=os.getpid()))
                     continue
                 await self._handle(conn, frame, blob)
-        except protocol.ProtocolError as e:
+        except protocol.wire.ProtocolError as e:
             log.warning("dropped a %s connection: %s", "kernel" if is_kernel else "client", e)
         except Exception:  # a bug of ours ends this connection, never the supervisor
             log.exception("a connection failed")
@@ -233,37 +234,45 @@ class Supervisor:
             if is_kernel:
                 self._shutdown()  # the kernel closed its lifeline: it is gone or shutting down
 
-    async def _handle(self, conn: Connection, frame: protocol.Frame, blob: bytes | None) -> None:
+    async def _handle(
+        self, conn: Connection, frame: protocol.wire.Frame, blob: bytes | None
+    ) -> None:
         req = frame.get("req") if type(frame.get("req")) is int else None
         try:
-            reply = await self._serve(conn, protocol.kernel_request(frame), blob)
+            reply = await self._serve(conn, protocol.kernel.kernel_request(frame), blob)
         except Exception as e:  # a bad request fails alone; the supervisor serves on
             kind = frame.get("kind")
-            log.info("refused %r: %s", kind, e, exc_info=not isinstance(e, protocol.ProtocolError))
+            log.info(
+                "refused %r: %s", kind, e, exc_info=not isinstance(e, protocol.wire.ProtocolError)
+            )
             error = f"{type(e).__name__}: {e}"
             await conn.send(
-                protocol.Reply(kind=protocol.REPLY, req=req, ok=False, data={}, error=error)
+                protocol.kernel.Reply(
+                    kind=protocol.kernel.REPLY, req=req, ok=False, data={}, error=error
+                )
             )
             return
-        await conn.send(protocol.Reply(kind=protocol.REPLY, req=req, ok=True, data=reply))
+        await conn.send(
+            protocol.kernel.Reply(kind=protocol.kernel.REPLY, req=req, ok=True, data=reply)
+        )
 
     async def _serve(
-        self, conn: Connection, msg: protocol.KernelRequest, blob: bytes | None
+        self, conn: Connection, msg: protocol.kernel.KernelRequest, blob: bytes | None
     ) -> dict[str, Any]:
         """What a request asks for; raises what refuses it."""
-        if msg["kind"] == protocol.SUBMIT:
+        if msg["kind"] == protocol.kernel.SUBMIT:
             return await self._submit(conn, msg, blob)
-        if msg["kind"] == protocol.STOP:
+        if msg["kind"] == protocol.kernel.STOP:
             return self._stop(msg["job"], msg["reason"])
-        if msg["kind"] == protocol.STACKS:
+        if msg["kind"] == protocol.kernel.STACKS:
             text, owner = await self._stacks(msg["job"])
             return {"text": text, "pids": overview.rank_pids(owner)}
-        if msg["kind"] == protocol.WARM:
+        if msg["kind"] == protocol.kernel.WARM:
             self._launchers.keep_warm(msg["on"])
             return {}
-        if msg["kind"] == protocol.JOBS:
+        if msg["kind"] == protocol.kernel.JOBS:
             return {"jobs": [_info(j) for j in self._jobs.values()]}
-        if msg["kind"] == protocol.STATUS:
+        if msg["kind"] == protocol.kernel.STATUS:
             return {
                 "pid": os.getpid(),
                 "uptime_s": time.time() - self._started,
@@ -276,23 +285,23 @@ class Supervisor:
                     if g.running
                 },
             }
-        if msg["kind"] == protocol.UP:
+        if msg["kind"] == protocol.kernel.UP:
             return await self._up(conn, msg)
-        if msg["kind"] == protocol.DOWN:
+        if msg["kind"] == protocol.kernel.DOWN:
             self._session(msg["session"]).down(msg.get("reason", "user"))
             return {}
-        if msg["kind"] == protocol.SESSION:
+        if msg["kind"] == protocol.kernel.SESSION:
             return self._session(msg["session"]).info()
-        if msg["kind"] == protocol.OVERVIEW:
+        if msg["kind"] == protocol.kernel.OVERVIEW:
             return {"jobs": overview.entries(self._jobs.values(), self._sessions.values())}
-        if msg["kind"] == protocol.EVENTS:
+        if msg["kind"] == protocol.kernel.EVENTS:
             report = overview.reporter_of(msg["job"], self._jobs, self._sessions)
             return {"events": report.events_since(msg["since"]), "seq": report.seq}
-        if msg["kind"] == protocol.NODES:
+        if msg["kind"] == protocol.kernel.NODES:
             return self._nodes()
-        if msg["kind"] == protocol.JOIN:
+        if msg["kind"] == protocol.kernel.JOIN:
             return await self._join(msg)
-        raise protocol.ProtocolError(f"{msg['kind']!r} is not a request")
+        raise protocol.wire.ProtocolError(f"{msg['kind']!r} is not a request")
 
     # ---- nodes ---------------------------------------------------------------------------------
 
@@ -305,7 +314,7 @@ class Supervisor:
             return {"listening": None, "here": {"node": 0, **here, "state": "here"}, "agents": []}
         return self._cluster.describe()
 
-    async def _join(self, msg: protocol.Join) -> dict[str, Any]:
+    async def _join(self, msg: protocol.kernel.Join) -> dict[str, Any]:
         """The join command (the agents' channel opened at the first ask); a new token drops
         the agents holding the old one."""
         assert self._tg is not None
@@ -322,7 +331,7 @@ class Supervisor:
         return {"command": self._cluster.join_command(), "dropped": dropped}
 
     async def _submit(
-        self, conn: Connection, msg: protocol.Submit, blob: bytes | None
+        self, conn: Connection, msg: protocol.kernel.Submit, blob: bytes | None
     ) -> dict[str, Any]:
         spec = JobSpec.from_dict(msg["spec"])
         job_id = msg["job"] or secrets.token_hex(4)
@@ -421,7 +430,7 @@ class Supervisor:
                 return s
         return None
 
-    async def _up(self, conn: Connection, msg: protocol.Up) -> dict[str, Any]:
+    async def _up(self, conn: Connection, msg: protocol.kernel.Up) -> dict[str, Any]:
         spec = JobSpec.from_dict(msg["spec"])
         session_id = msg["session"] or secrets.token_hex(4)
         if session_id in self._sessions or session_id in self._jobs or not session_id.isalnum():
@@ -447,8 +456,8 @@ class Supervisor:
         return {"session": session_id, "run_dir": str(session.rd)}
 
 
-def _hello(pid: int | None = None, error: str | None = None) -> protocol.Hello:
-    hello = protocol.Hello(kind=protocol.HELLO, version=protocol.VERSION)
+def _hello(pid: int | None = None, error: str | None = None) -> protocol.kernel.Hello:
+    hello = protocol.kernel.Hello(kind=protocol.kernel.HELLO, version=protocol.wire.VERSION)
     if pid is not None:
         hello["pid"] = pid
     if error is not None:

@@ -20,9 +20,9 @@ import time
 from typing import Any
 
 from elastic_nb.common import report
-from elastic_nb.common.protocol import Summary
 from elastic_nb.common.rundir import RunDir
 from elastic_nb.common.spec import JobSpec
+from elastic_nb.protocol.records import Summary
 
 __all__ = [
     "ALL_CHARS",
@@ -93,7 +93,7 @@ class DashboardState:
     # ---- folding ----------------------------------------------------------------------------
 
     def apply(self, msg: dict[str, Any]) -> None:
-        """Fold one supervisor update (protocol.UPDATE) in."""
+        """Fold one supervisor update (protocol.kernel.UPDATE) in."""
         if msg.get("rounds"):
             self._rounds(msg["rounds"])
         attempt = msg.get("attempt")

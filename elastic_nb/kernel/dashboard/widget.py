@@ -26,9 +26,9 @@ import anywidget
 import traitlets
 
 from elastic_nb.common import report
-from elastic_nb.common.protocol import Summary
 from elastic_nb.common.spec import JobSpec
 from elastic_nb.kernel.dashboard.model import DashboardState
+from elastic_nb.protocol.records import Summary
 
 __all__ = ["Dashboard", "DashboardWidget"]
 

@@ -1,5 +1,5 @@
 """Where was every rank? The stacks a diagnosis shows, from three places: a live rank dumps every
-thread on `protocol.STACK_SIGNAL` (faulthandler, so it answers even inside a collective); a rank
+thread on `protocol.rank_probes.STACK_SIGNAL` (faulthandler, so it answers even inside a collective); a rank
 that raised left its traceback in its failure record; a rank that finished left a done record.
 `format_stacks` shows them trimmed to the cell's frames, as the alerts and the error do.
 """

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from elastic_nb.common import protocol
+from elastic_nb import protocol
 from elastic_nb.common.spec import JobSpec
 from elastic_nb.supervisor.ranks.rank_state import RankState
 
@@ -48,7 +48,7 @@ class Agent:
 def zombie_bound(monitor_interval: float) -> float:
     """How long a dead rank may stay unreaped, or the agent's loop silent, before the watchdog
     calls the agent stuck: a few monitor passes and one tick period past 1 s."""
-    return 1.0 + 3 * monitor_interval + protocol.TICK_EVERY_S
+    return 1.0 + 3 * monitor_interval + protocol.launcher.TICK_EVERY_S
 
 
 def stuck_agent(

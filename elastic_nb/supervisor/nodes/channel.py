@@ -48,7 +48,7 @@ import zmq.asyncio
 from zmq.utils import z85
 from zmq.utils.monitor import parse_monitor_message
 
-from elastic_nb.common import protocol
+from elastic_nb import protocol
 
 __all__ = ["MAX_FRAME", "Dialer", "FrameTooLarge", "Keys", "Listener", "TokenError"]
 
@@ -118,15 +118,15 @@ def _encode(msg: protocol.Message, blob: bytes | None) -> list[bytes]:
     return [header] if blob is None else [header, blob]
 
 
-def _decode(frames: list[bytes]) -> tuple[protocol.Frame, bytes | None]:
+def _decode(frames: list[bytes]) -> tuple[protocol.wire.Frame, bytes | None]:
     if not frames or len(frames) > 2:
-        raise protocol.ProtocolError(f"a message of {len(frames)} frames")
+        raise protocol.wire.ProtocolError(f"a message of {len(frames)} frames")
     try:
         header = json.loads(frames[0])
     except (ValueError, RecursionError) as e:  # RecursionError: nested beyond the parser
-        raise protocol.ProtocolError(f"not a frame: {frames[0][:80]!r}") from e
+        raise protocol.wire.ProtocolError(f"not a frame: {frames[0][:80]!r}") from e
     if not isinstance(header, dict) or not isinstance(header.get("kind"), str):
-        raise protocol.ProtocolError(f"frame without a kind: {frames[0][:80]!r}")
+        raise protocol.wire.ProtocolError(f"frame without a kind: {frames[0][:80]!r}")
     return header, frames[1] if len(frames) == 2 else None
 
 
@@ -138,7 +138,7 @@ def _tune(sock: zmq.Socket[Any]) -> None:
     sock.rcvhwm = 0
 
 
-class FrameTooLarge(protocol.ProtocolError):
+class FrameTooLarge(protocol.wire.ProtocolError):
     """A frame the supervisor would cut the connection for (`MAX_FRAME`)."""
 
 
@@ -275,7 +275,7 @@ class Listener:
         self.refusals.append(text)
         del self.refusals[:-100]
 
-    async def receive(self) -> tuple[bytes, protocol.Frame, bytes | None, str]:
+    async def receive(self) -> tuple[bytes, protocol.wire.Frame, bytes | None, str]:
         """The next (peer, header, blob, peer's IP address). A frame that is no message raises
         ProtocolError."""
         msg = await self._sock.recv_multipart(copy=False)
@@ -343,7 +343,7 @@ class Dialer:
                 f"token is for ({why})"
             )
 
-    async def receive(self) -> tuple[protocol.Frame, bytes | None]:
+    async def receive(self) -> tuple[protocol.wire.Frame, bytes | None]:
         frames = await self._sock.recv_multipart()
         return _decode(frames)
 

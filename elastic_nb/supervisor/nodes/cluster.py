@@ -3,7 +3,7 @@ now (`%elastic nodes`).
 
 `Cluster` serves the agents' channel (channel.Listener) once the first join command is asked
 for: it admits an agent whose versions match the notebook's (refusing one that differs, naming
-both), numbers it, hears its heartbeat, and knows within `protocol.LOST_AFTER_S` that it left (at
+both), numbers it, hears its heartbeat, and knows within `protocol.agents.LOST_AFTER_S` that it left (at
 once when its connection drops). `AgentLink` is one agent: the orders sent to it, the answers
 awaited, and its news routed to the group each concerns (`remote_node.RemoteNode`, one per group
 and round on that agent). Groups learn of a change of members through `changed`.
@@ -21,7 +21,8 @@ from typing import Any
 import anyio
 from anyio.abc import TaskGroup
 
-from elastic_nb.common import machine, protocol
+from elastic_nb import protocol
+from elastic_nb.common import machine
 from elastic_nb.supervisor.nodes.channel import Keys, Listener
 from elastic_nb.supervisor.nodes.remote_node import AgentLink
 
@@ -105,7 +106,11 @@ class Cluster:
         self.listener.rotate()
         dropped = [a for a in self.agents.values() if a.ready]
         for a in dropped:
-            await a.send(protocol.NodeBye(kind=protocol.BYE, reason="the join token was replaced"))
+            await a.send(
+                protocol.agents.NodeBye(
+                    kind=protocol.agents.BYE, reason="the join token was replaced"
+                )
+            )
             a.gone("left", "dropped: the join token was replaced")
         self._notify()
         return len(dropped)
@@ -141,38 +146,38 @@ class Cluster:
         while True:
             try:
                 peer, frame, blob, address = await self.listener.receive()
-            except protocol.ProtocolError as e:
+            except protocol.wire.ProtocolError as e:
                 log.warning("dropped a message from an agent: %s", e)
                 continue
             agent = self.agents.get(peer)
             try:
-                msg = protocol.node_news(frame)
+                msg = protocol.agents.node_news(frame)
                 if agent is None or not agent.ready:
-                    if msg["kind"] == protocol.NODE_HELLO and agent is None:
+                    if msg["kind"] == protocol.agents.NODE_HELLO and agent is None:
                         await self._hello(peer, msg, blob, address)
                     else:
                         log.warning("dropped a %s from %s: it has not joined", msg["kind"], address)
                     continue
-                agent.heard(msg["t"] if msg["kind"] == protocol.BEAT else None)
-                if msg["kind"] == protocol.BYE:
+                agent.heard(msg["t"] if msg["kind"] == protocol.agents.BEAT else None)
+                if msg["kind"] == protocol.agents.BYE:
                     agent.gone("left", f"its agent left: {msg['reason']}")
                     self._notify()
                     continue
                 agent.dispatch(msg, blob)
-            except (protocol.ProtocolError, ValueError) as e:
+            except (protocol.wire.ProtocolError, ValueError) as e:
                 log.warning("dropped a message from %s: %s", address or "an agent", e)
             except Exception:  # a bug of ours loses this message, never every agent's
                 log.exception("a message from %s failed", address or "an agent")
 
     async def _hello(
-        self, peer: bytes, msg: protocol.NodeHello, blob: bytes | None, address: str
+        self, peer: bytes, msg: protocol.agents.NodeHello, blob: bytes | None, address: str
     ) -> None:
         info = msg["info"]
         why = None
-        if msg["version"] != protocol.VERSION:
+        if msg["version"] != protocol.wire.VERSION:
             why = (
                 f"its elastic_nb speaks protocol {msg['version']}, the notebook's "
-                f"{protocol.VERSION}: install the notebook's elastic_nb "
+                f"{protocol.wire.VERSION}: install the notebook's elastic_nb "
                 f"({self.info['elastic_nb']}) there"
             )
         else:
@@ -180,13 +185,18 @@ class Cluster:
         if why is not None:
             log.warning("refused %s (%s): %s", info.get("name"), address, why)
             self.refused.append({"name": info.get("name"), "addr": address, "why": why})
-            await self.listener_send(peer, protocol.Refused(kind=protocol.REFUSED, error=why))
+            await self.listener_send(
+                peer, protocol.agents.Refused(kind=protocol.agents.REFUSED, error=why)
+            )
             return
         endpoint = (blob or b"").decode(errors="replace")
         agent = AgentLink(self.listener_send, self.spawn, peer, next(self._numbers), info, endpoint)
         self.agents[peer] = agent
-        welcome = protocol.Welcome(
-            kind=protocol.WELCOME, version=protocol.VERSION, node=agent.number, info=self.info
+        welcome = protocol.agents.Welcome(
+            kind=protocol.agents.WELCOME,
+            version=protocol.wire.VERSION,
+            node=agent.number,
+            info=self.info,
         )
         await agent.send(welcome)
         log.info("node %d joined: %s at %s", agent.number, info["name"], address)
@@ -200,12 +210,14 @@ class Cluster:
                 if not agent.ready:
                     continue
                 silent = time.monotonic() - agent.last_heard
-                if silent > protocol.LOST_AFTER_S:
+                if silent > protocol.agents.LOST_AFTER_S:
                     agent.gone("lost", f"connection lost (silent for {silent:.1f} s)")
                     self._notify()
                     continue
-                await agent.send(protocol.Beat(kind=protocol.BEAT, t=time.time(), groups={}))
-            await anyio.sleep(protocol.BEAT_S)
+                await agent.send(
+                    protocol.agents.Beat(kind=protocol.agents.BEAT, t=time.time(), groups={})
+                )
+            await anyio.sleep(protocol.agents.BEAT_S)
 
     async def _watch_dropped(self) -> None:
         """A dropped connection is a lost agent at once (its process died, its machine reset)."""
@@ -220,5 +232,7 @@ class Cluster:
         """The supervisor is ending: every agent is told (it ends its ranks at once)."""
         for agent in self.ready():
             with anyio.move_on_after(1):
-                await agent.send(protocol.NodeBye(kind=protocol.BYE, reason="the notebook ended"))
+                await agent.send(
+                    protocol.agents.NodeBye(kind=protocol.agents.BYE, reason="the notebook ended")
+                )
             agent.gone("left", "the notebook's supervisor ended")

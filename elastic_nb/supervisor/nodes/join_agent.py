@@ -36,7 +36,8 @@ import psutil
 from anyio.abc import ByteStream, SocketListener, TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from elastic_nb.common import machine, procs, protocol
+from elastic_nb import protocol
+from elastic_nb.common import machine, procs
 from elastic_nb.common.rundir import CHECKPOINTS, RunDir
 from elastic_nb.common.spec import JobSpec
 from elastic_nb.supervisor.nodes.channel import MAX_FRAME, Dialer, Keys
@@ -55,7 +56,7 @@ MIRROR_S = 0.05  # how often what the ranks wrote is sent (the supervisor tails 
 MEMORY_S = 1.0
 STOP_GRACE_S = 1.0  # ranks' SIGTERM -> SIGKILL once the supervisor is gone
 # The supervisor's silence, the grace, SIGKILL's wait: the most the ranks outlive the notebook.
-ORPHAN_BOUND_S = protocol.LOST_AFTER_S + STOP_GRACE_S + 2.0
+ORPHAN_BOUND_S = protocol.agents.LOST_AFTER_S + STOP_GRACE_S + 2.0
 REJOIN_EVERY_S = 2.0
 _READ = 1 << 16
 
@@ -98,7 +99,7 @@ class JoinAgent:
         self.workdir = workdir
         self.addr = addr
         self.rejoin = rejoin
-        self.info: protocol.NodeInfo | None = None
+        self.info: protocol.agents.NodeInfo | None = None
         self.node_number: int | None = None
         self._dialer: Dialer | None = None
         self._pool: LauncherPool | None = None
@@ -155,8 +156,8 @@ class JoinAgent:
             with anyio.fail_after(JOIN_WAIT_S):
                 addr = self.addr or _local_address(dialer)
                 self.info = machine.describe(addr, str(self.workdir))
-                hello = protocol.NodeHello(
-                    kind=protocol.NODE_HELLO, version=protocol.VERSION, info=self.info
+                hello = protocol.agents.NodeHello(
+                    kind=protocol.agents.NODE_HELLO, version=protocol.wire.VERSION, info=self.info
                 )
                 await dialer.send(hello, (_local_endpoint(dialer) or "").encode())
                 frame, _ = await dialer.receive()
@@ -168,12 +169,12 @@ class JoinAgent:
             _say(f"elastic-nb join: no supervisor answered at {self.host}:{self.port}")
             dialer.close()
             return 1
-        msg = protocol.node_order(frame)
-        if msg["kind"] == protocol.REFUSED:
+        msg = protocol.agents.node_order(frame)
+        if msg["kind"] == protocol.agents.REFUSED:
             _say(f"elastic-nb join: refused: {msg['error']}")
             dialer.close()
             return 2
-        assert msg["kind"] == protocol.WELCOME and self.info is not None
+        assert msg["kind"] == protocol.agents.WELCOME and self.info is not None
         self.node_number = msg["node"]
         _say(
             f"elastic-nb join: node {msg['node']} ({self.info['name']}, {self.info['addr']}) of "
@@ -195,7 +196,9 @@ class JoinAgent:
                 ended = await self._end_groups()
                 if not self._said_bye:
                     with anyio.move_on_after(1):
-                        await dialer.send(protocol.NodeBye(kind=protocol.BYE, reason="leaving"))
+                        await dialer.send(
+                            protocol.agents.NodeBye(kind=protocol.agents.BYE, reason="leaving")
+                        )
                 dialer.close()
                 self._dialer = None
         _say(f"elastic-nb join: {self._leaving}" + (f"; ended {ended}" if ended else ""))
@@ -203,11 +206,9 @@ class JoinAgent:
 
     async def _until_gone(self) -> None:
         while self._leaving is None:
-            await anyio.sleep(protocol.BEAT_S / 2)
-            if time.monotonic() - self._last_heard > protocol.LOST_AFTER_S:
-                self._leaving = (
-                    f"the notebook's supervisor has been silent for {protocol.LOST_AFTER_S:g} s"
-                )
+            await anyio.sleep(protocol.agents.BEAT_S / 2)
+            if time.monotonic() - self._last_heard > protocol.agents.LOST_AFTER_S:
+                self._leaving = f"the notebook's supervisor has been silent for {protocol.agents.LOST_AFTER_S:g} s"
 
     async def _watch_signals(self) -> None:
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
@@ -241,15 +242,17 @@ class JoinAgent:
     async def _beat(self) -> None:
         while True:
             groups = {g.id: self._group_beat(g) for g in self._groups.values() if g.node}
-            await self._send(protocol.Beat(kind=protocol.BEAT, t=time.time(), groups=groups))
-            await anyio.sleep(protocol.BEAT_S)
+            await self._send(
+                protocol.agents.Beat(kind=protocol.agents.BEAT, t=time.time(), groups=groups)
+            )
+            await anyio.sleep(protocol.agents.BEAT_S)
 
-    def _group_beat(self, g: _Group) -> protocol.GroupBeat:
+    def _group_beat(self, g: _Group) -> protocol.agents.GroupBeat:
         node = g.node
         assert node is not None
         agent = node.agent() if node.launcher_pid else None
         kills = node.oom_kills()
-        return protocol.GroupBeat(
+        return protocol.agents.GroupBeat(
             launcher=node.launcher_pid,
             launcher_alive=node.launcher_alive(),
             state=list(agent.state) if agent and agent.state else None,
@@ -265,38 +268,38 @@ class JoinAgent:
             frame, blob = await self._dialer.receive()
             self._last_heard = time.monotonic()
             try:
-                msg = protocol.node_order(frame)
-            except protocol.ProtocolError as e:
+                msg = protocol.agents.node_order(frame)
+            except protocol.wire.ProtocolError as e:
                 log.warning("dropped a message from the supervisor: %s", e)
                 continue
-            if msg["kind"] == protocol.BYE:
-                assert msg["kind"] == protocol.BYE
+            if msg["kind"] == protocol.agents.BYE:
+                assert msg["kind"] == protocol.agents.BYE
                 self._leaving = f"the notebook's supervisor said bye: {msg['reason']}"
                 self._said_bye = True
                 return
-            if msg["kind"] in (protocol.STREAM_DATA, protocol.STREAM_CLOSE):
+            if msg["kind"] in (protocol.agents.STREAM_DATA, protocol.agents.STREAM_CLOSE):
                 self._relay(msg, blob)  # here, in the order it came
                 continue
             assert self._tg is not None
             self._tg.start_soon(self._handle, msg, blob)
 
-    def _relay(self, msg: protocol.NodeOrder, blob: bytes | None) -> None:
+    def _relay(self, msg: protocol.agents.NodeOrder, blob: bytes | None) -> None:
         """The supervisor's side of a relayed connection: to its writer here."""
-        assert msg["kind"] in (protocol.STREAM_DATA, protocol.STREAM_CLOSE)
+        assert msg["kind"] in (protocol.agents.STREAM_DATA, protocol.agents.STREAM_CLOSE)
         known = self._groups.get(msg["group"])
         inbox = known.streams.get(msg["stream"]) if known else None
         if inbox is None:
             return
-        if msg["kind"] == protocol.STREAM_DATA and blob:
+        if msg["kind"] == protocol.agents.STREAM_DATA and blob:
             with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
                 inbox.send_nowait(blob)
-        elif msg["kind"] == protocol.STREAM_CLOSE:
+        elif msg["kind"] == protocol.agents.STREAM_CLOSE:
             inbox.close()
 
-    async def _handle(self, msg: protocol.NodeOrder, blob: bytes | None) -> None:
+    async def _handle(self, msg: protocol.agents.NodeOrder, blob: bytes | None) -> None:
         req = msg.get("req")
         try:
-            if msg["kind"] in (protocol.OPEN, protocol.STOP, protocol.CLOSE):
+            if msg["kind"] in (protocol.agents.OPEN, protocol.agents.STOP, protocol.agents.CLOSE):
                 lock = self._lifecycle.setdefault(str(msg.get("group")), anyio.Lock())
                 async with lock:
                     data = await self._serve(msg, blob)
@@ -307,21 +310,25 @@ class JoinAgent:
             if isinstance(req, int):
                 error = f"{type(e).__name__}: {e}"
                 await self._send(
-                    protocol.Answer(kind=protocol.ANSWER, req=req, ok=False, data={}, error=error)
+                    protocol.agents.Answer(
+                        kind=protocol.agents.ANSWER, req=req, ok=False, data={}, error=error
+                    )
                 )
             return
         if isinstance(req, int):
-            await self._send(protocol.Answer(kind=protocol.ANSWER, req=req, ok=True, data=data))
+            await self._send(
+                protocol.agents.Answer(kind=protocol.agents.ANSWER, req=req, ok=True, data=data)
+            )
 
-    async def _serve(self, msg: protocol.NodeOrder, blob: bytes | None) -> dict[str, Any]:
+    async def _serve(self, msg: protocol.agents.NodeOrder, blob: bytes | None) -> dict[str, Any]:
         kind = msg["kind"]
-        if kind == protocol.BEAT:
+        if kind == protocol.agents.BEAT:
             return {}
-        if kind == protocol.OPEN:
-            assert msg["kind"] == protocol.OPEN
+        if kind == protocol.agents.OPEN:
+            assert msg["kind"] == protocol.agents.OPEN
             return await self._open(msg, blob or b"")
-        if kind == protocol.CELL:
-            assert msg["kind"] == protocol.CELL
+        if kind == protocol.agents.CELL:
+            assert msg["kind"] == protocol.agents.CELL
             g = self._group(msg["group"])
             cell = self.workdir / "runs" / msg["cell"]
             cell.mkdir(mode=0o700, exist_ok=True)
@@ -331,18 +338,18 @@ class JoinAgent:
             return {"run_dir": str(cell)}
         g = self._group(str(msg.get("group")))
         node = g.node
-        if kind == protocol.SIGNAL:
-            assert msg["kind"] == protocol.SIGNAL
+        if kind == protocol.agents.SIGNAL:
+            assert msg["kind"] == protocol.agents.SIGNAL
             r = g.ranks.get((msg["attempt"], msg["rank"]))
             if node is not None and r is not None:
                 node.signal(r, msg["sig"])
             return {}
-        if kind == protocol.RANKS_UP:
+        if kind == protocol.agents.RANKS_UP:
             if node is not None and g.spec is not None:
                 node.ranks_up(g.spec)
             return {}
-        if kind == protocol.CLOSE:
-            assert msg["kind"] == protocol.CLOSE
+        if kind == protocol.agents.CLOSE:
+            assert msg["kind"] == protocol.agents.CLOSE
             if node is not None:
                 # Closed with its launcher still running (the supervisor's teardown came first):
                 # stopped now. Only the launcher counts: the group's processes are found by its
@@ -358,8 +365,8 @@ class JoinAgent:
                 self._lifecycle.pop(g.id, None)
             return {}
         assert node is not None, f"group {g.id} has no round running here"
-        if kind == protocol.STACKS:
-            assert msg["kind"] == protocol.STACKS
+        if kind == protocol.agents.STACKS:
+            assert msg["kind"] == protocol.agents.STACKS
             ranks = [g.ranks[(a, r)] for a, r in msg["ranks"] if (a, r) in g.ranks]
             dumps = await node.stacks(ranks, msg["wait_s"])
             # The answer is one frame of the channel: each rank's dump keeps its last lines (the
@@ -371,18 +378,18 @@ class JoinAgent:
                     for rank, d in dumps.items()
                 }
             }
-        if kind == protocol.PROBE:
-            assert msg["kind"] == protocol.PROBE
+        if kind == protocol.agents.PROBE:
+            assert msg["kind"] == protocol.agents.PROBE
             r = g.ranks.get((msg["attempt"], msg["rank"]))
             record = await node.probe(r, msg["what"], msg["wait_s"]) if r else None
             return {"record": record}
-        if kind == protocol.LEFTOVERS:
-            assert msg["kind"] == protocol.LEFTOVERS
+        if kind == protocol.agents.LEFTOVERS:
+            assert msg["kind"] == protocol.agents.LEFTOVERS
             stuck = msg["stuck"]
             left = await node.leftovers_after_success(msg["grace"], lambda: stuck)
             return {"leftovers": left}
-        if kind == protocol.STOP:
-            assert msg["kind"] == protocol.STOP
+        if kind == protocol.agents.STOP:
+            assert msg["kind"] == protocol.agents.STOP
             signals: list[list[Any]] = []
             survivors = await node.stop(msg["grace"], lambda sig, pids: signals.append([sig, pids]))
             await self._mirror.sweep(g.id)  # everything the ranks left, before the answer
@@ -390,7 +397,7 @@ class JoinAgent:
                 "survivors": [[s.pid, s.state] for s in survivors],
                 "signals": signals,
             }
-        raise protocol.ProtocolError(f"{kind!r} is not an order")
+        raise protocol.wire.ProtocolError(f"{kind!r} is not an order")
 
     def _group(self, group_id: str) -> _Group:
         g = self._groups.get(group_id)
@@ -400,7 +407,7 @@ class JoinAgent:
 
     # ---- a group's round -----------------------------------------------------------------------
 
-    async def _open(self, msg: protocol.Open, blob: bytes) -> dict[str, Any]:
+    async def _open(self, msg: protocol.agents.Open, blob: bytes) -> dict[str, Any]:
         group_id = msg["group"]
         if not group_id.isalnum():
             raise ValueError(f"group id {group_id!r} is malformed")
@@ -413,7 +420,7 @@ class JoinAgent:
             raise RuntimeError(f"group {group_id}'s last round here has not been closed")
         plan = msg["round"]
         addr = self.info["addr"]
-        launch = protocol.LaunchRound(
+        launch = protocol.launcher.LaunchRound(
             attempt=int(plan["attempt"]),
             nnodes=int(plan["nnodes"]),
             run_id=str(plan["run_id"]),
@@ -428,14 +435,14 @@ class JoinAgent:
         g.oom_base = kills
         env = dict(os.environ)
         if g.socket_path is not None:
-            env[protocol.SESSION_SOCKET_ENV] = str(g.socket_path)
+            env[protocol.sessions.SESSION_SOCKET_ENV] = str(g.socket_path)
         env.update(msg["env"])
         warm = await node.start(group_id, spec, env, launch)
         assert self._tg is not None
         self._tg.start_soon(self._read_launcher, g, node)
         return {"warm": warm, "launcher": node.launcher_pid}
 
-    async def _new_group(self, group_id: str, msg: protocol.Open, blob: bytes) -> _Group:
+    async def _new_group(self, group_id: str, msg: protocol.agents.Open, blob: bytes) -> _Group:
         rd = RunDir(self.workdir / "runs" / group_id)
         cwd = self.workdir / "jobs" / group_id
         rd.path.mkdir(mode=0o700, exist_ok=True)
@@ -453,7 +460,7 @@ class JoinAgent:
         store = await SocketListener.from_socket(sock)
         g.store, g.store_port = store, sock.getsockname()[1]
         self._tg.start_soon(
-            _serve, store, lambda s: self._stream(g, s, protocol.STREAM_STORE), self._tg
+            _serve, store, lambda s: self._stream(g, s, protocol.agents.STREAM_STORE), self._tg
         )
         if g.session:
             g.socket_path = self.workdir / "sockets" / f"session-{group_id}.sock"
@@ -463,7 +470,10 @@ class JoinAgent:
             g.sessions = sessions
             os.chmod(g.socket_path, 0o600)
             self._tg.start_soon(
-                _serve, sessions, lambda s: self._stream(g, s, protocol.STREAM_SESSION), self._tg
+                _serve,
+                sessions,
+                lambda s: self._stream(g, s, protocol.agents.STREAM_SESSION),
+                self._tg,
             )
         return g
 
@@ -487,21 +497,23 @@ class JoinAgent:
         """The round's launcher: what it says, to the supervisor; a watcher per rank it starts."""
         assert self._tg is not None
         async for msg in node.messages():
-            if msg["kind"] == protocol.START:
+            if msg["kind"] == protocol.launcher.START:
                 r = RankState(msg["attempt"], msg["rank"], pid=msg["pid"], started_at=time.time())
                 g.ranks[(r.attempt, r.rank)] = r
                 self._tg.start_soon(self._watch_rank, g, node, r)
             await self._send(
-                protocol.LauncherSaid(kind=protocol.LAUNCHER, group=g.id, msg=dict(msg))
+                protocol.agents.LauncherSaid(
+                    kind=protocol.agents.LAUNCHER, group=g.id, msg=dict(msg)
+                )
             )
-            if msg["kind"] == protocol.START:
+            if msg["kind"] == protocol.launcher.START:
                 g.told.add((msg["attempt"], msg["rank"]))
         await node.launcher_exited()
         outcome, reason = node.launcher_outcome(g.rd.launcher_log)
         await self._mirror.sweep(g.id)
         await self._send(
-            protocol.LauncherExit(
-                kind=protocol.LAUNCHER_EXIT, group=g.id, outcome=outcome, reason=reason
+            protocol.agents.LauncherExit(
+                kind=protocol.agents.LAUNCHER_EXIT, group=g.id, outcome=outcome, reason=reason
             )
         )
 
@@ -512,8 +524,8 @@ class JoinAgent:
         prefix = f"rank-{r.rank}."
         await self._mirror.sweep(g.id, only=lambda p: p.name.startswith(prefix))
         await self._send(
-            protocol.RankGone(
-                kind=protocol.RANK_GONE,
+            protocol.agents.RankGone(
+                kind=protocol.agents.RANK_GONE,
                 group=g.id,
                 attempt=r.attempt,
                 rank=r.rank,
@@ -525,7 +537,7 @@ class JoinAgent:
     async def _stream(self, g: _Group, stream: ByteStream, to: str) -> None:
         """A connection to one of the group's listeners here, relayed to the supervisor: what
         it sends, read here; what the supervisor sends back, written by one task, in order."""
-        if to == protocol.STREAM_STORE:
+        if to == protocol.agents.STREAM_STORE:
             # torch's agent, the store's one client, unpickles its state: another local user's
             # process must not reach the notebook's store.
             launcher = g.node.launcher_pid if g.node is not None else None
@@ -536,11 +548,11 @@ class JoinAgent:
         n = next(self._stream_ids)
         inbox, outbox = anyio.create_memory_object_stream[bytes](math.inf)
         g.streams[n] = inbox
-        peer = _peer_pid(stream) if to == protocol.STREAM_SESSION else None
+        peer = _peer_pid(stream) if to == protocol.agents.STREAM_SESSION else None
         try:
             await self._send(
-                protocol.StreamOpen(
-                    kind=protocol.STREAM_OPEN, group=g.id, stream=n, to=to, peer=peer
+                protocol.agents.StreamOpen(
+                    kind=protocol.agents.STREAM_OPEN, group=g.id, stream=n, to=to, peer=peer
                 )
             )
             async with anyio.create_task_group() as tg:
@@ -555,7 +567,10 @@ class JoinAgent:
                     ):
                         break
                     await self._send(
-                        protocol.StreamData(kind=protocol.STREAM_DATA, group=g.id, stream=n), data
+                        protocol.agents.StreamData(
+                            kind=protocol.agents.STREAM_DATA, group=g.id, stream=n
+                        ),
+                        data,
                     )
                 tg.cancel_scope.cancel()
         finally:
@@ -563,7 +578,9 @@ class JoinAgent:
             inbox.close()
             with contextlib.suppress(Exception):  # the channel may be gone with the supervisor
                 await self._send(
-                    protocol.StreamClose(kind=protocol.STREAM_CLOSE, group=g.id, stream=n)
+                    protocol.agents.StreamClose(
+                        kind=protocol.agents.STREAM_CLOSE, group=g.id, stream=n
+                    )
                 )
             with contextlib.suppress(Exception):
                 await stream.aclose()
@@ -589,8 +606,8 @@ class JoinAgent:
 
     async def _send_file(self, group: str, root: str, path: str, offset: int, data: bytes) -> None:
         await self._send(
-            protocol.FileChunk(
-                kind=protocol.FILE, group=group, root=root, path=path, offset=offset
+            protocol.agents.FileChunk(
+                kind=protocol.agents.FILE, group=group, root=root, path=path, offset=offset
             ),
             data,
         )
@@ -621,8 +638,8 @@ class JoinAgent:
                 reading = node.read_memory(live)
                 limit = reading.limit
                 await self._send(
-                    protocol.MemoryRead(
-                        kind=protocol.MEMORY,
+                    protocol.agents.MemoryRead(
+                        kind=protocol.agents.MEMORY,
                         group=g.id,
                         rss={str(k): v for k, v in reading.rss.items()},
                         gpu={str(k): v for k, v in reading.gpu.items()},

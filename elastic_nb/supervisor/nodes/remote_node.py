@@ -29,7 +29,7 @@ from typing import Any
 import anyio
 from anyio.abc import ByteStream
 
-from elastic_nb.common import protocol
+from elastic_nb import protocol
 from elastic_nb.common.procs import MemoryLimit
 from elastic_nb.common.rundir import RunDir
 from elastic_nb.common.spec import JobSpec
@@ -82,7 +82,9 @@ class RelayedStream(ByteStream):
     async def send(self, item: bytes) -> None:
         if self._closed:
             raise anyio.ClosedResourceError
-        msg = protocol.StreamData(kind=protocol.STREAM_DATA, group=self._group, stream=self._stream)
+        msg = protocol.agents.StreamData(
+            kind=protocol.agents.STREAM_DATA, group=self._group, stream=self._stream
+        )
         if not await self._agent.send(msg, item):
             raise anyio.BrokenResourceError
 
@@ -93,8 +95,8 @@ class RelayedStream(ByteStream):
         if not self._closed:
             self._closed = True
             self._in.close()
-            msg = protocol.StreamClose(
-                kind=protocol.STREAM_CLOSE, group=self._group, stream=self._stream
+            msg = protocol.agents.StreamClose(
+                kind=protocol.agents.STREAM_CLOSE, group=self._group, stream=self._stream
             )
             await self._agent.send(msg)
 
@@ -108,7 +110,7 @@ class AgentLink:
         spawn: Callable[..., None],
         peer: bytes,
         number: int,
-        info: protocol.NodeInfo,
+        info: protocol.agents.NodeInfo,
         endpoint: str,
     ) -> None:
         self._send = send
@@ -128,7 +130,7 @@ class AgentLink:
         self.streams: dict[tuple[str, int], RelayedStream] = {}
         self.files = NodeFiles(f"{number}-{info['name']}")  # what it may write here
         self._refused_files: set[tuple[str, str]] = set()  # said once each
-        self._answers: dict[int, tuple[anyio.Event, list[protocol.Answer]]] = {}
+        self._answers: dict[int, tuple[anyio.Event, list[protocol.agents.Answer]]] = {}
         self._reqs = itertools.count(1)
         self.lost = anyio.Event()
 
@@ -156,7 +158,7 @@ class AgentLink:
         way back), RuntimeError with the agent's words if it failed."""
         req = next(self._reqs)
         msg = {**msg, "req": req}
-        done, box = anyio.Event(), list[protocol.Answer]()
+        done, box = anyio.Event(), list[protocol.agents.Answer]()
         self._answers[req] = (done, box)
         try:
             if not await self.send(msg, blob):
@@ -183,28 +185,28 @@ class AgentLink:
             if self.clock_offset is None or offset < self.clock_offset:
                 self.clock_offset = offset
 
-    def dispatch(self, msg: protocol.NodeNews, blob: bytes | None) -> None:
+    def dispatch(self, msg: protocol.agents.NodeNews, blob: bytes | None) -> None:
         """The agent's news, to whom it concerns."""
         kind = msg["kind"]
-        if kind == protocol.BEAT:
-            assert msg["kind"] == protocol.BEAT
+        if kind == protocol.agents.BEAT:
+            assert msg["kind"] == protocol.agents.BEAT
             for group, beat in msg["groups"].items():
                 node = self.nodes.get(group)
                 if node is not None:
                     node.on_beat(beat)
             return
-        if kind == protocol.ANSWER:
-            assert msg["kind"] == protocol.ANSWER
+        if kind == protocol.agents.ANSWER:
+            assert msg["kind"] == protocol.agents.ANSWER
             waiting = self._answers.get(msg["req"])
             if waiting is not None:
                 waiting[1].append(msg)
                 waiting[0].set()
             return
-        if kind == protocol.FILE:
-            assert msg["kind"] == protocol.FILE
+        if kind == protocol.agents.FILE:
+            assert msg["kind"] == protocol.agents.FILE
             top = self.dirs.get((msg["group"], msg["root"]))
             if top is None:
-                raise protocol.ProtocolError(f"a file of an unknown group: {msg['group']}")
+                raise protocol.wire.ProtocolError(f"a file of an unknown group: {msg['group']}")
             try:
                 self.files.admit(msg["group"], msg["path"], msg["offset"], len(blob or b""))
                 write_chunk(top, msg["path"], msg["offset"], blob or b"")
@@ -214,37 +216,37 @@ class AgentLink:
                     self._refused_files.add(key)
                     raise ValueError(f"{self.label()} sent {e}") from None
             return
-        if kind == protocol.STREAM_OPEN:
-            assert msg["kind"] == protocol.STREAM_OPEN
+        if kind == protocol.agents.STREAM_OPEN:
+            assert msg["kind"] == protocol.agents.STREAM_OPEN
             node = self.nodes.get(msg["group"])
             if node is None:
-                raise protocol.ProtocolError(f"a stream of an unknown group: {msg['group']}")
+                raise protocol.wire.ProtocolError(f"a stream of an unknown group: {msg['group']}")
             stream = RelayedStream(self, msg["group"], msg["stream"])
             self.streams[(msg["group"], msg["stream"])] = stream
             self.spawn(node.on_stream, stream, msg["to"], msg["peer"])
             return
-        if kind in (protocol.STREAM_DATA, protocol.STREAM_CLOSE):
-            assert msg["kind"] in (protocol.STREAM_DATA, protocol.STREAM_CLOSE)
+        if kind in (protocol.agents.STREAM_DATA, protocol.agents.STREAM_CLOSE):
+            assert msg["kind"] in (protocol.agents.STREAM_DATA, protocol.agents.STREAM_CLOSE)
             relayed = self.streams.get((msg["group"], msg["stream"]))
             if relayed is not None:
-                if msg["kind"] == protocol.STREAM_DATA:
+                if msg["kind"] == protocol.agents.STREAM_DATA:
                     relayed.feed(blob or b"")
                 else:
                     relayed.ended()
                     del self.streams[(msg["group"], msg["stream"])]
             return
-        if kind == protocol.LAUNCHER:
-            assert msg["kind"] == protocol.LAUNCHER
+        if kind == protocol.agents.LAUNCHER:
+            assert msg["kind"] == protocol.agents.LAUNCHER
             said = msg["msg"]
-            if said.get("kind") == protocol.START:
+            if said.get("kind") == protocol.launcher.START:
                 self.files.started(msg["group"], int(said["attempt"]), int(said["rank"]))
         if kind not in (
-            protocol.LAUNCHER,
-            protocol.LAUNCHER_EXIT,
-            protocol.RANK_GONE,
-            protocol.MEMORY,
+            protocol.agents.LAUNCHER,
+            protocol.agents.LAUNCHER_EXIT,
+            protocol.agents.RANK_GONE,
+            protocol.agents.MEMORY,
         ):
-            raise protocol.ProtocolError(f"{kind!r} from an agent that has joined")
+            raise protocol.wire.ProtocolError(f"{kind!r} from an agent that has joined")
         group = str(msg.get("group"))
         node = self.nodes.get(group)
         if node is None:
@@ -295,14 +297,16 @@ class RemoteNode(Node):
         self._session_streams = session_streams
         self._ship = ship
         self._group: str | None = None
-        self._news, self._said = anyio.create_memory_object_stream[protocol.LauncherNews](math.inf)
+        self._news, self._said = anyio.create_memory_object_stream[protocol.launcher.LauncherNews](
+            math.inf
+        )
         self._launcher: int | None = None
         self._launcher_alive = False
         self._exited = anyio.Event()
         self._outcome: tuple[str, str] = ("failed", "its node never reported")
         self._gone: dict[tuple[int, int], anyio.Event] = {}
         self._seen_gone: dict[tuple[int, int], tuple[float, int | None]] = {}
-        self._beat: protocol.GroupBeat | None = None
+        self._beat: protocol.agents.GroupBeat | None = None
         self._beat_at: float | None = None
         self._reading = MemoryReading({}, {}, None, gpus=False)
         self.lost: str | None = None
@@ -318,7 +322,7 @@ class RemoteNode(Node):
         group: str,
         spec: JobSpec,
         env: dict[str, str],
-        plan: protocol.LaunchRound | None = None,
+        plan: protocol.launcher.LaunchRound | None = None,
     ) -> bool:
         assert plan is not None, "a node on another machine runs multi-node rounds only"
         self._group = group
@@ -329,8 +333,8 @@ class RemoteNode(Node):
             agent.dirs[(group, "")] = self.rd.path
         agent.nodes[group] = self
         self.clock_offset = agent.clock_offset or 0.0
-        order = protocol.Open(
-            kind=protocol.OPEN,
+        order = protocol.agents.Open(
+            kind=protocol.agents.OPEN,
             req=0,
             group=group,
             spec=spec.to_dict(),
@@ -347,7 +351,7 @@ class RemoteNode(Node):
         self._launcher_alive = True
         return bool(answer.get("warm"))
 
-    async def messages(self) -> AsyncIterator[protocol.LauncherNews]:
+    async def messages(self) -> AsyncIterator[protocol.launcher.LauncherNews]:
         async with self._said:
             async for msg in self._said:
                 yield msg
@@ -375,10 +379,10 @@ class RemoteNode(Node):
             last_tick = self._beat_at - beat["tick_age"]
         # As long as the channel takes to call the machine lost: past it, a silent loop is
         # the agent's own, not the way here.
-        return Agent(self._launcher or 0, state, last_tick, slack=protocol.LOST_AFTER_S)
+        return Agent(self._launcher or 0, state, last_tick, slack=protocol.agents.LOST_AFTER_S)
 
     def ranks_up(self, spec: JobSpec) -> None:
-        self._order(protocol.RanksUp(kind=protocol.RANKS_UP, group=self._group or ""))
+        self._order(protocol.agents.RanksUp(kind=protocol.agents.RANKS_UP, group=self._group or ""))
 
     # ---- ranks -----------------------------------------------------------------------------
 
@@ -399,8 +403,8 @@ class RemoteNode(Node):
         if not self.alive(r):
             return False
         self._order(
-            protocol.Signal(
-                kind=protocol.SIGNAL,
+            protocol.agents.Signal(
+                kind=protocol.agents.SIGNAL,
                 group=self._group or "",
                 attempt=r.attempt,
                 rank=r.rank,
@@ -421,8 +425,8 @@ class RemoteNode(Node):
             return {}
         try:
             answer = await self.link.request(
-                protocol.NodeStacks(
-                    kind=protocol.STACKS,
+                protocol.agents.NodeStacks(
+                    kind=protocol.agents.STACKS,
                     req=0,
                     group=self._group or "",
                     ranks=[[r.attempt, r.rank] for r in ranks],
@@ -448,8 +452,8 @@ class RemoteNode(Node):
             return None
         try:
             answer = await self.link.request(
-                protocol.Probe(
-                    kind=protocol.PROBE,
+                protocol.agents.Probe(
+                    kind=protocol.agents.PROBE,
                     req=0,
                     group=self._group or "",
                     attempt=r.attempt,
@@ -484,15 +488,15 @@ class RemoteNode(Node):
     async def wait_stopped(self, timeout: float, leftovers_too: bool = True) -> None:
         with anyio.move_on_after(timeout):
             while self.running(leftovers_too):
-                await anyio.sleep(protocol.BEAT_S)
+                await anyio.sleep(protocol.agents.BEAT_S)
 
     async def leftovers_after_success(
         self, grace: float, stuck: Callable[[], bool]
     ) -> list[dict[str, Any]]:
         try:
             answer = await self.link.request(
-                protocol.Leftovers(
-                    kind=protocol.LEFTOVERS,
+                protocol.agents.Leftovers(
+                    kind=protocol.agents.LEFTOVERS,
                     req=0,
                     group=self._group or "",
                     grace=grace,
@@ -513,7 +517,9 @@ class RemoteNode(Node):
         # Bounded: a teardown (shielded from cancellation) must end whatever the agent does.
         with contextlib.suppress(NodeLost, RuntimeError):
             answer = await self.link.request(
-                protocol.NodeStop(kind=protocol.STOP, req=0, group=self._group, grace=grace),
+                protocol.agents.NodeStop(
+                    kind=protocol.agents.STOP, req=0, group=self._group, grace=grace
+                ),
                 timeout=grace + ANSWER_S,
             )
         if answer is None:
@@ -533,7 +539,7 @@ class RemoteNode(Node):
             del self.link.nodes[group]
         # Its run directories stay known: the agent sends what is left of the group's files
         # (its launcher's last lines) as it closes it.
-        self._order(protocol.Close(kind=protocol.CLOSE, group=group, ended=ended))
+        self._order(protocol.agents.Close(kind=protocol.agents.CLOSE, group=group, ended=ended))
         self._news.close()
         # Its launcher's exit, if still untold, is no longer listened for: its reader ends.
         self._exited.set()
@@ -551,8 +557,8 @@ class RemoteNode(Node):
         self.link.dirs[(self._group or "", cell_id)] = rd.path
         try:
             answer = await self.link.request(
-                protocol.CellFiles(
-                    kind=protocol.CELL, req=0, group=self._group or "", cell=cell_id
+                protocol.agents.CellFiles(
+                    kind=protocol.agents.CELL, req=0, group=self._group or "", cell=cell_id
                 ),
                 files,
             )
@@ -565,31 +571,31 @@ class RemoteNode(Node):
     def _order(self, msg: protocol.Message) -> None:
         self.link.spawn(self.link.send, msg)
 
-    def on_beat(self, beat: protocol.GroupBeat) -> None:
+    def on_beat(self, beat: protocol.agents.GroupBeat) -> None:
         self._beat, self._beat_at = beat, time.monotonic()
 
-    def on_news(self, msg: protocol.NodeNews) -> None:
-        if msg["kind"] == protocol.LAUNCHER:
-            assert msg["kind"] == protocol.LAUNCHER
-            said = protocol.launcher_news(msg["msg"])
-            if said["kind"] == protocol.START:
+    def on_news(self, msg: protocol.agents.NodeNews) -> None:
+        if msg["kind"] == protocol.agents.LAUNCHER:
+            assert msg["kind"] == protocol.agents.LAUNCHER
+            said = protocol.launcher.launcher_news(msg["msg"])
+            if said["kind"] == protocol.launcher.START:
                 self._gone.setdefault((said["attempt"], said["rank"]), anyio.Event())
             # Its reader gone (the group's tasks ended by a bug of ours): nobody listens.
             with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
                 self._news.send_nowait(said)
-        elif msg["kind"] == protocol.LAUNCHER_EXIT:
-            assert msg["kind"] == protocol.LAUNCHER_EXIT
+        elif msg["kind"] == protocol.agents.LAUNCHER_EXIT:
+            assert msg["kind"] == protocol.agents.LAUNCHER_EXIT
             self._outcome = (msg["outcome"], f"{self.label}: {msg['reason']}")
             self._launcher_alive = False
             self._news.close()
             self._exited.set()
-        elif msg["kind"] == protocol.RANK_GONE:
-            assert msg["kind"] == protocol.RANK_GONE
+        elif msg["kind"] == protocol.agents.RANK_GONE:
+            assert msg["kind"] == protocol.agents.RANK_GONE
             key = (msg["attempt"], msg["rank"])
             self._seen_gone[key] = (msg["t"] + self.clock_offset, msg["code"])
             self._gone.setdefault(key, anyio.Event()).set()
-        elif msg["kind"] == protocol.MEMORY:
-            assert msg["kind"] == protocol.MEMORY
+        elif msg["kind"] == protocol.agents.MEMORY:
+            assert msg["kind"] == protocol.agents.MEMORY
             limit = MemoryLimit(**msg["limit"]) if msg["limit"] else None
             self._reading = MemoryReading(
                 {int(k): v for k, v in msg["rss"].items()},
@@ -615,10 +621,10 @@ class RemoteNode(Node):
     async def on_stream(self, stream: ByteStream, to: str, peer: int | None) -> None:
         """A connection from the agent's machine: a launcher's to the group's rendezvous store
         (joined to it here, on loopback), or a session rank's to its session."""
-        if to == protocol.STREAM_SESSION and self._session_streams is not None:
+        if to == protocol.agents.STREAM_SESSION and self._session_streams is not None:
             await self._session_streams(stream, peer, self)
             return
-        if to != protocol.STREAM_STORE:
+        if to != protocol.agents.STREAM_STORE:
             await stream.aclose()
             return
         try:

@@ -29,7 +29,8 @@ import anyio
 import psutil
 from anyio.abc import TaskGroup
 
-from elastic_nb.common import modules, procs, protocol, report
+from elastic_nb import protocol
+from elastic_nb.common import modules, procs, report
 from elastic_nb.common.spec import JobSpec
 from elastic_nb.supervisor.processes.launcher_process import Launcher
 from elastic_nb.supervisor.processes.zygote_process import Zygote, ZygoteFailed, log_tail
@@ -93,7 +94,7 @@ class LauncherPool:
         store = await self._fork(zygote, {**env, **role}, (), ())
         self._stores.add(store)
         async for msg in store.messages:
-            if msg["kind"] == protocol.STORE:
+            if msg["kind"] == protocol.launcher.STORE:
                 return store, msg["port"]
         self.end_store(store)
         raise ZygoteFailed(f"the rendezvous store did not start: {log_tail(store.log_path)}")

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import anyio
 
-from elastic_nb.common import procs, protocol, report
+from elastic_nb import protocol
+from elastic_nb.common import procs, report
 from elastic_nb.supervisor.processes.zygote_process import ForkedProcess, Zygote
 
 __all__ = ["Launcher"]
@@ -31,19 +32,21 @@ class Launcher:
         self.sys_path = tuple(json.loads(env.get("ELASTIC_NB_SYS_PATH") or "[]"))
         self.start_key = zygote.start_key
         self.log_path = log_path
-        self.decoder = protocol.FrameDecoder()
+        self.decoder = protocol.wire.FrameDecoder()
         self.ready = False
         self.started = time.time()
         self.job: str | None = None  # who it was handed to
         self.last_tick: float | None = None  # its agent's monitor loop, last heard (monotonic)
-        self.result: protocol.Result | None = None  # what elastic_launch returned or raised
+        self.result: protocol.launcher.Result | None = (
+            None  # what elastic_launch returned or raised
+        )
         self.closed = anyio.Event()  # its pipe reached EOF: the launcher is exiting
         self.discarded = False  # ended by us while idle, not died
         # One reader of the pipe for the launcher's life (`read`); the job that takes it
         # receives its messages from this stream.
-        self._forward, self.messages = anyio.create_memory_object_stream[protocol.LauncherNews](
-            math.inf
-        )
+        self._forward, self.messages = anyio.create_memory_object_stream[
+            protocol.launcher.LauncherNews
+        ](math.inf)
         stdin_r, stdin_w = os.pipe()
         stdout_r, stdout_w = os.pipe()
         try:
@@ -91,13 +94,13 @@ class Launcher:
                 if not data:
                     return
                 for frame, _ in self.decoder.feed(data):
-                    msg = protocol.launcher_news(frame)
-                    if msg["kind"] == protocol.TICK:
+                    msg = protocol.launcher.launcher_news(frame)
+                    if msg["kind"] == protocol.launcher.TICK:
                         self.last_tick = time.monotonic()
                         continue
-                    if msg["kind"] == protocol.RESULT:
+                    if msg["kind"] == protocol.launcher.RESULT:
                         self.result = msg
-                    if msg["kind"] == protocol.READY:
+                    if msg["kind"] == protocol.launcher.READY:
                         self.ready = True
                         if self.job is None:
                             continue  # said while idle: nothing a job needs to hear
@@ -124,7 +127,7 @@ class Launcher:
         job_id: str,
         run_dir: str,
         env: dict[str, str],
-        plan: protocol.LaunchRound | None = None,
+        plan: protocol.launcher.LaunchRound | None = None,
     ) -> bytes:
         """Make it the job's; returns the assignment for the caller to write (off the loop:
         an environment can be larger than a pipe's buffer). The ranks get the job's
@@ -134,7 +137,7 @@ class Launcher:
         env = {**env, procs.MARKER: job_id, "ELASTIC_NB_SUPERVISOR_PID": str(os.getpid())}
         if "matplotlib_inline" in env.get("MPLBACKEND", ""):
             env["MPLBACKEND"] = "Agg"  # the kernel's inline backend means nothing in a rank
-        line = protocol.Assignment(job=job_id, run_dir=run_dir, env=env, round=plan)
+        line = protocol.launcher.Assignment(job=job_id, run_dir=run_dir, env=env, round=plan)
         return json.dumps(line).encode() + b"\n"
 
     def outcome(self, log: Path) -> tuple[str, str]:

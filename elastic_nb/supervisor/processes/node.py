@@ -30,7 +30,8 @@ from typing import Any
 import anyio
 import psutil
 
-from elastic_nb.common import nvml, procs, protocol
+from elastic_nb import protocol
+from elastic_nb.common import nvml, procs
 from elastic_nb.common.procs import MemoryLimit
 from elastic_nb.common.rundir import RunDir, read_json
 from elastic_nb.common.spec import JobSpec
@@ -66,7 +67,7 @@ class MemoryReading:
     """What a node reads of its ranks' memory without asking them."""
 
     rss: dict[int, int]  # rank -> resident bytes
-    gpu: dict[int, protocol.GpuShare]  # rank -> NVML's figures, for ranks it sees on a GPU
+    gpu: dict[int, protocol.records.GpuShare]  # rank -> NVML's figures, for ranks it sees on a GPU
     limit: MemoryLimit | None  # what bounds the host memory of the node's ranks
     gpus: bool  # the node has GPUs NVML can see: its ranks may hold CUDA memory
 
@@ -115,7 +116,7 @@ class Node(ABC):
         group: str,
         spec: JobSpec,
         env: dict[str, str],
-        plan: protocol.LaunchRound | None = None,
+        plan: protocol.launcher.LaunchRound | None = None,
     ) -> bool:
         """Give a launcher the group's work (its spec and the ranks' environment; the run
         directory is the node's), and for a multi-node job the round it is part of (`plan`:
@@ -123,7 +124,7 @@ class Node(ABC):
         started ahead of it (warm)."""
 
     @abstractmethod
-    def messages(self) -> AsyncIterator[protocol.LauncherNews]:
+    def messages(self) -> AsyncIterator[protocol.launcher.LauncherNews]:
         """What the launcher says (protocol: READY, RENDEZVOUS, START, EXIT, EXITS, RESULT), until
         it exits."""
 
@@ -187,7 +188,7 @@ class Node(ABC):
 
     @abstractmethod
     async def probe(self, r: RankState, what: str, wait_s: float) -> dict[str, Any] | None:
-        """Ask a live rank (protocol.PROBE_*: its flight recorder, its CUDA memory); its
+        """Ask a live rank (protocol.rank_probes.PROBE_*: its flight recorder, its CUDA memory); its
         answer, or None if it did not answer within `wait_s`. One probe of a rank at a time:
         each answer carries the number of the probe it answers."""
 
@@ -255,7 +256,7 @@ class LocalNode(Node):
         group: str,
         spec: JobSpec,
         env: dict[str, str],
-        plan: protocol.LaunchRound | None = None,
+        plan: protocol.launcher.LaunchRound | None = None,
     ) -> bool:
         self.oom_base = self.oom_kills()
         launcher = await self._pool.take(spec, env)
@@ -265,10 +266,10 @@ class LocalNode(Node):
         await anyio.to_thread.run_sync(launcher.write_assignment, line)
         return launcher.ready
 
-    async def messages(self) -> AsyncIterator[protocol.LauncherNews]:
+    async def messages(self) -> AsyncIterator[protocol.launcher.LauncherNews]:
         launcher = self._started()
         async for msg in launcher.messages:
-            if msg["kind"] == protocol.START:
+            if msg["kind"] == protocol.launcher.START:
                 launcher.last_tick = time.monotonic()  # a start is a sign of life
             yield msg
 
@@ -356,18 +357,18 @@ class LocalNode(Node):
         return out
 
     async def _ask_stacks(self, r: RankState, path: Path, size: int, unreachable: set[int]) -> None:
-        """Through the rank's probe thread, once it is free (see protocol.STACK_SIGNAL); by the
+        """Through the rank's probe thread, once it is free (see protocol.rank_probes.STACK_SIGNAL); by the
         signal where its dump has not begun within STACKS_BY_THREAD_S."""
         deadline = time.time() + STACKS_BY_THREAD_S  # the rank compares its own clock with it
         with anyio.move_on_after(STACKS_BY_THREAD_S):
             async with self._probe_locks.setdefault((r.attempt, r.rank), anyio.Lock()):
-                request = f"{next(self._probe_numbers)} {protocol.PROBE_STACKS} {deadline:.3f}"
+                request = f"{next(self._probe_numbers)} {protocol.rank_probes.PROBE_STACKS} {deadline:.3f}"
                 while not self._send_probe(r, request):
                     await anyio.sleep(STACK_POLL_S)  # its thread answers another probe
                 while os.stat(path).st_size == size:
                     await anyio.sleep(STACK_POLL_S)
                 return
-        if os.stat(path).st_size == size and not self.signal(r, protocol.STACK_SIGNAL):
+        if os.stat(path).st_size == size and not self.signal(r, protocol.rank_probes.STACK_SIGNAL):
             unreachable.add(r.rank)
 
     async def _read_stacks(
@@ -442,12 +443,12 @@ class LocalNode(Node):
 
     def read_memory(self, ranks: list[RankState]) -> MemoryReading:
         rss = {r.rank: v for r in ranks if r.pid and (v := procs.rss(r.pid)) is not None}
-        gpu: dict[int, protocol.GpuShare] = {}
+        gpu: dict[int, protocol.records.GpuShare] = {}
         seen = nvml.memory()
         for r in ranks:
             if seen is not None and r.pid is not None and r.pid in seen.by_pid:
                 index, held = seen.by_pid[r.pid]
-                gpu[r.rank] = protocol.GpuShare(
+                gpu[r.rank] = protocol.records.GpuShare(
                     index=index,
                     process=held,
                     used=seen.used.get(index, 0),
@@ -511,11 +512,11 @@ async def stacks_of(
 
 
 def _dump_end(path: Path) -> str | None:
-    """How every dump of this .stacks file ends (its first line says, protocol.STACKS_END_MARK)."""
+    """How every dump of this .stacks file ends (its first line says, protocol.rank_probes.STACKS_END_MARK)."""
     with contextlib.suppress(OSError), open(path, encoding="utf-8", errors="replace") as f:
         first = f.readline().rstrip("\n")
-        if first.startswith(protocol.STACKS_END_MARK):
-            return first[len(protocol.STACKS_END_MARK) :]
+        if first.startswith(protocol.rank_probes.STACKS_END_MARK):
+            return first[len(protocol.rank_probes.STACKS_END_MARK) :]
     return None
 
 

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from elastic_nb.common.protocol import LogBatch
+from elastic_nb.protocol.records import LogBatch
 
 __all__ = ["MAX_LINE_CHARS", "Batch", "LogTailer"]
 
@@ -46,7 +46,7 @@ class Batch:
     progress: str | None = None  # the latest state of an unfinished \r-rewritten line
 
     def record(self) -> LogBatch:
-        """As it travels to the kernel (protocol.LogBatch)."""
+        """As it travels to the kernel (protocol.records.LogBatch)."""
         return LogBatch(
             attempt=self.attempt,
             rank=self.rank,

@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections import deque
 
 from elastic_nb.common.procs import MemoryLimit
-from elastic_nb.common.protocol import MemoryPeak, MemorySample
 from elastic_nb.common.report import rate, size
+from elastic_nb.protocol.records import MemoryPeak, MemorySample
 
 __all__ = ["SAMPLE_S", "MemoryWatch", "Peaks"]
 

@@ -13,9 +13,9 @@ from typing import Any
 
 import anyio
 
-from elastic_nb.common import protocol
-from elastic_nb.common.protocol import Chip
+from elastic_nb import protocol
 from elastic_nb.common.rundir import RunDir, read_json
+from elastic_nb.protocol.records import Chip
 from elastic_nb.supervisor.forensics.desync import Desync
 from elastic_nb.supervisor.processes.node import Node
 from elastic_nb.supervisor.ranks.rank_state import RankState
@@ -73,12 +73,12 @@ class RankBook:
         self.exit_reported(r).set()
         return r
 
-    def take_exits(self, msg: protocol.LauncherNews) -> list[RankState]:
+    def take_exits(self, msg: protocol.launcher.LauncherNews) -> list[RankState]:
         """The launcher's EXIT or EXITS message, if it is one; returns the ranks that can be
         judged now (they were seen gone before their exit code was known)."""
-        if msg["kind"] == protocol.EXIT:
+        if msg["kind"] == protocol.launcher.EXIT:
             self.report_exit(msg["attempt"], msg["rank"], msg["code"])
-        elif msg["kind"] == protocol.EXITS:
+        elif msg["kind"] == protocol.launcher.EXITS:
             codes = {int(r): c for r, c in msg["codes"].items() if c is not None}
             return self.record_exits(msg["attempt"], codes)
         return []
@@ -98,7 +98,7 @@ class RankBook:
         who failed first is judged by that moment, not by how long the status took.
 
         A forked rank is its fork server's, reaped at once: the launcher says how it ended
-        (protocol.EXIT), within milliseconds, or up to `wait_s` on a loaded machine."""
+        (protocol.launcher.EXIT), within milliseconds, or up to `wait_s` on a loaded machine."""
         gone = await self.node(r).wait_gone(r)
         if r.exit_code is None and forked and r.lost is None:
             with anyio.move_on_after(wait_s):

@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 import anyio
 from anyio.abc import ByteStream
 
-from elastic_nb.common import protocol
+from elastic_nb import protocol
 from elastic_nb.supervisor.processes.node import Node
 from elastic_nb.supervisor.ranks.rank_book import RankBook
 from elastic_nb.supervisor.ranks.rank_state import RankState
@@ -34,10 +34,10 @@ class Link:
         self._stream = stream
         self._lock = anyio.Lock()
 
-    async def send(self, msg: protocol.SessionOrder) -> None:
+    async def send(self, msg: protocol.sessions.SessionOrder) -> None:
         with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
             async with self._lock:
-                await self._stream.send(protocol.encode(msg))
+                await self._stream.send(protocol.wire.encode(msg))
 
 
 class RankLinks:
@@ -76,7 +76,7 @@ class RankLinks:
         """One connection (the listener's handler, or a rank on another machine whose agent
         relays it, `peer` its pid as the agent saw it, `node` that machine): a hello, then the
         rank's answers."""
-        decoder = protocol.FrameDecoder()
+        decoder = protocol.wire.FrameDecoder()
         link: Link | None = None
         try:
             while True:
@@ -90,23 +90,27 @@ class RankLinks:
                 ):
                     return
                 for frame, _ in decoder.feed(data):
-                    msg = protocol.rank_news(frame)
+                    msg = protocol.sessions.rank_news(frame)
                     if link is None:
-                        if msg["kind"] != protocol.RANK_HELLO:
-                            raise protocol.ProtocolError(f"{msg['kind']!r} before rank_hello")
+                        if msg["kind"] != protocol.sessions.RANK_HELLO:
+                            raise protocol.wire.ProtocolError(f"{msg['kind']!r} before rank_hello")
                         link = await self._hello(stream, msg, peer, node)
                         if link is None:
                             return
-                    elif msg["kind"] == protocol.RAN:
+                    elif msg["kind"] == protocol.sessions.RAN:
                         self._ran(link, msg["cell"], msg["ok"])
-        except protocol.ProtocolError as e:
+        except protocol.wire.ProtocolError as e:
             log.warning("session %s: dropped a rank's connection: %s", self._session, e)
         finally:
             with contextlib.suppress(Exception):
                 await stream.aclose()
 
     async def _hello(
-        self, stream: ByteStream, msg: protocol.RankHello, peer: int | None, node: Node | None
+        self,
+        stream: ByteStream,
+        msg: protocol.sessions.RankHello,
+        peer: int | None,
+        node: Node | None,
     ) -> Link | None:
         """A rank of ours, by its machine and its pid there (the kernel's word on the peer, not
         the message's; on another machine, its kernel's word as its agent heard it): a pid is

@@ -36,7 +36,7 @@ from typing import Any
 import anyio
 from anyio.abc import TaskGroup
 
-from elastic_nb.common import protocol
+from elastic_nb import protocol
 from elastic_nb.common.spec import TEARS_DOWN, JobSpec
 from elastic_nb.supervisor.forensics.desync import Desync
 from elastic_nb.supervisor.forensics.verdict import FAILED, Verdict, analyze
@@ -494,7 +494,7 @@ class Job(RankGroup):
 
     # ---- the end ---------------------------------------------------------------------------
 
-    async def _summarize(self, outcome: str, reason: str) -> protocol.Summary:
+    async def _summarize(self, outcome: str, reason: str) -> protocol.records.Summary:
         self.tailer.poll(final=True)
         self.poll_checkpoints()
         self.book.settle()
@@ -515,10 +515,12 @@ class Job(RankGroup):
         await self.report.flush(self.attempt, self.tailer)
         return result
 
-    def _plain_summary(self, outcome: str, reason: str) -> protocol.Summary:
+    def _plain_summary(self, outcome: str, reason: str) -> protocol.records.Summary:
         return self._verdict_summary(outcome, reason, Verdict(None, None, []))
 
-    def _verdict_summary(self, outcome: str, reason: str, verdict: Verdict) -> protocol.Summary:
+    def _verdict_summary(
+        self, outcome: str, reason: str, verdict: Verdict
+    ) -> protocol.records.Summary:
         finding = self.finding
         if finding is None and outcome in STOPPED and self.standing is not None:
             attempt, found = self.standing

@@ -30,7 +30,7 @@ from typing import Any
 import anyio
 from anyio.abc import TaskGroup
 
-from elastic_nb.common import protocol
+from elastic_nb import protocol
 from elastic_nb.common.report import checkpoint_words, duration
 from elastic_nb.common.rundir import RunDir, write_json
 from elastic_nb.common.spec import JobSpec
@@ -76,7 +76,7 @@ class RankGroup:
         self.spec = spec
         self.created = time.time()
         self.attempt = 0
-        self.summary: protocol.Summary | None = None
+        self.summary: protocol.records.Summary | None = None
         self.nodes: list[Node] = []  # the current round's
         self._first = node
         if node is not None:
@@ -218,7 +218,9 @@ class RankGroup:
 
     # ---- its nodes ----------------------------------------------------------------------------
 
-    async def start_nodes(self, nodes: list[Node], plan: protocol.LaunchRound | None) -> None:
+    async def start_nodes(
+        self, nodes: list[Node], plan: protocol.launcher.LaunchRound | None
+    ) -> None:
         """A launcher on each node (all at once), and a reader of what each says."""
         self.nodes = nodes
         self._heard = anyio.Event()
@@ -380,7 +382,7 @@ class RankGroup:
             self.report.chip(r.rank, chip)
         await self._flush()
 
-    def _round_alert(self, entry: protocol.Round) -> None:
+    def _round_alert(self, entry: protocol.records.Round) -> None:
         counted = entry["counted"]
         spent = (
             f"restart {entry['restarts']}/{self.spec.max_restarts}"
@@ -444,14 +446,14 @@ class RankGroup:
             if self.rounds is not None:
                 fields["node"] = node.label
             self.report.event(f"launcher.{msg['kind']}", **fields)
-            if msg["kind"] == protocol.READY:
+            if msg["kind"] == protocol.launcher.READY:
                 self._on_ready()
-            elif msg["kind"] == protocol.RENDEZVOUS and self.rounds is not None:
+            elif msg["kind"] == protocol.launcher.RENDEZVOUS and self.rounds is not None:
                 self.rounds.rendezvous(msg["attempt"], msg["seconds"])
                 self.report.rounds(self.rounds.timeline)
-            elif msg["kind"] == protocol.START:
+            elif msg["kind"] == protocol.launcher.START:
                 self._on_start(node, msg["attempt"], msg["rank"], msg["pid"])
-            elif msg["kind"] == protocol.AGENT_FAILED:
+            elif msg["kind"] == protocol.launcher.AGENT_FAILED:
                 self._agent_failed(node, msg["error"], msg["t"] + node.clock_offset)
             for r in self.book.take_exits(msg):
                 self._rank_ended(r)  # its exit was unknown when it was seen gone
@@ -598,7 +600,7 @@ class RankGroup:
         cuda = await self._cuda_memory(ranks) if reading.gpus else {}
         t = time.time()
         for r in ranks:
-            sample = protocol.MemorySample(
+            sample = protocol.records.MemorySample(
                 attempt=attempt,
                 rank=r.rank,
                 t=t,
@@ -613,12 +615,16 @@ class RankGroup:
         for rank, title in self.memory.alerts(attempt, reading.limit):
             self.alert("memory", "warning", title, rank=rank)
 
-    async def _cuda_memory(self, ranks: list[RankState]) -> dict[int, protocol.CudaMemory | None]:
+    async def _cuda_memory(
+        self, ranks: list[RankState]
+    ) -> dict[int, protocol.records.CudaMemory | None]:
         """Each rank's CUDA allocator figures, asked all at once (None: no CUDA in it yet)."""
-        out: dict[int, protocol.CudaMemory | None] = {}
+        out: dict[int, protocol.records.CudaMemory | None] = {}
 
         async def ask(r: RankState) -> None:
-            answer = await self.book.node(r).probe(r, protocol.PROBE_MEMORY, CUDA_WAIT_S)
+            answer = await self.book.node(r).probe(
+                r, protocol.rank_probes.PROBE_MEMORY, CUDA_WAIT_S
+            )
             out[r.rank] = (answer or {}).get("cuda")
 
         async with anyio.create_task_group() as tg:
@@ -660,10 +666,10 @@ class RankGroup:
         self.report.close()
         await self.report.end(self.summary)
 
-    def _plain_summary(self, outcome: str, reason: str) -> protocol.Summary:
+    def _plain_summary(self, outcome: str, reason: str) -> protocol.records.Summary:
         """A summary without a verdict (a session's; a job's whose analysis broke)."""
         ended = time.time()
-        return protocol.summary(
+        return protocol.records.summary(
             self.id,
             outcome,
             reason,
@@ -725,9 +731,9 @@ class RankGroup:
     def _close(self) -> None:
         """After the teardown, before the summary."""
 
-    async def _summarize(self, outcome: str, reason: str) -> protocol.Summary:
+    async def _summarize(self, outcome: str, reason: str) -> protocol.records.Summary:
         raise NotImplementedError
 
-    def _summary_record(self, summary: protocol.Summary) -> dict[str, Any]:
+    def _summary_record(self, summary: protocol.records.Summary) -> dict[str, Any]:
         """What summary.json keeps."""
         return dict(summary)

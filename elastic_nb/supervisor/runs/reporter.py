@@ -16,7 +16,7 @@ from typing import Any, TextIO
 
 import anyio
 
-from elastic_nb.common import protocol
+from elastic_nb import protocol
 from elastic_nb.supervisor.ranks.log_tailer import LogTailer
 
 __all__ = ["Reporter", "Send"]
@@ -35,16 +35,16 @@ class Reporter:
         self.state = "starting"
         self._send = send
         self._events: TextIO | None = None
-        self._ranks: dict[int, protocol.Chip] = {}
-        self._alerts: list[protocol.Alert] = []
-        self._memory: list[protocol.MemorySample] = []
+        self._ranks: dict[int, protocol.records.Chip] = {}
+        self._alerts: list[protocol.records.Alert] = []
+        self._memory: list[protocol.records.MemorySample] = []
         self._checkpoints: list[dict[str, Any]] = []
-        self._rounds: list[protocol.Round] | None = None
+        self._rounds: list[protocol.records.Round] | None = None
         self._groups = False  # a rank made a process group: for the next update
         self._state_dirty = True
         self.seq = 0  # of the latest message in `history`
         self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY)
-        self.recent_alerts: deque[protocol.Alert] = deque(maxlen=RECENT_ALERTS)
+        self.recent_alerts: deque[protocol.records.Alert] = deque(maxlen=RECENT_ALERTS)
 
     def open(self, events: Path) -> None:
         self._events = open(events, "a", buffering=1)  # noqa: SIM115 (closed by close())
@@ -66,7 +66,7 @@ class Reporter:
             self._state_dirty = True
             self.event("state", state=state)
 
-    def chip(self, rank: int, chip: protocol.Chip) -> None:
+    def chip(self, rank: int, chip: protocol.records.Chip) -> None:
         """What the dashboard shows for a rank of the current attempt (the latest wins)."""
         self._ranks[rank] = chip
 
@@ -83,7 +83,7 @@ class Reporter:
         """A typed event any renderer can show: what, how bad, which rank, optional detail;
         `key`: a story told as it goes, whose every alert replaces the last of that key; `ends`:
         a restart's, the attempt it ended."""
-        alert = protocol.Alert(
+        alert = protocol.records.Alert(
             kind=kind, severity=severity, title=title, rank=rank, text=text, time=time.time()
         )
         if ends is not None:
@@ -102,7 +102,7 @@ class Reporter:
         """A checkpoint saved (elastic_nb.checkpoint's record), for the next update."""
         self._checkpoints.append(saved)
 
-    def memory(self, sample: protocol.MemorySample) -> None:
+    def memory(self, sample: protocol.records.MemorySample) -> None:
         """A rank's memory sample, for the next update."""
         self._memory.append(sample)
 
@@ -110,13 +110,13 @@ class Reporter:
         """A rank of the job has made a process group: its collectives can time out."""
         self._groups = True
 
-    def rounds(self, rounds: list[protocol.Round]) -> None:
+    def rounds(self, rounds: list[protocol.records.Round]) -> None:
         """A multi-node job's timeline changed: the whole of it, for the next update."""
-        self._rounds = [protocol.Round(**r) for r in rounds]
+        self._rounds = [protocol.records.Round(**r) for r in rounds]
 
     async def flush(self, attempt: int, tailer: LogTailer | None) -> None:
         """One UPDATE with what changed; the tailer's new lines too, if given one."""
-        update = protocol.Update(kind=protocol.UPDATE, job=self.job_id)
+        update = protocol.kernel.Update(kind=protocol.kernel.UPDATE, job=self.job_id)
         if self._state_dirty:
             update["state"], update["attempt"] = self.state, attempt
             self._state_dirty = False
@@ -142,8 +142,8 @@ class Reporter:
             with anyio.CancelScope(shield=True):
                 await self._send(update)
 
-    async def end(self, summary: protocol.Summary) -> None:
-        end = protocol.End(kind=protocol.END, job=self.job_id, summary=summary)
+    async def end(self, summary: protocol.records.Summary) -> None:
+        end = protocol.kernel.End(kind=protocol.kernel.END, job=self.job_id, summary=summary)
         self._remember(end)
         await self._send(end)
 
@@ -151,7 +151,7 @@ class Reporter:
         """The messages sent after `seq` that the history still holds (the panel's refresh)."""
         return [e for e in self.history if e["seq"] > seq]
 
-    def _remember(self, msg: protocol.Update | protocol.End) -> None:
+    def _remember(self, msg: protocol.kernel.Update | protocol.kernel.End) -> None:
         """For the panel's EVENTS: the message as sent, with its sequence number and time (the
         job's id is the entry's own)."""
         self.seq += 1

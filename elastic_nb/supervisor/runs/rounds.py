@@ -29,7 +29,7 @@ from typing import Any
 
 import anyio
 
-from elastic_nb.common import protocol
+from elastic_nb import protocol
 from elastic_nb.common.report import duration
 from elastic_nb.common.spec import JobSpec
 from elastic_nb.supervisor.nodes.cluster import Cluster
@@ -59,7 +59,7 @@ class Rounds:
         self.spec = spec
         self.machines = machines
         self.cluster = machines.cluster
-        self.timeline: list[protocol.Round] = []
+        self.timeline: list[protocol.records.Round] = []
         self.next_attempt = 0
         self.store_port = 0
         self._store: Any = None
@@ -82,16 +82,16 @@ class Rounds:
         entry = self.entry(attempt)
         return entry["world_size"] if entry else self.spec.nproc
 
-    def entry(self, attempt: int) -> protocol.Round | None:
+    def entry(self, attempt: int) -> protocol.records.Round | None:
         return next((r for r in self.timeline if r["attempt"] == attempt), None)
 
-    def plan(self, attempt: int, nnodes: int, group_id: str) -> protocol.LaunchRound:
+    def plan(self, attempt: int, nnodes: int, group_id: str) -> protocol.launcher.LaunchRound:
         """The round as this machine's launcher runs it (another machine's agent fills in its
         own endpoint, address and interface)."""
         from elastic_nb.common import machine
 
         addr = self.cluster.addr
-        return protocol.LaunchRound(
+        return protocol.launcher.LaunchRound(
             attempt=attempt,
             nnodes=nnodes,
             run_id=f"{self.spec.rdzv_id or group_id}-{attempt}",
@@ -145,12 +145,12 @@ class Rounds:
         """The ready agents heard from since the change began (a heartbeat every BEAT_S): one
         whose machine died with the round it ends is not heard again, so the next round does
         not count on it only to fail (and spend a restart) once its loss is known."""
-        deadline = time.monotonic() + protocol.LOST_AFTER_S
+        deadline = time.monotonic() + protocol.agents.LOST_AFTER_S
         while time.monotonic() < deadline:
             agents = self.cluster.ready()
             if all(a.last_heard_wall > since for a in agents):
                 break
-            await anyio.sleep(protocol.BEAT_S / 4)
+            await anyio.sleep(protocol.agents.BEAT_S / 4)
         return [a for a in self.cluster.ready() if a.last_heard_wall > since]
 
     def record(
@@ -161,9 +161,9 @@ class Rounds:
         restarts: int,
         started: float,
         stop_s: float | None,
-    ) -> protocol.Round:
+    ) -> protocol.records.Round:
         """A new round in the timeline, at the next attempt number."""
-        entry = protocol.Round(
+        entry = protocol.records.Round(
             attempt=self.next_attempt,
             nodes=[n.label for n in nodes],
             world_size=self.spec.nproc * len(nodes),

@@ -12,7 +12,8 @@ import signal
 import time
 from typing import Any
 
-from elastic_nb.common import protocol, report
+from elastic_nb import protocol
+from elastic_nb.common import report
 from elastic_nb.common.rundir import RunDir
 from elastic_nb.common.spec import JobSpec
 from elastic_nb.supervisor.forensics.verdict import Verdict, analyze
@@ -62,12 +63,12 @@ def summarize(
     diagnosis: dict[str, Any] | None,
     leftovers: list[dict[str, Any]],
     lines: int,
-    memory: dict[str, protocol.MemoryPeak],
+    memory: dict[str, protocol.records.MemoryPeak],
     checkpoints: CheckpointLog,
     world_size: int | None = None,
     restarts: int | None = None,
     nodes_missing: bool = False,
-) -> protocol.Summary:
+) -> protocol.records.Summary:
     """`world_size` and `restarts`: a multi-node group's (its round's world, the restarts its
     failures and departures spent); else the spec's and the attempt's. `nodes_missing`: a
     multi-node group ended because too few nodes came."""
@@ -87,7 +88,7 @@ def summarize(
             "exit_code": root.exit_code,
         }
     ended = time.time()
-    return protocol.summary(
+    return protocol.records.summary(
         job_id,
         outcome,
         reason,
@@ -142,7 +143,7 @@ def cause(
 
 
 def closing_alerts(
-    summary: protocol.Summary, current: list[RankState], leftovers: list[dict[str, Any]]
+    summary: protocol.records.Summary, current: list[RankState], leftovers: list[dict[str, Any]]
 ) -> list[dict[str, Any]]:
     """What the end adds to the alerts: processes the cell left running, a rank that broke
     after finishing, and the failure itself in the words of the error the cell raises."""

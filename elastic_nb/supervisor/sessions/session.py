@@ -32,7 +32,7 @@ from typing import Any
 import anyio
 from anyio.abc import SocketListener, TaskGroup
 
-from elastic_nb.common import protocol
+from elastic_nb import protocol
 from elastic_nb.common.spec import JobSpec
 from elastic_nb.supervisor.forensics.watchdogs import Silence
 from elastic_nb.supervisor.processes.node import Node
@@ -210,7 +210,7 @@ class Session(RankGroup):
         os.chmod(self.socket_path, 0o600)
 
     def _launch_env(self) -> dict[str, str]:
-        return {**self._env, protocol.SESSION_SOCKET_ENV: str(self.socket_path)}
+        return {**self._env, protocol.sessions.SESSION_SOCKET_ENV: str(self.socket_path)}
 
     def _start_tasks(self, tg: TaskGroup) -> None:
         assert self._listener is not None
@@ -295,7 +295,9 @@ class Session(RankGroup):
     async def _before_teardown(self, outcome: str) -> None:
         if outcome == "ended":
             for link in self._ranks.of(self.attempt):
-                await link.send(protocol.Bye(kind=protocol.BYE))  # elastic_launch returns
+                await link.send(
+                    protocol.sessions.Bye(kind=protocol.sessions.BYE)
+                )  # elastic_launch returns
             async with anyio.create_task_group() as tg:
                 for node in self.nodes:
                     tg.start_soon(node.wait_stopped, self.spec.stop_grace, False)
@@ -307,7 +309,7 @@ class Session(RankGroup):
     async def _relayed_rank(self, stream: Any, peer: int | None, node: Node) -> None:
         await self._ranks.serve(stream, peer, node)
 
-    async def _summarize(self, outcome: str, reason: str) -> protocol.Summary:
+    async def _summarize(self, outcome: str, reason: str) -> protocol.records.Summary:
         self.tailer.poll(final=True)
         await self._close_all(reason)
         result = self._plain_summary(outcome, reason)
@@ -316,7 +318,7 @@ class Session(RankGroup):
         await self.report.flush(self.attempt, None)
         return result
 
-    def _summary_record(self, summary: protocol.Summary) -> dict[str, Any]:
+    def _summary_record(self, summary: protocol.records.Summary) -> dict[str, Any]:
         return {**summary, "journal": self.journal.info()}
 
     # ---- cells ----------------------------------------------------------------------------
@@ -367,7 +369,9 @@ class Session(RankGroup):
         links = self._ranks.of(self.attempt)
         for link in links:
             run_dir = dirs[id(self.book.node(link.r))]
-            await link.send(protocol.Run(kind=protocol.RUN, cell=cell.id, run_dir=run_dir))
+            await link.send(
+                protocol.sessions.Run(kind=protocol.sessions.RUN, cell=cell.id, run_dir=run_dir)
+            )
         self.notify()
         return links
 
@@ -393,7 +397,7 @@ class Session(RankGroup):
         for link in links:  # its ranks run it now (their ends are its conclusion's to say)
             cell.report.chip(
                 link.r.rank,
-                protocol.Chip(
+                protocol.records.Chip(
                     state="running", label="running", attempt=cell.attempt, pid=link.r.pid
                 ),
             )

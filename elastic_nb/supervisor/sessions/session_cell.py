@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from elastic_nb.common import protocol
+from elastic_nb import protocol
 from elastic_nb.common.rundir import RunDir, read_json, write_json
 from elastic_nb.common.spec import TEARS_DOWN, JobSpec
 from elastic_nb.supervisor.forensics.verdict import Verdict, analyze
@@ -83,7 +83,7 @@ class SessionCell:
         self.created = time.time()
         self.source, self._meta, self._payload = source, meta, payload
         self.report = Reporter(cell_id, send)
-        self.summary: protocol.Summary | None = None
+        self.summary: protocol.records.Summary | None = None
         self.no: int | None = None  # its number in the session, once it runs
         self.stop_reason: str | None = None  # a stop request's key (summary.STOPS), or timeout
         self.changed = anyio.Event()  # an answer, a death or a stop: look again
@@ -195,7 +195,11 @@ class SessionCell:
                     interrupted = time.time()
                     self.report.event("interrupt", ranks=[x.r.rank for x in missing])
                     for link in missing:
-                        await link.send(protocol.Interrupt(kind=protocol.INTERRUPT, cell=self.id))
+                        await link.send(
+                            protocol.sessions.Interrupt(
+                                kind=protocol.sessions.INTERRUPT, cell=self.id
+                            )
+                        )
                     wake = now + grace
                 else:
                     assert first_failure is not None
@@ -324,7 +328,7 @@ class SessionCell:
                 label = r.label(teardown_at)
                 if self.stop_reason and r.rank in places and state == "stopped":
                     label = f"stopped · {places[r.rank]}"
-            chip = protocol.Chip(state=state, label=label, attempt=r.attempt, pid=r.pid)
+            chip = protocol.records.Chip(state=state, label=label, attempt=r.attempt, pid=r.pid)
             if state in ("failed", "stopped"):
                 chip["detail"] = r.failure_summary()
             self.report.chip(r.rank, chip)
@@ -346,7 +350,7 @@ class SessionCell:
         ranks: list[RankState],
         teardown_at: float | None,
         lines: int,
-    ) -> protocol.Summary:
+    ) -> protocol.records.Summary:
         """The cell's summary, written and returned (the closing alerts are queued)."""
         behind = self.finding.desync.behind if self.finding and self.finding.desync else None
         found = self.finding or (self.standing if self.stop_reason else None)

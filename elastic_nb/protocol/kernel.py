@@ -1,0 +1,275 @@
+"""The kernel's channel: the kernel <-> its supervisor, over a Unix socket in an owner-only
+directory; the JupyterLab panel's server extension (elastic_nb.server) talks it too, one
+connection per request, its hello saying role "panel".
+
+The kernel asks (`KernelRequest`: submit a cell, run it on a session's ranks, stop, stacks, warm,
+up and down, the session's state, the machines, the join line; the panel's overview and a job's
+events) and the supervisor answers each request with one reply ({req, ok, data}), and follows
+each job with updates (at most ten a second per job) and its end, last (`KernelNews`). Only the
+connection whose hello says role "kernel" is the kernel's lifeline: its end ends the supervisor;
+any other connection may come and go. The hello carries the protocol's `wire.VERSION`, checked
+at the handshake. `python -m elastic_nb.protocol` lists every message of every channel with its
+fields.
+"""
+
+from __future__ import annotations
+
+import typing
+from typing import Any, Final, Literal, TypedDict
+
+from elastic_nb.protocol.records import Alert, Chip, LogBatch, MemorySample, Round, Summary
+from elastic_nb.protocol.wire import VERSION, Frame, ProtocolError, check
+
+__all__ = [
+    "DOWN",
+    "END",
+    "EVENTS",
+    "HELLO",
+    "JOBS",
+    "JOIN",
+    "NODES",
+    "OVERVIEW",
+    "REPLY",
+    "ROLE_KERNEL",
+    "ROLE_PANEL",
+    "SESSION",
+    "STACKS",
+    "STATUS",
+    "STOP",
+    "SUBMIT",
+    "UP",
+    "UPDATE",
+    "WARM",
+    "CellSource",
+    "Down",
+    "End",
+    "Events",
+    "Hello",
+    "Jobs",
+    "Join",
+    "KernelNews",
+    "KernelRequest",
+    "Nodes",
+    "Overview",
+    "Reply",
+    "SessionInfo",
+    "Stacks",
+    "Status",
+    "Stop",
+    "Submit",
+    "Up",
+    "Update",
+    "Warm",
+    "check_hello",
+    "kernel_news",
+    "kernel_request",
+]
+
+# kernel -> supervisor
+HELLO: Final = "hello"
+ROLE_KERNEL = "kernel"  # hello's role: the kernel's lifeline
+ROLE_PANEL = "panel"  # hello's role: the server extension, a request at a time
+SUBMIT: Final = "submit"
+STOP: Final = "stop"
+JOBS: Final = "jobs"
+STATUS: Final = "status"
+STACKS: Final = "stacks"
+WARM: Final = "warm"
+UP: Final = "up"
+DOWN: Final = "down"
+SESSION: Final = "session"
+NODES: Final = "nodes"
+JOIN: Final = "join"
+# the JupyterLab panel (the server extension) -> supervisor; any other request above works too
+OVERVIEW: Final = "overview"  # every job, session and session cell, as the panel lists them
+EVENTS: Final = "events"  # what a job's renderer was sent, since a sequence number
+# supervisor -> kernel
+REPLY: Final = "reply"
+UPDATE: Final = "update"
+END: Final = "end"
+
+
+def check_hello(msg: Hello) -> None:
+    if msg.get("kind") != HELLO:
+        raise ProtocolError(f"expected hello, got {msg.get('kind')!r}")
+    if msg.get("version") != VERSION:
+        raise ProtocolError(
+            f"protocol version {msg.get('version')} on the other side, {VERSION} here: "
+            "restart the kernel after upgrading elastic_nb"
+        )
+
+
+class _Hello(TypedDict):
+    kind: Literal["hello"]
+    version: int
+
+
+class Hello(_Hello, total=False):
+    """Both ways on the kernel channel: the kernel's (role, kernel_pid), the supervisor's (pid),
+    or its refusal (error)."""
+
+    role: str
+    kernel_pid: int
+    pid: int
+    error: str
+
+
+class CellSource(TypedDict):
+    source: str
+    meta: dict[str, Any]
+
+
+class Submit(TypedDict):
+    kind: Literal["submit"]
+    req: int
+    job: str
+    spec: dict[str, Any]
+    cell: CellSource
+    env: dict[str, str]
+    session: str | None
+
+
+class Stop(TypedDict):
+    kind: Literal["stop"]
+    req: int
+    job: str | None
+    reason: str
+
+
+class Jobs(TypedDict):
+    kind: Literal["jobs"]
+    req: int
+
+
+class Status(TypedDict):
+    kind: Literal["status"]
+    req: int
+
+
+class Stacks(TypedDict):
+    kind: Literal["stacks"]
+    req: int
+    job: str | None
+
+
+class Warm(TypedDict):
+    kind: Literal["warm"]
+    req: int
+    on: bool
+
+
+class Up(TypedDict):
+    kind: Literal["up"]
+    req: int
+    session: str
+    spec: dict[str, Any]
+    env: dict[str, str]
+
+
+class _Down(TypedDict):
+    kind: Literal["down"]
+    req: int
+    session: str
+
+
+class Down(_Down, total=False):
+    reason: str
+
+
+class SessionInfo(TypedDict):
+    kind: Literal["session"]
+    req: int
+    session: str
+
+
+class Overview(TypedDict):
+    kind: Literal["overview"]
+    req: int
+
+
+class Nodes(TypedDict):
+    kind: Literal["nodes"]
+    req: int
+
+
+class Join(TypedDict):
+    kind: Literal["join"]
+    req: int
+    host: str | None  # where agents reach this machine (None: its primary address)
+    port: int  # 0: a free port (only when the channel is not open yet)
+    new_token: bool  # replace the token: agents holding the old one are dropped
+
+
+class Events(TypedDict):
+    kind: Literal["events"]
+    req: int
+    job: str
+    since: int
+
+
+class _Reply(TypedDict):
+    kind: Literal["reply"]
+    req: int | None
+    ok: bool
+    data: dict[str, Any]
+
+
+class Reply(_Reply, total=False):
+    """To every request: ok and the request's data, or not ok and why."""
+
+    error: str
+
+
+class _Update(TypedDict):
+    kind: Literal["update"]
+    job: str
+
+
+class Update(_Update, total=False):
+    """What changed in a job since its last update (at most ten a second)."""
+
+    state: str
+    attempt: int
+    ranks: dict[str, Chip]
+    alerts: list[Alert]
+    logs: list[LogBatch]
+    memory: list[MemorySample]  # each rank's samples since the last update
+    checkpoints: list[dict[str, Any]]  # checkpoints saved since the last update (their records)
+    rounds: list[Round]  # a multi-node job's rounds so far (the whole timeline, when it changed)
+    groups: bool  # a rank made a process group: its collectives can time out (said once)
+
+
+class End(TypedDict):
+    kind: Literal["end"]
+    job: str
+    summary: Summary
+
+
+# What each channel carries; a reader takes a frame only through its channel's parser.
+KernelRequest = (
+    Hello
+    | Submit
+    | Stop
+    | Jobs
+    | Status
+    | Stacks
+    | Warm
+    | Up
+    | Down
+    | SessionInfo
+    | Overview
+    | Events
+    | Nodes
+    | Join
+)
+KernelNews = Hello | Reply | Update | End
+
+
+def kernel_request(frame: Frame) -> KernelRequest:
+    """A frame on the supervisor's socket (the kernel's or the panel's), checked."""
+    return typing.cast(KernelRequest, check(frame, KernelRequest))
+
+
+def kernel_news(frame: Frame) -> KernelNews:
+    """A frame from the supervisor, as its kernel (or the panel) reads it, checked."""
+    return typing.cast(KernelNews, check(frame, KernelNews))

@@ -1,0 +1,37 @@
+"""How the supervisor asks a rank for its stacks, its flight recorder and its CUDA memory: a line
+"<n> <what>" written into the rank's probe FIFO (rundir.RunDir.probe), which the rank's probe
+thread (rank/recorder.py) answers into rank-R.probe.json, tagged "req": n; a stack dump goes into
+the rank's .stacks file.
+"""
+
+from __future__ import annotations
+
+import signal
+
+__all__ = [
+    "PROBE_FULL",
+    "PROBE_MEMORY",
+    "PROBE_STACKS",
+    "PROBE_STATUS",
+    "STACKS_END_MARK",
+    "STACK_SIGNAL",
+]
+
+# The supervisor asks a rank for every thread's Python stack through its probe thread
+# (PROBE_STACKS), which has faulthandler write them into the rank's .stacks file while it holds
+# the GIL: no other thread moves its frames then. Only a rank whose probe thread cannot start
+# (the main thread holds the GIL in native code, or the rank has no probe thread) is sent this
+# signal instead: faulthandler answers it without the GIL, safe only while no other thread runs
+# Python (walking the frames of a thread that runs can crash the rank: it did, beside a probe).
+STACK_SIGNAL = signal.SIGUSR1
+# The .stacks file's first line: how every dump in it ends (the main thread, the oldest, is
+# dumped last, and its outermost frame stays put), so that a dump is read whole, not as written.
+STACKS_END_MARK = "# elastic_nb: each dump below ends with: "
+# What a probe asks a rank (rank/recorder.py answers): its flight recorder, each group's last
+# collective or every entry too; or its CUDA allocator's memory figures; or every thread's stack
+# (``"<n> stacks <deadline>"``: answered into the .stacks file, unless the wall clock is past
+# the deadline, when the supervisor has signalled the rank instead).
+PROBE_STATUS = "status"
+PROBE_FULL = "full"
+PROBE_MEMORY = "memory"
+PROBE_STACKS = "stacks"

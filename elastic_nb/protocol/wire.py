@@ -1,0 +1,240 @@
+"""The wire every channel of elastic_nb's processes shares: its framing and its checker.
+
+A frame is one line of compact JSON (an object with a ``"kind"``), optionally followed by a raw
+binary blob whose length the header gives as ``"blob"``: pushed objects travel that way, without
+base64. A reader takes a frame only through its channel's parser (`check`, with the channel's
+union of messages), which refuses a kind that channel does not carry and a message whose fields,
+nested records included, are missing or of the wrong type.
+
+Each message type compiles once into a function (generated Python source: one expression a
+field) that says whether a frame fits it; the path of the first field that does not fit is found
+only then, by `_misfit`, slowly (benchmarks/protocol_check.py measures both).
+"""
+
+from __future__ import annotations
+
+import json
+import types
+import typing
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Literal, Union
+
+__all__ = ["VERSION", "Frame", "FrameDecoder", "ProtocolError", "check", "check_record", "encode"]
+
+# Every channel's, said at each handshake (the kernel's hello, a join agent's): 2: log batches are
+# records; 3: sessions; 4: typed messages, a reply's data; 5: memory samples; 6: nodes (join
+# agents); 7: a module a channel, nested records checked, memory samples with their limit.
+VERSION = 7
+
+# A header line longer than this is a corrupt stream, not a message.
+_MAX_HEADER = 16 * 1024 * 1024
+_MAX_BLOB = 1 << 40
+Frame = dict[str, Any]  # a decoded frame, before its channel's parser has checked it
+
+
+class ProtocolError(RuntimeError):
+    """The other side sent something that is not a frame of this protocol."""
+
+
+def encode(msg: Mapping[str, Any], blob: bytes | None = None) -> bytes:
+    """A message's frame: its header line, and its blob after it (a channel's TypedDict: mypy
+    checks what each sender builds)."""
+    header: dict[str, Any] = dict(msg)
+    if blob is not None:
+        header["blob"] = len(blob)
+    line = json.dumps(header, separators=(",", ":"), default=str).encode() + b"\n"
+    return line + blob if blob else line
+
+
+class FrameDecoder:
+    """Incremental decoder: feed bytes as they arrive, iterate complete (message, blob) pairs."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+        self._pending: Frame | None = None  # header waiting for its blob
+
+    def feed(self, data: bytes) -> Iterator[tuple[Frame, bytes | None]]:
+        self._buf += data
+        while True:
+            if self._pending is not None:
+                size = self._pending["blob"]
+                if len(self._buf) < size:
+                    return
+                blob = bytes(self._buf[:size])
+                del self._buf[:size]
+                msg, self._pending = self._pending, None
+                yield msg, blob
+                continue
+            nl = self._buf.find(b"\n")
+            if nl < 0:
+                if len(self._buf) > _MAX_HEADER:
+                    raise ProtocolError("header line too long")
+                return
+            line = bytes(self._buf[:nl])
+            del self._buf[: nl + 1]
+            if not line.strip():
+                continue
+            try:
+                msg = json.loads(line)
+            except (ValueError, RecursionError) as e:  # RecursionError: nested too deep
+                raise ProtocolError(f"not a frame: {line[:80]!r}") from e
+            if not isinstance(msg, dict) or "kind" not in msg:
+                raise ProtocolError(f"frame without a kind: {line[:80]!r}")
+            if "blob" in msg:
+                size = msg["blob"]
+                if type(size) is not int or not 0 <= size <= _MAX_BLOB:
+                    raise ProtocolError(f"bad blob size in {line[:80]!r}")
+                self._pending = msg
+                continue
+            yield msg, None
+
+
+_KINDS: dict[object, dict[str, type]] = {}
+
+
+def check(frame: Frame, channel: object) -> Frame:
+    """The frame if it is one of the `channel`'s messages (a union of its TypedDicts, each with
+    a literal `kind`) with every field it needs, of its type, nested records, lists and maps
+    included; else ProtocolError naming the first field that does not fit."""
+    kinds = _KINDS.get(channel)
+    if kinds is None:
+        kinds = _KINDS[channel] = {
+            typing.get_args(typing.get_type_hints(t)["kind"])[0]: t
+            for t in typing.get_args(channel)
+        }
+    kind = frame.get("kind")
+    cls = kinds.get(kind) if type(kind) is str else None
+    if cls is None:
+        raise ProtocolError(f"unexpected message kind {kind!r} on this channel")
+    return check_record(frame, cls, str(kind))
+
+
+def check_record(frame: Frame, cls: type, what: str) -> Frame:
+    """The frame if it fits the TypedDict `cls` whole; else ProtocolError saying `what` misses
+    which field, or which field does not fit."""
+    if not _fits_of(cls)(frame):
+        why = _misfit(frame, cls, "") or "does not fit its type"
+        raise ProtocolError(f"{what} {why}" if why.startswith("without ") else f"{what}: {why}")
+    return frame
+
+
+_MISSING = object()
+_NUM = (int, float)
+
+
+def _expr(hint: Any, v: str, depth: int, names: dict[str, Any]) -> str:
+    """A Python expression, true when the value named `v` fits `hint`."""
+    origin = typing.get_origin(hint)
+    if hint is Any:
+        return "True"
+    if hint is type(None):
+        return f"{v} is None"
+    if hint is float:
+        return f"type({v}) in _NUM"
+    if hint in (str, int, bool):
+        return f"type({v}) is {hint.__name__}"
+    if origin is Literal:
+        return f"{v} in {typing.get_args(hint)!r}"
+    if origin in (Union, types.UnionType):
+        return "(" + " or ".join(_expr(h, v, depth, names) for h in typing.get_args(hint)) + ")"
+    if _is_record(hint):
+        names[f"_fits_{hint.__name__}"] = _fits_of(hint)
+        return f"_fits_{hint.__name__}({v})"
+    x = f"_x{depth}"
+    if origin is list:
+        (item,) = typing.get_args(hint) or (Any,)
+        each = _expr(item, x, depth + 1, names)
+        every = "" if each == "True" else f" and all({each} for {x} in {v})"
+        return f"(type({v}) is list{every})"
+    if origin is dict or hint is dict:
+        key, value = typing.get_args(hint) or (Any, Any)
+        each = " and ".join(
+            e
+            for e in (_expr(key, f"_k{depth}", depth + 1, names), _expr(value, x, depth + 1, names))
+            if e != "True"
+        )
+        every = f" and all({each} for _k{depth}, {x} in {v}.items())" if each else ""
+        return f"(type({v}) is dict{every})"
+    raise TypeError(f"the protocol's checker has no rule for {hint!r}")
+
+
+def _is_record(hint: Any) -> bool:
+    return isinstance(hint, type) and issubclass(hint, dict) and hasattr(hint, "__required_keys__")
+
+
+_FITS: dict[type, Callable[[Any], bool]] = {}
+
+
+def _fits_of(cls: type) -> Callable[[Any], bool]:
+    """`cls`'s compiled check (a TypedDict): whether a value is a dict with each of its required
+    keys and every key it declares of its type (keys it does not declare are a newer writer's)."""
+    known = _FITS.get(cls)
+    if known is not None:
+        return known
+    names: dict[str, Any] = {"_MISSING": _MISSING, "_NUM": _NUM}
+    required = cls.__required_keys__  # type: ignore[attr-defined]
+    lines = [
+        f"def _fits_{cls.__name__}(m):",
+        "    if type(m) is not dict: return False",
+        "    g = m.get",
+    ]
+    for key, hint in typing.get_type_hints(cls).items():
+        test = _expr(hint, "v", 0, names)
+        lines.append(f"    v = g({key!r}, _MISSING)")
+        if key in required:
+            lines.append(f"    if v is _MISSING or not ({test}): return False")
+        elif test != "True":
+            lines.append(f"    if v is not _MISSING and not ({test}): return False")
+    lines.append("    return True")
+    exec("\n".join(lines), names)  # our own source, from our own type hints
+    fits: Callable[[Any], bool] = names[f"_fits_{cls.__name__}"]
+    _FITS[cls] = fits
+    return fits
+
+
+def _misfit(value: Any, hint: Any, path: str) -> str | None:
+    """Where `value` does not fit `hint`: the path of the first field that does not, and why
+    (None: it fits). Only called once the compiled check said no."""
+    origin = typing.get_origin(hint)
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(hint)
+        if any(_misfit(value, h, path) is None for h in args):
+            return None
+        records = [h for h in args if _is_record(h)]
+        if len(records) == 1 and isinstance(value, dict):
+            return _misfit(value, records[0], path)
+        return f"{path} is not a {_name(hint)}: {value!r:.80}"
+    if _is_record(hint):
+        if not isinstance(value, dict):
+            return f"{path} is not a record: {value!r:.80}"
+        for key, h in typing.get_type_hints(hint).items():
+            if key not in value:
+                if key in hint.__required_keys__:
+                    return f"{path}.{key} is missing" if path else f"without {key}"
+                continue
+            found = _misfit(value[key], h, f"{path}.{key}" if path else key)
+            if found:
+                return found
+        return None
+    if origin is list and isinstance(value, list):
+        (item,) = typing.get_args(hint) or (Any,)
+        for i, x in enumerate(value):
+            found = _misfit(x, item, f"{path}[{i}]")
+            if found:
+                return found
+        return None
+    if (origin is dict or hint is dict) and isinstance(value, dict):
+        key_hint, value_hint = typing.get_args(hint) or (Any, Any)
+        for k, x in value.items():
+            found = _misfit(k, key_hint, f"{path} key") or _misfit(x, value_hint, f"{path}[{k!r}]")
+            if found:
+                return found
+        return None
+    names: dict[str, Any] = {"_MISSING": _MISSING, "_NUM": _NUM}
+    if eval(_expr(hint, "value", 0, names), names, {"value": value}):  # our own source, as above
+        return None
+    return f"{path} is not a {_name(hint)}: {value!r:.80}"
+
+
+def _name(hint: Any) -> str:
+    return getattr(hint, "__name__", None) or str(hint)

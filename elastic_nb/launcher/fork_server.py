@@ -20,9 +20,10 @@ import multiprocessing.util
 import os
 import sys
 import threading
-import traceback
 from collections.abc import Sequence
 from typing import Any
+
+from elastic_nb.launcher.forked import run_then_exit
 
 __all__ = ["start"]
 
@@ -46,29 +47,27 @@ def _fork_passfds(path: Any, args: Sequence[Any], passfds: Sequence[int]) -> int
     pid = os.fork()
     if pid:
         return pid
-    code = 1
-    try:
-        _keep_only(set(map(int, passfds)))
-        # The launcher points sys.stdout at stderr (agent.main); torch redirects a rank's stdout
-        # through sys.stdout.fileno() (elastic/multiprocessing/redirects.py): fd 1 again.
-        sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
-        # Forked inside ensure_running: the helpers' locks are held in this copy, and a rank
-        # that starts a helper of its own (a DataLoader's semaphores) would wait on them forever.
-        owners: tuple[Any, ...] = (
-            multiprocessing.forkserver._forkserver,
-            multiprocessing.resource_tracker._resource_tracker,
-        )
-        for owner in owners:
-            reentrant = isinstance(owner._lock, type(threading.RLock()))
-            owner._lock = threading.RLock() if reentrant else threading.Lock()
-        exec(args[-1], {"__name__": "__mp_helper__"})
-        code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 0
-    except BaseException:
-        traceback.print_exc()
-    finally:
-        os._exit(code)
+    # (its buffers are the launcher's, written there already: not flushed a second time)
+    run_then_exit(lambda: _helper(args[-1], passfds), flush=False)
+
+
+def _helper(command: str, passfds: Sequence[int]) -> None:
+    """In the forked helper: its descriptors and locks as an exec would leave them, then its
+    command."""
+    _keep_only(set(map(int, passfds)))
+    # The launcher points sys.stdout at stderr (agent.main); torch redirects a rank's stdout
+    # through sys.stdout.fileno() (elastic/multiprocessing/redirects.py): fd 1 again.
+    sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
+    # Forked inside ensure_running: the helpers' locks are held in this copy, and a rank
+    # that starts a helper of its own (a DataLoader's semaphores) would wait on them forever.
+    owners: tuple[Any, ...] = (
+        multiprocessing.forkserver._forkserver,
+        multiprocessing.resource_tracker._resource_tracker,
+    )
+    for owner in owners:
+        reentrant = isinstance(owner._lock, type(threading.RLock()))
+        owner._lock = threading.RLock() if reentrant else threading.Lock()
+    exec(command, {"__name__": "__mp_helper__"})
 
 
 def _keep_only(keep: set[int]) -> None:

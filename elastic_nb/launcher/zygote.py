@@ -30,10 +30,10 @@ import signal
 import socket
 import sys
 import time
-import traceback
 from typing import Any
 
 from elastic_nb.common import modules
+from elastic_nb.launcher.forked import run_then_exit
 
 _PR_SET_PDEATHSIG = 1
 _FDS = 3  # the launcher's stdin, stdout (the protocol pipe) and stderr (its log)
@@ -119,7 +119,7 @@ def _fork_launcher(
             launcher = os.fork()
             if launcher == 0:
                 os.close(write)
-                _become_launcher(sock, env, fds, supervisor)
+                run_then_exit(lambda: _become_launcher(sock, env, fds, supervisor))
             os.write(write, str(launcher).encode())
         finally:
             os._exit(0)
@@ -138,36 +138,24 @@ def _become_launcher(
     sock: socket.socket, env: dict[str, str], fds: list[int], supervisor: int
 ) -> None:
     """In the launcher: its own session and descriptors, its environment, then agent.main."""
-    code = 1
-    try:
-        sock.close()
-        os.setsid()  # its process group is the job's: the teardown signals it as a whole
-        for target, f in enumerate(fds):
-            if f != target:
-                os.dup2(f, target)
-                os.close(f)
-        # Orphaned when the intermediate exits, adopted by the supervisor (a subreaper): wait for
-        # it, so that the parent-death signal agent.main arms follows the supervisor.
-        deadline = time.monotonic() + REPARENT_TIMEOUT_S
-        while os.getppid() != supervisor:
-            if time.monotonic() > deadline:
-                raise RuntimeError("the supervisor did not adopt this launcher")
-            time.sleep(0.001)
-        os.environ.clear()
-        os.environ.update(env)
-        sys.argv = [sys.argv[0]]
-        if env.get(modules.ROLE_ENV) == modules.STORE_ROLE:
-            from elastic_nb.launcher.store_host import main as launcher_main
-        else:
-            from elastic_nb.launcher.agent import main as launcher_main
-        launcher_main()
-        code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-    except BaseException:
-        traceback.print_exc()
-    finally:
-        with contextlib.suppress(Exception):
-            sys.stdout.flush()
-            sys.stderr.flush()
-        os._exit(code)
+    sock.close()
+    os.setsid()  # its process group is the job's: the teardown signals it as a whole
+    for target, f in enumerate(fds):
+        if f != target:
+            os.dup2(f, target)
+            os.close(f)
+    # Orphaned when the intermediate exits, adopted by the supervisor (a subreaper): wait for
+    # it, so that the parent-death signal agent.main arms follows the supervisor.
+    deadline = time.monotonic() + REPARENT_TIMEOUT_S
+    while os.getppid() != supervisor:
+        if time.monotonic() > deadline:
+            raise RuntimeError("the supervisor did not adopt this launcher")
+        time.sleep(0.001)
+    os.environ.clear()
+    os.environ.update(env)
+    sys.argv = [sys.argv[0]]
+    if env.get(modules.ROLE_ENV) == modules.STORE_ROLE:
+        from elastic_nb.launcher.store_host import main as launcher_main
+    else:
+        from elastic_nb.launcher.agent import main as launcher_main
+    launcher_main()

@@ -134,3 +134,35 @@ def test_each_channel_is_its_modules_messages_each_kind_once() -> None:
     assert "  submit {req, job, spec, cell, env, session}" in text
     assert "  file {group, root, path, offset}" in text
     assert "  result {ok, error?, failures?}" in text
+
+
+def test_every_request_has_its_handler() -> None:
+    """The supervisor serves the kernel's channel through one table, a handler a kind: every
+    request of the channel has one (the hello is the handshake's), and no handler serves a kind
+    the channel does not carry."""
+    import typing
+
+    from elastic_nb.supervisor.service import _REQUESTS
+
+    kinds = {
+        typing.get_args(typing.get_type_hints(m)["kind"])[0]
+        for m in typing.get_args(protocol.kernel.KernelRequest)
+    }
+    assert set(_REQUESTS) == kinds - {protocol.kernel.HELLO}
+
+
+def test_every_order_to_a_join_agent_has_its_handler() -> None:
+    """A join agent serves the supervisor's orders through one table: every order of the
+    channel has its handler, but for the handshake's (welcome, refused) and the ones its reader
+    takes in the order they came (bye, a stream's data and close)."""
+    import typing
+
+    from elastic_nb.supervisor.nodes.join_agent import _ORDERS
+
+    a = protocol.agents
+    kinds = {
+        typing.get_args(typing.get_type_hints(m)["kind"])[0]
+        for m in typing.get_args(a.NodeOrder)
+    }
+    taken_apart = {a.WELCOME, a.REFUSED, a.BYE, a.STREAM_DATA, a.STREAM_CLOSE}
+    assert set(_ORDERS) == kinds - taken_apart

@@ -15,7 +15,7 @@ import secrets
 import signal
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -259,49 +259,69 @@ class Supervisor:
     async def _serve(
         self, conn: Connection, msg: protocol.kernel.KernelRequest, blob: bytes | None
     ) -> dict[str, Any]:
-        """What a request asks for; raises what refuses it."""
-        if msg["kind"] == protocol.kernel.SUBMIT:
-            return await self._submit(conn, msg, blob)
-        if msg["kind"] == protocol.kernel.STOP:
-            return self._stop(msg["job"], msg["reason"])
-        if msg["kind"] == protocol.kernel.STACKS:
-            text, owner = await self._stacks(msg["job"])
-            return {"text": text, "pids": overview.rank_pids(owner)}
-        if msg["kind"] == protocol.kernel.WARM:
-            self._launchers.keep_warm(msg["on"])
-            return {}
-        if msg["kind"] == protocol.kernel.JOBS:
-            return {"jobs": [_info(j) for j in self._jobs.values()]}
-        if msg["kind"] == protocol.kernel.STATUS:
-            return {
-                "pid": os.getpid(),
-                "uptime_s": time.time() - self._started,
-                "running": [j.id for j in self._jobs.values() if j.running],
-                "sessions": [s.info() for s in self._sessions.values() if s.running],
-                "warm": self._launchers.describe(),
-                "memory": {
-                    g.id: g.memory_now()
-                    for g in (*self._jobs.values(), *self._sessions.values())
-                    if g.running
-                },
-            }
-        if msg["kind"] == protocol.kernel.UP:
-            return await self._up(conn, msg)
-        if msg["kind"] == protocol.kernel.DOWN:
-            self._session(msg["session"]).down(msg.get("reason", "user"))
-            return {}
-        if msg["kind"] == protocol.kernel.SESSION:
-            return self._session(msg["session"]).info()
-        if msg["kind"] == protocol.kernel.OVERVIEW:
-            return {"jobs": overview.entries(self._jobs.values(), self._sessions.values())}
-        if msg["kind"] == protocol.kernel.EVENTS:
-            report = overview.reporter_of(msg["job"], self._jobs, self._sessions)
-            return {"events": report.events_since(msg["since"]), "seq": report.seq}
-        if msg["kind"] == protocol.kernel.NODES:
-            return self._nodes()
-        if msg["kind"] == protocol.kernel.JOIN:
-            return await self._join(msg)
-        raise protocol.wire.ProtocolError(f"{msg['kind']!r} is not a request")
+        """What a request asks for, by its kind's handler (`_REQUESTS`); raises what refuses it."""
+        handler = _REQUESTS.get(msg["kind"])
+        if handler is None:  # a hello after the first: the channel's, but no request
+            raise protocol.wire.ProtocolError(f"{msg['kind']!r} is not a request")
+        return await handler(self, conn, msg, blob)
+
+    # ---- the requests (each its handler in _REQUESTS) --------------------------------------------
+
+    async def _on_submit(
+        self, conn: Connection, msg: protocol.kernel.Submit, blob: bytes | None
+    ) -> dict[str, Any]:
+        return await self._submit(conn, msg, blob)
+
+    async def _on_stop(self, _c: Connection, msg: protocol.kernel.Stop, _b: Blob) -> Data:
+        return self._stop(msg["job"], msg["reason"])
+
+    async def _on_stacks(self, _c: Connection, msg: protocol.kernel.Stacks, _b: Blob) -> Data:
+        text, owner = await self._stacks(msg["job"])
+        return {"text": text, "pids": overview.rank_pids(owner)}
+
+    async def _on_warm(self, _c: Connection, msg: protocol.kernel.Warm, _b: Blob) -> Data:
+        self._launchers.keep_warm(msg["on"])
+        return {}
+
+    async def _on_jobs(self, _c: Connection, _m: protocol.kernel.Jobs, _b: Blob) -> Data:
+        return {"jobs": [_info(j) for j in self._jobs.values()]}
+
+    async def _on_status(self, _c: Connection, _m: protocol.kernel.Status, _b: Blob) -> Data:
+        return {
+            "pid": os.getpid(),
+            "uptime_s": time.time() - self._started,
+            "running": [j.id for j in self._jobs.values() if j.running],
+            "sessions": [s.info() for s in self._sessions.values() if s.running],
+            "warm": self._launchers.describe(),
+            "memory": {
+                g.id: g.memory_now()
+                for g in (*self._jobs.values(), *self._sessions.values())
+                if g.running
+            },
+        }
+
+    async def _on_up(self, conn: Connection, msg: protocol.kernel.Up, _b: Blob) -> Data:
+        return await self._up(conn, msg)
+
+    async def _on_down(self, _c: Connection, msg: protocol.kernel.Down, _b: Blob) -> Data:
+        self._session(msg["session"]).down(msg.get("reason", "user"))
+        return {}
+
+    async def _on_session(self, _c: Connection, msg: protocol.kernel.SessionInfo, _b: Blob) -> Data:
+        return self._session(msg["session"]).info()
+
+    async def _on_overview(self, _c: Connection, _m: protocol.kernel.Overview, _b: Blob) -> Data:
+        return {"jobs": overview.entries(self._jobs.values(), self._sessions.values())}
+
+    async def _on_events(self, _c: Connection, msg: protocol.kernel.Events, _b: Blob) -> Data:
+        report = overview.reporter_of(msg["job"], self._jobs, self._sessions)
+        return {"events": report.events_since(msg["since"]), "seq": report.seq}
+
+    async def _on_nodes(self, _c: Connection, _m: protocol.kernel.Nodes, _b: Blob) -> Data:
+        return self._nodes()
+
+    async def _on_join(self, _c: Connection, msg: protocol.kernel.Join, _b: Blob) -> Data:
+        return await self._join(msg)
 
     # ---- nodes ---------------------------------------------------------------------------------
 
@@ -488,3 +508,24 @@ def _info(job: Job) -> dict[str, Any]:
         "outcome": s["outcome"] if s else None,
         "wall_s": s["wall_s"] if s else time.time() - job.created,
     }
+
+
+Blob = bytes | None
+Data = dict[str, Any]  # a reply's data
+# Each request of the kernel's channel, and its handler (a Supervisor method). The hello is the
+# channel's too, but it is the handshake's (Supervisor._serve_connection), no request.
+_REQUESTS: dict[str, Callable[[Supervisor, Connection, Any, Blob], Awaitable[Data]]] = {
+    protocol.kernel.SUBMIT: Supervisor._on_submit,
+    protocol.kernel.STOP: Supervisor._on_stop,
+    protocol.kernel.STACKS: Supervisor._on_stacks,
+    protocol.kernel.WARM: Supervisor._on_warm,
+    protocol.kernel.JOBS: Supervisor._on_jobs,
+    protocol.kernel.STATUS: Supervisor._on_status,
+    protocol.kernel.UP: Supervisor._on_up,
+    protocol.kernel.DOWN: Supervisor._on_down,
+    protocol.kernel.SESSION: Supervisor._on_session,
+    protocol.kernel.OVERVIEW: Supervisor._on_overview,
+    protocol.kernel.EVENTS: Supervisor._on_events,
+    protocol.kernel.NODES: Supervisor._on_nodes,
+    protocol.kernel.JOIN: Supervisor._on_join,
+}

@@ -28,6 +28,7 @@ import socket
 import struct
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -321,83 +322,101 @@ class JoinAgent:
             )
 
     async def _serve(self, msg: protocol.agents.NodeOrder, blob: bytes | None) -> dict[str, Any]:
-        kind = msg["kind"]
-        if kind == protocol.agents.BEAT:
-            return {}
-        if kind == protocol.agents.OPEN:
-            assert msg["kind"] == protocol.agents.OPEN
-            return await self._open(msg, blob or b"")
-        if kind == protocol.agents.CELL:
-            assert msg["kind"] == protocol.agents.CELL
-            g = self._group(msg["group"])
-            cell = self.workdir / "runs" / msg["cell"]
-            cell.mkdir(mode=0o700, exist_ok=True)
-            await anyio.to_thread.run_sync(unpack, blob or b"", {"run": cell, "cwd": g.cwd})
-            self._rewrite_spec(RunDir(cell), g)
-            self._mirror.roots[cell] = (g.id, msg["cell"])
-            return {"run_dir": str(cell)}
-        g = self._group(str(msg.get("group")))
-        node = g.node
-        if kind == protocol.agents.SIGNAL:
-            assert msg["kind"] == protocol.agents.SIGNAL
-            r = g.ranks.get((msg["attempt"], msg["rank"]))
-            if node is not None and r is not None:
-                node.signal(r, msg["sig"])
-            return {}
-        if kind == protocol.agents.RANKS_UP:
-            if node is not None and g.spec is not None:
-                node.ranks_up(g.spec)
-            return {}
-        if kind == protocol.agents.CLOSE:
-            assert msg["kind"] == protocol.agents.CLOSE
-            if node is not None:
-                # Closed with its launcher still running (the supervisor's teardown came first):
-                # stopped now. Only the launcher counts: the group's processes are found by its
-                # marker, which on a machine shared with other nodes of the job marks theirs too.
-                if node.running(leftovers_too=False):
-                    await node.stop(STOP_GRACE_S, lambda sig, pids: None)
-                node.close()  # its launcher's log into the run directory, the pool warmed
-                g.node = None
-            await self._mirror.sweep(g.id)
-            if msg["ended"]:
-                await self._forget(g)
-                self._groups.pop(g.id, None)
-                self._lifecycle.pop(g.id, None)
-            return {}
-        assert node is not None, f"group {g.id} has no round running here"
-        if kind == protocol.agents.STACKS:
-            assert msg["kind"] == protocol.agents.STACKS
-            ranks = [g.ranks[(a, r)] for a, r in msg["ranks"] if (a, r) in g.ranks]
-            dumps = await node.stacks(ranks, msg["wait_s"])
-            # The answer is one frame of the channel: each rank's dump keeps its last lines (the
-            # main thread's, which faulthandler writes last) within an even share of it.
-            share = MAX_FRAME // 2 // max(1, len(dumps))
-            return {
-                "dumps": {
-                    str(rank): {"text": _tail(d.text, share), "state": d.state, "asked": d.asked}
-                    for rank, d in dumps.items()
-                }
+        """What an order asks for, by its kind's handler (`_ORDERS`)."""
+        handler = _ORDERS.get(msg["kind"])
+        if handler is None:  # the handshake's (welcome, refused), or one _receive takes
+            raise protocol.wire.ProtocolError(f"{msg['kind']!r} is not an order")
+        return await handler(self, msg, blob)
+
+    # ---- the orders (each its handler in _ORDERS) ----------------------------------------------
+
+    async def _on_beat(self, _m: protocol.agents.Beat, _b: Blob) -> Data:
+        return {}
+
+    async def _on_open(self, msg: protocol.agents.Open, blob: Blob) -> Data:
+        return await self._open(msg, blob or b"")
+
+    async def _on_cell(self, msg: protocol.agents.CellFiles, blob: Blob) -> Data:
+        g = self._group(msg["group"])
+        cell = self.workdir / "runs" / msg["cell"]
+        cell.mkdir(mode=0o700, exist_ok=True)
+        await anyio.to_thread.run_sync(unpack, blob or b"", {"run": cell, "cwd": g.cwd})
+        self._rewrite_spec(RunDir(cell), g)
+        self._mirror.roots[cell] = (g.id, msg["cell"])
+        return {"run_dir": str(cell)}
+
+    async def _on_signal(self, msg: protocol.agents.Signal, _b: Blob) -> Data:
+        g = self._group(msg["group"])
+        r = g.ranks.get((msg["attempt"], msg["rank"]))
+        if g.node is not None and r is not None:
+            g.node.signal(r, msg["sig"])
+        return {}
+
+    async def _on_ranks_up(self, msg: protocol.agents.RanksUp, _b: Blob) -> Data:
+        g = self._group(msg["group"])
+        if g.node is not None and g.spec is not None:
+            g.node.ranks_up(g.spec)
+        return {}
+
+    async def _on_close(self, msg: protocol.agents.Close, _b: Blob) -> Data:
+        g = self._group(msg["group"])
+        if g.node is not None:
+            # Closed with its launcher still running (the supervisor's teardown came first):
+            # stopped now. Only the launcher counts: the group's processes are found by its
+            # marker, which on a machine shared with other nodes of the job marks theirs too.
+            if g.node.running(leftovers_too=False):
+                await g.node.stop(STOP_GRACE_S, lambda sig, pids: None)
+            g.node.close()  # its launcher's log into the run directory, the pool warmed
+            g.node = None
+        await self._mirror.sweep(g.id)
+        if msg["ended"]:
+            await self._forget(g)
+            self._groups.pop(g.id, None)
+            self._lifecycle.pop(g.id, None)
+        return {}
+
+    async def _on_stacks(self, msg: protocol.agents.NodeStacks, _b: Blob) -> Data:
+        g, node = self._round(msg["group"])
+        ranks = [g.ranks[(a, r)] for a, r in msg["ranks"] if (a, r) in g.ranks]
+        dumps = await node.stacks(ranks, msg["wait_s"])
+        # The answer is one frame of the channel: each rank's dump keeps its last lines (the
+        # main thread's, which faulthandler writes last) within an even share of it.
+        share = MAX_FRAME // 2 // max(1, len(dumps))
+        return {
+            "dumps": {
+                str(rank): {"text": _tail(d.text, share), "state": d.state, "asked": d.asked}
+                for rank, d in dumps.items()
             }
-        if kind == protocol.agents.PROBE:
-            assert msg["kind"] == protocol.agents.PROBE
-            r = g.ranks.get((msg["attempt"], msg["rank"]))
-            record = await node.probe(r, msg["what"], msg["wait_s"]) if r else None
-            return {"record": record}
-        if kind == protocol.agents.LEFTOVERS:
-            assert msg["kind"] == protocol.agents.LEFTOVERS
-            stuck = msg["stuck"]
-            left = await node.leftovers_after_success(msg["grace"], lambda: stuck)
-            return {"leftovers": left}
-        if kind == protocol.agents.STOP:
-            assert msg["kind"] == protocol.agents.STOP
-            signals: list[list[Any]] = []
-            survivors = await node.stop(msg["grace"], lambda sig, pids: signals.append([sig, pids]))
-            await self._mirror.sweep(g.id)  # everything the ranks left, before the answer
-            return {
-                "survivors": [[s.pid, s.state] for s in survivors],
-                "signals": signals,
-            }
-        raise protocol.wire.ProtocolError(f"{kind!r} is not an order")
+        }
+
+    async def _on_probe(self, msg: protocol.agents.Probe, _b: Blob) -> Data:
+        g, node = self._round(msg["group"])
+        r = g.ranks.get((msg["attempt"], msg["rank"]))
+        record = await node.probe(r, msg["what"], msg["wait_s"]) if r else None
+        return {"record": record}
+
+    async def _on_leftovers(self, msg: protocol.agents.Leftovers, _b: Blob) -> Data:
+        _, node = self._round(msg["group"])
+        stuck = msg["stuck"]
+        left = await node.leftovers_after_success(msg["grace"], lambda: stuck)
+        return {"leftovers": left}
+
+    async def _on_stop(self, msg: protocol.agents.NodeStop, _b: Blob) -> Data:
+        g, node = self._round(msg["group"])
+        signals: list[list[Any]] = []
+        survivors = await node.stop(msg["grace"], lambda sig, pids: signals.append([sig, pids]))
+        await self._mirror.sweep(g.id)  # everything the ranks left, before the answer
+        return {
+            "survivors": [[s.pid, s.state] for s in survivors],
+            "signals": signals,
+        }
+
+    def _round(self, group_id: str) -> tuple[_Group, LocalNode]:
+        """The group and its round's node here (an order about ranks needs one)."""
+        g = self._group(group_id)
+        if g.node is None:
+            raise RuntimeError(f"group {g.id} has no round running here")
+        return g, g.node
 
     def _group(self, group_id: str) -> _Group:
         g = self._groups.get(group_id)
@@ -760,3 +779,21 @@ def run_agent(endpoint: str, token: str, workdir: Path, addr: str | None, rejoin
     )
     agent = JoinAgent(host.strip("[]"), int(port), keys, workdir, addr, rejoin)
     return anyio.run(agent.run)
+
+
+Blob = bytes | None
+Data = dict[str, Any]  # an answer's data
+# Each order of the agents' channel this agent serves, and its handler (a JoinAgent method); the
+# handshake's welcome and refused, bye and the streams' data are _receive's.
+_ORDERS: dict[str, Callable[[JoinAgent, Any, Blob], Awaitable[Data]]] = {
+    protocol.agents.BEAT: JoinAgent._on_beat,
+    protocol.agents.OPEN: JoinAgent._on_open,
+    protocol.agents.CELL: JoinAgent._on_cell,
+    protocol.agents.SIGNAL: JoinAgent._on_signal,
+    protocol.agents.RANKS_UP: JoinAgent._on_ranks_up,
+    protocol.agents.CLOSE: JoinAgent._on_close,
+    protocol.agents.STACKS: JoinAgent._on_stacks,
+    protocol.agents.PROBE: JoinAgent._on_probe,
+    protocol.agents.LEFTOVERS: JoinAgent._on_leftovers,
+    protocol.agents.STOP: JoinAgent._on_stop,
+}

@@ -166,3 +166,17 @@ def test_every_order_to_a_join_agent_has_its_handler() -> None:
     }
     taken_apart = {a.WELCOME, a.REFUSED, a.BYE, a.STREAM_DATA, a.STREAM_CLOSE}
     assert set(_ORDERS) == kinds - taken_apart
+
+
+def test_every_piece_of_an_agents_news_has_its_handler() -> None:
+    """The supervisor takes a joined agent's news through one table (AgentLink's): every kind
+    the agent sends has its handler, but its hello and bye (the cluster's)."""
+    import typing
+
+    from elastic_nb.supervisor.nodes.remote_node import _NEWS
+
+    a = protocol.agents
+    kinds = {
+        typing.get_args(typing.get_type_hints(m)["kind"])[0] for m in typing.get_args(a.NodeNews)
+    }
+    assert set(_NEWS) == kinds - {a.NODE_HELLO, a.BYE}

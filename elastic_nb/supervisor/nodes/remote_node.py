@@ -186,69 +186,75 @@ class AgentLink:
                 self.clock_offset = offset
 
     def dispatch(self, msg: protocol.agents.NodeNews, blob: bytes | None) -> None:
-        """The agent's news, to whom it concerns."""
-        kind = msg["kind"]
-        if kind == protocol.agents.BEAT:
-            assert msg["kind"] == protocol.agents.BEAT
-            for group, beat in msg["groups"].items():
-                node = self.nodes.get(group)
-                if node is not None:
-                    node.on_beat(beat)
-            return
-        if kind == protocol.agents.ANSWER:
-            assert msg["kind"] == protocol.agents.ANSWER
-            waiting = self._answers.get(msg["req"])
-            if waiting is not None:
-                waiting[1].append(msg)
-                waiting[0].set()
-            return
-        if kind == protocol.agents.FILE:
-            assert msg["kind"] == protocol.agents.FILE
-            top = self.dirs.get((msg["group"], msg["root"]))
-            if top is None:
-                raise protocol.wire.ProtocolError(f"a file of an unknown group: {msg['group']}")
-            try:
-                self.files.admit(msg["group"], msg["path"], msg["offset"], len(blob or b""))
-                write_chunk(top, msg["path"], msg["offset"], blob or b"")
-            except ValueError as e:
-                key = (msg["group"], msg["path"])
-                if key not in self._refused_files:  # its next chunks are dropped unsaid
-                    self._refused_files.add(key)
-                    raise ValueError(f"{self.label()} sent {e}") from None
-            return
-        if kind == protocol.agents.STREAM_OPEN:
-            assert msg["kind"] == protocol.agents.STREAM_OPEN
-            node = self.nodes.get(msg["group"])
-            if node is None:
-                raise protocol.wire.ProtocolError(f"a stream of an unknown group: {msg['group']}")
-            stream = RelayedStream(self, msg["group"], msg["stream"])
-            self.streams[(msg["group"], msg["stream"])] = stream
-            self.spawn(node.on_stream, stream, msg["to"], msg["peer"])
-            return
-        if kind in (protocol.agents.STREAM_DATA, protocol.agents.STREAM_CLOSE):
-            assert msg["kind"] in (protocol.agents.STREAM_DATA, protocol.agents.STREAM_CLOSE)
-            relayed = self.streams.get((msg["group"], msg["stream"]))
-            if relayed is not None:
-                if msg["kind"] == protocol.agents.STREAM_DATA:
-                    relayed.feed(blob or b"")
-                else:
-                    relayed.ended()
-                    del self.streams[(msg["group"], msg["stream"])]
-            return
-        if kind == protocol.agents.LAUNCHER:
-            assert msg["kind"] == protocol.agents.LAUNCHER
-            said = msg["msg"]
-            if said.get("kind") == protocol.launcher.START:
-                self.files.started(msg["group"], int(said["attempt"]), int(said["rank"]))
-        if kind not in (
-            protocol.agents.LAUNCHER,
-            protocol.agents.LAUNCHER_EXIT,
-            protocol.agents.RANK_GONE,
-            protocol.agents.MEMORY,
-        ):
-            raise protocol.wire.ProtocolError(f"{kind!r} from an agent that has joined")
-        group = str(msg.get("group"))
-        node = self.nodes.get(group)
+        """The agent's news, to whom it concerns (its kind's handler in `_NEWS`)."""
+        handler = _NEWS.get(msg["kind"])
+        if handler is None:  # the handshake's hello, or bye: the cluster's
+            raise protocol.wire.ProtocolError(f"{msg['kind']!r} from an agent that has joined")
+        handler(self, msg, blob)
+
+    # ---- the agent's news (each its handler in _NEWS) ------------------------------------------
+
+    def _on_beat(self, msg: protocol.agents.Beat, _b: bytes | None) -> None:
+        for group, beat in msg["groups"].items():
+            node = self.nodes.get(group)
+            if node is not None:
+                node.on_beat(beat)
+
+    def _on_answer(self, msg: protocol.agents.Answer, _b: bytes | None) -> None:
+        waiting = self._answers.get(msg["req"])
+        if waiting is not None:
+            waiting[1].append(msg)
+            waiting[0].set()
+
+    def _on_file(self, msg: protocol.agents.FileChunk, blob: bytes | None) -> None:
+        top = self.dirs.get((msg["group"], msg["root"]))
+        if top is None:
+            raise protocol.wire.ProtocolError(f"a file of an unknown group: {msg['group']}")
+        try:
+            self.files.admit(msg["group"], msg["path"], msg["offset"], len(blob or b""))
+            write_chunk(top, msg["path"], msg["offset"], blob or b"")
+        except ValueError as e:
+            key = (msg["group"], msg["path"])
+            if key not in self._refused_files:  # its next chunks are dropped unsaid
+                self._refused_files.add(key)
+                raise ValueError(f"{self.label()} sent {e}") from None
+
+    def _on_stream_open(self, msg: protocol.agents.StreamOpen, _b: bytes | None) -> None:
+        node = self.nodes.get(msg["group"])
+        if node is None:
+            raise protocol.wire.ProtocolError(f"a stream of an unknown group: {msg['group']}")
+        stream = RelayedStream(self, msg["group"], msg["stream"])
+        self.streams[(msg["group"], msg["stream"])] = stream
+        self.spawn(node.on_stream, stream, msg["to"], msg["peer"])
+
+    def _on_stream_data(self, msg: protocol.agents.StreamData, blob: bytes | None) -> None:
+        relayed = self.streams.get((msg["group"], msg["stream"]))
+        if relayed is not None:
+            relayed.feed(blob or b"")
+
+    def _on_stream_close(self, msg: protocol.agents.StreamClose, _b: bytes | None) -> None:
+        relayed = self.streams.pop((msg["group"], msg["stream"]), None)
+        if relayed is not None:
+            relayed.ended()
+
+    def _on_launcher(self, msg: protocol.agents.LauncherSaid, blob: bytes | None) -> None:
+        said = msg["msg"]
+        if said.get("kind") == protocol.launcher.START:
+            self.files.started(msg["group"], int(said["attempt"]), int(said["rank"]))
+        self._on_group_news(msg, blob)
+
+    def _on_group_news(
+        self,
+        msg: (
+            protocol.agents.LauncherSaid
+            | protocol.agents.LauncherExit
+            | protocol.agents.RankGone
+            | protocol.agents.MemoryRead
+        ),
+        _b: bytes | None,
+    ) -> None:
+        """A group's news (its launcher's word and exit, a rank gone, memory), to its node."""
+        node = self.nodes.get(msg["group"])
         if node is None:
             return  # the news of a round that has been closed here: nobody listens any more
         node.on_news(msg)
@@ -277,6 +283,22 @@ class AgentLink:
             "last_heard_s": time.monotonic() - self.last_heard,
             "groups": sorted(self.nodes),
         }
+
+
+# Each piece of news on the agents' channel from a joined agent, and its handler (an AgentLink
+# method); its hello and bye are the cluster's.
+_NEWS: dict[str, Callable[[AgentLink, Any, bytes | None], None]] = {
+    protocol.agents.BEAT: AgentLink._on_beat,
+    protocol.agents.ANSWER: AgentLink._on_answer,
+    protocol.agents.FILE: AgentLink._on_file,
+    protocol.agents.STREAM_OPEN: AgentLink._on_stream_open,
+    protocol.agents.STREAM_DATA: AgentLink._on_stream_data,
+    protocol.agents.STREAM_CLOSE: AgentLink._on_stream_close,
+    protocol.agents.LAUNCHER: AgentLink._on_launcher,
+    protocol.agents.LAUNCHER_EXIT: AgentLink._on_group_news,
+    protocol.agents.RANK_GONE: AgentLink._on_group_news,
+    protocol.agents.MEMORY: AgentLink._on_group_news,
+}
 
 
 class RemoteNode(Node):

@@ -203,12 +203,6 @@ PROCESS_EXCEPTIONS = {
         "the pid at the other end of a session rank's connection, checked against the rank's "
         "own (the one torchelastic started): a socket's credentials, no process operation"
     ),
-    ("elastic_nb.supervisor.ranks.memory_watch", "elastic_nb.common.procs.MemoryLimit"): (
-        "a record type (the memory limit a node read), no process operation"
-    ),
-    ("elastic_nb.supervisor.nodes.remote_node", "elastic_nb.common.procs.MemoryLimit"): (
-        "a record type (the memory limit a join agent read and sent), no process operation"
-    ),
     ("elastic_nb.supervisor.nodes.join_agent", "elastic_nb.common.procs"): (
         "a join agent is its machine's supervisor process: it makes itself the subreaper of "
         "its launchers and reaps the orphans it inherits, as service does"

@@ -22,7 +22,7 @@ import pytest
 
 from elastic_nb import protocol
 from elastic_nb.common import procs, report
-from elastic_nb.common.procs import MemoryLimit
+from elastic_nb.common.host_memory import MemoryLimit
 from elastic_nb.common.rundir import RunDir
 from elastic_nb.kernel.dashboard.model import DashboardState
 from elastic_nb.kernel.flags import job_spec

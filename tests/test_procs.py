@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from elastic_nb.common import procs
+from elastic_nb.common import host_memory, procs
 from tests.kernel import wait_for
 
 pytestmark = pytest.mark.unit
@@ -66,7 +66,7 @@ def test_oom_kills_come_from_our_cgroup_never_the_whole_machine(
         return real_open(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "open", no_vmstat)
-    first = procs.oom_kills()
+    first = host_memory.oom_kills()
     assert first is None or first >= 0
 
     def no_cgroup_files(name: Any, *args: Any, **kwargs: Any) -> Any:
@@ -75,7 +75,7 @@ def test_oom_kills_come_from_our_cgroup_never_the_whole_machine(
         return no_vmstat(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "open", no_cgroup_files)
-    assert procs.oom_kills() is None  # unknown, not a guess
+    assert host_memory.oom_kills() is None  # unknown, not a guess
 
 
 def test_killing_a_job_waits_until_none_of_it_is_left_even_what_forked_meanwhile() -> None:
@@ -120,8 +120,8 @@ def fake_roots(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, P
     proc, cgroup = tmp_path / "proc", tmp_path / "cgroup"
     proc.mkdir()
     cgroup.mkdir()
-    monkeypatch.setattr(procs, "PROC", str(proc))
-    monkeypatch.setattr(procs, "CGROUP", str(cgroup))
+    monkeypatch.setattr(host_memory, "PROC", str(proc))
+    monkeypatch.setattr(host_memory, "CGROUP", str(cgroup))
     _tree(proc, {"meminfo": "MemTotal: 8388608 kB\nMemFree: 1 kB\nMemAvailable: 6291456 kB\n"})
     return proc, cgroup
 
@@ -129,10 +129,10 @@ def fake_roots(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, P
 def test_rss_is_statms_resident_pages(fake_roots: tuple[Path, Path]) -> None:
     proc, _ = fake_roots
     _tree(proc, {"4242/statm": "90000 25600 300 10 0 20000 0\n"})
-    assert procs.rss(4242) == 25600 * os.sysconf("SC_PAGE_SIZE")
-    assert procs.rss(4343) is None  # gone
+    assert host_memory.rss(4242) == 25600 * os.sysconf("SC_PAGE_SIZE")
+    assert host_memory.rss(4343) is None  # gone
     _tree(proc, {"4444/statm": "0 0 0 0 0 0 0\n"})  # exiting: its memory released
-    assert procs.rss(4444) is None
+    assert host_memory.rss(4444) is None
 
 
 def test_a_process_that_has_exited_unreaped_has_no_rss() -> None:
@@ -142,10 +142,10 @@ def test_a_process_that_has_exited_unreaped_has_no_rss() -> None:
     child = subprocess.Popen([sys.executable, "-c", "b = bytearray(50 * 2**20)"])
     try:
         assert wait_for(lambda: procs.zombie_exit_code(child.pid) is not None, 30)
-        assert procs.rss(child.pid) is None
+        assert host_memory.rss(child.pid) is None
     finally:
         child.wait()
-    assert (procs.rss(os.getpid()) or 0) > 0  # a live one has
+    assert (host_memory.rss(os.getpid()) or 0) > 0  # a live one has
 
 
 def test_v2_limit_with_the_page_cache_left_out(fake_roots: tuple[Path, Path]) -> None:
@@ -162,7 +162,7 @@ def test_v2_limit_with_the_page_cache_left_out(fake_roots: tuple[Path, Path]) ->
             "job.slice/memory.stat": f"anon 1\nactive_file {100 * MiB}\ninactive_file {200 * MiB}\n",
         },
     )
-    assert procs.memory_limit(4242) == procs.MemoryLimit(
+    assert host_memory.memory_limit(4242) == host_memory.MemoryLimit(
         1000 * MiB, 2 * GiB, "its cgroup's memory.max (/job.slice)"
     )
 
@@ -182,7 +182,7 @@ def test_an_ancestors_limit_nearer_to_full_is_the_tighter(fake_roots: tuple[Path
             "memory.stat": "inactive_file 0\n",  # the root's: never read (it has no limit)
         },
     )
-    assert procs.memory_limit(4242) == procs.MemoryLimit(
+    assert host_memory.memory_limit(4242) == host_memory.MemoryLimit(
         int(5.5 * GiB), 6 * GiB, "its cgroup's memory.max (/user)"
     )
 
@@ -206,7 +206,7 @@ def test_v1_memory_controller_and_the_unified_hierarchy_beside_it(
             "unified/docker/abc/memory.events": "oom 0\noom_kill 0\n",
         },
     )
-    assert procs.memory_limit(4242) == procs.MemoryLimit(
+    assert host_memory.memory_limit(4242) == host_memory.MemoryLimit(
         int(1.5 * GiB), 3 * GiB, "its cgroup's memory.limit_in_bytes (/docker/abc)"
     )
     # A limit in the unified hierarchy is named from its own root, not from /sys/fs/cgroup.
@@ -217,7 +217,7 @@ def test_v1_memory_controller_and_the_unified_hierarchy_beside_it(
             "unified/docker/abc/memory.current": str(1800 * MiB),
         },
     )
-    assert procs.memory_limit(4242) == procs.MemoryLimit(
+    assert host_memory.memory_limit(4242) == host_memory.MemoryLimit(
         1800 * MiB, 2 * GiB, "its cgroup's memory.max (/docker/abc)"
     )
 
@@ -226,6 +226,8 @@ def test_no_limit_anywhere_is_the_machines_memory(fake_roots: tuple[Path, Path])
     proc, cgroup = fake_roots
     _tree(proc, {"4242/cgroup": "0::/user\n"})
     _tree(cgroup, {"user/memory.max": "max\n", "user/memory.current": str(GiB)})
-    assert procs.memory_limit(4242) == procs.MemoryLimit(2 * GiB, 8 * GiB, "this machine's memory")
+    assert host_memory.memory_limit(4242) == host_memory.MemoryLimit(
+        2 * GiB, 8 * GiB, "this machine's memory"
+    )
     (proc / "meminfo").unlink()
-    assert procs.memory_limit(4242) is None  # nothing to read: no guess
+    assert host_memory.memory_limit(4242) is None  # nothing to read: no guess

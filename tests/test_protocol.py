@@ -161,8 +161,7 @@ def test_every_order_to_a_join_agent_has_its_handler() -> None:
 
     a = protocol.agents
     kinds = {
-        typing.get_args(typing.get_type_hints(m)["kind"])[0]
-        for m in typing.get_args(a.NodeOrder)
+        typing.get_args(typing.get_type_hints(m)["kind"])[0] for m in typing.get_args(a.NodeOrder)
     }
     taken_apart = {a.WELCOME, a.REFUSED, a.BYE, a.STREAM_DATA, a.STREAM_CLOSE}
     assert set(_ORDERS) == kinds - taken_apart

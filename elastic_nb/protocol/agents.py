@@ -197,7 +197,7 @@ class MemoryRead(TypedDict):
     group: str
     rss: dict[str, int]
     gpu: dict[str, GpuShare]
-    limit: dict[str, Any] | None  # procs.MemoryLimit's fields
+    limit: dict[str, Any] | None  # host_memory.MemoryLimit's fields
     gpus: bool
 
 

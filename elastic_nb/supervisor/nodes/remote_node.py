@@ -30,7 +30,7 @@ import anyio
 from anyio.abc import ByteStream
 
 from elastic_nb import protocol
-from elastic_nb.common.procs import MemoryLimit
+from elastic_nb.common.host_memory import MemoryLimit
 from elastic_nb.common.rundir import RunDir
 from elastic_nb.common.spec import JobSpec
 from elastic_nb.supervisor.forensics.watchdogs import Agent

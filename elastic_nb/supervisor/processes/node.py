@@ -31,8 +31,8 @@ import anyio
 import psutil
 
 from elastic_nb import protocol
-from elastic_nb.common import nvml, procs
-from elastic_nb.common.procs import MemoryLimit
+from elastic_nb.common import host_memory, nvml, procs
+from elastic_nb.common.host_memory import MemoryLimit
 from elastic_nb.common.rundir import RunDir, read_json
 from elastic_nb.common.spec import JobSpec
 from elastic_nb.supervisor.forensics.watchdogs import Agent
@@ -439,10 +439,10 @@ class LocalNode(Node):
         return None
 
     def oom_kills(self) -> int | None:
-        return procs.oom_kills()
+        return host_memory.oom_kills()
 
     def read_memory(self, ranks: list[RankState]) -> MemoryReading:
-        rss = {r.rank: v for r in ranks if r.pid and (v := procs.rss(r.pid)) is not None}
+        rss = {r.rank: v for r in ranks if r.pid and (v := host_memory.rss(r.pid)) is not None}
         gpu: dict[int, protocol.records.GpuShare] = {}
         seen = nvml.memory()
         for r in ranks:
@@ -454,7 +454,7 @@ class LocalNode(Node):
                     used=seen.used.get(index, 0),
                     total=seen.total.get(index, 0),
                 )
-        limit = procs.memory_limit(self.launcher_pid or "self")  # its ranks' cgroup
+        limit = host_memory.memory_limit(self.launcher_pid or "self")  # its ranks' cgroup
         return MemoryReading(rss, gpu, limit, gpus=bool(seen and seen.total))
 
     # ---- the end ---------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from elastic_nb.common.procs import MemoryLimit
+from elastic_nb.common.host_memory import MemoryLimit
 from elastic_nb.common.report import rate, size
 from elastic_nb.protocol.records import MemoryPeak, MemorySample
 

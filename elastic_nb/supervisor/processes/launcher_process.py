@@ -17,13 +17,15 @@ import anyio
 
 from elastic_nb import protocol
 from elastic_nb.common import procs, report
-from elastic_nb.supervisor.processes.zygote_process import ForkedProcess, Zygote
+from elastic_nb.supervisor.processes.zygote_process import Child, ForkedProcess, Zygote
 
 __all__ = ["Launcher"]
 
 
-class Launcher:
+class Launcher(Child):
     """One launcher process, from its start to the job it is given."""
+
+    proc: ForkedProcess  # a fork of a zygote
 
     def __init__(
         self, zygote: Zygote, env: dict[str, str], preload: tuple[str, ...], log_path: Path
@@ -69,14 +71,6 @@ class Launcher:
         self.proc = ForkedProcess(pid, os.fdopen(stdin_w, "wb"), os.fdopen(stdout_r, "rb"))
         assert self.proc.stdout is not None
         os.set_blocking(self.proc.stdout.fileno(), False)
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    @property
-    def alive(self) -> bool:
-        return self.proc.poll() is None
 
     async def read(self) -> None:
         """Read its pipe until EOF (the launcher is exiting). READY marks it ready, TICK is

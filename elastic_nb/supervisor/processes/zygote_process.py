@@ -62,7 +62,21 @@ class ForkedProcess:
         return code
 
 
-class Zygote:
+class Child:
+    """A process of ours (a zygote, a launcher): its pid and whether it lives, from `proc`."""
+
+    proc: ForkedProcess | subprocess.Popen[bytes]
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+
+class Zygote(Child):
     """One zygote process, started with the environment its launchers' interpreters need (what
     is read at process start: `start_key`)."""
 
@@ -90,14 +104,6 @@ class Zygote:
                 )
         finally:
             theirs.close()
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    @property
-    def alive(self) -> bool:
-        return self.proc.poll() is None
 
     async def read_ready(self) -> None:
         """Its first message, once it has imported torch (the pool's task, one per zygote)."""

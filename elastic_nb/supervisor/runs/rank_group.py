@@ -5,7 +5,7 @@ they share, from the launcher's start to the kernel hearing the end:
 
 * start: a launcher on each of its nodes, given the group's run directory, spec and environment
   (a single-node group: this machine's node, for its whole life, torch restarting its ranks; a
-  multi-node group: a round at a time, `rounds.Rounds`);
+  multi-node group: a round at a time; the two lifecycles apart, behind `placement.Placement`);
 * observe: the launchers' messages (each rank's start and exit), a watcher per rank (its node
   says when it went, its records how), a poll loop that tails the ranks' logs and flushes the
   group's news to the kernel (at most every FLUSH_S) and follows the checkpoints its cells save
@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -35,18 +34,16 @@ from elastic_nb.common.report import checkpoint_words, duration
 from elastic_nb.common.rundir import RunDir, write_json
 from elastic_nb.common.spec import JobSpec
 from elastic_nb.supervisor.forensics.watchdogs import Silence
-from elastic_nb.supervisor.nodes.cluster import AgentLink
-from elastic_nb.supervisor.nodes.files import INPUTS
-from elastic_nb.supervisor.nodes.remote_node import RemoteNode
 from elastic_nb.supervisor.processes.node import Node, Survivor
-from elastic_nb.supervisor.ranks.checkpoint_log import CheckpointLog, cost_words
+from elastic_nb.supervisor.ranks.checkpoint_log import CheckpointLog
 from elastic_nb.supervisor.ranks.log_tailer import LogTailer
 from elastic_nb.supervisor.ranks.memory_watch import SAMPLE_S, MemoryWatch
 from elastic_nb.supervisor.ranks.rank_book import RankBook
 from elastic_nb.supervisor.ranks.rank_state import NCCL_TIMEOUT_MARKS, TORCH_LOG_NOISE, RankState
 from elastic_nb.supervisor.runs import summary
+from elastic_nb.supervisor.runs.placement import InRounds, OneMachine, Placement
 from elastic_nb.supervisor.runs.reporter import Reporter, Send
-from elastic_nb.supervisor.runs.rounds import Machines, Rounds
+from elastic_nb.supervisor.runs.rounds import Machines
 
 __all__ = ["RankGroup"]
 
@@ -78,16 +75,14 @@ class RankGroup:
         self.attempt = 0
         self.summary: protocol.records.Summary | None = None
         self.nodes: list[Node] = []  # the current round's
-        self._first = node
+        self.placement: Placement
         if node is not None:
             self.rd = node.rd
-            self.rounds: Rounds | None = None
+            self.placement = OneMachine(self, node)
         else:
             assert machines is not None, "a group runs on a node or on machines"
             self.rd = RunDir.of(spec.log_dir, group_id)
-            self.rounds = Rounds(spec, machines)
-        self._round_lock = anyio.Lock()
-        self._changing = False  # a round is ending or starting
+            self.placement = InRounds(self, machines)
         self.restarts = 0  # spent: a single-node group's is its attempt (torch's count)
         self.restarts_at: dict[int, int] = {0: 0}  # attempt -> restarts spent when it began
         self.replaced: set[int] = set()  # attempts a new round ended (no failure of theirs)
@@ -132,11 +127,11 @@ class RankGroup:
     @property
     def world_size(self) -> int:
         """Ranks in the current attempt: a round's nodes' in a multi-node group."""
-        return self.spec.nproc if self.rounds is None else self.rounds.world_size(self.attempt)
+        return self.placement.world_size(self.attempt)
 
     @property
     def multi_node(self) -> bool:
-        return self.rounds is not None
+        return self.placement.multi_node
 
     def ended(self) -> str | None:
         """Why the group ended, once its outcome is decided."""
@@ -188,11 +183,7 @@ class RankGroup:
             await self._open()
             async with anyio.create_task_group() as tg:
                 self._tg = tg
-                if self.rounds is None:
-                    assert self._first is not None
-                    await self.start_nodes([self._first], None)
-                else:
-                    tg.start_soon(self._follow_members)
+                await self.placement.begin(tg)
                 tg.start_soon(self._poll_loop)
                 tg.start_soon(self._sample_memory)
                 self._start_tasks(tg)
@@ -269,149 +260,13 @@ class RankGroup:
             self.nodes = []
         return survivors
 
-    def remote_node(self, agent: AgentLink, store_port: int) -> RemoteNode:
-        """A joined machine's node for the next round."""
-        return RemoteNode(self.rd, agent, store_port, self._relayed_rank, self._shipped_files())
-
-    def _shipped_files(self) -> dict[str, Path]:
-        """What another machine's ranks read: the run directory's inputs, and the notebook's
-        own modules the cell imports (into the job's working directory there)."""
-        files = {f"run/{name}": self.rd.path / name for name in INPUTS}
-        for path in self.spec.ship:
-            files[f"cwd/{Path(path).name}"] = Path(path)
-        return files
-
-    # ---- a multi-node group's rounds (rounds.Rounds) ------------------------------------------
-
-    def round_failed(self, why: str) -> None:
-        """A multi-node round ended with no rank to blame (a node left before its ranks started,
-        its launcher died): as a failure, within the budget."""
-        self.report.event("round.failed", why=why)
-        if not self.restarts_left(self.attempt):
-            m = self.spec.max_restarts
-            self._decide("failed", f"{why}; no restarts are left ({m}/{m})")
-            return
-        self.new_round(why, counted=True)
+    # ---- a multi-node group's rounds (placement.InRounds) ---------------------------------------
 
     def new_round(self, why: str, counted: bool) -> None:
-        """A multi-node group's next round, after the current one's end (a failure or a
-        departure spends a restart). Asked twice for one round (a failure and its node's loss
-        told apart), it happens once."""
-        assert self.rounds is not None
-        self.task_group.start_soon(self._next_round, why, counted, self.rounds.next_attempt - 1)
-
-    async def _follow_members(self) -> None:
-        """The group's store, its first round, then what changes of members bring: a node that
-        joins while below MAX is a round of its own (no restart spent); one that left before its
-        round's ranks started is a failure with nothing else to say so."""
-        rounds = self.rounds
-        assert rounds is not None
-        await rounds.open_store()
-        await self._next_round("first round", False)
-        while not self.decided:
-            await rounds.cluster.changed.wait()
-            if self.decided or self._changing:
-                continue
-            current = self.nodes
-            lost = [n for n in current if isinstance(n, RemoteNode) and n.lost]
-            if lost and not self.book.of(rounds.next_attempt - 1):
-                self.round_failed(f"{lost[0].label} left: {lost[0].lost}")
-                continue
-            if rounds.newcomers(current) and len(current) < self.spec.nnodes_max:
-                await self._next_round(None, False, rounds.next_attempt - 1)
-
-    async def _next_round(self, why: str | None, counted: bool, ending: int | None = None) -> None:
-        """End the round there is and start the next with the nodes there are now. `ending`:
-        the round's attempt this change is for (None: the first round), skipped if another
-        change has come first; `why` None: an arrival's, said once the lock is ours."""
-        rounds = self.rounds
-        assert rounds is not None
-        async with self._round_lock:
-            if self.decided or (ending is not None and ending != rounds.next_attempt - 1):
-                return
-            if why is None:
-                newcomers = rounds.newcomers(self.nodes)
-                if not newcomers or len(self.nodes) >= self.spec.nnodes_max:
-                    return
-                why = ", ".join(a.label() for a in newcomers) + " joined"
-            self._changing = True
-            try:
-                started, stop_s = time.time(), None
-                if self.nodes:
-                    ending = rounds.next_attempt - 1
-                    self.replaced.add(ending)
-                    self.report.set_state("restarting")
-                    await self.stop_nodes(ended=False)
-                    stop_s = time.time() - started
-                    await self._round_ended(ending, started)
-
-                def waiting(words: str) -> None:
-                    self.report.set_state("waiting")
-                    self.alert("nodes", "info", words)
-
-                nodes = await rounds.gather(
-                    started, waiting, lambda agent: self.remote_node(agent, rounds.store_port)
-                )
-                if isinstance(nodes, str):
-                    self.report.event("round.failed", why=nodes)
-                    self.nodes_missing = not self.decided
-                    self._decide("failed", nodes)
-                    return
-                if counted:
-                    self.restarts += 1
-                entry = rounds.record(nodes, why, counted, self.restarts, started, stop_s)
-                self.restarts_at[entry["attempt"]] = self.restarts
-                self.report.rounds(rounds.timeline)
-                self.report.event("round", **entry)
-                if entry["attempt"] > 0:
-                    self._round_alert(entry)
-                plan = rounds.plan(entry["attempt"], len(nodes), self.id)
-            finally:
-                self._changing = False
-            await self.start_nodes(nodes, plan)
-
-    async def _round_ended(self, attempt: int, at: float) -> None:
-        """The ended round's ranks as its end left them, for the timeline: a rank stopped for the
-        next round says so (it stayed "running" there); one that failed or was lost keeps its
-        word. Sent before the next round's chips take their ranks' places (an update holds one
-        chip a rank)."""
-        for r in self.book.of(attempt):
-            chip = self.book.chip(r, at)
-            if r.kind(at) == "terminated":
-                chip["state"], chip["label"] = "stopped", "stopped for the next round"
-            self.report.chip(r.rank, chip)
-        await self._flush()
-
-    def _round_alert(self, entry: protocol.records.Round) -> None:
-        counted = entry["counted"]
-        spent = (
-            f"restart {entry['restarts']}/{self.spec.max_restarts}"
-            if counted
-            else "no restart spent"
-        )
-        title = (
-            f"attempt {entry['attempt']}: {entry['why']}; {len(entry['nodes'])} nodes, "
-            f"world size {entry['world_size']} ({spent})"
-        )
-        if counted and self.last_failure is not None:
-            self.poll_checkpoints()  # a save committed just before the failure counts
-            cost = cost_words(self.checkpoints, *self.last_failure)
-            title += f"; {cost}" if cost else ""
-        self.alert("restart" if counted else "round", "warning" if counted else "info", title)
-
-    async def _round_launcher_ended(self, node: Node, outcome: tuple[str, str]) -> None:
-        """A node's launcher exited. Past its round, or a success (its exit barrier: every
-        node's ranks finished), that says nothing; otherwise the node failed under the round,
-        unless its ranks' ends explain it (judged first, 2 s at most)."""
-        if node not in self.nodes or self._changing or outcome[0] == "succeeded":
-            return
-        with anyio.move_on_after(2.0):
-            while not self.decided and node in self.nodes and not self._changing:
-                if self.attempt_failed(self.attempt):
-                    return
-                await anyio.sleep(0.05)
-        if node in self.nodes and not self.decided and not self._changing:
-            self.round_failed(outcome[1])
+        """The next round, after the current one's end (a failure or a departure spends a
+        restart); asked twice for one round, it happens once."""
+        assert isinstance(self.placement, InRounds), "rounds are a multi-node group's"
+        self.placement.new_round(why, counted)
 
     async def _relayed_rank(self, stream: Any, peer: int | None, node: Node) -> None:
         """A session's rank on another machine connects (relayed by its agent)."""
@@ -420,16 +275,10 @@ class RankGroup:
     def _agent_failed(self, node: Node, error: str, at: float) -> None:
         """torch's agent on `node` raised at `at` (our clock): the ranks it ends from then on
         did not fail, it did."""
-        where = f" on {node.label}" if self.rounds is not None else ""
-        why = f"torchelastic's agent failed{where}: {error}"
+        label = self.placement.node_label(node)
+        why = f"torchelastic's agent failed{f' on {label}' if label else ''}: {error}"
         self.agent_failed_in.add(self.attempt)
-        if self.rounds is None:
-            self._decide("failed", why)
-            if self.teardown_at is not None:
-                # Its SIGTERMs came after `at`: ranks they ended were stopped, not failed.
-                self.teardown_at = min(self.teardown_at, at)
-        elif node in self.nodes and not self.decided and not self._changing:
-            self.round_failed(why)
+        self.placement.agent_failed(node, why, at)
 
     def _decide(self, outcome: str, reason: str) -> None:
         """The group's outcome, first come first served."""
@@ -443,14 +292,13 @@ class RankGroup:
     async def _read_launcher(self, node: Node) -> None:
         async for msg in node.messages():
             fields = {k: v for k, v in msg.items() if k != "kind"}
-            if self.rounds is not None:
-                fields["node"] = node.label
+            if label := self.placement.node_label(node):
+                fields["node"] = label
             self.report.event(f"launcher.{msg['kind']}", **fields)
             if msg["kind"] == protocol.launcher.READY:
                 self._on_ready()
-            elif msg["kind"] == protocol.launcher.RENDEZVOUS and self.rounds is not None:
-                self.rounds.rendezvous(msg["attempt"], msg["seconds"])
-                self.report.rounds(self.rounds.timeline)
+            elif msg["kind"] == protocol.launcher.RENDEZVOUS:
+                self.placement.rendezvous(msg["attempt"], msg["seconds"])
             elif msg["kind"] == protocol.launcher.START:
                 self._on_start(node, msg["attempt"], msg["rank"], msg["pid"])
             elif msg["kind"] == protocol.launcher.AGENT_FAILED:
@@ -463,27 +311,16 @@ class RankGroup:
                 self._heard.set()
         # The pipe's write end lives only in the launcher: EOF means it is exiting.
         await node.launcher_exited()
-        outcome = node.launcher_outcome(self.rd.launcher_log)
-        if self.rounds is None:
-            self._decide(*await self._launcher_ended(outcome))
-        else:
-            await self._round_launcher_ended(node, outcome)
+        await self.placement.launcher_ended(node, node.launcher_outcome(self.rd.launcher_log))
 
     def _on_start(self, node: Node, attempt: int, rank: int, pid: int) -> None:
         if attempt > self.attempt:
             self.memory.forget(self.attempt)
             self._new_attempt(attempt)
             self.attempt = attempt
-            if self.rounds is None:  # torch restarted the group: a restart spent
-                self.restarts = self.restarts_at[attempt] = attempt
+            self.placement.attempt_began(attempt)
         r = self.book.add(attempt, rank, pid, time.time(), node)
-        if self.rounds is not None:
-            r.where = node.label
-            if self.rounds.running(attempt, len(self.book.of(attempt))):
-                self.report.rounds(self.rounds.timeline)
-                entry = self.rounds.entry(attempt)
-                assert entry is not None
-                self.report.event("round.running", attempt=attempt, s=entry["running_s"])
+        self.placement.rank_started(node, r)
         self.silence.activity(time.monotonic())
         self.tailer.follow(
             attempt, rank, {s: self.rd.log(attempt, rank, s) for s in ("out", "err")}
@@ -660,8 +497,7 @@ class RankGroup:
         self.report.event("end", outcome=outcome)
         for node in self.nodes:
             node.close()
-        if self.rounds is not None:
-            self.rounds.close()
+        self.placement.close()
         self.tailer.close()
         self.report.close()
         await self.report.end(self.summary)

@@ -239,16 +239,13 @@ class Job(RankGroup):
             self._under_way.add(r.attempt)
             self.task_group.start_soon(self._diagnose_timeout, r, kind)
             return
-        if kind == "peer" and r.attempt == self.attempt:
+        if kind == "peer" and self.multi_node and r.attempt == self.attempt:
+            # Across machines a node whose ranks all finished the cell ends them (its agent's
+            # exit barrier), and their peers see the connection close at once: before the
+            # desync watch has looked. The ranks' records say whether the one that went had
+            # left the cell early.
             self._under_way.add(r.attempt)
-            if self.multi_node:
-                # Across machines a node whose ranks all finished the cell ends them (its
-                # agent's exit barrier), and their peers see the connection close at once:
-                # before the desync watch has looked. The ranks' records say whether the one
-                # that went had left the cell early.
-                self.task_group.start_soon(self._diagnose_peer, r, kind)
-            else:
-                self.task_group.start_soon(self._see_the_peer_go, r, kind)
+            self.task_group.start_soon(self._diagnose_peer, r, kind)
             return
         if kind == "signal" and r.exit_code == -signal.SIGTERM and r.attempt == self.attempt:
             # torch's agent ends its ranks with SIGTERM when it fails itself, and says so first
@@ -410,22 +407,6 @@ class Job(RankGroup):
         finally:
             self._diagnosis_ended(r.attempt)
             self._decide_deferred()
-
-    async def _see_the_peer_go(self, r: RankState, kind: str) -> None:
-        """`r` says a peer went (its connection closed): the attempt fails once the one that
-        went is seen gone (PEER_GONE_WAIT_S at most), by its own failure first. Decided at once,
-        the teardown would begin before its death was seen, and a rank that killed itself would
-        count as stopped by it, `r`'s error as the failure (seen on a loaded machine)."""
-        try:
-            others = [x for x in self.book.of(r.attempt) if x is not r]
-            with anyio.move_on_after(PEER_GONE_WAIT_S):
-                while not any(x.died_at is not None for x in others) and not self.decided:
-                    await anyio.sleep(0.02)
-        finally:
-            self._diagnosis_ended(r.attempt)
-            self._decide_deferred()  # the one that went, if it was seen gone meanwhile
-            if r.attempt not in self.book.failed_attempts:
-                self._fail_attempt(r, kind)
 
     async def _hear_the_agent(self, r: RankState, kind: str) -> None:
         """`r` died of a SIGTERM elastic_nb did not send: the agent's own failure, if it says so

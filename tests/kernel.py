@@ -3,13 +3,16 @@ leave behind, observed from outside (processes, ports, run directories)."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import itertools
 import json
 import os
 import re
+import shutil
 import signal
 import socket
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -340,7 +343,17 @@ class Kernel:
     def __init__(
         self, cwd: str, env: dict[str, str] | None = None, cmd_prefix: list[str] | None = None
     ) -> None:
-        self.km = PrefixedKernelManager(kernel_name="python3", cmd_prefix=cmd_prefix or [])
+        # Its channels on Unix sockets of a folder of its own: TCP ports that jupyter_client picks,
+        # closes and hands to the kernel to bind were taken meanwhile on a loaded machine, by a
+        # rank or another worker's kernel ("Address already in use": the kernel never started).
+        self._sockets = tempfile.mkdtemp(prefix="enb-kernel-")
+        atexit.register(shutil.rmtree, self._sockets, True)  # gone by the worker's end
+        self.km = PrefixedKernelManager(
+            kernel_name="python3",
+            transport="ipc",
+            ip=f"{self._sockets}/channel",
+            cmd_prefix=cmd_prefix or [],
+        )
         # A clean, explicit environment: nothing of the caller's notebook or elastic_nb setup
         # (ELASTIC_NB_WIDGETS, JPY_SESSION_NAME, VSCODE_PID...) decides what the test sees.
         inherited = {k: v for k, v in os.environ.items() if not k.startswith(_CALLERS)}

@@ -8,7 +8,8 @@ from typing import Any
 
 from playwright.sync_api import expect
 
-from tests.lab import has_class
+from tests.kernel import assert_job_gone
+from tests.lab import LabServer, has_class, job_of, open_notebook, shot
 
 # A checkpointed restart: rank 1 fails at step 7 after a save at step 5; attempt 1 resumes at 6.
 CHECKPOINTED_RESTART = """%%elastic --nproc 2 --max-restarts 1 --env ELASTIC_NB_CHECKPOINT_DIR={ckpt}
@@ -67,3 +68,64 @@ def expect_a_checkpointed_restart(dash: Any) -> None:
     expect(dash.locator(".enb-alerts")).not_to_contain_text(
         "restarting as attempt 1", use_inner_text=True
     )
+
+
+DESYNC = (
+    "%%elastic --nproc 2 --collective-timeout 5\n"
+    "import time, torch, torch.distributed as dist\n"
+    "dist.init_process_group()\n"
+    "x = torch.ones(1)\n"
+    "dist.all_reduce(x)\n"
+    "if dist.get_rank() != 1:\n"
+    "    dist.all_reduce(x)   # rank 1 skips this one\n"
+    "time.sleep(120)\n"
+)
+HANG_ENDED_BY_TIMEOUT = (
+    "%%elastic --nproc 2 --hang-after 2 --timeout 15 --collective-timeout off\n"
+    "import time, torch, torch.distributed as dist\n"
+    "dist.init_process_group()\n"
+    "print('initialised', flush=True)\n"
+    "if dist.get_rank() == 1:\n"
+    "    time.sleep(600)\n"
+    "dist.all_reduce(torch.ones(1))\n"
+)
+
+
+def run_the_desync_and_the_hang(page: Any, lab: LabServer, name: str, shots: str) -> None:
+    """A rank skips a collective: the desync is said once (its alert; the failure adds no second
+    one with the same finding). Then a rank sleeps while the other waits in all_reduce, past
+    --hang-after, until --timeout ends the cell: the hang's finding stays in the error, and each
+    chip says where its rank was. Screenshots named `shots` + desync.png, hang-timeout.png."""
+    nb = open_notebook(page, lab, name, [DESYNC, HANG_ENDED_BY_TIMEOUT])
+    nb.run(1)
+    nb.wait_done(1, timeout=60)
+    dash = nb.cell(1).locator(".enb")
+    expect(dash.locator(".enb-state")).to_have_text("failed")
+    finding = "rank 1 never entered all_reduce #2 (cell line 7): it was at cell line 8"
+    expect(dash.locator(".enb-alert").filter(has_text=finding)).to_have_count(1)
+    nb.expect_output(1, f"JobFailed: desync: {finding}")
+    shot(page, dash, f"{shots}desync.png")
+    assert_job_gone(job_of(nb, 1))
+
+    nb.run(2)
+    nb.wait_done(2, timeout=60)
+    dash = nb.cell(2).locator(".enb")
+    expect(dash.locator(".enb-state")).to_have_text("timeout")
+    expect(dash.locator('.enb-chip[data-rank="0"] .enb-chip-label')).to_have_text(
+        "stopped · waiting in all_reduce #1 · line 7"
+    )
+    expect(dash.locator('.enb-chip[data-rank="1"] .enb-chip-label')).to_have_text(
+        re.compile(r"^stopped · silent \d+ s · line 6$")
+    )
+    hang = dash.locator('.enb-alert[data-kind="hang"]')
+    expect(hang).to_have_count(1)
+    expect(hang.locator(".enb-alert-title")).to_contain_text(
+        "rank 1 never entered all_reduce #1 (cell line 7): it was at cell line 6",
+        use_inner_text=True,
+    )
+    nb.expect_output(
+        2, "ran past its deadline: the --timeout of 15 s passed; before that: no output"
+    )
+    expect(dash.locator(".enb-worst")).to_have_text("")  # --collective-timeout off: no note
+    shot(page, dash, f"{shots}hang-timeout.png")
+    assert_job_gone(job_of(nb, 2))

@@ -26,7 +26,11 @@ from tests.lab import (
     serve,
     shot,
 )
-from tests.scenarios import CHECKPOINTED_RESTART, expect_a_checkpointed_restart
+from tests.scenarios import (
+    CHECKPOINTED_RESTART,
+    expect_a_checkpointed_restart,
+    run_the_desync_and_the_hang,
+)
 
 pytestmark = pytest.mark.browser
 
@@ -452,65 +456,9 @@ def test_a_checkpointed_restart_on_the_timeline(page: Any, lab: LabServer, tmp_p
 
 
 def test_a_desync_and_a_hang_ended_by_the_timeout(page: Any, lab: LabServer) -> None:
-    """A rank skips a collective: the desync is said once (its alert; the failure adds no second
-    one with the same words). Then a rank sleeps while the other waits in all_reduce, past
-    --hang-after, until --timeout ends the cell: the hang's finding stays in the error, and each
-    chip says where its rank was."""
-    nb = open_notebook(
-        page,
-        lab,
-        "forensics.ipynb",
-        [
-            "%%elastic --nproc 2 --collective-timeout 5\n"
-            "import time, torch, torch.distributed as dist\n"
-            "dist.init_process_group()\n"
-            "x = torch.ones(1)\n"
-            "dist.all_reduce(x)\n"
-            "if dist.get_rank() != 1:\n"
-            "    dist.all_reduce(x)   # rank 1 skips this one\n"
-            "time.sleep(120)\n",
-            "%%elastic --nproc 2 --hang-after 2 --timeout 15 --collective-timeout off\n"
-            "import time, torch, torch.distributed as dist\n"
-            "dist.init_process_group()\n"
-            "print('initialised', flush=True)\n"
-            "if dist.get_rank() == 1:\n"
-            "    time.sleep(600)\n"
-            "dist.all_reduce(torch.ones(1))\n",
-        ],
-    )
-    nb.run(1)
-    nb.wait_done(1, timeout=60)
-    dash = nb.cell(1).locator(".enb")
-    expect(dash.locator(".enb-state")).to_have_text("failed")
-    finding = "rank 1 never entered all_reduce #2 (cell line 7): it was at cell line 8"
-    alerts = dash.locator(".enb-alert")
-    expect(alerts.filter(has_text=finding)).to_have_count(1)
-    nb.expect_output(1, f"JobFailed: desync: {finding}")
-    shot(page, dash, "dashboard-desync.png")
-    assert_job_gone(job_of(nb, 1))
-
-    nb.run(2)
-    nb.wait_done(2, timeout=60)
-    dash = nb.cell(2).locator(".enb")
-    expect(dash.locator(".enb-state")).to_have_text("timeout")
-    expect(dash.locator('.enb-chip[data-rank="0"] .enb-chip-label')).to_have_text(
-        "stopped · waiting in all_reduce #1 · line 7"
-    )
-    expect(dash.locator('.enb-chip[data-rank="1"] .enb-chip-label')).to_have_text(
-        re.compile(r"^stopped · silent \d+ s · line 6$")
-    )
-    hang = dash.locator('.enb-alert[data-kind="hang"]')
-    expect(hang).to_have_count(1)
-    expect(hang.locator(".enb-alert-title")).to_contain_text(
-        "rank 1 never entered all_reduce #1 (cell line 7): it was at cell line 6",
-        use_inner_text=True,
-    )
-    nb.expect_output(
-        2, "ran past its deadline: the --timeout of 15 s passed; before that: no output"
-    )
-    expect(dash.locator(".enb-worst")).to_have_text("")  # --collective-timeout off: no note
-    shot(page, dash, "dashboard-hang-timeout.png")
-    assert_job_gone(job_of(nb, 2))
+    """A rank skips a collective, then a hang that --timeout ends
+    (scenarios.run_the_desync_and_the_hang says what the screen says after each)."""
+    run_the_desync_and_the_hang(page, lab, "forensics.ipynb", "dashboard-")
 
 
 def test_a_node_lost_from_a_three_node_job(page: Any, lab: LabServer) -> None:

@@ -26,7 +26,11 @@ from tests.lab import (
     serve,
     shot,
 )
-from tests.scenarios import CHECKPOINTED_RESTART, expect_a_checkpointed_restart
+from tests.scenarios import (
+    CHECKPOINTED_RESTART,
+    expect_a_checkpointed_restart,
+    run_the_desync_and_the_hang,
+)
 
 pytestmark = pytest.mark.browser
 
@@ -87,3 +91,8 @@ def test_a_checkpointed_restart_in_notebook_7(page: Any, lab: LabServer, tmp_pat
     expect_a_checkpointed_restart(dash)
     shot(page, dash, "dashboard-notebook7-restart.png")
     assert_job_gone(job_of(nb, 1))
+
+
+def test_a_desync_and_a_hang_ended_by_the_timeout_in_notebook_7(page: Any, lab: LabServer) -> None:
+    """The same screen as in JupyterLab: the desync said once, the hang's finding kept."""
+    run_the_desync_and_the_hang(page, lab, "notebook7-forensics.ipynb", "dashboard-notebook7-")

@@ -1,5 +1,6 @@
-"""A checkpoint directory: its files (a local path or an fsspec URL), which ranks share it (found by
-a probe, never assumed), and its steps: which are committed, what is removed, which are kept.
+"""A checkpoint directory: where a notebook's is (`default_directory`), its files (a local path or
+an fsspec URL), which ranks share it (found by a probe, never assumed), and its steps: which are
+committed, what is removed, which are kept.
 
     step-000000001200-3f9a1c2e/   a DCP checkpoint (.metadata, __R_0.distcp, ...) and COMMITTED
     step-000000001300-77b0e4d1/   no COMMITTED: being written, or left by a rank that died; never
@@ -24,6 +25,8 @@ import threading
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from elastic_nb.common.spec import CHECKPOINT_DIR_ENV
 
 if TYPE_CHECKING:
     from elastic_nb.checkpoint.ranks import Ranks
@@ -260,3 +263,27 @@ class Directory:
                 self.fs.rm_file(path)
             else:
                 os.remove(path)
+
+
+# Overrides the default directory of every rank it is given to (`--env` on the magic, or the
+# kernel's own environment).
+DIRECTORY_ENV = CHECKPOINT_DIR_ENV
+
+
+def default_directory() -> str:
+    """One directory per notebook: `<notebook's directory>/.elastic_nb_checkpoints/<notebook
+    name>`, beside the notebook as Jupyter's `.ipynb_checkpoints` is (and so, on a cluster, on
+    the storage the notebook is on). $ELASTIC_NB_CHECKPOINT_DIR wins.
+
+    Ranks inherit the kernel's environment and working directory. Jupyter gives a kernel the
+    notebook's path in JPY_SESSION_NAME (relative to the server's root, or absolute) and starts it
+    in the notebook's directory; without it (a terminal, a script) the name is `default`.
+    """
+    if os.environ.get(DIRECTORY_ENV):
+        return os.environ[DIRECTORY_ENV]
+    session = os.environ.get("JPY_SESSION_NAME", "")
+    base, name = os.getcwd(), "default"
+    if session:
+        base = os.path.dirname(session) if os.path.isabs(session) else base
+        name = os.path.splitext(os.path.basename(session))[0] or name
+    return os.path.join(base, ".elastic_nb_checkpoints", name)

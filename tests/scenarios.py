@@ -10,27 +10,11 @@ from playwright.sync_api import expect
 
 from tests.kernel import assert_job_gone
 from tests.lab import LabServer, has_class, job_of, open_notebook, shot
+from tests.test_checkpoint_jobs import TRAIN
 
-# A checkpointed restart: rank 1 fails at step 7 after a save at step 5; attempt 1 resumes at 6.
-CHECKPOINTED_RESTART = """%%elastic --nproc 2 --max-restarts 1 --env ELASTIC_NB_CHECKPOINT_DIR={ckpt}
-import os, torch, torch.distributed as dist
-from elastic_nb import checkpoint
-dist.init_process_group()
-model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
-opt = torch.optim.SGD(model.parameters(), lr=0.1)
-start = checkpoint.load(model, opt)
-print("first step", 0 if start is None else start + 1, flush=True)
-attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
-for step in range(0 if start is None else start + 1, 10):
-    opt.zero_grad()
-    model(torch.ones(8, 4)).sum().backward()
-    opt.step()
-    if step == 5:
-        checkpoint.save(step, model, opt)
-    if attempt == 0 and step == 7 and dist.get_rank() == 1:
-        raise RuntimeError("rank 1 broke at step 7")
-    dist.barrier()
-"""
+# A checkpointed restart: rank 1 fails at step 7 after a save at step 5; attempt 1 resumes at 6
+# (test_checkpoint_jobs' training cell; `{ckpt}` left for the test's directory).
+CHECKPOINTED_RESTART = TRAIN.format(restarts=1, ckpt="{ckpt}", save_at=5, fail_at=7)
 
 
 def expect_a_checkpointed_restart(dash: Any) -> None:
@@ -58,7 +42,7 @@ def expect_a_checkpointed_restart(dash: Any) -> None:
     ended = timeline.locator('.enb-attempt[data-attempt="0"] .enb-attempt-why')
     expect(ended).to_have_text(
         re.compile(
-            r"^ended: attempt 0 failed: rank 1 RuntimeError: rank 1 broke at step 7 \(cell line 17\); "
+            r"^ended: attempt 0 failed: rank 1 RuntimeError: rank 1 broke at step 7 \(cell line 18\); "
             r"restarting as attempt 1 \(restart 1/1\); .*step 5"
         )
     )

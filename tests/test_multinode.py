@@ -594,7 +594,11 @@ def test_a_session_across_machines_survives_a_machines_death_by_restart_and_repl
             "%%elastic\ncounter += 1\nx = torch.ones(1); dist.all_reduce(x)\n(counter, dist.get_world_size(), x.item())\n",
             timeout=120,
         )
-        assert ex.result == "(42, 2, 2.0)", (ex.traceback, _supervisor_log(k)[-4000:])
+        if ex.result != "(42, 2, 2.0)":
+            # Whole, in the test's captured output (an assertion's message is cut at 640
+            # characters): why the restart's round had too few nodes (seen once).
+            print(ex.traceback, _supervisor_log(k)[-8000:], sep="\n--- supervisor log ---\n")
+        assert ex.result == "(42, 2, 2.0)", ex.traceback
         assert "the session restarted" in ex.stdout + ex.stderr, ex.stdout + ex.stderr
         info = k.ok("%elastic session").stdout
         assert "restarts 1/2" in info, info

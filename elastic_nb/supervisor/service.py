@@ -267,11 +267,6 @@ class Supervisor:
 
     # ---- the requests (each its handler in _REQUESTS) --------------------------------------------
 
-    async def _on_submit(
-        self, conn: Connection, msg: protocol.kernel.Submit, blob: bytes | None
-    ) -> dict[str, Any]:
-        return await self._submit(conn, msg, blob)
-
     async def _on_stop(self, _c: Connection, msg: protocol.kernel.Stop, _b: Blob) -> Data:
         return self._stop(msg["job"], msg["reason"])
 
@@ -515,7 +510,7 @@ Data = dict[str, Any]  # a reply's data
 # Each request of the kernel's channel, and its handler (a Supervisor method). The hello is the
 # channel's too, but it is the handshake's (Supervisor._serve_connection), no request.
 _REQUESTS: dict[str, Callable[[Supervisor, Connection, Any, Blob], Awaitable[Data]]] = {
-    protocol.kernel.SUBMIT: Supervisor._on_submit,
+    protocol.kernel.SUBMIT: Supervisor._submit,
     protocol.kernel.STOP: Supervisor._on_stop,
     protocol.kernel.STACKS: Supervisor._on_stacks,
     protocol.kernel.WARM: Supervisor._on_warm,

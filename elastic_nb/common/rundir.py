@@ -33,7 +33,7 @@ import json
 import os
 import re
 import stat
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -56,9 +56,31 @@ def cache_home() -> Path:
     return Path(base) / "elastic_nb"
 
 
+class _RankFile:
+    """A rank's file in an attempt's folder (`rd.failure(attempt, rank)`: its path)."""
+
+    def __init__(self, suffix: str) -> None:
+        self.suffix = suffix
+
+    def __get__(self, rd: RunDir, owner: type[RunDir]) -> Callable[[int, int], Path]:
+        def path(attempt: int, rank: int) -> Path:
+            return rd.attempt(attempt) / f"rank-{rank}.{self.suffix}"
+
+        return path
+
+
 class RunDir:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
+        # job-level files
+        self.spec = self.path / "spec.json"
+        self.checkpoints = self.path / CHECKPOINTS
+        self.cell = self.path / "cell.py"
+        self.cell_meta = self.path / "cell.json"
+        self.payload = self.path / "payload.pkl"
+        self.launcher_log = self.path / "launcher.log"
+        self.events = self.path / "events.jsonl"
+        self.summary = self.path / "summary.json"
 
     @classmethod
     def of(cls, log_dir: str, job_id: str) -> RunDir:
@@ -70,39 +92,6 @@ class RunDir:
 
     def __str__(self) -> str:
         return str(self.path)
-
-    # job-level files
-    @property
-    def spec(self) -> Path:
-        return self.path / "spec.json"
-
-    @property
-    def checkpoints(self) -> Path:
-        return self.path / CHECKPOINTS
-
-    @property
-    def cell(self) -> Path:
-        return self.path / "cell.py"
-
-    @property
-    def cell_meta(self) -> Path:
-        return self.path / "cell.json"
-
-    @property
-    def payload(self) -> Path:
-        return self.path / "payload.pkl"
-
-    @property
-    def launcher_log(self) -> Path:
-        return self.path / "launcher.log"
-
-    @property
-    def events(self) -> Path:
-        return self.path / "events.jsonl"
-
-    @property
-    def summary(self) -> Path:
-        return self.path / "summary.json"
 
     # per-attempt files
     def attempt(self, attempt: int) -> Path:
@@ -120,40 +109,21 @@ class RunDir:
             raise ValueError(f"stream must be 'out' or 'err', not {stream!r}")
         return self.attempt(attempt) / f"rank-{rank}.{stream}"
 
-    def failure(self, attempt: int, rank: int) -> Path:
-        return self.attempt(attempt) / f"rank-{rank}.failure.json"
-
-    def done(self, attempt: int, rank: int) -> Path:
-        return self.attempt(attempt) / f"rank-{rank}.done.json"
-
-    def torch_error(self, attempt: int, rank: int) -> Path:
-        return self.attempt(attempt) / f"rank-{rank}.torch-error.json"
+    failure = _RankFile("failure.json")
+    done = _RankFile("done.json")
+    torch_error = _RankFile("torch-error.json")
+    pulled = _RankFile("pull.pkl")
+    stacks = _RankFile("stacks")
+    collectives = _RankFile("collectives.json")
+    # Written when the rank makes its first process group: from then a collective can time out.
+    group = _RankFile("group.json")
+    probe = _RankFile("probe")
+    probe_answer = _RankFile("probe.json")
+    # torch's CUDA memory snapshot at an OOM (--memory-history): pytorch.org/memory_viz.
+    memory_snapshot = _RankFile("memory.pickle")
 
     def result(self, attempt: int) -> Path:
         return self.attempt(attempt) / "rank-0.result.pkl"
-
-    def pulled(self, attempt: int, rank: int) -> Path:
-        return self.attempt(attempt) / f"rank-{rank}.pull.pkl"
-
-    def stacks(self, attempt: int, rank: int) -> Path:
-        return self.attempt(attempt) / f"rank-{rank}.stacks"
-
-    def collectives(self, attempt: int, rank: int) -> Path:
-        return self.attempt(attempt) / f"rank-{rank}.collectives.json"
-
-    def group(self, attempt: int, rank: int) -> Path:
-        """Written when the rank makes its first process group: a collective can time out."""
-        return self.attempt(attempt) / f"rank-{rank}.group.json"
-
-    def probe(self, attempt: int, rank: int) -> Path:
-        return self.attempt(attempt) / f"rank-{rank}.probe"
-
-    def probe_answer(self, attempt: int, rank: int) -> Path:
-        return self.attempt(attempt) / f"rank-{rank}.probe.json"
-
-    def memory_snapshot(self, attempt: int, rank: int) -> Path:
-        """torch's CUDA memory snapshot at an OOM (--memory-history): pytorch.org/memory_viz."""
-        return self.attempt(attempt) / f"rank-{rank}.memory.pickle"
 
     def flight_recorder(self, attempt: int, rank: int) -> Path:
         """What NCCL dumps there on a collective timeout (pickled, torch's format)."""

@@ -10,7 +10,6 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from elastic_nb.common.report import summary_line
-from elastic_nb.protocol.records import Summary
 
 if TYPE_CHECKING:
     from elastic_nb.supervisor.runs.job import Job
@@ -52,80 +51,38 @@ def rank_pids(owner: Job | Session) -> dict[str, int]:
 
 def _owner(o: Job | Session, kind: str) -> dict[str, Any]:
     """A job or a session: each owns its ranks and run directory."""
-    return _entry(
-        o.id,
-        kind,
-        None,
-        state=o.state,
-        running=o.running,
-        world_size=o.world_size,
-        attempt=o.attempt,
-        restarts=o.restarts,
-        max_restarts=o.spec.max_restarts,
-        created=o.created,
-        summary=o.summary,
-        report=o.report,
-        run_dir=str(o.rd),
-        logs_dir=str(o.rd),
-    )
+    return _entry(o, kind, o.state, ranks=o)
 
 
 def _cell(s: Session, c: SessionCell) -> dict[str, Any]:
-    return _entry(
-        c.id,
-        "cell",
-        s.id,
-        state=c.summary["outcome"] if c.summary else c.report.state,
-        running=c.running,
-        world_size=s.world_size,
-        attempt=s.attempt,
-        restarts=s.restarts,
-        max_restarts=s.spec.max_restarts,
-        created=c.created,
-        summary=c.summary,
-        report=c.report,
-        run_dir=str(c.rd),
-        logs_dir=str(s.rd),  # a cell's ranks are its session's
-    )
+    # A cell's ranks are its session's.
+    return _entry(c, "cell", c.summary["outcome"] if c.summary else c.report.state, ranks=s)
 
 
 def _entry(
-    owner_id: str,
-    kind: str,
-    session: str | None,
-    *,
-    state: str,
-    running: bool,
-    world_size: int,
-    attempt: int,
-    restarts: int,
-    max_restarts: int,
-    created: float,
-    summary: Summary | None,
-    report: Reporter,
-    run_dir: str,
-    logs_dir: str,
+    it: Job | Session | SessionCell, kind: str, state: str, ranks: Job | Session
 ) -> dict[str, Any]:
-    line = summary_line(summary) if summary is not None else None
+    """`it`'s entry; `ranks`: the group that runs its ranks (`it` itself, or a cell's session)."""
+    summary = it.summary
     return {
-        "id": owner_id,
+        "id": it.id,
         "kind": kind,
-        "session": session,
+        "session": None if ranks is it else ranks.id,
         "supervisor_pid": os.getpid(),
         "state": state,
-        "running": running,
-        "world_size": world_size,
-        "attempt": attempt,
-        "restarts": restarts,
-        "max_restarts": max_restarts,
-        "created": created,
-        "elapsed_s": summary["wall_s"] if summary else time.time() - created,
+        "running": it.running,
+        "world_size": ranks.world_size,
+        "attempt": ranks.attempt,
+        "restarts": ranks.restarts,
+        "max_restarts": ranks.spec.max_restarts,
+        "created": it.created,
+        "elapsed_s": summary["wall_s"] if summary else time.time() - it.created,
         "alerts": [
             {"kind": a["kind"], "severity": a["severity"], "rank": a["rank"], "text": a["title"]}
-            for a in report.recent_alerts
+            for a in it.report.recent_alerts
         ],
         "outcome": summary["outcome"] if summary else None,
-        "summary": line,
-        "run_dir": run_dir,
-        "logs_dir": logs_dir,
+        "summary": summary_line(summary) if summary is not None else None,
+        "run_dir": str(it.rd),
+        "logs_dir": str(ranks.rd),
     }

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping, MutableMapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from elastic_nb.checkpoint import writer
 from elastic_nb.checkpoint.checkpoints import Checkpoints
@@ -49,6 +49,7 @@ from elastic_nb.checkpoint.directory import DIRECTORY_ENV, default_directory
 
 if TYPE_CHECKING:
     import torch
+    from typing_extensions import Unpack  # typing's own from Python 3.11
 
     Optimizers = torch.optim.Optimizer | Iterable[torch.optim.Optimizer] | None
 
@@ -63,6 +64,16 @@ __all__ = [
     "wait",
     "writer",
 ]
+
+
+class _SaveOptions(TypedDict, total=False):
+    """`Checkpoints.save`'s options: what they mean and their defaults are said there."""
+
+    extra: Mapping[str, Any] | None
+    keep: int | None
+    async_save: bool
+    rng: bool
+    fsync: bool
 
 
 # The module-level functions: one Checkpoints per directory, per process.
@@ -81,17 +92,12 @@ def save(
     model: torch.nn.Module,
     optimizer: Optimizers = None,
     *,
-    extra: Mapping[str, Any] | None = None,
-    keep: int | None = 3,
-    async_save: bool = False,
-    rng: bool = True,
-    fsync: bool = False,
     directory: str | os.PathLike[str] | None = None,
+    **options: Unpack[_SaveOptions],
 ) -> None:
-    """`Checkpoints(directory).save(...)`; the default directory is one per notebook."""
-    _checkpoints(directory).save(
-        step, model, optimizer, extra=extra, keep=keep, async_save=async_save, rng=rng, fsync=fsync
-    )
+    """`Checkpoints(directory).save(...)`, whose options (and their defaults) these are; the
+    default directory is one per notebook."""
+    _checkpoints(directory).save(step, model, optimizer, **options)
 
 
 def load(

@@ -216,6 +216,70 @@ def default_log_dir() -> str:
     return str(cache_home() / "runs")
 
 
+def parse_log_dir(value: Any, cwd: str) -> str:
+    log_dir = value or default_log_dir()
+    return os.path.abspath(os.path.join(cwd, os.path.expanduser(str(log_dir))))
+
+
+def parse_monitor_interval(value: Any) -> float:
+    seconds = parse_seconds("--monitor-interval", value)
+    if seconds > 10:
+        raise SpecError(
+            f"--monitor-interval {seconds:g}: the agent checks its ranks this often; "
+            "above 10 s failures go unnoticed for too long"
+        )
+    return seconds
+
+
+def parse_start_method(value: Any) -> str:
+    start_method = str(value)
+    if start_method == "fork":
+        raise SpecError(
+            "--start-method fork is not offered: the launcher process has asked torch about "
+            "CUDA, and forking after that breaks CUDA in the ranks; use spawn or forkserver"
+        )
+    if start_method not in START_METHODS:
+        raise SpecError(f"--start-method {start_method}: choose one of {', '.join(START_METHODS)}")
+    return start_method
+
+
+def parse_rdzv_backend(value: Any, across_machines: bool) -> str:
+    """`across_machines`: the job may have ranks on another machine (--nnodes, --remote-only)."""
+    rdzv_backend = str(value)
+    if rdzv_backend not in RDZV_BACKENDS:
+        raise SpecError(
+            f"--rdzv-backend {rdzv_backend}: elastic_nb's jobs rendezvous with "
+            f"{' or '.join(RDZV_BACKENDS)}"
+        )
+    if rdzv_backend == "static" and across_machines:
+        raise SpecError(
+            "--rdzv-backend static fixes every node's rank ahead: a job across machines "
+            "rendezvous with c10d, whose rounds follow nodes as they join and leave"
+        )
+    return rdzv_backend
+
+
+def parse_rdzv_endpoint(value: Any, backend: str) -> str:
+    rdzv_endpoint = parse_endpoint(str(value))
+    if backend == "static" and rdzv_endpoint.rsplit(":", 1)[1] == "0":
+        raise SpecError("--rdzv-backend static needs a fixed port: --rdzv-endpoint localhost:PORT")
+    return rdzv_endpoint
+
+
+def parse_rdzv_id(value: Any) -> str | None:
+    if value is not None and not re.fullmatch(r"[A-Za-z0-9_.\-]+", str(value)):
+        raise SpecError(f"--rdzv-id {value!r}: use letters, digits, '.', '_' and '-'")
+    return None if value is None else str(value)
+
+
+def parse_pull_rank(value: Any, ranks: int) -> int:
+    """`ranks`: how many the job has at the least."""
+    pull_rank = parse_int("--pull-rank", value, minimum=0)
+    if pull_rank >= ranks:
+        raise SpecError(f"--pull-rank {pull_rank}: the job has ranks 0..{ranks - 1}")
+    return pull_rank
+
+
 def job_spec(
     options: Mapping[str, Any],
     *,
@@ -236,54 +300,22 @@ def job_spec(
     nproc = parse_nproc(o["nproc"], {**os.environ, **env})
     nnodes_min, nnodes_max = parse_nnodes(o["nnodes"])
     remote_only = bool(o["remote_only"])
-    max_restarts = parse_int("--max-restarts", o["max_restarts"], minimum=0)
-    monitor_interval = parse_seconds("--monitor-interval", o["monitor_interval"])
-    if monitor_interval > 10:
-        raise SpecError(
-            f"--monitor-interval {monitor_interval:g}: the agent checks its ranks this often; "
-            "above 10 s failures go unnoticed for too long"
-        )
-    start_method = str(o["start_method"])
-    if start_method == "fork":
-        raise SpecError(
-            "--start-method fork is not offered: the launcher process has asked torch about "
-            "CUDA, and forking after that breaks CUDA in the ranks; use spawn or forkserver"
-        )
-    if start_method not in START_METHODS:
-        raise SpecError(f"--start-method {start_method}: choose one of {', '.join(START_METHODS)}")
     rdzv_backend = str(o["rdzv_backend"])
-    if rdzv_backend not in RDZV_BACKENDS:
-        raise SpecError(
-            f"--rdzv-backend {rdzv_backend}: elastic_nb's jobs rendezvous with "
-            f"{' or '.join(RDZV_BACKENDS)}"
-        )
-    if rdzv_backend == "static" and (nnodes_max > 1 or remote_only):
-        raise SpecError(
-            "--rdzv-backend static fixes every node's rank ahead: a job across machines "
-            "rendezvous with c10d, whose rounds follow nodes as they join and leave"
-        )
-    rdzv_endpoint = parse_endpoint(str(o["rdzv_endpoint"]))
-    if rdzv_backend == "static" and rdzv_endpoint.rsplit(":", 1)[1] == "0":
-        raise SpecError("--rdzv-backend static needs a fixed port: --rdzv-endpoint localhost:PORT")
-    rdzv_id = o["rdzv_id"]
-    if rdzv_id is not None and not re.fullmatch(r"[A-Za-z0-9_.\-]+", str(rdzv_id)):
-        raise SpecError(f"--rdzv-id {rdzv_id!r}: use letters, digits, '.', '_' and '-'")
-    pull_rank = parse_int("--pull-rank", o["pull_rank"], minimum=0)
-    if pull_rank >= nproc * nnodes_min:
-        raise SpecError(f"--pull-rank {pull_rank}: the job has ranks 0..{nproc * nnodes_min - 1}")
-    push = parse_names("--push", o["push"])
-    preload = parse_names("--preload", o["preload"], dotted=True)
-    pull = parse_names("--pull", o["pull"])
-    log_dir = o["log_dir"] or default_log_dir()
-    log_dir = os.path.abspath(os.path.join(cwd, os.path.expanduser(str(log_dir))))
+    # The keywords in the order of the checks, not the spec's fields': of several bad flags, the
+    # first is the one reported.
     return JobSpec(
         nproc=nproc,
-        max_restarts=max_restarts,
-        monitor_interval=monitor_interval,
-        start_method=start_method,
-        rdzv_backend=rdzv_backend,
-        rdzv_endpoint=rdzv_endpoint,
-        rdzv_id=None if rdzv_id is None else str(rdzv_id),
+        max_restarts=parse_int("--max-restarts", o["max_restarts"], minimum=0),
+        monitor_interval=parse_monitor_interval(o["monitor_interval"]),
+        start_method=parse_start_method(o["start_method"]),
+        rdzv_backend=parse_rdzv_backend(rdzv_backend, nnodes_max > 1 or remote_only),
+        rdzv_endpoint=parse_rdzv_endpoint(o["rdzv_endpoint"], rdzv_backend),
+        rdzv_id=parse_rdzv_id(o["rdzv_id"]),
+        pull_rank=parse_pull_rank(o["pull_rank"], nproc * nnodes_min),
+        push=parse_names("--push", o["push"]),
+        preload=parse_names("--preload", o["preload"], dotted=True),
+        pull=parse_names("--pull", o["pull"]),
+        log_dir=parse_log_dir(o["log_dir"], cwd),
         rdzv_conf=parse_rdzv_conf(o["rdzv_conf"], rdzv_backend),
         env=env,
         timeout=parse_optional_seconds("--timeout", o["timeout"]),
@@ -292,14 +324,9 @@ def job_spec(
         async_error_handling=parse_async_error_handling(o["async_error_handling"]),
         hang_after=parse_optional_seconds("--hang-after", o["hang_after"]),
         memory_history=bool(o["memory_history"]),
-        push=push,
-        pull=pull,
-        pull_rank=pull_rank,
         widgets=bool(o["widgets"]),
         background=bool(o["background"]),
-        log_dir=log_dir,
         warm=bool(o["warm"]),
-        preload=preload,
         cwd=cwd,
         sys_path=tuple(sys_path),
         replay=bool(o["replay"]),

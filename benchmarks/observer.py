@@ -62,7 +62,7 @@ PARTS = {
 TASKS = {
     "poll": ("RankGroup._poll_loop",),
     "desync": ("Job._watch_desync", "Probes.", "EvidenceCollector."),
-    "memory": ("RankGroup._sample_memory", "RankGroup._cuda_memory"),
+    "memory": ("RankGroup._sample_memory", "_cuda_memory."),
     "launcher": ("Launcher.read", "RankGroup._read_launcher", "RankGroup._watch_rank"),
 }
 

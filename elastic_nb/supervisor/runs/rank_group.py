@@ -9,14 +9,15 @@ they share, from the launcher's start to the kernel hearing the end:
 * observe: the launchers' messages (each rank's start and exit), a watcher per rank (its node
   says when it went, its records how), a poll loop that tails the ranks' logs and flushes the
   group's news to the kernel (at most every FLUSH_S) and follows the checkpoints its cells save
-  and load, and each rank's memory once a second;
+  and load (said as `checkpoint_news` words them), and each rank's memory once a second (read as
+  `group_memory` reads it);
 * end: once the group's outcome is decided, the teardown of every process of it on every node, a
   wait for the launchers' last word, the summary, and the END message.
 
 Everything done to a rank goes through the node it runs on (`RankState.node`).
 
-What decides the outcome is each kind's own business (the hooks below); the group keeps the
-mechanics in one place, so that a job and a session see ranks, logs and their end alike.
+What decides the outcome is each kind's own business (its hooks: group_hooks.GroupHooks); the group
+keeps the mechanics in one place, so that a job and a session see ranks, logs and their end alike.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ import anyio
 from anyio.abc import TaskGroup
 
 from elastic_nb import protocol
-from elastic_nb.common.report import checkpoint_words, duration
 from elastic_nb.common.rundir import RunDir, write_json
 from elastic_nb.common.spec import JobSpec
 from elastic_nb.supervisor.forensics.watchdogs import Silence
@@ -40,7 +40,9 @@ from elastic_nb.supervisor.ranks.log_tailer import LogTailer
 from elastic_nb.supervisor.ranks.memory_watch import SAMPLE_S, MemoryWatch
 from elastic_nb.supervisor.ranks.rank_book import RankBook
 from elastic_nb.supervisor.ranks.rank_state import NCCL_TIMEOUT_MARKS, TORCH_LOG_NOISE, RankState
-from elastic_nb.supervisor.runs import summary
+from elastic_nb.supervisor.runs import checkpoint_news, summary
+from elastic_nb.supervisor.runs.group_hooks import GroupHooks
+from elastic_nb.supervisor.runs.group_memory import memory_figures, read_memory
 from elastic_nb.supervisor.runs.placement import InRounds, OneMachine, Placement
 from elastic_nb.supervisor.runs.reporter import Reporter, Send
 from elastic_nb.supervisor.runs.rounds import Machines
@@ -51,12 +53,11 @@ log = logging.getLogger(__name__)
 
 POLL_S = 0.05  # log tail and record polling
 FLUSH_S = 0.1  # one update per group per flush: at most 10 messages a second
-CUDA_WAIT_S = 0.5  # for a rank's allocator figures (its probe thread answers in milliseconds)
 IDLE_STOP_GRACE_S = 0.2  # SIGTERM -> SIGKILL for a node of a multi-node group with no live rank
 GROUPS_LOOK_S = 1.0  # a look for the ranks' first process group (a few stats)
 
 
-class RankGroup:
+class RankGroup(GroupHooks):
     kind = "job"  # what the logs and errors call it
 
     def __init__(
@@ -93,9 +94,8 @@ class RankGroup:
         self.silence = Silence(last_activity=time.monotonic())  # --hang-after's clock
         self.memory = MemoryWatch()
         self.checkpoints = CheckpointLog(self.rd.checkpoints)
-        # The latest failure that ended an attempt (when, and who: "rank 2"), for the words of
-        # the resume that follows it.
-        # (when, who, lost with its machine), for the words of what it cost
+        # The latest failure that ended an attempt (when, who: "rank 2", lost with its machine),
+        # for the words of what it cost (the resume that follows it).
         self.last_failure: tuple[float, str, bool] | None = None
         self.teardown_at: float | None = None  # when ending the ranks began (our clock)
         # The latest attempt a rank of which made a process group (its collectives can time
@@ -145,17 +145,8 @@ class RankGroup:
         self.report.alert(kind, severity, title, **about)
 
     def memory_now(self) -> dict[str, dict[str, Any]]:
-        """Each rank's latest memory sample, its peak and its growth per minute (host memory):
-        what %elastic status prints."""
-        a = self.attempt
-        return {
-            str(rank): {
-                "sample": s,
-                "rss_peak": self.memory.rss_peak(a, rank),
-                "growth": self.memory.growth(a, rank, "rss"),
-            }
-            for rank, s in sorted(self.memory.latest(a).items())
-        }
+        """What %elastic status prints of each rank's memory."""
+        return memory_figures(self.memory, self.attempt)
 
     def held_memory(self) -> dict[int, int | None]:
         """Each rank's latest host memory in the current attempt (rank -> bytes)."""
@@ -268,10 +259,6 @@ class RankGroup:
         assert isinstance(self.placement, InRounds), "rounds are a multi-node group's"
         self.placement.new_round(why, counted)
 
-    async def _relayed_rank(self, stream: Any, peer: int | None, node: Node) -> None:
-        """A session's rank on another machine connects (relayed by its agent)."""
-        await stream.aclose()
-
     def _agent_failed(self, node: Node, error: str, at: float) -> None:
         """torch's agent on `node` raised at `at` (our clock): the ranks it ends from then on
         did not fail, it did."""
@@ -381,44 +368,14 @@ class RankGroup:
                 report.groups_made()
 
     def poll_checkpoints(self) -> None:
-        """What the cells' checkpoints did since the last poll: a save to the header, a resume
-        said with what the failure before it cost."""
-        for record in self.checkpoints.poll():
-            fields = {k: v for k, v in record.items() if k != "event"}
-            self.report.event(f"checkpoint.{record['event']}", **fields)
-            if record["event"] == "saved":
-                for report in self._followers():
-                    report.checkpoint(record)
-            elif record.get("step") is not None:
-                title = self._resume_words(record)
-                for report in self._followers():
-                    report.alert("checkpoint", "info", title)
-
-    def _resume_words(self, loaded: dict[str, Any]) -> str:
-        """'resumed from step 1200, saved 14 s before rank 2 failed: about 14 s of work
-        redone (loaded in 0.4 s, from rank 0's copy)'."""
-        saved_at = loaded.get("saved_time")
-        words = f"resumed from step {loaded['step']}"
-        failure = self.last_failure
-        if saved_at is not None and failure is not None and saved_at <= failure[0]:
-            lost = duration(failure[0] - saved_at)
-            words += f", saved {lost} before {failure[1]} failed: about {lost} of work redone"
-        elif saved_at is not None:
-            words += f", saved {duration(max(0.0, loaded['time'] - saved_at))} earlier"
-        source = loaded.get("from")
-        how = f"loaded in {duration(loaded['seconds'])}"
-        if source and source != "shared":
-            how += f", from {source}'s copy"
-        if loaded.get("saved_world_size") not in (None, loaded.get("world_size")):
-            how += (
-                f"; saved by {loaded['saved_world_size']} ranks, loaded by {loaded['world_size']}"
-            )
-        return f"{words} ({how})"
+        """What the cells' checkpoints did since the last poll, said (checkpoint_news)."""
+        checkpoint_news.tell(
+            self.checkpoints.poll(), self.report, self._followers(), self.last_failure
+        )
 
     def checkpoint_info(self) -> dict[str, Any] | None:
         """The latest saved checkpoint, with its words (%elastic session, the summary)."""
-        latest = self.checkpoints.latest
-        return {**latest, "words": checkpoint_words(latest)} if latest else None
+        return checkpoint_news.latest_checkpoint(self.checkpoints)
 
     async def _sample_memory(self) -> None:
         """Each live rank's memory once a second, to the dashboard (batched into the next
@@ -429,45 +386,14 @@ class RankGroup:
             ranks = [r for r in self.book.of(attempt) if r.died_at is None and r.pid is not None]
             for node in {id(self.book.node(r)): self.book.node(r) for r in ranks}.values():
                 here = [r for r in ranks if self.book.node(r) is node]
-                await self._sample_node(node, attempt, here)
+                samples, limit = await read_memory(node, attempt, here)
+                for sample in samples:
+                    self.memory.add(sample)
+                    for report in self._followers():
+                        report.memory(sample)
+                for rank, title in self.memory.alerts(attempt, limit):
+                    self.alert("memory", "warning", title, rank=rank)
             await anyio.sleep(SAMPLE_S)
-
-    async def _sample_node(self, node: Node, attempt: int, ranks: list[RankState]) -> None:
-        reading = node.read_memory(ranks)
-        cuda = await self._cuda_memory(ranks) if reading.gpus else {}
-        t = time.time()
-        for r in ranks:
-            sample = protocol.records.MemorySample(
-                attempt=attempt,
-                rank=r.rank,
-                t=t,
-                rss=reading.rss.get(r.rank),
-                cuda=cuda.get(r.rank),
-                gpu=reading.gpu.get(r.rank),
-                limit=reading.limit.limit if reading.limit else None,
-            )
-            self.memory.add(sample)
-            for report in self._followers():
-                report.memory(sample)
-        for rank, title in self.memory.alerts(attempt, reading.limit):
-            self.alert("memory", "warning", title, rank=rank)
-
-    async def _cuda_memory(
-        self, ranks: list[RankState]
-    ) -> dict[int, protocol.records.CudaMemory | None]:
-        """Each rank's CUDA allocator figures, asked all at once (None: no CUDA in it yet)."""
-        out: dict[int, protocol.records.CudaMemory | None] = {}
-
-        async def ask(r: RankState) -> None:
-            answer = await self.book.node(r).probe(
-                r, protocol.rank_probes.PROBE_MEMORY, CUDA_WAIT_S
-            )
-            out[r.rank] = (answer or {}).get("cuda")
-
-        async with anyio.create_task_group() as tg:
-            for r in ranks:
-                tg.start_soon(ask, r)
-        return out
 
     async def _teardown(self) -> None:
         """Leave nothing behind: what the kind does first (`_before_teardown`), then SIGTERM,
@@ -520,34 +446,7 @@ class RankGroup:
             lines=self.tailer.lines_total(),
         )
 
-    # ---- what each kind does (hooks) ------------------------------------------------------
-
-    async def _open(self) -> None:
-        """Before the launcher starts."""
-
-    def _launch_env(self) -> dict[str, str]:
-        """The ranks' environment."""
-        raise NotImplementedError
-
-    def _start_tasks(self, tg: TaskGroup) -> None:
-        """Tasks of the kind's own, beside the launcher's reader and the poll loop."""
-
-    def _on_ready(self) -> None:
-        """The launcher has torch imported and the job in hand: the rendezvous comes next."""
-
-    def _new_attempt(self, attempt: int) -> None:
-        """torchelastic restarted the group: `attempt` starts (self.attempt is the last)."""
-
-    def _on_rank_started(self, r: RankState) -> None: ...
-
-    def _rank_ended(self, r: RankState) -> None:
-        """A rank has gone (or its exit status came after it was seen gone)."""
-
-    def _on_watchdog_line(self, attempt: int, rank: int, line: str) -> None:
-        """NCCL's watchdog says a collective of this rank timed out."""
-
-    def _poll(self) -> None:
-        """Each poll (every POLL_S)."""
+    # ---- hooks whose plain version is the group's own (group_hooks.GroupHooks: the others) ----
 
     def _followers(self) -> list[Reporter]:
         """Who is sent the ranks' news (memory samples, checkpoints)."""
@@ -555,21 +454,3 @@ class RankGroup:
 
     async def _flush(self) -> None:
         await self.report.flush(self.attempt, self.tailer)
-
-    async def _launcher_ended(self, outcome: tuple[str, str]) -> tuple[str, str]:
-        """The launcher exited, and said (or not) how: the outcome that gives the group."""
-        return outcome
-
-    def _on_decided(self, outcome: str) -> None: ...
-
-    async def _before_teardown(self, outcome: str) -> None: ...
-
-    def _close(self) -> None:
-        """After the teardown, before the summary."""
-
-    async def _summarize(self, outcome: str, reason: str) -> protocol.records.Summary:
-        raise NotImplementedError
-
-    def _summary_record(self, summary: protocol.records.Summary) -> dict[str, Any]:
-        """What summary.json keeps."""
-        return dict(summary)

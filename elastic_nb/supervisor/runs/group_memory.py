@@ -1,0 +1,72 @@
+"""A rank group's memory readings (rank_group.RankGroup samples them once a second): each live
+rank's host memory and GPU share as the node it runs on reads them, without asking the rank, and
+its CUDA allocator's figures, asked of the rank only where its node has GPUs (a CPU rank pays
+nothing); and what %elastic status prints of them."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import anyio
+
+from elastic_nb import protocol
+from elastic_nb.common.host_memory import MemoryLimit
+from elastic_nb.supervisor.processes.node import Node
+from elastic_nb.supervisor.ranks.memory_watch import MemoryWatch
+from elastic_nb.supervisor.ranks.rank_state import RankState
+
+__all__ = ["memory_figures", "read_memory"]
+
+CUDA_WAIT_S = 0.5  # for a rank's allocator figures (its probe thread answers in milliseconds)
+
+
+async def read_memory(
+    node: Node, attempt: int, ranks: list[RankState]
+) -> tuple[list[protocol.records.MemorySample], MemoryLimit | None]:
+    """A sample of each of `ranks`, live on `node`, and the limit their host memory is under."""
+    reading = node.read_memory(ranks)
+    cuda = await _cuda_memory(node, ranks) if reading.gpus else {}
+    t = time.time()
+    samples = [
+        protocol.records.MemorySample(
+            attempt=attempt,
+            rank=r.rank,
+            t=t,
+            rss=reading.rss.get(r.rank),
+            cuda=cuda.get(r.rank),
+            gpu=reading.gpu.get(r.rank),
+            limit=reading.limit.limit if reading.limit else None,
+        )
+        for r in ranks
+    ]
+    return samples, reading.limit
+
+
+async def _cuda_memory(
+    node: Node, ranks: list[RankState]
+) -> dict[int, protocol.records.CudaMemory | None]:
+    """Each rank's CUDA allocator figures, asked all at once (None: no CUDA in it yet)."""
+    out: dict[int, protocol.records.CudaMemory | None] = {}
+
+    async def ask(r: RankState) -> None:
+        answer = await node.probe(r, protocol.rank_probes.PROBE_MEMORY, CUDA_WAIT_S)
+        out[r.rank] = (answer or {}).get("cuda")
+
+    async with anyio.create_task_group() as tg:
+        for r in ranks:
+            tg.start_soon(ask, r)
+    return out
+
+
+def memory_figures(memory: MemoryWatch, attempt: int) -> dict[str, dict[str, Any]]:
+    """Each rank's latest memory sample in `attempt`, its peak and its growth per minute (host
+    memory): what %elastic status prints."""
+    return {
+        str(rank): {
+            "sample": s,
+            "rss_peak": memory.rss_peak(attempt, rank),
+            "growth": memory.growth(attempt, rank, "rss"),
+        }
+        for rank, s in sorted(memory.latest(attempt).items())
+    }

@@ -7,11 +7,14 @@ each ends with its last lines, its closing alerts and its summary.
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Any
 
 import anyio
 
 from elastic_nb.supervisor.ranks.log_tailer import LogTailer
+from elastic_nb.supervisor.ranks.memory_watch import MemoryWatch
+from elastic_nb.supervisor.ranks.rank_book import RankBook
 from elastic_nb.supervisor.ranks.rank_state import RankState
 from elastic_nb.supervisor.sessions.session_cell import SessionCell
 
@@ -19,12 +22,18 @@ __all__ = ["Followed"]
 
 
 class Followed:
-    def __init__(self, tailer: LogTailer) -> None:
+    def __init__(self, tailer: LogTailer, memory: MemoryWatch) -> None:
         self.cells: list[SessionCell] = []  # oldest first
         self._tailer = tailer
+        self._memory = memory
 
-    def add(self, cell: SessionCell) -> None:
+    def add(self, cell: SessionCell, attempt: int) -> None:
+        """Its ranks' memory peaks from now on, and its dashboard's memory from the attempt's
+        start."""
         self.cells.append(cell)
+        cell.peaks = self._memory.follow()
+        for sample in self._memory.recent(attempt):
+            cell.report.memory(sample)
 
     def alert(self, kind: str, severity: str, title: str, **about: Any) -> None:
         """`about`: Reporter.alert's rank, key or ends."""
@@ -52,6 +61,7 @@ class Followed:
     ) -> bool:
         """The cell's summary; True if the ranks' latest lines are its own (a rank writes its
         lines, then says it ran)."""
+        self._memory.unfollow(cell.peaks)
         logs = cell is self.logs_target(current)
         with contextlib.suppress(ValueError):
             self.cells.remove(cell)
@@ -70,3 +80,16 @@ class Followed:
             cell.report.close()
             assert cell.summary is not None
             await cell.report.end(cell.summary)
+
+    async def end_all(
+        self, reason: str, book: RankBook, attempt: int, current: SessionCell | None
+    ) -> None:
+        """The session ended: every cell the kernel still follows ends with it."""
+        for cell in list(self.cells):
+            ranks = cell.ranks(book.of(cell.attempt)) if cell.no is not None else []
+            if cell.no is not None:
+                outcome, why = "failed", f"the session ended: {reason}"
+            else:
+                outcome, why = "stopped", f"the session ended before the cell ran: {reason}"
+            logs = self.conclude(cell, outcome, why, ranks, time.time(), current)
+            await self.end(cell, logs, attempt)

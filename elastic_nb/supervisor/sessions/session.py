@@ -9,11 +9,9 @@ the session's news and the ranks' lines (`followed.Followed`).
 When a rank of the current attempt dies (an exception outside a cell, os._exit, SIGKILL, an OOM
 kill, NCCL's abort, or our kill of a rank stuck past an interrupt), torchelastic restarts the
 whole group within the restart budget; once every new rank has said hello, the session replays
-its journal (minus the ``--no-replay`` cells) before any other cell runs. A cell whose failure
-brought the restart stays open, showing the restart and the replay as they happen, and ends once
-the state is back. With no restart left, the session ends and says why.
-
-States: starting, ready, running (a cell), restarting, replaying; then ended, failed or stopped.
+its journal (`replay`) before any other cell runs. A cell whose failure brought the restart stays
+open, showing the restart and the replay as they happen, and ends once the state is back. With no
+restart left, the session ends and says why. Its states and their moves: `session_state`.
 """
 
 from __future__ import annotations
@@ -41,13 +39,15 @@ from elastic_nb.supervisor.ranks.evidence import EvidenceCollector
 from elastic_nb.supervisor.ranks.rank_links import Link, RankLinks
 from elastic_nb.supervisor.ranks.rank_state import RankState
 from elastic_nb.supervisor.runs import summary
-from elastic_nb.supervisor.runs.diagnosis import where_finding
 from elastic_nb.supervisor.runs.rank_group import RankGroup
 from elastic_nb.supervisor.runs.reporter import Reporter, Send
 from elastic_nb.supervisor.runs.rounds import Machines
 from elastic_nb.supervisor.sessions.followed import Followed
+from elastic_nb.supervisor.sessions.hang_watch import watch_hangs
 from elastic_nb.supervisor.sessions.journal import Journal, cells
-from elastic_nb.supervisor.sessions.session_cell import SessionCell, failure_words
+from elastic_nb.supervisor.sessions.replay import replay
+from elastic_nb.supervisor.sessions.session_cell import SessionCell
+from elastic_nb.supervisor.sessions.session_state import LIVE, MOVES, REPLAYED, State
 
 __all__ = ["Session"]
 
@@ -55,7 +55,6 @@ __all__ = ["Session"]
 # (about 800 modules, 2 s here), and every replay of a cell that builds a DDP model would pay
 # for it again in the new ranks (measured in benchmarks/session.py, P9: 2.9 s -> 0.3 s).
 SESSION_PRELOAD = ("torch._dynamo",)
-HANG_POLL_S = 0.1
 
 
 class Session(RankGroup):
@@ -77,16 +76,18 @@ class Session(RankGroup):
         self.socket_path = socket_dir / f"session-{session_id}.sock"
         self._env = env
         self._listener: SocketListener | None = None
-        self._ranks = RankLinks(session_id, self.book, self.until, self.notify, self._on_ran)
+        self._ranks = RankLinks(
+            session_id, self.book, self.until, self._ranks_changed, self._on_ran
+        )
         self._changed = anyio.Event()
+        self._state = State.STARTING
         self.restart_why = "torchelastic restarted the group"  # the last restart's cause
         # its cells
         self.journal = Journal()
-        self.followed = Followed(self.tailer)
+        self.followed = Followed(self.tailer, self.memory)
         self.cells: dict[str, SessionCell] = {}
         self.cells_run = 0
         self.current: SessionCell | None = None  # the cell the ranks run (a replay's too)
-        self.replayed = -1  # the attempt whose replay is over
         self._in, self._queue = anyio.create_memory_object_stream[SessionCell](math.inf)
         self._shown_attempt = 0  # the attempt the last cell ran on
 
@@ -94,13 +95,13 @@ class Session(RankGroup):
 
     @property
     def state(self) -> str:
-        if self._outcome is not None:
-            return self._outcome[0] if self.summary else "ending"
-        if not self.up():
-            return "starting" if self.attempt == 0 else "restarting"
-        if self.replayed != self.attempt:
-            return "replaying"
-        return "running" if self.current is not None else "ready"
+        """The state's word; once the summary is out, the outcome's (it says more: ended,
+        failed, stopped or interrupted)."""
+        if self._state is State.ENDED:
+            assert self._outcome is not None
+            return self._outcome[0]
+        word: str = self._state.value  # mypy 2.4 types a narrowed enum's value as Any
+        return word
 
     def prepare(self) -> None:
         self.rd.make()
@@ -113,11 +114,8 @@ class Session(RankGroup):
         if self._outcome is not None:
             raise RuntimeError(f"session {self.id} has ended: {self._outcome[1]}")
         self.cells[cell.id] = cell
-        self.followed.add(cell)
-        cell.peaks = self.memory.follow()
+        self.followed.add(cell, self.attempt)
         cell.checkpoints = self.checkpoints
-        for sample in self.memory.recent(self.attempt):  # its dashboard's memory from the start
-            cell.report.memory(sample)
         self._in.send_nowait(cell)
 
     def stop_cell(self, cell_id: str, reason: str) -> None:
@@ -178,7 +176,27 @@ class Session(RankGroup):
         self.report.alert(kind, severity, title, **about)
         self.followed.alert(kind, severity, title, **about)
 
-    # ---- waiting for the ranks ---------------------------------------------------------------
+    # ---- its state ---------------------------------------------------------------------------
+
+    def _move(self, to: State) -> None:
+        """Every change of state, and only this, moves the session (session_state.MOVES)."""
+        assert to in MOVES[self._state], f"session {self.id}: {self._state.name} -> {to.name}"
+        self._state = to
+        self.notify()
+
+    def _ranks_changed(self) -> None:
+        """A rank connected: once every rank of the attempt is up, the journal comes first."""
+        if self._state in (State.STARTING, State.RESTARTING) and self.up():
+            self._move(State.REPLAYING)
+        else:
+            self.notify()
+
+    def _restarting(self) -> None:
+        """The current attempt's ranks go: the next attempt's come, then the replay."""
+        if self._state in LIVE:
+            self._move(State.RESTARTING)
+        else:
+            self.notify()
 
     def notify(self) -> None:
         """Something changed (a rank, a cell, the attempt): waiters look again."""
@@ -194,14 +212,15 @@ class Session(RankGroup):
         return False
 
     def up(self) -> bool:
-        """Every rank of the current attempt is connected and alive."""
+        """Every rank of the current attempt is connected and alive, looked at now: a death its
+        watcher has not told yet counts too (a cell sent now would meet a dead rank)."""
         return self.attempt not in self.book.failed_attempts and self._ranks.up(
             self.attempt, self.world_size
         )
 
     def ready(self) -> bool:
-        """The ranks wait for a cell: all up, the journal replayed, nothing running."""
-        return self.up() and self.replayed == self.attempt and self.current is None
+        """The ranks wait for a cell."""
+        return self._state is State.READY and self.up()
 
     # ---- the rank group's hooks ---------------------------------------------------------------
 
@@ -217,11 +236,12 @@ class Session(RankGroup):
         tg.start_soon(self._listener.serve, self._ranks.serve, tg)
         tg.start_soon(self._serve_cells)
         tg.start_soon(self._keep_replayed)
-        tg.start_soon(self._watch_hangs)
+        tg.start_soon(watch_hangs, self, lambda: self.current)
 
     def _new_attempt(self, attempt: int) -> None:
         # torchelastic restarted the group (its monitor can see a death before we do).
         self.book.failed_attempts.add(self.attempt)
+        self._restarting()
 
     def _on_rank_started(self, r: RankState) -> None:
         self.notify()
@@ -230,12 +250,14 @@ class Session(RankGroup):
         self._ranks.drop(r)
         book = self.book
         if (
-            self._outcome is not None
+            self._state not in LIVE
             or r.attempt != self.attempt
             or r.attempt in book.failed_attempts
-            or r.attempt in self.replaced
         ):
             self.notify()
+            return
+        if r.attempt in self.replaced:  # a new round ends the attempt: no failure of its own
+            self._restarting()
             return
         book.failed_attempts.add(r.attempt)
         if self.current is not None:
@@ -266,7 +288,7 @@ class Session(RankGroup):
             # torchelastic waits forever for the return value of a rank that exited 0
             # (multiprocessing/api.py, _poll): the others' deaths make it restart the group.
             self.signal([x for x in book.of(r.attempt) if x.died_at is None], signal.SIGKILL)
-        self.notify()
+        self._restarting()
 
     def _on_watchdog_line(self, attempt: int, rank: int, line: str) -> None:
         """NCCL's watchdog line in a rank's log: the running cell's (a replayed cell's rank
@@ -290,7 +312,7 @@ class Session(RankGroup):
         return ("ended" if how == "succeeded" else how), reason
 
     def _on_decided(self, outcome: str) -> None:
-        self.notify()
+        self._move(State.ENDING)
 
     async def _before_teardown(self, outcome: str) -> None:
         if outcome == "ended":
@@ -311,10 +333,10 @@ class Session(RankGroup):
 
     async def _summarize(self, outcome: str, reason: str) -> protocol.records.Summary:
         self.tailer.poll(final=True)
-        await self._close_all(reason)
+        await self.followed.end_all(reason, self.book, self.attempt, self.current)
         result = self._plain_summary(outcome, reason)
         result["session"] = self.id
-        self.report.set_state(outcome)
+        self._move(State.ENDED)
         await self.report.flush(self.attempt, None)
         return result
 
@@ -378,6 +400,8 @@ class Session(RankGroup):
     async def _run(self, cell: SessionCell, dirs: dict[int, str]) -> None:
         self.cells_run += 1
         cell.no, cell.attempt = self.cells_run, self.attempt
+        if self._state is State.READY:  # else a rank went (or the session ended) meanwhile
+            self._move(State.RUNNING)
         cell.report.event("run", no=cell.no, attempt=self.attempt)
         cell.report.set_state("running")
         if self.groups_made == self.attempt:
@@ -404,7 +428,10 @@ class Session(RankGroup):
         outcome, reason, teardown_at, restarts = await cell.decide(links, self)
         if self.current is cell:
             self.current = None
-        self.notify()
+        if self._state is State.RUNNING:
+            self._move(State.READY)
+        else:
+            self.notify()
         if outcome == "succeeded":
             self.journal.add(cell)
         if restarts:
@@ -419,9 +446,9 @@ class Session(RankGroup):
     ) -> None:
         await self.until(
             lambda: (
-                self.ended() is not None
+                self._state not in LIVE
                 or cell.stop_reason is not None
-                or (self.attempt > cell.attempt and self.up() and self.replayed == self.attempt)
+                or (self.attempt > cell.attempt and self._state in REPLAYED and self.up())
             )
         )
         self._end_cell(cell, outcome, reason, teardown_at, restarts=True)
@@ -439,7 +466,7 @@ class Session(RankGroup):
         self.poll_checkpoints()  # what the cell saved reaches it before its end
         ranks = cell.ranks(self.book.of(cell.attempt))
         cell.oom_alerts(ranks)
-        if restarts and self.ended() is None:
+        if restarts and self._state in LIVE:
             cell.restarted_to = self.attempt
             words = self.journal.words(self.attempt)
             if words is None:
@@ -458,84 +485,22 @@ class Session(RankGroup):
         ranks: list[RankState],
         teardown_at: float | None = None,
     ) -> None:
-        self.memory.unfollow(cell.peaks)
         logs = self.followed.conclude(cell, outcome, reason, ranks, teardown_at, self.current)
         self.task_group.start_soon(self.followed.end, cell, logs, self.attempt)
-
-    async def _close_all(self, reason: str) -> None:
-        """The session ended: every cell the kernel still follows ends with it."""
-        for cell in list(self.followed.cells):
-            if cell.no is not None:
-                why = ("failed", f"the session ended: {reason}")
-            else:
-                why = ("stopped", f"the session ended before the cell ran: {reason}")
-            ranks = cell.ranks(self.book.of(cell.attempt)) if cell.no is not None else []
-            self.memory.unfollow(cell.peaks)
-            logs = self.followed.conclude(cell, *why, ranks, time.time(), self.current)
-            await self.followed.end(cell, logs, self.attempt)
 
     # ---- the replay ---------------------------------------------------------------------------
 
     async def _keep_replayed(self) -> None:
-        """Each new attempt gets the journal before any other cell."""
+        """Each new attempt gets the journal before any other cell (once the cell that ran on
+        the attempt before has been decided)."""
         while True:
             await self.until(
-                lambda: self.up() and self.replayed != self.attempt and self.current is None
+                lambda: self._state is State.REPLAYING and self.current is None and self.up()
             )
             attempt = self.attempt
-            await self._replay(attempt)
-            self.replayed = attempt
-            self.notify()
-
-    async def _replay(self, attempt: int) -> None:
-        """Run the journal (minus --no-replay cells) in order on a new attempt's ranks, saying
-        how long each took; a cell that fails stops the replay."""
-        journal = self.journal
-        replayed = journal.to_replay()
-        left_out = len(journal.cells) - len(replayed)
-        record = journal.start_replay(attempt)
-        # One alert that grows as the replay goes (each replaces the last of its key).
-        key = f"replay-{attempt}"
-        head = f"attempt {attempt}: replaying {cells(len(replayed))}" + (
-            f" ({left_out} left out: --no-replay)" if left_out else ""
-        )
-        if replayed:
-            self.alert("replay", "info", head, key=key)
-        t0 = time.monotonic()
-        for c in replayed:
-            t = time.monotonic()
-            if not await self._replay_cell(c):
-                return  # a rank died: the next attempt replays again
-            failed = sorted(rank for rank, ok in c.answers.items() if not ok)
-            if failed:
-                record["failed"] = True
-                self.alert(
-                    "replay",
-                    "error",
-                    f"{head}: the replay stopped: cell {c.no} ({c.first_line}) failed on "
-                    f"{failure_words(c, attempt, failed)}; the cells after it did not run",
-                    rank=failed[0],
-                    key=key,
-                )
-                break
-            record["cells"] += 1
-            took = time.monotonic() - t
-            self.alert(
-                "replay",
-                "info",
-                f"{head}: {record['cells']} done, the last: replayed cell {c.no} "
-                f"({c.first_line}) in {took:.2f} s",
-                key=key,
-            )
-        record["seconds"] = time.monotonic() - t0
-        if replayed and not record["failed"]:
-            self.alert(
-                "replay",
-                "info",
-                f"the session's state is back: {cells(record['cells'])} replayed in "
-                f"{record['seconds']:.2f} s",
-                key=key,
-            )
+            await replay(self.journal, attempt, self._replay_cell, self.alert)
+            if self._state is State.REPLAYING and self.attempt == attempt:
+                self._move(State.READY)  # a failed replay too: the session goes on from there
 
     async def _replay_cell(self, cell: SessionCell) -> bool:
         """Run a journal's cell on every rank of the current attempt; False if the attempt
@@ -549,8 +514,7 @@ class Session(RankGroup):
             lambda: (
                 len(cell.answers) == len(links)
                 or self.attempt != attempt
-                or self.attempt_failed(attempt)
-                or self.ended() is not None
+                or self._state is not State.REPLAYING
             )
         )
         self.current = None
@@ -561,29 +525,3 @@ class Session(RankGroup):
         if cell is not None and cell.id == cell_id:
             cell.answer(link.r.rank, ok)
             self.notify()  # a replay waits on the session
-
-    # ---- --hang-after ------------------------------------------------------------------------
-
-    async def _watch_hangs(self) -> None:
-        while True:
-            await anyio.sleep(HANG_POLL_S)
-            cell = self.current
-            if cell is None or not cell.running or cell.spec.hang_after is None:
-                continue
-            lines = self.tailer.activity_total()
-            if cell.places is not None and cell.places[1] != lines:
-                cell.places = None  # a rank spoke: its chips say "running" again
-                cell.chips(cell.ranks(self.book.of(cell.attempt)), None)
-            if self.silence.due(time.monotonic(), lines, True, cell.spec.hang_after):
-                self.task_group.start_soon(self._hang_alert, cell)
-
-    async def _hang_alert(self, cell: SessionCell) -> None:
-        collector = EvidenceCollector(self.rd, self.book.node, cell.source, cell.rd.cell)
-        ev = await collector.collect(self.book.of(self.attempt))
-        title = f"no output from any rank for {cell.spec.hang_after:g} s (--hang-after)"
-        found = where_finding(title, ev, self.held_memory())
-        cell.standing = found  # a stop while it stands ends the cell with it
-        cell.report.alert("hang", "warning", found.title, rank=found.culprit, text=found.stacks)
-        if cell.running:
-            cell.places = (self.places(ev.places), self.tailer.activity_total())
-            cell.chips(cell.ranks(self.book.of(cell.attempt)), None)

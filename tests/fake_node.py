@@ -15,9 +15,8 @@ import anyio
 
 from elastic_nb import protocol
 from elastic_nb.common.rundir import RunDir
-from elastic_nb.common.spec import JobSpec
 from elastic_nb.supervisor.forensics.watchdogs import Agent
-from elastic_nb.supervisor.processes.node import MemoryReading, Node, StackDump, Survivor
+from elastic_nb.supervisor.processes.node import MemoryReading, Node, StackDump, Survivor, Work
 from elastic_nb.supervisor.ranks.rank_state import RankState
 
 LAUNCHER_PID = 4242
@@ -64,13 +63,7 @@ class FakeNode(Node):
 
     # ---- the launcher -------------------------------------------------------------------------
 
-    async def start(
-        self,
-        group: str,
-        spec: JobSpec,
-        env: dict[str, str],
-        plan: protocol.launcher.LaunchRound | None = None,
-    ) -> bool:
+    async def start(self, work: Work) -> bool:
         self.oom_base = self.kills
         return True
 

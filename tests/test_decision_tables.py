@@ -30,6 +30,7 @@ from elastic_nb.checkpoint.directory import Directory, Layout, step_name
 from elastic_nb.common import machine, report
 from elastic_nb.common.rundir import RUN_DIR_ENV, RunDir
 from elastic_nb.common.spec import JobSpec
+from elastic_nb.common.submission import Submission
 from elastic_nb.kernel.flags import C10D_CONF, SpecError, job_spec
 from elastic_nb.kernel.magic import ElasticMagics
 from elastic_nb.kernel.options import OPTIONS, Option
@@ -519,7 +520,7 @@ def test_a_job_whose_nodes_never_came_ends_with_cause_nodes(tmp_path: Path) -> N
         end_store=lambda _: None,
     )
     meta = {"display": True, "modules": {}, "objects": [], "pull": []}
-    job = Job("cafe0001", spec, "x = 1\n", meta, None, {}, None, send, machines)
+    job = Job(Submission("cafe0001", spec, "x = 1\n", meta, None), {}, None, send, machines)
     job.prepare()
 
     async def main() -> None:

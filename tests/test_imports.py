@@ -118,7 +118,8 @@ WALLS = {
 # processes and learn from ranks do not know jobs or sessions; the service knows everything.
 SUPERVISOR_WALLS = {
     "forensics": {"ranks.rank_state"},
-    "ranks": {"forensics", "processes.node"},
+    # a rank's node; and the pid at the other end of a session rank's connection
+    "ranks": {"forensics", "processes.node", "processes.peers"},
     # a node reports the agent as the zombie watchdog judges it
     "processes": {"ranks.rank_state", "forensics.watchdogs"},
     # other machines: a remote node (a second Node), the cluster of agents, the join agent (a
@@ -199,22 +200,13 @@ PROCESS_EXCEPTIONS = {
     ("elastic_nb.supervisor.service", "os.kill"): (
         "os.kill(kernel, 0): whether its kernel lives, where no pidfd can be had"
     ),
-    ("elastic_nb.supervisor.ranks.rank_links", "SO_PEERCRED"): (
-        "the pid at the other end of a session rank's connection, checked against the rank's "
-        "own (the one torchelastic started): a socket's credentials, no process operation"
-    ),
     ("elastic_nb.supervisor.nodes.join_agent", "elastic_nb.common.procs"): (
         "a join agent is its machine's supervisor process: it makes itself the subreaper of "
         "its launchers and reaps the orphans it inherits, as service does"
     ),
     ("elastic_nb.supervisor.nodes.join_agent", "psutil"): (
         "its own process's one TCP connection to the supervisor: the address its machine is "
-        "reached at (zmq does not tell a socket's local end); and the process at the other end "
-        "of a connection to the store relay, which must be the group's launcher"
-    ),
-    ("elastic_nb.supervisor.nodes.join_agent", "SO_PEERCRED"): (
-        "the pid at the other end of a relayed session rank's connection, checked against the "
-        "rank's own, as rank_links does"
+        "reached at (zmq does not tell a socket's local end)"
     ),
 }
 

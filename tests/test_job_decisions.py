@@ -12,6 +12,7 @@ import pytest
 
 from elastic_nb import protocol
 from elastic_nb.common.rundir import RunDir, write_json
+from elastic_nb.common.submission import Submission
 from elastic_nb.kernel.flags import job_spec
 from elastic_nb.supervisor.runs.job import Job
 from tests.fake_node import FakeNode
@@ -34,7 +35,7 @@ def _job(tmp_path: Path, **options: Any) -> tuple[Job, FakeNode, list[dict[str, 
         sent.append(dict(msg))
 
     node = FakeNode(RunDir.of(spec.log_dir, "cafe0001"))
-    job = Job("cafe0001", spec, "x = 1\n" * CELL_LINES, _META, None, {}, node, send)
+    job = Job(Submission("cafe0001", spec, "x = 1\n" * CELL_LINES, _META, None), {}, node, send)
     job.prepare()
     return job, node, sent
 

@@ -1,4 +1,4 @@
-"""A join agent's store relay admits its group's launcher alone (supervisor/nodes/join_agent.py,
+"""A join agent's store relay admits its group's launcher alone (supervisor/processes/peers.py,
 connected_from): torch's agent unpickles the rendezvous store's state, so another local process
 must not reach the notebook's store through the relay. Real processes, real TCPStore clients
 (whose sockets are IPv6, their ends IPv4-mapped); the relay's whole path is
@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from elastic_nb.supervisor.nodes.join_agent import connected_from
+from elastic_nb.supervisor.processes.peers import connected_from
 
 pytestmark = pytest.mark.unit
 

@@ -17,7 +17,7 @@ from elastic_nb import protocol
 from elastic_nb.common import procs
 from elastic_nb.common.rundir import RunDir
 from elastic_nb.supervisor.processes.launcher_pool import LauncherPool
-from elastic_nb.supervisor.processes.node import LocalNode
+from elastic_nb.supervisor.processes.local_node import LocalNode
 from elastic_nb.supervisor.processes.process_tree import ProcessTree
 from elastic_nb.supervisor.ranks.evidence import EvidenceCollector
 from elastic_nb.supervisor.ranks.rank_state import RankState

@@ -24,6 +24,7 @@ from elastic_nb import protocol
 from elastic_nb.common import procs, report
 from elastic_nb.common.host_memory import MemoryLimit
 from elastic_nb.common.rundir import RunDir
+from elastic_nb.common.submission import Submission
 from elastic_nb.kernel.dashboard.model import DashboardState
 from elastic_nb.kernel.flags import job_spec
 from elastic_nb.rank.memory import largest
@@ -60,7 +61,7 @@ def _job(tmp_path: Path) -> tuple[Job, FakeNode, list[dict[str, Any]]]:
         sent.append(dict(msg))
 
     node = FakeNode(RunDir.of(spec.log_dir, "cafe0001"))
-    job = Job("cafe0001", spec, "x = 1\n", _META, None, {}, node, send)
+    job = Job(Submission("cafe0001", spec, "x = 1\n", _META, None), {}, node, send)
     job.prepare()
     return job, node, sent
 

@@ -125,6 +125,7 @@ def test_each_channel_is_its_modules_messages_each_kind_once() -> None:
             for v in vars(module).values()
             if isinstance(v, type) and v.__module__ == module.__name__ and v.__name__[0] != "_"
             and "kind" in getattr(v, "__annotations__", {})
+            and typing.get_origin(typing.get_type_hints(v)["kind"]) is typing.Literal
         ]  # fmt: skip
         assert messages and set(messages) <= carried, module.__name__
     out = io.StringIO()
@@ -133,6 +134,15 @@ def test_each_channel_is_its_modules_messages_each_kind_once() -> None:
     text = out.getvalue()
     assert "  submit {req, job, spec, cell, env, session}" in text
     assert "  file {group, root, path, offset}" in text
+    # each request with the type of its reply, the table its readers check replies against
+    assert "  stop {req, job, reason}    elastic_nb.protocol.kernel.Stop\n    -> {stopping}" in text
+    assert "    -> {survivors, signals}    elastic_nb.protocol.agents.Stopped" in text
+    for name, replies in protocol.REPLIES.items():
+        asked = {
+            typing.get_args(typing.get_type_hints(m)["kind"])[0]
+            for m in typing.get_args(protocol.CHANNELS[name])
+        }
+        assert set(replies) <= asked, name
     assert "  result {ok, error?, failures?}" in text
 
 
@@ -168,11 +178,11 @@ def test_every_order_to_a_join_agent_has_its_handler() -> None:
 
 
 def test_every_piece_of_an_agents_news_has_its_handler() -> None:
-    """The supervisor takes a joined agent's news through one table (AgentLink's): every kind
+    """The supervisor takes a joined agent's news through one table (JoinAgentLink's): every kind
     the agent sends has its handler, but its hello and bye (the cluster's)."""
     import typing
 
-    from elastic_nb.supervisor.nodes.remote_node import _NEWS
+    from elastic_nb.supervisor.nodes.agent_link import _NEWS
 
     a = protocol.agents
     kinds = {

@@ -18,8 +18,9 @@ from elastic_nb import protocol
 from elastic_nb.common import machine
 from elastic_nb.common.rundir import RunDir
 from elastic_nb.supervisor.nodes import remote_node
+from elastic_nb.supervisor.nodes.agent_link import JoinAgentLink
 from elastic_nb.supervisor.nodes.cluster import Cluster
-from elastic_nb.supervisor.nodes.remote_node import AgentLink, RemoteNode
+from elastic_nb.supervisor.nodes.remote_node import RemoteNode
 
 pytestmark = pytest.mark.unit
 
@@ -31,7 +32,7 @@ def _node(tmp_path: Path, sent: list[Any]) -> RemoteNode:
         sent.append(msg)
         return True
 
-    link = AgentLink(send, lambda *a: None, b"peer", 1, machine.describe("10.0.0.2", ""), "x:1")
+    link = JoinAgentLink(send, lambda *a: None, b"peer", 1, machine.describe("10.0.0.2", ""), "x:1")
     node = RemoteNode(RunDir(str(tmp_path)), link, 0, None, {})
     node._group = "g1"  # as start() leaves it
     link.nodes["g1"] = node

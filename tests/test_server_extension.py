@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 from tornado.httpclient import HTTPClientError
 
+from elastic_nb import protocol
 from elastic_nb.common import registry
 from elastic_nb.common.registry import runtime_dir
 from tests.kernel import Execution, Kernel, assert_job_gone, wait_for
@@ -356,5 +357,8 @@ def test_the_panel_s_connection_is_not_the_kernel_s_lifeline(kernel: Kernel) -> 
     assert wait_for(mine, 60)
     (sup,) = mine()
     for _ in range(3):
-        assert sup.request({"kind": "status", "req": 1})["pid"] == sup.pid
+        assert (
+            sup.request({"kind": "status", "req": 1}, protocol.kernel.SupervisorStatus)["pid"]
+            == sup.pid
+        )
     assert kernel.ok("%%elastic --nproc 1\n6 * 7\n").result == "42"

@@ -11,6 +11,7 @@ import anyio
 import pytest
 
 from elastic_nb.common.rundir import RunDir
+from elastic_nb.common.submission import Submission
 from elastic_nb.kernel.flags import job_spec
 from elastic_nb.supervisor.ranks.rank_links import Link
 from elastic_nb.supervisor.runs.rank_group import RankGroup
@@ -47,7 +48,7 @@ def test_an_answer_that_lands_while_the_watch_looks_ends_the_cell_at_once(tmp_pa
         for rank in (0, 1)
     ]
     links = [Link(r, _Stream()) for r in ranks]  # type: ignore[arg-type]
-    cell = SessionCell("ce11ce11", spec, "a = a + 1\n", {}, None, _nothing, "5e5510a1")
+    cell = SessionCell(Submission("ce11ce11", spec, "a = a + 1\n", {}, None, "5e5510a1"), _nothing)
     cell.rd.attempt(0).mkdir(parents=True)
     node.probe_gate = anyio.Event()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import socket
 import sys
@@ -17,6 +18,7 @@ import pytest
 
 from elastic_nb import protocol
 from elastic_nb.common.errors import SupervisorDied
+from elastic_nb.common.submission import Submission
 from elastic_nb.kernel.cell import prepare_cell
 from elastic_nb.kernel.client import GONE, SupervisorClient
 from elastic_nb.kernel.flags import job_spec
@@ -54,7 +56,9 @@ def submit(client: SupervisorClient, tmp_path: Path, nproc: int, body: str) -> A
         {"nproc": str(nproc), "log_dir": str(tmp_path)}, cwd=str(tmp_path), sys_path=sys.path
     )
     cell = prepare_cell(f"--nproc {nproc}", body, {})
-    return JobHandle.submit(client, spec, cell.source, cell.meta, cell.payload)
+    return JobHandle.submit(
+        client, Submission(secrets.token_hex(4), spec, cell.source, cell.meta, cell.payload)
+    )
 
 
 def test_updates_are_batched_and_account_for_every_line(
@@ -149,7 +153,11 @@ def test_a_supervisor_that_does_not_answer_is_abandoned(tmp_path: Path) -> None:
     try:
         os.kill(c.pid, signal.SIGSTOP)
         with pytest.raises(SupervisorDied, match="did not answer"):
-            c.request({"kind": "status", "req": c.next_req()}, timeout=1.0)
+            c.request(
+                {"kind": "status", "req": c.next_req()},
+                protocol.kernel.SupervisorStatus,
+                timeout=1.0,
+            )
         assert not c.alive
     finally:
         os.kill(c.pid, signal.SIGCONT)
@@ -202,15 +210,16 @@ def test_a_long_session_keeps_a_bounded_history_of_finished_jobs(tmp_path: Path)
     )
 
 
-def test_an_unreadable_frame_drops_the_connection_and_says_why() -> None:
+def test_an_unreadable_frame_drops_the_connection_and_says_why(tmp_path: Path) -> None:
     """The client's reader on a socket whose other end sends garbage (a unit below the real
     supervisor, which never does): every waiter hears GONE, and the error says what broke."""
     ours, theirs = socket.socketpair()
     c = SupervisorClient.__new__(SupervisorClient)
-    c._sock, c._proc, c._alive, c.gone_reason = ours, None, True, "it exited"
-    c._pending, c._subscribers, c._send_lock, c._req = {}, {}, threading.Lock(), iter(range(9))
+    c._conn = protocol.connection.Connection(ours, protocol.kernel.kernel_news)
+    c._proc, c._alive, c.gone_reason, c._subscribers = None, True, "it exited", {}
+    c.log_path = str(tmp_path / "supervisor.log")
     job = c.subscribe("cafe0001")
-    reader = threading.Thread(target=c._read, args=(protocol.wire.FrameDecoder(),))
+    reader = threading.Thread(target=c._read)
     reader.start()
     theirs.sendall(b"this is not a frame\n")
     reader.join(timeout=5)
@@ -219,4 +228,4 @@ def test_an_unreadable_frame_drops_the_connection_and_says_why() -> None:
     assert "could not read" in c.gone_reason and "not a frame" in c.gone_reason
     assert theirs.recv(1) == b""  # the kernel dropped its end: the supervisor sees EOF
     with pytest.raises(SupervisorDied, match="could not read"):
-        c.request({"kind": "status", "req": 1}, timeout=1)
+        c.request({"kind": "status", "req": 1}, protocol.kernel.SupervisorStatus, timeout=1)

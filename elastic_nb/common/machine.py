@@ -24,12 +24,12 @@ from elastic_nb.common import nvml
 __all__ = ["describe", "interface_holding", "interface_of", "mismatch", "primary_address"]
 
 
-def describe(addr: str, workdir: str) -> protocol.agents.NodeInfo:
+def describe(addr: str, workdir: str) -> protocol.records.NodeInfo:
     """This machine, reached by others at `addr`, keeping its run directories in `workdir`."""
     from elastic_nb import __version__
 
     torch, cuda = _torch_versions()
-    return protocol.agents.NodeInfo(
+    return protocol.records.NodeInfo(
         name=socket.gethostname(),
         addr=addr,
         pid=os.getpid(),
@@ -43,7 +43,7 @@ def describe(addr: str, workdir: str) -> protocol.agents.NodeInfo:
     )
 
 
-def mismatch(ours: protocol.agents.NodeInfo, theirs: protocol.agents.NodeInfo) -> str | None:
+def mismatch(ours: protocol.records.NodeInfo, theirs: protocol.records.NodeInfo) -> str | None:
     """Why a node cannot run the notebook's cells (None: it can): Python's minor version,
     torch's major.minor or elastic_nb's version differ. Pickled cells and objects, torch's
     rendezvous state and our protocol all assume them equal."""

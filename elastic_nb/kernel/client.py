@@ -12,7 +12,6 @@ forwards it as a stop. When the connection breaks, every queue gets `GONE`.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import os
 import queue
 import secrets
@@ -20,14 +19,16 @@ import socket
 import subprocess
 import sys
 import threading
+import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from elastic_nb import protocol
 from elastic_nb.common import modules
 from elastic_nb.common.errors import Refused, SupervisorDied
 from elastic_nb.common.registry import runtime_dir
 from elastic_nb.common.spec import JobSpec
+from elastic_nb.common.submission import Submission
 
 __all__ = [
     "GONE",
@@ -58,12 +59,12 @@ def _kernel_id() -> str | None:
     return None
 
 
+R = TypeVar("R")
+
+
 class SupervisorClient:
     def __init__(self) -> None:
-        self._send_lock = threading.Lock()
-        self._pending: dict[int, queue.Queue[Any]] = {}
         self._subscribers: dict[str, queue.Queue[Any]] = {}  # job id -> its messages
-        self._req = itertools.count(1)
         self._alive = True
         self.gone_reason = "it exited"  # what broke the connection, once it has broken
         self._start()
@@ -118,10 +119,11 @@ class SupervisorClient:
             listener.close()
 
     def _connect(self) -> None:
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock.connect(self.socket_path)  # queued in the backlog until the supervisor accepts
-        self._sock.settimeout(HELLO_TIMEOUT_S)
-        hello_msg = protocol.wire.encode(
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._conn = protocol.connection.Connection(sock, protocol.kernel.kernel_news)
+        sock.connect(self.socket_path)  # queued in the backlog until the supervisor accepts
+        sock.settimeout(HELLO_TIMEOUT_S)
+        self._conn.send(
             protocol.kernel.Hello(
                 kind=protocol.kernel.HELLO,
                 version=protocol.wire.VERSION,
@@ -129,30 +131,22 @@ class SupervisorClient:
                 kernel_pid=os.getpid(),
             )
         )
-        self._sock.sendall(hello_msg)
-        decoder = protocol.wire.FrameDecoder()
-        frame = None
+        first = None
         with contextlib.suppress(OSError):
-            while frame is None:
-                data = self._sock.recv(1 << 16)
-                if not data:
-                    break
-                frame = next((f for f, _ in decoder.feed(data)), None)
-        if frame is None:
+            first = self._conn.receive()
+        if first is None:
             raise SupervisorDied(
                 f"the elastic_nb supervisor did not start; its log says:\n{self._log_tail()}"
             )
-        hello = protocol.kernel.kernel_news(frame)
+        hello = first[0]
         if hello["kind"] != protocol.kernel.HELLO:
             raise SupervisorDied(f"the elastic_nb supervisor said {hello['kind']!r} first")
         if hello.get("error"):
             raise SupervisorDied(str(hello.get("error")))
         protocol.kernel.check_hello(hello)
         self.pid = hello.get("pid", 0)
-        self._sock.settimeout(None)
-        self._reader = threading.Thread(
-            target=self._read, args=(decoder,), name="elastic_nb-client", daemon=True
-        )
+        sock.settimeout(None)
+        self._reader = threading.Thread(target=self._read, name="elastic_nb-client", daemon=True)
         self._reader.start()
 
     @property
@@ -162,8 +156,7 @@ class SupervisorClient:
     def close(self) -> None:
         """Closing the lifeline makes the supervisor stop every job and exit."""
         self._break()
-        with contextlib.suppress(OSError):
-            self._sock.close()
+        self._conn.close()
         if self._proc is not None:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self._proc.wait(timeout=10)
@@ -175,14 +168,10 @@ class SupervisorClient:
 
     # ---- frames -----------------------------------------------------------------------------
 
-    def _read(self, decoder: protocol.wire.FrameDecoder) -> None:
+    def _read(self) -> None:
         try:
-            while True:
-                data = self._sock.recv(1 << 16)
-                if not data:
-                    break
-                for frame, _ in decoder.feed(data):
-                    self._dispatch(protocol.kernel.kernel_news(frame))
+            for msg, _ in self._conn:
+                self._dispatch(msg)
         except protocol.wire.ProtocolError as e:
             # The stream cannot be trusted past this point: drop it (the supervisor then stops
             # this kernel's jobs and exits) and say why, rather than go silent.
@@ -195,82 +184,76 @@ class SupervisorClient:
             if self._proc is not None:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     self._proc.wait(timeout=1)  # reap it
-            for q in [*self._pending.values(), *self._subscribers.values()]:
+            self._conn.requests.close()
+            for q in [*self._subscribers.values()]:
                 q.put(GONE)
 
     def _dispatch(self, msg: protocol.kernel.KernelNews) -> None:
         if msg["kind"] == protocol.kernel.REPLY:
-            q = self._pending.pop(msg["req"] or -1, None)
-            if q is not None:
-                q.put(msg)
+            self._conn.requests.reply(msg["req"], msg)
         elif msg["kind"] == protocol.kernel.UPDATE or msg["kind"] == protocol.kernel.END:
             q = self._subscribers.get(msg["job"])
             if q is not None:
                 q.put(msg)
 
-    def _write(self, data: bytes) -> None:
-        with self._send_lock:
-            if not self._alive:
-                raise SupervisorDied(f"the elastic_nb supervisor is gone: {self.gone_reason}")
-            try:
-                self._sock.sendall(data)
-            except OSError as e:
-                self._break()
-                raise SupervisorDied(f"the elastic_nb supervisor is gone ({e})") from None
-            except BaseException:
-                # Interrupted half-way through a frame: the stream is corrupt from here on.
-                # Dropping the connection makes the supervisor stop this kernel's jobs and
-                # exit; the next %%elastic cell starts a new one.
-                self._break()
-                raise
+    def _send(self, msg: protocol.kernel.Request, blob: bytes | None = None) -> None:
+        if not self._alive:
+            raise SupervisorDied(f"the elastic_nb supervisor is gone: {self.gone_reason}")
+        try:
+            self._conn.send(msg, blob)
+        except OSError as e:
+            self._break()
+            raise SupervisorDied(f"the elastic_nb supervisor is gone ({e})") from None
+        except BaseException:
+            # Interrupted half-way through a frame: the stream is corrupt from here on.
+            # Dropping the connection makes the supervisor stop this kernel's jobs and
+            # exit; the next %%elastic cell starts a new one.
+            self._break()
+            raise
 
     def _break(self) -> None:
         """Give up on this supervisor without waiting for it (see close)."""
         self._alive = False
-        with contextlib.suppress(OSError):
-            self._sock.shutdown(socket.SHUT_RDWR)
+        self._conn.shutdown()
 
     def next_req(self) -> int:
         """The number of the next request (its reply carries it back)."""
-        return next(self._req)
+        return self._conn.requests.number()
 
-    def send(self, msg: protocol.kernel.KernelRequest) -> None:
+    def send(self, msg: protocol.kernel.Request) -> None:
         """Fire and forget (a stop while the cell is being interrupted)."""
-        self._write(protocol.wire.encode(msg))
+        self._send(msg)
 
     def request(
         self,
-        msg: protocol.kernel.KernelRequest,
+        msg: protocol.kernel.Request,
+        reply: type[R],
         blob: bytes | None = None,
         timeout: float = REQUEST_TIMEOUT_S,
-    ) -> dict[str, Any]:
-        """Send a request (made with `next_req`) and wait for its reply; returns the reply's
-        data, or raises Refused with the supervisor's reason."""
+    ) -> R:
+        """Send a request (numbered by `next_req`) and wait for its reply; returns the reply's
+        data (of the type `reply`, which protocol.kernel.REPLIES names for the request), or
+        raises Refused with the supervisor's reason."""
         kind = msg["kind"]
-        req = msg["req"] if msg["kind"] != protocol.kernel.HELLO else 0
-        q: queue.Queue[Any] = queue.Queue(1)
-        self._pending[req] = q
+        assert protocol.kernel.REPLIES[kind] is reply, f"{kind} is answered with another type"
         try:
-            self._write(protocol.wire.encode(msg, blob))
-            reply = q.get(timeout=timeout)
-        except queue.Empty:
+            answer = self._conn.requests.ask(msg["req"], lambda: self._send(msg, blob), timeout)
+        except TimeoutError:
             # A supervisor that does not answer cannot be trusted with the next job either.
             self._break()
             raise SupervisorDied(
                 f"the elastic_nb supervisor did not answer {kind!r} in {timeout:g} s; it was "
                 "told to stop its jobs and a new one starts with the next %%elastic cell"
             ) from None
-        finally:
-            self._pending.pop(req, None)
-        if reply is GONE:
+        except protocol.connection.Gone:
             raise SupervisorDied(
                 f"the elastic_nb supervisor is gone: {self.gone_reason}; its log says:\n"
                 f"{self._log_tail()}"
-            )
-        if not reply["ok"]:
-            raise Refused(kind, str(reply.get("error")))
-        data: dict[str, Any] = reply["data"]
-        return data
+            ) from None
+        assert answer["kind"] == protocol.kernel.REPLY
+        if not answer["ok"]:
+            raise Refused(kind, str(answer.get("error")))
+        return typing.cast(R, protocol.kernel.reply_data(kind, answer["data"]))
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -286,37 +269,21 @@ class SupervisorClient:
     def unsubscribe(self, job_id: str) -> None:
         self._subscribers.pop(job_id, None)
 
-    def submit(
-        self,
-        job_id: str,
-        spec: JobSpec,
-        source: str,
-        meta: dict[str, Any],
-        payload: bytes | None,
-        session: str | None = None,
-    ) -> None:
-        """Start a job (or run a cell on `session`'s ranks). An interrupt that lands before the
-        reply still stops it."""
+    def submit(self, cell: Submission) -> None:
+        """Start a job (or run a cell on its session's ranks). An interrupt that lands before
+        the reply still stops it."""
         try:
             # Writing a large --push payload to disk is part of the request: its time is not
-            # the supervisor's slowness (about 200 MB/s here; a minute more per 10 GB).
-            timeout = REQUEST_TIMEOUT_S + len(payload or b"") / SLOW_DISK_BYTES_PER_S
-            submit = protocol.kernel.Submit(
-                kind=protocol.kernel.SUBMIT,
-                req=self.next_req(),
-                job=job_id,
-                spec=spec.to_dict(),
-                cell=protocol.kernel.CellSource(source=source, meta=meta),
-                env=dict(os.environ),
-                session=session,
-            )
-            self.request(submit, payload, timeout=timeout)
+            # the supervisor's slowness (a minute more per 10 GB at a slow disk's pace).
+            timeout = REQUEST_TIMEOUT_S + len(cell.payload or b"") / SLOW_DISK_BYTES_PER_S
+            submit = cell.request(self.next_req())
+            self.request(submit, protocol.kernel.Submitted, cell.payload, timeout=timeout)
         except KeyboardInterrupt:
             with contextlib.suppress(SupervisorDied):
-                self.send_stop(job_id, "interrupt")
+                self.send_stop(cell.id, "interrupt")
             raise
 
-    def up(self, session_id: str, spec: JobSpec) -> dict[str, Any]:
+    def up(self, session_id: str, spec: JobSpec) -> protocol.kernel.SessionUp:
         """Start a session (subscribe to `session_id` first: its updates and end come as a
         job's). An interrupt that lands before the reply still ends it."""
         up = protocol.kernel.Up(
@@ -327,7 +294,7 @@ class SupervisorClient:
             env=dict(os.environ),
         )
         try:
-            return self.request(up)
+            return self.request(up, protocol.kernel.SessionUp)
         except KeyboardInterrupt:
             with contextlib.suppress(SupervisorDied):
                 self.send(
@@ -338,23 +305,24 @@ class SupervisorClient:
             raise
 
     def down(self, session_id: str) -> None:
-        self.request(
-            protocol.kernel.Down(kind=protocol.kernel.DOWN, req=self.next_req(), session=session_id)
+        down = protocol.kernel.Down(
+            kind=protocol.kernel.DOWN, req=self.next_req(), session=session_id
         )
+        self.request(down, protocol.kernel.Done)
 
-    def session(self, session_id: str) -> dict[str, Any]:
+    def session(self, session_id: str) -> protocol.kernel.SessionState:
         return self.request(
             protocol.kernel.SessionInfo(
                 kind=protocol.kernel.SESSION, req=self.next_req(), session=session_id
-            )
+            ),
+            protocol.kernel.SessionState,
         )
 
     def stop(self, job_id: str | None = None, reason: str = "user") -> list[str]:
         stop = protocol.kernel.Stop(
             kind=protocol.kernel.STOP, req=self.next_req(), job=job_id, reason=reason
         )
-        stopping: list[str] = self.request(stop)["stopping"]
-        return stopping
+        return self.request(stop, protocol.kernel.Stopping)["stopping"]
 
     def send_stop(self, job_id: str, reason: str) -> None:
         """Stop a job without waiting for the answer (the cell is being interrupted)."""
@@ -367,27 +335,25 @@ class SupervisorClient:
     def stacks(self, job_id: str | None = None) -> str:
         """Every rank's stack, now, of the job (the latest running one by default)."""
         msg = protocol.kernel.Stacks(kind=protocol.kernel.STACKS, req=self.next_req(), job=job_id)
-        text: str = self.request(msg)["text"]
-        return text
+        return self.request(msg, protocol.kernel.StackText)["text"]
 
     def keep_warm(self, on: bool) -> None:
-        self.request(protocol.kernel.Warm(kind=protocol.kernel.WARM, req=self.next_req(), on=on))
+        warm = protocol.kernel.Warm(kind=protocol.kernel.WARM, req=self.next_req(), on=on)
+        self.request(warm, protocol.kernel.Done)
 
-    def jobs(self) -> list[dict[str, Any]]:
-        jobs: list[dict[str, Any]] = self.request(
-            protocol.kernel.Jobs(kind=protocol.kernel.JOBS, req=self.next_req())
-        )["jobs"]
-        return jobs
+    def jobs(self) -> list[protocol.kernel.JobRow]:
+        jobs = protocol.kernel.Jobs(kind=protocol.kernel.JOBS, req=self.next_req())
+        return self.request(jobs, protocol.kernel.JobList)["jobs"]
 
-    def status(self) -> dict[str, Any]:
-        return self.request(
-            protocol.kernel.Status(kind=protocol.kernel.STATUS, req=self.next_req())
-        )
+    def status(self) -> protocol.kernel.SupervisorStatus:
+        status = protocol.kernel.Status(kind=protocol.kernel.STATUS, req=self.next_req())
+        return self.request(status, protocol.kernel.SupervisorStatus)
 
-    def nodes(self) -> dict[str, Any]:
-        return self.request(protocol.kernel.Nodes(kind=protocol.kernel.NODES, req=self.next_req()))
+    def nodes(self) -> protocol.kernel.MachineList:
+        nodes = protocol.kernel.Nodes(kind=protocol.kernel.NODES, req=self.next_req())
+        return self.request(nodes, protocol.kernel.MachineList)
 
-    def join(self, host: str | None, port: int, new_token: bool) -> dict[str, Any]:
+    def join(self, host: str | None, port: int, new_token: bool) -> protocol.kernel.JoinLine:
         return self.request(
             protocol.kernel.Join(
                 kind=protocol.kernel.JOIN,
@@ -395,7 +361,8 @@ class SupervisorClient:
                 host=host,
                 port=port,
                 new_token=new_token,
-            )
+            ),
+            protocol.kernel.JoinLine,
         )
 
 

@@ -13,7 +13,6 @@ import contextvars
 import math
 import pickle
 import queue
-import secrets
 import signal
 import sys
 import threading
@@ -26,6 +25,7 @@ from elastic_nb.common import procs
 from elastic_nb.common.errors import ElasticError, JobFailed, JobStopped, JobTimeout, SupervisorDied
 from elastic_nb.common.rundir import RunDir
 from elastic_nb.common.spec import JobSpec
+from elastic_nb.common.submission import Submission
 from elastic_nb.kernel.client import GONE, SupervisorClient
 from elastic_nb.protocol.records import Summary
 
@@ -77,21 +77,13 @@ class JobHandle:
         self._state = "starting"  # as the supervisor's updates say, until the summary
 
     @classmethod
-    def submit(
-        cls,
-        client: SupervisorClient,
-        spec: JobSpec,
-        source: str,
-        meta: dict[str, Any],
-        payload: bytes | None,
-        session: str | None = None,
-    ) -> JobHandle:
-        """Start a job (or a cell on `session`'s ranks) and follow it from its first message.
-        The id is ours: the handle listens before any message can arrive, and an interrupt
-        before the reply can still stop the job."""
-        job = cls(client, secrets.token_hex(4), spec, session)
+    def submit(cls, client: SupervisorClient, cell: Submission) -> JobHandle:
+        """Start a job (or a cell on its session's ranks) and follow it from its first message.
+        The id is the kernel's: the handle listens before any message can arrive, and an
+        interrupt before the reply can still stop the job."""
+        job = cls(client, cell.id, cell.spec, cell.session)
         try:
-            client.submit(job.id, spec, source, meta, payload, session)
+            client.submit(cell)
         except BaseException:
             client.unsubscribe(job.id)
             raise

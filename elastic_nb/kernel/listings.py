@@ -4,8 +4,8 @@ a table, a job's rank logs from its run directory, its ranks' memory now."""
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
 
+from elastic_nb import protocol
 from elastic_nb.common.report import memory_figures, rate, size
 from elastic_nb.common.run_records import rank_logs
 from elastic_nb.common.rundir import RunDir
@@ -14,7 +14,7 @@ from elastic_nb.kernel.job_handle import JobHandle
 __all__ = ["jobs_table", "memory_lines", "print_logs"]
 
 
-def memory_lines(ranks: dict[str, dict[str, Any]]) -> list[str]:
+def memory_lines(ranks: dict[str, protocol.kernel.RankMemory]) -> list[str]:
     """One line per rank from the supervisor's latest samples (RankGroup.memory_now)."""
     out = []
     for rank, m in ranks.items():
@@ -37,7 +37,7 @@ def memory_lines(ranks: dict[str, dict[str, Any]]) -> list[str]:
     return out
 
 
-def jobs_table(jobs: Iterable[JobHandle], running: dict[str, dict[str, Any]]) -> list[str]:
+def jobs_table(jobs: Iterable[JobHandle], running: dict[str, protocol.kernel.JobRow]) -> list[str]:
     """One row per job: its outcome once it has ended, else what the supervisor says now."""
     rows = []
     for job in jobs:
@@ -46,9 +46,9 @@ def jobs_table(jobs: Iterable[JobHandle], running: dict[str, dict[str, Any]]) ->
             restarts = f"{s['restarts']}/{s['max_restarts']}"
             row = (job.id, s["outcome"], s["world_size"], restarts, f"{s['wall_s']:.1f}")
         else:
-            info = running.get(job.id, {})
-            state, wall = info.get("state", "running"), f"{info.get('wall_s', 0):.1f}"
-            row = (job.id, state, job.spec.world_size, "-", wall)
+            info = running.get(job.id)
+            state, wall = (info["state"], info["wall_s"]) if info else ("running", 0.0)
+            row = (job.id, state, job.spec.world_size, "-", f"{wall:.1f}")
         rows.append((*row, job.run_dir))
     if not rows:
         return []

@@ -16,8 +16,8 @@ import argparse
 import os
 import time
 from pathlib import Path
-from typing import Any
 
+from elastic_nb import protocol
 from elastic_nb.kernel.client import SupervisorClient
 
 __all__ = ["join_command", "nodes_table", "write_token"]
@@ -69,7 +69,7 @@ def write_token(path: Path, token: str) -> None:
     os.replace(tmp, path)
 
 
-def nodes_table(nodes: dict[str, Any]) -> list[str]:
+def nodes_table(nodes: protocol.kernel.MachineList) -> list[str]:
     """This machine and every join agent: host, address, GPUs, CPUs, versions, state, last heard."""
     rows = [_row(nodes["here"], "this machine (the notebook's)")]
     for a in nodes.get("agents", []):
@@ -77,7 +77,7 @@ def nodes_table(nodes: dict[str, Any]) -> list[str]:
         if a.get("groups"):
             state += f", running {', '.join(a['groups'])}"
         heard = f"heard {a['last_heard_s']:.1f} s ago" if a["state"] == "ready" else ""
-        rows.append(_row(a, state, heard))
+        rows.append(_row(a, state, heard, a["joined"]))
     listening = nodes.get("listening")
     if listening is None:
         rows.append(
@@ -94,7 +94,9 @@ def nodes_table(nodes: dict[str, Any]) -> list[str]:
     return rows
 
 
-def _row(n: dict[str, Any], state: str, heard: str = "") -> str:
+def _row(
+    n: protocol.kernel.Machine, state: str, heard: str = "", joined: float | None = None
+) -> str:
     gpus = f"{len(n['gpus'])} GPU" + ("s" if len(n["gpus"]) != 1 else "")
     if n["gpus"]:
         gpus += f" ({n['gpus'][0]})"
@@ -102,8 +104,8 @@ def _row(n: dict[str, Any], state: str, heard: str = "") -> str:
     if n.get("cuda"):
         versions += f", CUDA {n['cuda']}"
     since = ""
-    if n.get("joined"):
-        since = f", joined {time.strftime('%H:%M:%S', time.localtime(n['joined']))}"
+    if joined:
+        since = f", joined {time.strftime('%H:%M:%S', time.localtime(joined))}"
     parts = [f"node {n['node']}: {n['name']} ({n['addr']})", gpus, f"{n['cpus']} CPUs", versions]
     parts.append(state + since + (f", {heard}" if heard else ""))
     return " · ".join(parts)

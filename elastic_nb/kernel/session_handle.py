@@ -129,7 +129,7 @@ class SessionHandle:
                 self._client.down(self.id)
             self._ended.wait(DOWN_WAIT_S + self.spec.stop_grace)
 
-    def info(self) -> dict[str, Any]:
+    def info(self) -> protocol.kernel.SessionState:
         return self._client.session(self.id)
 
     def _follow_in_background(self) -> None:
@@ -172,7 +172,7 @@ class SessionHandle:
                 print(self.end_line())
 
 
-def describe(info: dict[str, Any]) -> str:
+def describe(info: protocol.kernel.SessionState) -> str:
     """``%elastic session``: its ranks, attempt, restarts, cells and the replay journal."""
     out = [
         f"session {info['session']}: {info['state']}, {info['world_size']} ranks, attempt "

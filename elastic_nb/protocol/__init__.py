@@ -8,19 +8,32 @@ share.
 * `agents`: a join agent (another machine's node) <-> supervisor, over ZeroMQ with CURVE;
 * `rank_probes`: the supervisor's questions to a rank's probe thread, over a FIFO;
 * `records`: the records inside messages (alerts, chips, log batches, summaries);
-* `wire`: the framing every socket channel shares, and the checker every reader goes through.
+* `wire`: the framing every socket channel shares, and the checker every reader goes through;
+* `connection`: the framed connection both ends of a socket channel use (requests matched to
+  their replies).
 
 ``python -m elastic_nb.protocol`` lists every channel's messages with their fields.
 """
 
 from __future__ import annotations
 
-from elastic_nb.protocol import agents, kernel, launcher, rank_probes, records, sessions, wire
+from elastic_nb.protocol import (
+    agents,
+    connection,
+    kernel,
+    launcher,
+    rank_probes,
+    records,
+    sessions,
+    wire,
+)
 
 __all__ = [
     "CHANNELS",
+    "REPLIES",
     "Message",
     "agents",
+    "connection",
     "kernel",
     "launcher",
     "rank_probes",
@@ -49,4 +62,10 @@ CHANNELS: dict[str, object] = {
     "supervisor -> session rank": sessions.SessionOrder,
     "join agent -> supervisor": agents.NodeNews,
     "supervisor -> join agent": agents.NodeOrder,
+}
+
+# The directions whose messages ask for an answer: the type of each request's reply data.
+REPLIES: dict[str, dict[str, type]] = {
+    "kernel -> supervisor": kernel.REPLIES,
+    "supervisor -> join agent": agents.ANSWERS,
 }

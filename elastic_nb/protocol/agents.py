@@ -18,11 +18,12 @@ from __future__ import annotations
 import typing
 from typing import Any, Final, Literal, TypedDict
 
-from elastic_nb.protocol.records import GpuShare
-from elastic_nb.protocol.wire import Frame, check
+from elastic_nb.protocol.records import GpuShare, Leftover, NodeInfo
+from elastic_nb.protocol.wire import Frame, check, check_record
 
 __all__ = [
     "ANSWER",
+    "ANSWERS",
     "BEAT",
     "BEAT_S",
     "CELL",
@@ -49,30 +50,40 @@ __all__ = [
     "Answer",
     "Beat",
     "CellFiles",
+    "CellUnpacked",
     "Close",
+    "Dumps",
     "FileChunk",
     "GroupBeat",
     "LauncherExit",
     "LauncherSaid",
+    "LeftoverList",
     "Leftovers",
     "MemoryRead",
     "NodeBye",
     "NodeHello",
-    "NodeInfo",
     "NodeNews",
     "NodeOrder",
     "NodeStacks",
     "NodeStop",
     "Open",
+    "Opened",
     "Probe",
+    "ProbeAnswer",
+    "RankDump",
     "RankGone",
     "RanksUp",
     "Refused",
+    "Request",
     "Signal",
+    "SignalSent",
+    "Stopped",
     "StreamClose",
     "StreamData",
     "StreamOpen",
+    "Survivor",
     "Welcome",
+    "answer_data",
     "node_news",
     "node_order",
 ]
@@ -109,21 +120,6 @@ STREAM_SESSION = "session"
 # gone (the README promises a node that leaves is known within 2 s).
 BEAT_S = 0.25
 LOST_AFTER_S = 1.75
-
-
-class NodeInfo(TypedDict):
-    """A machine that can run ranks, as `%elastic nodes` lists it."""
-
-    name: str  # its host name
-    addr: str  # the address other nodes reach it at
-    pid: int  # the join agent's (or the supervisor's, for the notebook's machine)
-    cpus: int
-    gpus: list[str]  # NVML's names, in NVML's order
-    python: str
-    torch: str | None
-    cuda: str | None
-    elastic_nb: str
-    workdir: str  # where its run directories and per-job working directories are
 
 
 class GroupBeat(TypedDict):
@@ -306,6 +302,66 @@ class Close(TypedDict):
     ended: bool  # the group has ended (else only its round here: another may follow)
 
 
+# ---- answers: the data of each order's answer, of the type ANSWERS names for its kind ----
+
+
+class Opened(TypedDict):
+    warm: bool  # a warm launcher took the round
+    launcher: int | None  # its pid
+
+
+class CellUnpacked(TypedDict):
+    run_dir: str  # the cell's run directory on the agent's machine
+
+
+class RankDump(TypedDict):
+    text: str  # faulthandler's dump, its last lines kept within the frame's share
+    state: list[str] | None  # [letter, words] of the process when asked; None: gone
+    asked: bool
+
+
+class Dumps(TypedDict):
+    dumps: dict[str, RankDump]  # by rank
+
+
+class ProbeAnswer(TypedDict):
+    record: dict[str, Any] | None  # what the rank's probe thread answered (rank/recorder.py)
+
+
+class LeftoverList(TypedDict):
+    leftovers: list[Leftover]
+
+
+class SignalSent(TypedDict):
+    sig: str  # its name, as the teardown says it
+    pids: list[int]
+
+
+class Survivor(TypedDict):
+    pid: int
+    state: str  # its process state, in words
+
+
+class Stopped(TypedDict):
+    survivors: list[Survivor]  # what a SIGKILL did not end
+    signals: list[SignalSent]  # the teardown's signals, in order
+
+
+ANSWERS: dict[str, type] = {
+    OPEN: Opened,
+    CELL: CellUnpacked,
+    STACKS: Dumps,
+    PROBE: ProbeAnswer,
+    LEFTOVERS: LeftoverList,
+    STOP: Stopped,
+}
+
+
+def answer_data(kind: str, data: Frame) -> Frame:
+    """An answer's data, checked against what an order of `kind` is answered with."""
+    return check_record(data, ANSWERS[kind], f"the answer to {kind}")
+
+
 NodeNews = (
     NodeHello
     | Beat
@@ -320,6 +376,7 @@ NodeNews = (
     | StreamClose
     | NodeBye
 )
+Request = Open | CellFiles | NodeStacks | Probe | Leftovers | NodeStop  # the orders answered
 NodeOrder = (
     Welcome
     | Refused

@@ -17,8 +17,16 @@ from __future__ import annotations
 import typing
 from typing import Any, Final, Literal, TypedDict
 
-from elastic_nb.protocol.records import Alert, Chip, LogBatch, MemorySample, Round, Summary
-from elastic_nb.protocol.wire import VERSION, Frame, ProtocolError, check
+from elastic_nb.protocol.records import (
+    Alert,
+    Chip,
+    LogBatch,
+    MemorySample,
+    NodeInfo,
+    Round,
+    Summary,
+)
+from elastic_nb.protocol.wire import VERSION, Frame, ProtocolError, check, check_record
 
 __all__ = [
     "DOWN",
@@ -29,6 +37,7 @@ __all__ = [
     "JOIN",
     "NODES",
     "OVERVIEW",
+    "REPLIES",
     "REPLY",
     "ROLE_KERNEL",
     "ROLE_PANEL",
@@ -41,28 +50,53 @@ __all__ = [
     "UPDATE",
     "WARM",
     "CellSource",
+    "Done",
     "Down",
     "End",
+    "EventList",
     "Events",
     "Hello",
+    "JobList",
+    "JobRow",
     "Jobs",
     "Join",
+    "JoinLine",
+    "JoinedMachine",
+    "JournalCell",
     "KernelNews",
     "KernelRequest",
+    "Listening",
+    "Machine",
+    "MachineList",
     "Nodes",
     "Overview",
+    "PanelAlert",
+    "PanelEntry",
+    "PanelList",
+    "RankMemory",
+    "Replay",
     "Reply",
+    "Request",
     "SessionInfo",
+    "SessionRank",
+    "SessionState",
+    "SessionUp",
+    "StackText",
     "Stacks",
     "Status",
     "Stop",
+    "Stopping",
     "Submit",
+    "Submitted",
+    "SupervisorStatus",
     "Up",
     "Update",
     "Warm",
+    "WarmLauncher",
     "check_hello",
     "kernel_news",
     "kernel_request",
+    "reply_data",
 ]
 
 # kernel -> supervisor
@@ -245,10 +279,217 @@ class End(TypedDict):
     summary: Summary
 
 
+# ---- replies: the data of each request's reply, of the type REPLIES names for its kind ----
+
+
+class Done(TypedDict):
+    """A reply that only says the request was done (warm, down)."""
+
+
+class Submitted(TypedDict):
+    job: str  # the job's id (or the session cell's)
+
+
+class Stopping(TypedDict):
+    stopping: list[str]  # the jobs (and session cells) that were running and now stop
+
+
+class StackText(TypedDict):
+    text: str  # every rank's stack, as %elastic stacks prints it
+    pids: dict[str, int]  # the live ranks' pids by rank, of whom the stacks are
+
+
+class JobRow(TypedDict):
+    """One job as %elastic jobs lists it."""
+
+    job: str
+    state: str
+    attempt: int
+    world_size: int
+    run_dir: str
+    created: float
+    outcome: str | None
+    wall_s: float
+
+
+class JobList(TypedDict):
+    jobs: list[JobRow]
+
+
+class SessionRank(TypedDict):
+    rank: int
+    pid: int | None
+    state: str  # starting, up, gone
+
+
+class JournalCell(TypedDict):
+    no: int
+    job: str
+    line: str  # the cell's first line
+    replay: bool  # run again after a restart
+
+
+class Replay(TypedDict):
+    """How a session's journal was replayed after a restart."""
+
+    attempt: int
+    cells: int  # replayed so far
+    seconds: float
+    failed: bool
+
+
+class SessionState(TypedDict):
+    """What %elastic session shows."""
+
+    session: str
+    state: str
+    world_size: int
+    attempt: int
+    restarts: int
+    max_restarts: int
+    ranks: list[SessionRank]
+    cells_run: int
+    journal: list[JournalCell]
+    replays: list[Replay]
+    run_dir: str
+    checkpoint: dict[str, Any] | None  # the latest saved (its record, as checkpoint/ writes it)
+    created: float
+    reason: str | None  # why it ended, once it has
+
+
+class SessionUp(TypedDict):
+    session: str
+    run_dir: str
+
+
+class WarmLauncher(TypedDict):
+    """The idle launcher and its zygote, for %elastic status."""
+
+    pid: int | None
+    ready: bool
+    age_s: float
+    preload: list[str]
+    zygote: int | None
+    zygote_ready: bool
+    rss_mb: float
+    pss_mb: float
+
+
+class RankMemory(TypedDict):
+    sample: MemorySample  # the latest
+    rss_peak: int | None
+    growth: float | None  # bytes a minute, over the last minute
+
+
+class SupervisorStatus(TypedDict):
+    pid: int
+    uptime_s: float
+    running: list[str]
+    sessions: list[SessionState]
+    warm: WarmLauncher | None
+    memory: dict[str, dict[str, RankMemory]]  # job or session -> rank -> its memory now
+
+
+class PanelAlert(TypedDict):
+    kind: str
+    severity: str
+    rank: int | None
+    text: str
+
+
+class PanelEntry(TypedDict):
+    """A job, a session or a session cell, as the JupyterLab panel lists it."""
+
+    id: str
+    kind: str  # job, session, cell
+    session: str | None  # a cell's session
+    supervisor_pid: int
+    state: str
+    running: bool
+    world_size: int
+    attempt: int
+    restarts: int
+    max_restarts: int
+    created: float
+    elapsed_s: float
+    alerts: list[PanelAlert]
+    outcome: str | None
+    summary: str | None  # its summary's line, once it has ended
+    run_dir: str
+    logs_dir: str
+
+
+class PanelList(TypedDict):
+    jobs: list[PanelEntry]
+
+
+class EventList(TypedDict):
+    # Each the update or end the job's renderer was sent, with its "seq" and "t" (the panel
+    # replays them into a renderer, which reads them as it reads a live job's).
+    events: list[dict[str, Any]]
+    seq: int
+
+
+class Listening(TypedDict):
+    host: str
+    port: int
+    token: str  # the token's fingerprint, never the token
+
+
+class Machine(NodeInfo):
+    node: int  # 0: this machine
+    state: str  # here; ready, lost, left (a join agent's)
+
+
+class JoinedMachine(Machine):
+    why: str | None  # why it is no longer ready
+    joined: float
+    last_heard_s: float
+    groups: list[str]  # the jobs and sessions it runs ranks of
+
+
+class _MachineList(TypedDict):
+    listening: Listening | None
+    here: Machine
+    agents: list[JoinedMachine]
+
+
+class MachineList(_MachineList, total=False):
+    refused: list[dict[str, Any]]  # agents refused lately: name, addr (where known), why
+
+
+class JoinLine(TypedDict):
+    command: str  # the line to run on each machine that joins
+    dropped: int  # agents dropped by a new token
+
+
+# Each request's reply data. A reader checks a reply against its request's entry: half of every
+# request/reply is the reply.
+REPLIES: dict[str, type] = {
+    SUBMIT: Submitted,
+    STOP: Stopping,
+    STACKS: StackText,
+    WARM: Done,
+    JOBS: JobList,
+    STATUS: SupervisorStatus,
+    UP: SessionUp,
+    DOWN: Done,
+    SESSION: SessionState,
+    OVERVIEW: PanelList,
+    EVENTS: EventList,
+    NODES: MachineList,
+    JOIN: JoinLine,
+}
+
+
+def reply_data(kind: str, data: Frame) -> Frame:
+    """A reply's data, checked against what a request of `kind` is answered with."""
+    return check_record(data, REPLIES[kind], f"the reply to {kind}")
+
+
 # What each channel carries; a reader takes a frame only through its channel's parser.
-KernelRequest = (
-    Hello
-    | Submit
+Request = (
+    Submit
     | Stop
     | Jobs
     | Status
@@ -261,7 +502,8 @@ KernelRequest = (
     | Events
     | Nodes
     | Join
-)
+)  # every message of the kernel's that asks for a reply
+KernelRequest = Hello | Request
 KernelNews = Hello | Reply | Update | End
 
 

@@ -12,9 +12,11 @@ __all__ = [
     "Chip",
     "CudaMemory",
     "GpuShare",
+    "Leftover",
     "LogBatch",
     "MemoryPeak",
     "MemorySample",
+    "NodeInfo",
     "Round",
     "Summary",
     "summary",
@@ -135,7 +137,7 @@ class Summary(TypedDict):
     diagnosis: dict[str, Any] | None  # text, hint, stacks (a timeout or desync's evidence)
     others: list[dict[str, Any]]  # every other rank: rank, kind, text, delay
     launcher_log_tail: str | None
-    leftovers: list[dict[str, Any]]  # processes the cell left running: pid, cmd
+    leftovers: list[Leftover]  # processes the cell left running
     result: bool  # rank 0 left a value for the cell
     lines: int
     session: str | None  # the session whose ranks ran the cell (%elastic up), if one
@@ -175,3 +177,29 @@ def summary(job: str, outcome: str, reason: str, **known: Any) -> Summary:
         raise TypeError(f"not summary keys: {sorted(unknown)}")
     s.update(known)
     return typing.cast(Summary, s)
+
+
+class NodeInfo(TypedDict):
+    """A machine that can run ranks, as `%elastic nodes` lists it."""
+
+    name: str  # its host name
+    addr: str  # the address other nodes reach it at
+    pid: int  # the join agent's (or the supervisor's, for the notebook's machine)
+    cpus: int
+    gpus: list[str]  # NVML's names, in NVML's order
+    python: str
+    torch: str | None
+    cuda: str | None
+    elastic_nb: str
+    workdir: str  # where its run directories and per-job working directories are
+
+
+class _Leftover(TypedDict):
+    pid: int
+    cmd: str  # its command line, cut at 80 characters ("?" if it could not be read)
+
+
+class Leftover(_Leftover, total=False):
+    """A process a cell left running after it succeeded."""
+
+    node: str  # the machine's label, where it is another machine

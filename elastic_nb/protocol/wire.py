@@ -23,8 +23,9 @@ __all__ = ["VERSION", "Frame", "FrameDecoder", "ProtocolError", "check", "check_
 
 # Every channel's, said at each handshake (the kernel's hello, a join agent's): 2: log batches are
 # records; 3: sessions; 4: typed messages, a reply's data; 5: memory samples; 6: nodes (join
-# agents); 7: a module a channel, nested records checked, memory samples with their limit.
-VERSION = 7
+# agents); 7: a module a channel, nested records checked, memory samples with their limit; 8:
+# replies typed per request (a stop's answer from an agent: records, not pairs).
+VERSION = 8
 
 # A header line longer than this is a corrupt stream, not a message.
 _MAX_HEADER = 16 * 1024 * 1024

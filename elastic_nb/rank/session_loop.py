@@ -77,9 +77,9 @@ class _Channel:
     on interrupts at once (the main thread may be deep in a cell); the main thread sends."""
 
     def __init__(self, path: str) -> None:
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock.connect(path)
-        self._send_lock = threading.Lock()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(path)
+        self._conn = protocol.connection.Connection(sock, protocol.sessions.session_order)
         self._lock = threading.Lock()  # `_current` and `_cancelled`, between the two threads
         self._current: str | None = None  # the cell the main thread runs
         self._cancelled: set[str] = set()  # interrupted before they started
@@ -91,8 +91,7 @@ class _Channel:
         threading.Thread(target=self._read, name="elastic_nb-session", daemon=True).start()
 
     def send(self, msg: protocol.sessions.RankNews) -> None:
-        with self._send_lock:
-            self._sock.sendall(protocol.wire.encode(msg))
+        self._conn.send(msg)
 
     def next(self) -> protocol.sessions.Run | protocol.sessions.Bye | None:
         """The next message for the main thread (a cell to run, or bye); None: the supervisor
@@ -118,15 +117,12 @@ class _Channel:
             raise KeyboardInterrupt
 
     def _read(self) -> None:
-        decoder = protocol.wire.FrameDecoder()
         try:
-            while data := self._sock.recv(1 << 16):
-                for frame, _ in decoder.feed(data):
-                    msg = protocol.sessions.session_order(frame)
-                    if msg["kind"] == protocol.sessions.INTERRUPT:
-                        self._interrupt(msg["cell"])
-                    else:
-                        self._queue.put(msg)
+            for msg, _ in self._conn:
+                if msg["kind"] == protocol.sessions.INTERRUPT:
+                    self._interrupt(msg["cell"])
+                else:
+                    self._queue.put(msg)
         except (OSError, protocol.wire.ProtocolError):
             pass
         self._queue.put(None)

@@ -29,6 +29,7 @@ AUTH_RESOURCE = "elastic-nb"
 LOG_CHUNK = 256 * 1024  # bytes of a log per call, following it
 DEFAULT_TAIL = 200
 T = TypeVar("T")
+R = TypeVar("R")  # a reply's data
 
 
 class _Handler(APIHandler):
@@ -37,7 +38,7 @@ class _Handler(APIHandler):
     async def blocking(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(None, lambda: fn(*args, **kwargs))
 
-    async def overview(self) -> list[tuple[Supervisor, dict[str, Any]]]:
+    async def overview(self) -> list[tuple[Supervisor, protocol.kernel.PanelEntry]]:
         """(supervisor, entry) for every job, session and cell of every live supervisor, asked
         all at once: one slow supervisor delays the listing by its own time only."""
         found = await self.blocking(supervisors.find)
@@ -46,15 +47,15 @@ class _Handler(APIHandler):
             (sup, entry) for sup, entries in zip(found, replies, strict=True) for entry in entries
         ]
 
-    async def owner(self, job_id: str) -> tuple[Supervisor, dict[str, Any]]:
+    async def owner(self, job_id: str) -> tuple[Supervisor, protocol.kernel.PanelEntry]:
         for sup, entry in await self.overview():
             if entry["id"] == job_id:
                 return sup, entry
         raise web.HTTPError(404, f"no job {job_id}")
 
-    async def ask(self, sup: Supervisor, msg: protocol.kernel.KernelRequest) -> dict[str, Any]:
+    async def ask(self, sup: Supervisor, msg: protocol.kernel.Request, reply: type[R]) -> R:
         try:
-            return await self.blocking(sup.request, msg)
+            return await self.blocking(sup.request, msg, reply)
         except SupervisorError as e:
             raise web.HTTPError(404 if e.missing else 409, str(e)) from None
 
@@ -114,14 +115,14 @@ class StopHandler(_Handler):
                 protocol.kernel.Down(
                     kind=protocol.kernel.DOWN, req=1, session=job_id, reason="panel"
                 ),
+                protocol.kernel.Done,
             )
             stopping = [job_id] if entry["running"] else []
         else:
             stop = protocol.kernel.Stop(
                 kind=protocol.kernel.STOP, req=1, job=job_id, reason="panel"
             )
-            reply = await self.ask(sup, stop)
-            stopping = reply["stopping"]
+            stopping = (await self.ask(sup, stop, protocol.kernel.Stopping))["stopping"]
         self.finish(json.dumps({"stopping": stopping}))
 
 
@@ -132,12 +133,11 @@ class StacksHandler(_Handler):
         sup, entry = await self.owner(job_id)
         if not entry["running"]:
             raise web.HTTPError(409, f"job {job_id} is not running")
-        reply = await self.ask(
-            sup, protocol.kernel.Stacks(kind=protocol.kernel.STACKS, req=1, job=job_id)
-        )
+        stacks = protocol.kernel.Stacks(kind=protocol.kernel.STACKS, req=1, job=job_id)
+        reply = await self.ask(sup, stacks, protocol.kernel.StackText)
         ranks = split_stacks(reply["text"])
         for r in ranks:
-            r["pid"] = reply.get("pids", {}).get(str(r["rank"]))
+            r["pid"] = reply["pids"].get(str(r["rank"]))
         self.finish(json.dumps({"text": reply["text"], "ranks": ranks}))
 
 
@@ -182,23 +182,22 @@ class EventsHandler(_Handler):
         except ValueError:
             raise web.HTTPError(400, "since is a number") from None
         events = protocol.kernel.Events(kind=protocol.kernel.EVENTS, req=1, job=job_id, since=since)
-        reply = await self.ask(sup, events)
+        reply = await self.ask(sup, events, protocol.kernel.EventList)
         self.finish(json.dumps({"events": reply["events"], "seq": reply["seq"]}))
 
 
-def _overview_of(sup: Supervisor) -> list[dict[str, Any]]:
+def _overview_of(sup: Supervisor) -> list[protocol.kernel.PanelEntry]:
+    overview = protocol.kernel.Overview(kind=protocol.kernel.OVERVIEW, req=1)
     try:
-        jobs: list[dict[str, Any]] = sup.request(
-            protocol.kernel.Overview(kind=protocol.kernel.OVERVIEW, req=1)
-        )["jobs"]
-        return jobs
+        return sup.request(overview, protocol.kernel.PanelList)["jobs"]
     except SupervisorError:
         return []  # gone or going (its jobs with it), or of another elastic_nb version
 
 
-def _nodes_of(sup: Supervisor) -> dict[str, Any] | None:
+def _nodes_of(sup: Supervisor) -> protocol.kernel.MachineList | None:
     try:
-        return sup.request(protocol.kernel.Nodes(kind=protocol.kernel.NODES, req=1))
+        nodes = protocol.kernel.Nodes(kind=protocol.kernel.NODES, req=1)
+        return sup.request(nodes, protocol.kernel.MachineList)
     except SupervisorError:
         return None
 

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import errno
 import socket
+import typing
 from dataclasses import dataclass
-from typing import Any
+from typing import TypeVar
 
 from elastic_nb import protocol
 from elastic_nb.common import registry
@@ -20,6 +21,7 @@ __all__ = ["Supervisor", "SupervisorError", "find"]
 TIMEOUT_S = 10.0  # a request the supervisor answers from memory; stacks take a probe round
 # connect() on a socket file nobody listens on: the supervisor is gone, its registration stale.
 _DEAD = (errno.ECONNREFUSED, errno.ENOENT)
+R = TypeVar("R")
 
 
 class SupervisorError(RuntimeError):
@@ -43,11 +45,10 @@ class Supervisor:
         return self.registration.kernel_id
 
     def request(
-        self, msg: protocol.kernel.KernelRequest, timeout: float = TIMEOUT_S
-    ) -> dict[str, Any]:
-        """One request (one connection: its `req` is the only one), its reply's data;
-        SupervisorError if refused or unreachable."""
-        req = msg["req"] if msg["kind"] != protocol.kernel.HELLO else 0
+        self, msg: protocol.kernel.Request, reply: type[R], timeout: float = TIMEOUT_S
+    ) -> R:
+        """One request (one connection: its `req` is the only one), its reply's data (of the type
+        `reply`); SupervisorError if refused or unreachable."""
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.settimeout(timeout)
             try:
@@ -56,34 +57,31 @@ class Supervisor:
                 if e.errno in _DEAD:
                     registry.forget(self.registration)
                 raise SupervisorError(f"supervisor {self.pid} cannot be reached: {e}") from e
+            conn = protocol.connection.Connection(sock, protocol.kernel.kernel_news)
+            hello = protocol.kernel.Hello(
+                kind=protocol.kernel.HELLO,
+                version=protocol.wire.VERSION,
+                role=protocol.kernel.ROLE_PANEL,
+            )
             try:
-                hello = protocol.kernel.Hello(
-                    kind=protocol.kernel.HELLO,
-                    version=protocol.wire.VERSION,
-                    role=protocol.kernel.ROLE_PANEL,
-                )
-                sock.sendall(protocol.wire.encode(hello) + protocol.wire.encode(msg))
-                return _reply(sock, req, self.pid)
+                conn.send(hello)
+                conn.send(msg)
+                for answer, _ in conn:
+                    if answer["kind"] == protocol.kernel.HELLO and answer.get("error"):
+                        raise SupervisorError(str(answer["error"]))  # another elastic_nb version
+                    if answer["kind"] == protocol.kernel.REPLY and answer["req"] == msg["req"]:
+                        return typing.cast(R, self._data(msg["kind"], answer))
             except OSError as e:
                 raise SupervisorError(f"supervisor {self.pid} did not answer: {e}") from e
+        raise SupervisorError(f"supervisor {self.pid} closed the connection")
 
-
-def _reply(sock: socket.socket, req: int, pid: int) -> dict[str, Any]:
-    decoder = protocol.wire.FrameDecoder()
-    while True:
-        data = sock.recv(1 << 16)
-        if not data:
-            raise SupervisorError(f"supervisor {pid} closed the connection")
-        for frame, _ in decoder.feed(data):
-            if frame.get("kind") == protocol.kernel.HELLO and frame.get("error"):
-                raise SupervisorError(str(frame["error"]))  # another version of elastic_nb
-            msg = protocol.kernel.kernel_news(frame)
-            if msg["kind"] == protocol.kernel.REPLY and msg["req"] == req:
-                if not msg["ok"]:
-                    error = str(msg.get("error"))
-                    # The supervisor's refusal of an id it does not know: a KeyError.
-                    raise SupervisorError(error, missing=error.startswith("KeyError"))
-                return msg["data"]
+    @staticmethod
+    def _data(kind: str, answer: protocol.kernel.Reply) -> protocol.wire.Frame:
+        if not answer["ok"]:
+            error = str(answer.get("error"))
+            # The supervisor's refusal of an id it does not know: a KeyError.
+            raise SupervisorError(error, missing=error.startswith("KeyError"))
+        return protocol.kernel.reply_data(kind, answer["data"])
 
 
 def find() -> list[Supervisor]:

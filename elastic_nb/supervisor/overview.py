@@ -7,8 +7,9 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from elastic_nb import protocol
 from elastic_nb.common.report import summary_line
 
 if TYPE_CHECKING:
@@ -20,7 +21,7 @@ if TYPE_CHECKING:
 __all__ = ["entries", "rank_pids", "reporter_of"]
 
 
-def entries(jobs: Iterable[Job], sessions: Iterable[Session]) -> list[dict[str, Any]]:
+def entries(jobs: Iterable[Job], sessions: Iterable[Session]) -> list[protocol.kernel.PanelEntry]:
     """One entry per job, session and session cell, oldest first."""
     out = [_owner(j, "job") for j in jobs]
     for s in sessions:
@@ -49,40 +50,42 @@ def rank_pids(owner: Job | Session) -> dict[str, int]:
     }
 
 
-def _owner(o: Job | Session, kind: str) -> dict[str, Any]:
+def _owner(o: Job | Session, kind: str) -> protocol.kernel.PanelEntry:
     """A job or a session: each owns its ranks and run directory."""
     return _entry(o, kind, o.state, ranks=o)
 
 
-def _cell(s: Session, c: SessionCell) -> dict[str, Any]:
+def _cell(s: Session, c: SessionCell) -> protocol.kernel.PanelEntry:
     # A cell's ranks are its session's.
     return _entry(c, "cell", c.summary["outcome"] if c.summary else c.report.state, ranks=s)
 
 
 def _entry(
     it: Job | Session | SessionCell, kind: str, state: str, ranks: Job | Session
-) -> dict[str, Any]:
+) -> protocol.kernel.PanelEntry:
     """`it`'s entry; `ranks`: the group that runs its ranks (`it` itself, or a cell's session)."""
     summary = it.summary
-    return {
-        "id": it.id,
-        "kind": kind,
-        "session": None if ranks is it else ranks.id,
-        "supervisor_pid": os.getpid(),
-        "state": state,
-        "running": it.running,
-        "world_size": ranks.world_size,
-        "attempt": ranks.attempt,
-        "restarts": ranks.restarts,
-        "max_restarts": ranks.spec.max_restarts,
-        "created": it.created,
-        "elapsed_s": summary["wall_s"] if summary else time.time() - it.created,
-        "alerts": [
-            {"kind": a["kind"], "severity": a["severity"], "rank": a["rank"], "text": a["title"]}
+    return protocol.kernel.PanelEntry(
+        id=it.id,
+        kind=kind,
+        session=None if ranks is it else ranks.id,
+        supervisor_pid=os.getpid(),
+        state=state,
+        running=it.running,
+        world_size=ranks.world_size,
+        attempt=ranks.attempt,
+        restarts=ranks.restarts,
+        max_restarts=ranks.spec.max_restarts,
+        created=it.created,
+        elapsed_s=summary["wall_s"] if summary else time.time() - it.created,
+        alerts=[
+            protocol.kernel.PanelAlert(
+                kind=a["kind"], severity=a["severity"], rank=a["rank"], text=a["title"]
+            )
             for a in it.report.recent_alerts
         ],
-        "outcome": summary["outcome"] if summary else None,
-        "summary": summary_line(summary) if summary is not None else None,
-        "run_dir": str(it.rd),
-        "logs_dir": str(ranks.rd),
-    }
+        outcome=summary["outcome"] if summary else None,
+        summary=summary_line(summary) if summary is not None else None,
+        run_dir=str(it.rd),
+        logs_dir=str(ranks.rd),
+    )

@@ -15,7 +15,7 @@ import secrets
 import signal
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +27,11 @@ from elastic_nb import protocol
 from elastic_nb.common import procs, registry
 from elastic_nb.common.rundir import RunDir
 from elastic_nb.common.spec import JobSpec
+from elastic_nb.common.submission import Submission
 from elastic_nb.supervisor import overview
 from elastic_nb.supervisor.nodes.cluster import Cluster
 from elastic_nb.supervisor.processes.launcher_pool import LauncherPool
-from elastic_nb.supervisor.processes.node import LocalNode
+from elastic_nb.supervisor.processes.local_node import LocalNode
 from elastic_nb.supervisor.runs.job import Job
 from elastic_nb.supervisor.runs.rounds import Machines
 from elastic_nb.supervisor.sessions.session import Session
@@ -43,37 +44,10 @@ log = logging.getLogger(__name__)
 KEEP_FINISHED = 200  # finished jobs `%elastic jobs` lists; older ones live on disk only
 
 
-class Connection:
-    def __init__(self, stream: SocketStream) -> None:
-        self._stream = stream
-        self._lock = anyio.Lock()
-        self._decoder = protocol.wire.FrameDecoder()
-        self.closed = False
-
-    async def send(self, msg: protocol.Message, blob: bytes | None = None) -> None:
-        if self.closed:
-            return
-        data = protocol.wire.encode(msg, blob)
-        async with self._lock:
-            try:
-                await self._stream.send(data)
-            except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-                self.closed = True
-
-    async def messages(self) -> AsyncIterator[tuple[protocol.wire.Frame, bytes | None]]:
-        while True:
-            try:
-                data = await self._stream.receive()
-            except (
-                anyio.EndOfStream,
-                anyio.BrokenResourceError,
-                anyio.ClosedResourceError,
-                OSError,
-            ):
-                self.closed = True
-                return
-            for item in self._decoder.feed(data):
-                yield item
+# A connection to the supervisor's socket (the kernel's, or the panel's): its frames are checked
+# a request at a time (Supervisor._handle), so that a request that does not fit is refused in
+# its reply, and the connection serves on.
+Connection = protocol.connection.AsyncConnection[protocol.wire.Frame]
 
 
 class Supervisor:
@@ -204,12 +178,12 @@ class Supervisor:
     # ---- requests ---------------------------------------------------------------------------
 
     async def _serve_connection(self, stream: SocketStream) -> None:
-        conn = Connection(stream)
+        conn = Connection(stream, _unchecked)
         is_kernel = greeted = False
         try:
             # A frame that is no message ends this connection only (ProtocolError); a request
             # the supervisor cannot serve is refused in its reply.
-            async for frame, blob in conn.messages():
+            async for frame, blob in conn:
                 if not greeted and frame["kind"] != protocol.kernel.HELLO:
                     raise protocol.wire.ProtocolError(f"{frame['kind']!r} before hello")
                 if frame["kind"] == protocol.kernel.HELLO:
@@ -229,8 +203,7 @@ class Supervisor:
         except Exception:  # a bug of ours ends this connection, never the supervisor
             log.exception("a connection failed")
         finally:
-            with contextlib.suppress(Exception):
-                await stream.aclose()
+            await conn.aclose()
             if is_kernel:
                 self._shutdown()  # the kernel closed its lifeline: it is gone or shutting down
 
@@ -253,12 +226,12 @@ class Supervisor:
             )
             return
         await conn.send(
-            protocol.kernel.Reply(kind=protocol.kernel.REPLY, req=req, ok=True, data=reply)
+            protocol.kernel.Reply(kind=protocol.kernel.REPLY, req=req, ok=True, data=dict(reply))
         )
 
     async def _serve(
         self, conn: Connection, msg: protocol.kernel.KernelRequest, blob: bytes | None
-    ) -> dict[str, Any]:
+    ) -> Mapping[str, object]:
         """What a request asks for, by its kind's handler (`_REQUESTS`); raises what refuses it."""
         handler = _REQUESTS.get(msg["kind"])
         if handler is None:  # a hello after the first: the channel's, but no request
@@ -267,21 +240,31 @@ class Supervisor:
 
     # ---- the requests (each its handler in _REQUESTS) --------------------------------------------
 
-    async def _on_stop(self, _c: Connection, msg: protocol.kernel.Stop, _b: Blob) -> Data:
+    async def _on_stop(
+        self, _c: Connection, msg: protocol.kernel.Stop, _b: Blob
+    ) -> protocol.kernel.Stopping:
         return self._stop(msg["job"], msg["reason"])
 
-    async def _on_stacks(self, _c: Connection, msg: protocol.kernel.Stacks, _b: Blob) -> Data:
+    async def _on_stacks(
+        self, _c: Connection, msg: protocol.kernel.Stacks, _b: Blob
+    ) -> protocol.kernel.StackText:
         text, owner = await self._stacks(msg["job"])
         return {"text": text, "pids": overview.rank_pids(owner)}
 
-    async def _on_warm(self, _c: Connection, msg: protocol.kernel.Warm, _b: Blob) -> Data:
+    async def _on_warm(
+        self, _c: Connection, msg: protocol.kernel.Warm, _b: Blob
+    ) -> protocol.kernel.Done:
         self._launchers.keep_warm(msg["on"])
         return {}
 
-    async def _on_jobs(self, _c: Connection, _m: protocol.kernel.Jobs, _b: Blob) -> Data:
+    async def _on_jobs(
+        self, _c: Connection, _m: protocol.kernel.Jobs, _b: Blob
+    ) -> protocol.kernel.JobList:
         return {"jobs": [_info(j) for j in self._jobs.values()]}
 
-    async def _on_status(self, _c: Connection, _m: protocol.kernel.Status, _b: Blob) -> Data:
+    async def _on_status(
+        self, _c: Connection, _m: protocol.kernel.Status, _b: Blob
+    ) -> protocol.kernel.SupervisorStatus:
         return {
             "pid": os.getpid(),
             "uptime_s": time.time() - self._started,
@@ -295,41 +278,59 @@ class Supervisor:
             },
         }
 
-    async def _on_up(self, conn: Connection, msg: protocol.kernel.Up, _b: Blob) -> Data:
+    async def _on_up(
+        self, conn: Connection, msg: protocol.kernel.Up, _b: Blob
+    ) -> protocol.kernel.SessionUp:
         return await self._up(conn, msg)
 
-    async def _on_down(self, _c: Connection, msg: protocol.kernel.Down, _b: Blob) -> Data:
+    async def _on_down(
+        self, _c: Connection, msg: protocol.kernel.Down, _b: Blob
+    ) -> protocol.kernel.Done:
         self._session(msg["session"]).down(msg.get("reason", "user"))
         return {}
 
-    async def _on_session(self, _c: Connection, msg: protocol.kernel.SessionInfo, _b: Blob) -> Data:
+    async def _on_session(
+        self, _c: Connection, msg: protocol.kernel.SessionInfo, _b: Blob
+    ) -> protocol.kernel.SessionState:
         return self._session(msg["session"]).info()
 
-    async def _on_overview(self, _c: Connection, _m: protocol.kernel.Overview, _b: Blob) -> Data:
+    async def _on_overview(
+        self, _c: Connection, _m: protocol.kernel.Overview, _b: Blob
+    ) -> protocol.kernel.PanelList:
         return {"jobs": overview.entries(self._jobs.values(), self._sessions.values())}
 
-    async def _on_events(self, _c: Connection, msg: protocol.kernel.Events, _b: Blob) -> Data:
+    async def _on_events(
+        self, _c: Connection, msg: protocol.kernel.Events, _b: Blob
+    ) -> protocol.kernel.EventList:
         report = overview.reporter_of(msg["job"], self._jobs, self._sessions)
         return {"events": report.events_since(msg["since"]), "seq": report.seq}
 
-    async def _on_nodes(self, _c: Connection, _m: protocol.kernel.Nodes, _b: Blob) -> Data:
+    async def _on_nodes(
+        self, _c: Connection, _m: protocol.kernel.Nodes, _b: Blob
+    ) -> protocol.kernel.MachineList:
         return self._nodes()
 
-    async def _on_join(self, _c: Connection, msg: protocol.kernel.Join, _b: Blob) -> Data:
+    async def _on_join(
+        self, _c: Connection, msg: protocol.kernel.Join, _b: Blob
+    ) -> protocol.kernel.JoinLine:
         return await self._join(msg)
 
     # ---- nodes ---------------------------------------------------------------------------------
 
-    def _nodes(self) -> dict[str, Any]:
+    def _nodes(self) -> protocol.kernel.MachineList:
         """This machine and the join agents (%elastic nodes, the panel)."""
         if self._cluster is None:
             from elastic_nb.common import machine
 
             here = machine.describe(machine.primary_address(), "")
-            return {"listening": None, "here": {"node": 0, **here, "state": "here"}, "agents": []}
+            return protocol.kernel.MachineList(
+                listening=None,
+                here=protocol.kernel.Machine(**here, node=0, state="here"),
+                agents=[],
+            )
         return self._cluster.describe()
 
-    async def _join(self, msg: protocol.kernel.Join) -> dict[str, Any]:
+    async def _join(self, msg: protocol.kernel.Join) -> protocol.kernel.JoinLine:
         """The join command (the agents' channel opened at the first ask); a new token drops
         the agents holding the old one."""
         assert self._tg is not None
@@ -347,36 +348,20 @@ class Supervisor:
 
     async def _submit(
         self, conn: Connection, msg: protocol.kernel.Submit, blob: bytes | None
-    ) -> dict[str, Any]:
-        spec = JobSpec.from_dict(msg["spec"])
+    ) -> protocol.kernel.Submitted:
         job_id = msg["job"] or secrets.token_hex(4)
         if job_id in self._jobs or self._cell_session(job_id) or not job_id.isalnum():
             raise ValueError(f"job id {job_id!r} is taken or malformed")
-        if msg["session"]:
-            session = self._session(msg["session"])
-            cell = SessionCell(
-                job_id,
-                spec,
-                msg["cell"]["source"],
-                msg["cell"]["meta"],
-                blob,
-                conn.send,
-                session.id,
-            )
+        submitted = Submission.of(msg, job_id, blob)
+        if submitted.session:
+            session = self._session(submitted.session)
+            cell = SessionCell(submitted, conn.send)
             await anyio.to_thread.run_sync(cell.prepare)
             session.submit(cell)
             return {"job": job_id}
         env = msg["env"] or dict(os.environ)
-        job = Job(
-            job_id,
-            spec,
-            msg["cell"]["source"],
-            msg["cell"]["meta"],
-            blob,
-            env=env,
-            send=conn.send,
-            **self._place(spec, job_id, env),
-        )
+        spec = submitted.spec
+        job = Job(submitted, env=env, send=conn.send, **self._place(spec, job_id, env))
         self._forget_old_jobs()
         self._jobs[job_id] = job  # the id is taken from here on, even while prepare runs
         try:
@@ -407,7 +392,7 @@ class Supervisor:
             raise KeyError(f"no running job {job_id}" if job_id else "no running job")
         return await running[-1].stacks(), running[-1]
 
-    def _stop(self, job_id: str | None, reason: str) -> dict[str, Any]:
+    def _stop(self, job_id: str | None, reason: str) -> protocol.kernel.Stopping:
         """Stop jobs, or interrupt a session's cells (the session stays: %elastic down ends it)."""
         if job_id and (session := self._cell_session(job_id)) is not None:
             running = session.cells[job_id].running
@@ -445,7 +430,7 @@ class Supervisor:
                 return s
         return None
 
-    async def _up(self, conn: Connection, msg: protocol.kernel.Up) -> dict[str, Any]:
+    async def _up(self, conn: Connection, msg: protocol.kernel.Up) -> protocol.kernel.SessionUp:
         spec = JobSpec.from_dict(msg["spec"])
         session_id = msg["session"] or secrets.token_hex(4)
         if session_id in self._sessions or session_id in self._jobs or not session_id.isalnum():
@@ -490,26 +475,32 @@ def _pid_alive(pid: int) -> bool:
         return True
 
 
-def _info(job: Job) -> dict[str, Any]:
+def _info(job: Job) -> protocol.kernel.JobRow:
     """One job as %elastic jobs lists it."""
     s = job.summary
-    return {
-        "job": job.id,
-        "state": job.state,
-        "attempt": job.attempt,
-        "world_size": job.spec.world_size,
-        "run_dir": str(job.rd),
-        "created": job.created,
-        "outcome": s["outcome"] if s else None,
-        "wall_s": s["wall_s"] if s else time.time() - job.created,
-    }
+    return protocol.kernel.JobRow(
+        job=job.id,
+        state=job.state,
+        attempt=job.attempt,
+        world_size=job.spec.world_size,
+        run_dir=str(job.rd),
+        created=job.created,
+        outcome=s["outcome"] if s else None,
+        wall_s=s["wall_s"] if s else time.time() - job.created,
+    )
+
+
+def _unchecked(frame: protocol.wire.Frame) -> protocol.wire.Frame:
+    return frame
 
 
 Blob = bytes | None
-Data = dict[str, Any]  # a reply's data
-# Each request of the kernel's channel, and its handler (a Supervisor method). The hello is the
-# channel's too, but it is the handshake's (Supervisor._serve_connection), no request.
-_REQUESTS: dict[str, Callable[[Supervisor, Connection, Any, Blob], Awaitable[Data]]] = {
+# Each request of the kernel's channel, and its handler (a Supervisor method), which returns the
+# reply's data (of the type protocol.kernel.REPLIES names). The hello is the channel's too, but
+# it is the handshake's (Supervisor._serve_connection), no request.
+_REQUESTS: dict[
+    str, Callable[[Supervisor, Connection, Any, Blob], Awaitable[Mapping[str, object]]]
+] = {
     protocol.kernel.SUBMIT: Supervisor._submit,
     protocol.kernel.STOP: Supervisor._on_stop,
     protocol.kernel.STACKS: Supervisor._on_stacks,

@@ -4,7 +4,7 @@ now (`%elastic nodes`).
 `Cluster` serves the agents' channel (channel.Listener) once the first join command is asked
 for: it admits an agent whose versions match the notebook's (refusing one that differs, naming
 both), numbers it, hears its heartbeat, and knows within `protocol.agents.LOST_AFTER_S` that it left (at
-once when its connection drops). `AgentLink` is one agent: the orders sent to it, the answers
+once when its connection drops). `JoinAgentLink` is one agent: the orders sent to it, the answers
 awaited, and its news routed to the group each concerns (`remote_node.RemoteNode`, one per group
 and round on that agent). Groups learn of a change of members through `changed`.
 """
@@ -23,8 +23,8 @@ from anyio.abc import TaskGroup
 
 from elastic_nb import protocol
 from elastic_nb.common import machine
+from elastic_nb.supervisor.nodes.agent_link import JoinAgentLink
 from elastic_nb.supervisor.nodes.channel import Keys, Listener
-from elastic_nb.supervisor.nodes.remote_node import AgentLink
 
 __all__ = ["Cluster"]
 
@@ -40,7 +40,7 @@ class Cluster:
         self.addr = machine.primary_address()
         self.info = machine.describe(self.addr, "")
         self.listener: Listener | None = None
-        self.agents: dict[bytes, AgentLink] = {}
+        self.agents: dict[bytes, JoinAgentLink] = {}
         self._numbers = itertools.count(1)
         self.refused: list[dict[str, Any]] = []  # version mismatches, newest last
         self.changed = anyio.Event()  # set (and replaced) at every change of members
@@ -115,24 +115,25 @@ class Cluster:
         self._notify()
         return len(dropped)
 
-    def ready(self) -> list[AgentLink]:
+    def ready(self) -> list[JoinAgentLink]:
         """The agents that can take ranks now, in join order."""
         return sorted((a for a in self.agents.values() if a.ready), key=lambda a: a.number)
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> protocol.kernel.MachineList:
         """What %elastic nodes lists."""
-        return {
-            "listening": None
-            if self.listener is None
-            else {
-                "host": self.listener.host,
-                "port": self.listener.port,
-                "token": self.listener.keys.fingerprint(),
-            },
-            "here": {"node": 0, **self.info, "state": "here"},
-            "agents": [a.describe() for a in sorted(self.agents.values(), key=lambda a: a.number)],
-            "refused": self.refused[-20:] + [{"why": r} for r in self._refusals()],
-        }
+        listening = None
+        if self.listener is not None:
+            listening = protocol.kernel.Listening(
+                host=self.listener.host,
+                port=self.listener.port,
+                token=self.listener.keys.fingerprint(),
+            )
+        return protocol.kernel.MachineList(
+            listening=listening,
+            here=protocol.kernel.Machine(**self.info, node=0, state="here"),
+            agents=[a.describe() for a in sorted(self.agents.values(), key=lambda a: a.number)],
+            refused=self.refused[-20:] + [{"why": r} for r in self._refusals()],
+        )
 
     def _refusals(self) -> list[str]:
         return list(self.listener.refusals[-20:]) if self.listener else []
@@ -190,7 +191,9 @@ class Cluster:
             )
             return
         endpoint = (blob or b"").decode(errors="replace")
-        agent = AgentLink(self.listener_send, self.spawn, peer, next(self._numbers), info, endpoint)
+        agent = JoinAgentLink(
+            self.listener_send, self.spawn, peer, next(self._numbers), info, endpoint
+        )
         self.agents[peer] = agent
         welcome = protocol.agents.Welcome(
             kind=protocol.agents.WELCOME,

@@ -159,7 +159,7 @@ class LauncherPool:
             self.drop_idle()
             self._drop_zygote()
 
-    def describe(self) -> dict[str, Any] | None:
+    def describe(self) -> protocol.kernel.WarmLauncher | None:
         """The idle launcher and the zygote, for %elastic status: pids, readiness, memory."""
         w, z = self._idle, self._zygote
         if w is None and z is None:
@@ -173,16 +173,16 @@ class LauncherPool:
                 for p in [tree, *tree.children(recursive=True)]:
                     mem = p.memory_full_info()
                     rss, pss = rss + mem.rss, pss + mem.pss
-        return {
-            "pid": w.pid if w else None,
-            "ready": bool(w and w.ready),
-            "age_s": time.time() - w.started if w else 0.0,
-            "preload": list(w.preload) if w else [],
-            "zygote": z.pid if z else None,
-            "zygote_ready": bool(z and z.ready),
-            "rss_mb": rss / 2**20,
-            "pss_mb": pss / 2**20,
-        }
+        return protocol.kernel.WarmLauncher(
+            pid=w.pid if w else None,
+            ready=bool(w and w.ready),
+            age_s=time.time() - w.started if w else 0.0,
+            preload=list(w.preload) if w else [],
+            zygote=z.pid if z else None,
+            zygote_ready=bool(z and z.ready),
+            rss_mb=rss / 2**20,
+            pss_mb=pss / 2**20,
+        )
 
     def drop_idle(self) -> None:
         idle, self._idle = self._idle, None

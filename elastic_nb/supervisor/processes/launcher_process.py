@@ -17,6 +17,7 @@ import anyio
 
 from elastic_nb import protocol
 from elastic_nb.common import procs, report
+from elastic_nb.supervisor.processes.node import Work
 from elastic_nb.supervisor.processes.zygote_process import Child, ForkedProcess, Zygote
 
 __all__ = ["Launcher"]
@@ -116,22 +117,15 @@ class Launcher(Child):
             await anyio.sleep(0.02)
         return code
 
-    def assign(
-        self,
-        job_id: str,
-        run_dir: str,
-        env: dict[str, str],
-        plan: protocol.launcher.LaunchRound | None = None,
-    ) -> bytes:
-        """Make it the job's; returns the assignment for the caller to write (off the loop:
-        an environment can be larger than a pipe's buffer). The ranks get the job's
-        environment, marked with its id (procs.MARKER: how its processes are found); `plan`:
-        the round of a multi-node job it runs."""
-        self.job = job_id
-        env = {**env, procs.MARKER: job_id, "ELASTIC_NB_SUPERVISOR_PID": str(os.getpid())}
+    def assign(self, work: Work, run_dir: str) -> bytes:
+        """Make it the group's; returns the assignment for the caller to write (off the loop:
+        an environment can be larger than a pipe's buffer). The ranks get the group's
+        environment, marked with its id (procs.MARKER: how its processes are found)."""
+        job_id = self.job = work.group
+        env = {**work.env, procs.MARKER: job_id, "ELASTIC_NB_SUPERVISOR_PID": str(os.getpid())}
         if "matplotlib_inline" in env.get("MPLBACKEND", ""):
             env["MPLBACKEND"] = "Agg"  # the kernel's inline backend means nothing in a rank
-        line = protocol.launcher.Assignment(job=job_id, run_dir=run_dir, env=env, round=plan)
+        line = protocol.launcher.Assignment(job=job_id, run_dir=run_dir, env=env, round=work.plan)
         return json.dumps(line).encode() + b"\n"
 
     def outcome(self, log: Path) -> tuple[str, str]:

@@ -14,11 +14,11 @@ import contextlib
 import os
 import signal
 from collections.abc import Callable
-from typing import Any
 
 import anyio
 import psutil
 
+from elastic_nb import protocol
 from elastic_nb.common import procs
 from elastic_nb.supervisor.processes.zygote_process import ForkedProcess
 
@@ -59,7 +59,7 @@ class ProcessTree:
 
     async def leftovers_after_success(
         self, grace: float, stuck: Callable[[], bool]
-    ) -> list[dict[str, Any]]:
+    ) -> list[protocol.records.Leftover]:
         """torch has joined the ranks and the launcher is on its way out: wait for it (unless the
         agent is known stuck), then name what still carries the marker, left behind by the cell."""
         with anyio.move_on_after(grace):
@@ -108,8 +108,8 @@ class ProcessTree:
         return survivors
 
 
-def _describe(p: psutil.Process) -> dict[str, Any]:
+def _describe(p: psutil.Process) -> protocol.records.Leftover:
     try:
-        return {"pid": p.pid, "cmd": " ".join(p.cmdline())[:80]}
+        return protocol.records.Leftover(pid=p.pid, cmd=" ".join(p.cmdline())[:80])
     except psutil.Error:
-        return {"pid": p.pid, "cmd": "?"}
+        return protocol.records.Leftover(pid=p.pid, cmd="?")

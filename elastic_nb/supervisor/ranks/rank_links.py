@@ -5,10 +5,7 @@ rank of an attempt is connected and alive.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import socket
-import struct
 from collections.abc import Awaitable, Callable
 
 import anyio
@@ -16,6 +13,7 @@ from anyio.abc import ByteStream
 
 from elastic_nb import protocol
 from elastic_nb.supervisor.processes.node import Node
+from elastic_nb.supervisor.processes.peers import peer_pid
 from elastic_nb.supervisor.ranks.rank_book import RankBook
 from elastic_nb.supervisor.ranks.rank_state import RankState
 
@@ -26,18 +24,18 @@ log = logging.getLogger(__name__)
 HELLO_WAIT_S = 5.0  # a rank's hello may come before the agent's START event names its pid
 
 
+RankConnection = protocol.connection.AsyncConnection[protocol.sessions.RankNews]
+
+
 class Link:
     """One rank's connection."""
 
-    def __init__(self, r: RankState, stream: ByteStream) -> None:
+    def __init__(self, r: RankState, conn: RankConnection) -> None:
         self.r = r
-        self._stream = stream
-        self._lock = anyio.Lock()
+        self._conn = conn
 
     async def send(self, msg: protocol.sessions.SessionOrder) -> None:
-        with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-            async with self._lock:
-                await self._stream.send(protocol.wire.encode(msg))
+        await self._conn.send(msg)
 
 
 class RankLinks:
@@ -76,38 +74,26 @@ class RankLinks:
         """One connection (the listener's handler, or a rank on another machine whose agent
         relays it, `peer` its pid as the agent saw it, `node` that machine): a hello, then the
         rank's answers."""
-        decoder = protocol.wire.FrameDecoder()
+        conn = RankConnection(stream, protocol.sessions.rank_news)
         link: Link | None = None
         try:
-            while True:
-                try:
-                    data = await stream.receive()
-                except (
-                    anyio.EndOfStream,
-                    anyio.BrokenResourceError,
-                    anyio.ClosedResourceError,  # closed by the session's end
-                    OSError,
-                ):
-                    return
-                for frame, _ in decoder.feed(data):
-                    msg = protocol.sessions.rank_news(frame)
+            async for msg, _ in conn:  # till the rank's end, or the session's (it closes them)
+                if link is None:
+                    if msg["kind"] != protocol.sessions.RANK_HELLO:
+                        raise protocol.wire.ProtocolError(f"{msg['kind']!r} before rank_hello")
+                    link = await self._hello(conn, msg, peer, node)
                     if link is None:
-                        if msg["kind"] != protocol.sessions.RANK_HELLO:
-                            raise protocol.wire.ProtocolError(f"{msg['kind']!r} before rank_hello")
-                        link = await self._hello(stream, msg, peer, node)
-                        if link is None:
-                            return
-                    elif msg["kind"] == protocol.sessions.RAN:
-                        self._ran(link, msg["cell"], msg["ok"])
+                        return
+                elif msg["kind"] == protocol.sessions.RAN:
+                    self._ran(link, msg["cell"], msg["ok"])
         except protocol.wire.ProtocolError as e:
             log.warning("session %s: dropped a rank's connection: %s", self._session, e)
         finally:
-            with contextlib.suppress(Exception):
-                await stream.aclose()
+            await conn.aclose()
 
     async def _hello(
         self,
-        stream: ByteStream,
+        conn: RankConnection,
         msg: protocol.sessions.RankHello,
         peer: int | None,
         node: Node | None,
@@ -119,7 +105,7 @@ class RankLinks:
         await self._until(lambda: self._book.get(attempt, rank) is not None, HELLO_WAIT_S)
         r = self._book.get(attempt, rank)
         if peer is None:
-            peer = _peer_pid(stream)
+            peer = peer_pid(conn.stream.extra(anyio.abc.SocketAttribute.raw_socket, None))
         if r is None:
             why = "no such rank"
         elif r.died_at is not None:
@@ -140,18 +126,7 @@ class RankLinks:
                 why,
             )
             return None
-        link = Link(r, stream)
+        link = Link(r, conn)
         self._links[(attempt, rank)] = link
         self._changed()
         return link
-
-
-def _peer_pid(stream: ByteStream) -> int | None:
-    sock = stream.extra(anyio.abc.SocketAttribute.raw_socket, None)
-    if sock is None:
-        return None
-    with contextlib.suppress(OSError):
-        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-        pid: int = struct.unpack("3i", creds)[0]
-        return pid
-    return None

@@ -6,7 +6,6 @@ nothing); and what %elastic status prints of them."""
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import anyio
 
@@ -59,14 +58,14 @@ async def _cuda_memory(
     return out
 
 
-def memory_figures(memory: MemoryWatch, attempt: int) -> dict[str, dict[str, Any]]:
+def memory_figures(memory: MemoryWatch, attempt: int) -> dict[str, protocol.kernel.RankMemory]:
     """Each rank's latest memory sample in `attempt`, its peak and its growth per minute (host
     memory): what %elastic status prints."""
     return {
-        str(rank): {
-            "sample": s,
-            "rss_peak": memory.rss_peak(attempt, rank),
-            "growth": memory.growth(attempt, rank, "rss"),
-        }
+        str(rank): protocol.kernel.RankMemory(
+            sample=s,
+            rss_peak=memory.rss_peak(attempt, rank),
+            growth=memory.growth(attempt, rank, "rss"),
+        )
         for rank, s in sorted(memory.latest(attempt).items())
     }

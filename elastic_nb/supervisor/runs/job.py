@@ -37,24 +37,16 @@ import anyio
 from anyio.abc import TaskGroup
 
 from elastic_nb import protocol
-from elastic_nb.common.spec import TEARS_DOWN, JobSpec
+from elastic_nb.common.spec import TEARS_DOWN
+from elastic_nb.common.submission import Submission
 from elastic_nb.supervisor.forensics.desync import Desync
 from elastic_nb.supervisor.forensics.verdict import FAILED, Verdict, analyze
 from elastic_nb.supervisor.forensics.watchdogs import agent_stuck
 from elastic_nb.supervisor.processes.node import Node
 from elastic_nb.supervisor.ranks.evidence import Evidence, EvidenceCollector
 from elastic_nb.supervisor.ranks.rank_state import RankState
-from elastic_nb.supervisor.runs import summary
-from elastic_nb.supervisor.runs.diagnosis import (
-    LOOK_LEFT_S,
-    DesyncWatch,
-    Finding,
-    desync_finding,
-    oom_alert,
-    timeout_finding,
-    watchdog_title,
-    where_finding,
-)
+from elastic_nb.supervisor.runs import diagnosis, summary
+from elastic_nb.supervisor.runs.diagnosis import DesyncWatch, Finding
 from elastic_nb.supervisor.runs.rank_group import RankGroup
 from elastic_nb.supervisor.runs.reporter import Send
 from elastic_nb.supervisor.runs.rounds import Machines
@@ -70,23 +62,19 @@ STOPPED = ("timeout", "interrupted", "stopped")  # outcomes that end a job from 
 class Job(RankGroup):
     def __init__(
         self,
-        job_id: str,
-        spec: JobSpec,
-        source: str,
-        meta: dict[str, Any],
-        payload: bytes | None,
+        cell: Submission,
         env: dict[str, str],
         node: Node | None,
         send: Send,
         machines: Machines | None = None,
     ) -> None:
-        super().__init__(job_id, spec, node, send, machines)
-        self._source, self._meta, self._payload, self._env = source, meta, payload, env
+        super().__init__(cell.id, cell.spec, node, send, machines)
+        self._cell, self._env = cell, env
         self._created_mono = time.monotonic()
-        self._leftovers: list[dict[str, Any]] = []
+        self._leftovers: list[protocol.records.Leftover] = []
         self._watchdog_fired = False  # the zombie watchdog stopped the agent
         self._next_watch = 0.0  # monotonic: the watchdogs' next look
-        self._collector = EvidenceCollector(self.rd, self.book.node, source)
+        self._collector = EvidenceCollector(self.rd, self.book.node, cell.source)
         # Diagnoses: at most one per attempt at a time; a failure that comes while one is under
         # way waits for it.
         self._under_way: set[int] = set()  # attempts being diagnosed
@@ -112,8 +100,7 @@ class Job(RankGroup):
 
     def prepare(self) -> None:
         """Create the run directory; a failure here is the submitter's error, not a job's."""
-        self.rd.create(self.spec.to_json(), self._source, self._meta, self._payload)
-        self._payload = None  # on disk now; a pushed model need not stay in our memory
+        self._cell.write(self.rd)
         self.report.open(self.rd.events)
         self.report.event("created", nproc=self.spec.nproc)
 
@@ -219,7 +206,7 @@ class Job(RankGroup):
         kind = r.kind(self.teardown_at)
         if kind in FAILED:
             if kind == "oom" and r.failure is not None:
-                title, text = oom_alert(r)
+                title, text = diagnosis.oom_alert(r)
                 self.report.alert("oom", "error", title, rank=r.rank, text=text)
             self._rank_failed(r, kind)
         elif kind == "done":
@@ -339,7 +326,9 @@ class Job(RankGroup):
             # where every rank is (once an attempt: every rank's watchdog says it), end nothing.
             self._watchdog_alerts.add(r.attempt)
             self.task_group.start_soon(
-                self._report_where, "collective_timeout", watchdog_title(r.rank, line, mode)
+                self._report_where,
+                "collective_timeout",
+                diagnosis.watchdog_title(r.rank, line, mode),
             )
 
     # ---- diagnoses ----------------------------------------------------------------------------
@@ -354,7 +343,7 @@ class Job(RankGroup):
     async def _report_where(self, kind: str, title: str) -> None:
         """An alert with every rank's stack and what they say of a desync; nothing ends."""
         ev = await self._evidence()
-        found = where_finding(title, ev, self.held_memory())
+        found = diagnosis.where_finding(title, ev, self.held_memory())
         self.standing = (self.attempt, found)
         self.report.alert(kind, "warning", found.title, rank=found.culprit, text=found.stacks)
         self._places = (self.attempt, self.places(ev.places), self.tailer.activity_total())
@@ -371,7 +360,7 @@ class Job(RankGroup):
 
     async def _diagnose_timeout(self, r: RankState, kind: str) -> None:
         try:
-            found = timeout_finding(r, await self._evidence(), self.spec)
+            found = diagnosis.timeout_finding(r, await self._evidence(), self.spec)
             if found.desync is not None:
                 self._blame(r.attempt, found.desync)
             self.finding = found
@@ -394,7 +383,7 @@ class Job(RankGroup):
                     await anyio.sleep(0.02)
             ev = await self._evidence()
             if ev.desync is not None and ev.desync.certain and ev.desync.behind:
-                self.finding = desync_finding(ev)
+                self.finding = diagnosis.desync_finding(ev)
                 assert self.finding.culprit is not None
                 self._blame(r.attempt, ev.desync)
                 self.report.alert(
@@ -428,7 +417,7 @@ class Job(RankGroup):
             return  # one rank cannot fall out of step with itself
         attempt, watch = -1, DesyncWatch(self._collector)
         while True:
-            await anyio.sleep(LOOK_LEFT_S)
+            await anyio.sleep(diagnosis.LOOK_LEFT_S)
             if attempt != self.attempt:
                 attempt, watch = self.attempt, DesyncWatch(self._collector)
             ranks = self.book.of(attempt)
@@ -466,7 +455,7 @@ class Job(RankGroup):
                     verdict=last.desync.text if last and last.desync else None,
                 )
                 return
-            self.finding = desync_finding(ev)
+            self.finding = diagnosis.desync_finding(ev)
             assert ev.desync is not None and self.finding.culprit is not None
             self._blame(attempt, ev.desync)
             self.report.alert(

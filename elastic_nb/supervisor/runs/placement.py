@@ -21,7 +21,7 @@ from anyio.abc import TaskGroup
 from elastic_nb import protocol
 from elastic_nb.common.rundir import RunDir
 from elastic_nb.common.spec import JobSpec
-from elastic_nb.supervisor.nodes.cluster import AgentLink
+from elastic_nb.supervisor.nodes.agent_link import JoinAgentLink
 from elastic_nb.supervisor.nodes.files import INPUTS
 from elastic_nb.supervisor.nodes.remote_node import RemoteNode
 from elastic_nb.supervisor.processes.node import Node, Survivor
@@ -189,7 +189,7 @@ class InRounds(Placement):
     def close(self) -> None:
         self.rounds.close()
 
-    def remote_node(self, agent: AgentLink, store_port: int) -> RemoteNode:
+    def remote_node(self, agent: JoinAgentLink, store_port: int) -> RemoteNode:
         """A joined machine's node for the next round."""
         return RemoteNode(self.g.rd, agent, store_port, self.g._relayed_rank, self._shipped_files())
 

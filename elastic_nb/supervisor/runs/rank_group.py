@@ -34,7 +34,7 @@ from elastic_nb import protocol
 from elastic_nb.common.rundir import RunDir, write_json
 from elastic_nb.common.spec import JobSpec
 from elastic_nb.supervisor.forensics.watchdogs import Silence
-from elastic_nb.supervisor.processes.node import Node, Survivor
+from elastic_nb.supervisor.processes.node import Node, Survivor, Work
 from elastic_nb.supervisor.ranks.checkpoint_log import CheckpointLog
 from elastic_nb.supervisor.ranks.log_tailer import LogTailer
 from elastic_nb.supervisor.ranks.memory_watch import SAMPLE_S, MemoryWatch
@@ -144,7 +144,7 @@ class RankGroup(GroupHooks):
         """About the group, to whoever follows it (`about`: Reporter.alert's rank, key or ends)."""
         self.report.alert(kind, severity, title, **about)
 
-    def memory_now(self) -> dict[str, dict[str, Any]]:
+    def memory_now(self) -> dict[str, protocol.kernel.RankMemory]:
         """What %elastic status prints of each rank's memory."""
         return memory_figures(self.memory, self.attempt)
 
@@ -210,7 +210,7 @@ class RankGroup(GroupHooks):
         env = self._launch_env()
 
         async def start(node: Node) -> None:
-            warm = await node.start(self.id, self.spec, env, plan)
+            warm = await node.start(Work(self.id, self.spec, env, plan))
             self.report.event("launcher", node=node.label, pid=node.launcher_pid, warm=warm)
             if warm:
                 self._on_ready()

@@ -21,7 +21,7 @@ from elastic_nb.supervisor.ranks.log_tailer import LogTailer
 
 __all__ = ["Reporter", "Send"]
 
-Send = Callable[[protocol.Message], Awaitable[None]]  # to the kernel that follows the job
+Send = Callable[[protocol.Message], Awaitable[object]]  # to the kernel that follows the job
 
 # What the JupyterLab panel can read back (EVENTS): the latest messages a job's renderer was sent,
 # and its latest alerts (OVERVIEW).

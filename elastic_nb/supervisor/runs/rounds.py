@@ -32,8 +32,8 @@ import anyio
 from elastic_nb import protocol
 from elastic_nb.common.report import duration
 from elastic_nb.common.spec import JobSpec
+from elastic_nb.supervisor.nodes.agent_link import JoinAgentLink
 from elastic_nb.supervisor.nodes.cluster import Cluster
-from elastic_nb.supervisor.nodes.remote_node import AgentLink
 from elastic_nb.supervisor.processes.node import Node
 
 __all__ = ["DEFAULT_JOIN_TIMEOUT_S", "Machines", "Rounds"]
@@ -105,7 +105,7 @@ class Rounds:
         self,
         since: float,
         waiting: Callable[[str], None],
-        remote: Callable[[AgentLink], Node],
+        remote: Callable[[JoinAgentLink], Node],
     ) -> list[Node] | str:
         """The round's nodes: this machine (unless --remote-only) and the agents ready now, up
         to MAX; waiting for MIN of them (`waiting` says so, at most the join timeout), and for
@@ -141,7 +141,7 @@ class Rounds:
             return f"only {len(nodes)} of the {spec.nnodes_min} nodes it needs are left"
         return nodes
 
-    async def _alive_since(self, since: float) -> list[AgentLink]:
+    async def _alive_since(self, since: float) -> list[JoinAgentLink]:
         """The ready agents heard from since the change began (a heartbeat every BEAT_S): one
         whose machine died with the round it ends is not heard again, so the next round does
         not count on it only to fail (and spend a restart) once its loss is known."""
@@ -193,7 +193,7 @@ class Rounds:
         if entry is not None:
             entry["rendezvous_s"] = max(entry["rendezvous_s"] or 0.0, seconds)
 
-    def newcomers(self, serving: list[Node]) -> list[AgentLink]:
+    def newcomers(self, serving: list[Node]) -> list[JoinAgentLink]:
         """Agents ready now that the round does not run on."""
         numbers = {n.number for n in serving}
         return [a for a in self.cluster.ready() if a.number not in numbers]

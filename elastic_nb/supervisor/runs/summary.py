@@ -61,7 +61,7 @@ def summarize(
     created: float,
     zombie: bool,
     diagnosis: dict[str, Any] | None,
-    leftovers: list[dict[str, Any]],
+    leftovers: list[protocol.records.Leftover],
     lines: int,
     memory: dict[str, protocol.records.MemoryPeak],
     checkpoints: CheckpointLog,
@@ -143,7 +143,9 @@ def cause(
 
 
 def closing_alerts(
-    summary: protocol.records.Summary, current: list[RankState], leftovers: list[dict[str, Any]]
+    summary: protocol.records.Summary,
+    current: list[RankState],
+    leftovers: list[protocol.records.Leftover],
 ) -> list[dict[str, Any]]:
     """What the end adds to the alerts: processes the cell left running, a rank that broke
     after finishing, and the failure itself in the words of the error the cell raises."""

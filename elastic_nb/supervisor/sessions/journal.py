@@ -5,8 +5,7 @@ are kept (``%elastic session`` lists them) but left out of a replay.
 
 from __future__ import annotations
 
-from typing import Any
-
+from elastic_nb import protocol
 from elastic_nb.supervisor.sessions.session_cell import SessionCell
 
 __all__ = ["Journal", "cells"]
@@ -15,7 +14,7 @@ __all__ = ["Journal", "cells"]
 class Journal:
     def __init__(self) -> None:
         self.cells: list[SessionCell] = []
-        self.replays: list[dict[str, Any]] = []  # attempt, cells, seconds, failed
+        self.replays: list[protocol.kernel.Replay] = []
 
     def add(self, cell: SessionCell) -> None:
         self.cells.append(cell)
@@ -23,9 +22,9 @@ class Journal:
     def to_replay(self) -> list[SessionCell]:
         return [c for c in self.cells if c.spec.replay]
 
-    def start_replay(self, attempt: int) -> dict[str, Any]:
+    def start_replay(self, attempt: int) -> protocol.kernel.Replay:
         """The record of one attempt's replay (attempt 0 has nothing to replay)."""
-        record = {"attempt": attempt, "cells": 0, "seconds": 0.0, "failed": False}
+        record = protocol.kernel.Replay(attempt=attempt, cells=0, seconds=0.0, failed=False)
         if attempt > 0:
             self.replays.append(record)
         return record
@@ -39,10 +38,12 @@ class Journal:
             return "its replay failed"
         return f"replayed {cells(last['cells'])} in {last['seconds']:.2f} s"
 
-    def info(self) -> list[dict[str, Any]]:
+    def info(self) -> list[protocol.kernel.JournalCell]:
         return [
-            {"no": c.no, "job": c.id, "line": c.first_line, "replay": c.spec.replay}
-            for c in self.cells
+            protocol.kernel.JournalCell(
+                no=c.no or 0, job=c.id, line=c.first_line, replay=c.spec.replay
+            )
+            for c in self.cells  # each has run (and has its number)
         ]
 
 

@@ -132,30 +132,30 @@ class Session(RankGroup):
     def request_stop(self, reason: str) -> None:
         self._decide(*summary.STOPS.get(reason, ("stopped", reason)))
 
-    def info(self) -> dict[str, Any]:
+    def info(self) -> protocol.kernel.SessionState:
         """What ``%elastic session`` shows."""
         self.poll_checkpoints()
         ranks = []
         for r in self.book.of(self.attempt):
             linked = self._ranks.linked(r)
             state = "gone" if r.died_at else ("up" if linked else "starting")
-            ranks.append({"rank": r.rank, "pid": r.pid, "state": state})
-        return {
-            "session": self.id,
-            "state": self.state,
-            "world_size": self.world_size,
-            "attempt": self.attempt,
-            "restarts": self.restarts,
-            "max_restarts": self.spec.max_restarts,
-            "ranks": ranks,
-            "cells_run": self.cells_run,
-            "journal": self.journal.info(),
-            "replays": self.journal.replays,
-            "run_dir": str(self.rd),
-            "checkpoint": self.checkpoint_info(),
-            "created": self.created,
-            "reason": self.ended(),
-        }
+            ranks.append(protocol.kernel.SessionRank(rank=r.rank, pid=r.pid, state=state))
+        return protocol.kernel.SessionState(
+            session=self.id,
+            state=self.state,
+            world_size=self.world_size,
+            attempt=self.attempt,
+            restarts=self.restarts,
+            max_restarts=self.spec.max_restarts,
+            ranks=ranks,
+            cells_run=self.cells_run,
+            journal=self.journal.info(),
+            replays=self.journal.replays,
+            run_dir=str(self.rd),
+            checkpoint=self.checkpoint_info(),
+            created=self.created,
+            reason=self.ended(),
+        )
 
     async def stacks(self) -> str:
         """Every rank's stack now, shown to the cell that runs (if one) too."""

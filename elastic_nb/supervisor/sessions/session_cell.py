@@ -31,22 +31,15 @@ import anyio
 
 from elastic_nb import protocol
 from elastic_nb.common.rundir import RunDir, read_json, write_json
-from elastic_nb.common.spec import TEARS_DOWN, JobSpec
+from elastic_nb.common.spec import TEARS_DOWN
+from elastic_nb.common.submission import Submission
 from elastic_nb.supervisor.forensics.verdict import Verdict, analyze
 from elastic_nb.supervisor.ranks.checkpoint_log import CheckpointLog
 from elastic_nb.supervisor.ranks.evidence import EvidenceCollector
 from elastic_nb.supervisor.ranks.memory_watch import Peaks
 from elastic_nb.supervisor.ranks.rank_state import RankState
-from elastic_nb.supervisor.runs import summary
-from elastic_nb.supervisor.runs.diagnosis import (
-    DesyncWatch,
-    Finding,
-    desync_finding,
-    oom_alert,
-    timeout_finding,
-    watchdog_title,
-    where_finding,
-)
+from elastic_nb.supervisor.runs import diagnosis, summary
+from elastic_nb.supervisor.runs.diagnosis import DesyncWatch, Finding
 from elastic_nb.supervisor.runs.rank_group import RankGroup
 from elastic_nb.supervisor.runs.reporter import Reporter, Send
 
@@ -66,23 +59,16 @@ Decision = tuple[str, str, float | None, bool]
 
 
 class SessionCell:
-    def __init__(
-        self,
-        cell_id: str,
-        spec: JobSpec,
-        source: str,
-        meta: dict[str, Any],
-        payload: bytes | None,
-        send: Send,
-        session_id: str,
-    ) -> None:
-        self.id = cell_id
-        self.spec = spec
-        self.rd = RunDir.of(spec.log_dir, cell_id)
-        self.session_id = session_id
+    def __init__(self, cell: Submission, send: Send) -> None:
+        assert cell.session is not None
+        self.id = cell.id
+        self.spec = cell.spec
+        self.rd = RunDir.of(cell.spec.log_dir, cell.id)
+        self.session_id = cell.session
         self.created = time.time()
-        self.source, self._meta, self._payload = source, meta, payload
-        self.report = Reporter(cell_id, send)
+        self.source = cell.source
+        self._cell = cell
+        self.report = Reporter(cell.id, send)
         self.summary: protocol.records.Summary | None = None
         self.no: int | None = None  # its number in the session, once it runs
         self.stop_reason: str | None = None  # a stop request's key (summary.STOPS), or timeout
@@ -111,8 +97,7 @@ class SessionCell:
 
     def prepare(self) -> None:
         """Its run directory, as a one-off job's (the kernel reads the result from it)."""
-        self.rd.create(self.spec.to_json(), self.source, self._meta, self._payload)
-        self._payload = None
+        self._cell.write(self.rd)
         self.report.open(self.rd.events)
         self.report.event("created", session=self.session_id)
 
@@ -221,7 +206,7 @@ class SessionCell:
         ranks = self.ranks([link.r for link in links])
         certain = await watch.look(ranks, left)
         if certain is not None and (ev := await watch.confirm(ranks, certain)) is not None:
-            self.finding = desync_finding(ev)
+            self.finding = diagnosis.desync_finding(ev)
             self.report.alert(
                 "desync", "error", self.finding.title, rank=self.finding.culprit, text=ev.stacks
             )
@@ -243,13 +228,13 @@ class SessionCell:
         ev = await collector.collect(views)
         mode = group.spec.async_error_handling
         if mode not in TEARS_DOWN:
-            found = where_finding(watchdog_title(rank, line, mode), ev)
+            found = diagnosis.where_finding(diagnosis.watchdog_title(rank, line, mode), ev)
             self.report.alert(
                 "collective_timeout", "warning", found.title, rank=found.culprit, text=ev.stacks
             )
             return None
         timed_out = next(r for r in views if r.rank == rank)
-        self.finding = timeout_finding(timed_out, ev, group.spec)
+        self.finding = diagnosis.timeout_finding(timed_out, ev, group.spec)
         self.report.alert(
             "collective_timeout",
             "error",
@@ -340,7 +325,7 @@ class SessionCell:
                 continue
             if r.failure is not None and r.kind(None) == "oom":
                 self._oom_told.add(r.rank)
-                title, text = oom_alert(r)
+                title, text = diagnosis.oom_alert(r)
                 self.report.alert("oom", "error", title, rank=r.rank, text=text)
 
     def conclude(

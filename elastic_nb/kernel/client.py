@@ -253,7 +253,9 @@ class SupervisorClient:
         assert answer["kind"] == protocol.kernel.REPLY
         if not answer["ok"]:
             raise Refused(kind, str(answer.get("error")))
-        return typing.cast(R, protocol.kernel.reply_data(kind, answer["data"]))
+        return typing.cast(
+            R, protocol.wire.check_reply(protocol.kernel.REPLIES, kind, answer["data"])
+        )
 
     # ---- requests ---------------------------------------------------------------------------
 

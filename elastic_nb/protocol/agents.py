@@ -18,8 +18,8 @@ from __future__ import annotations
 import typing
 from typing import Any, Final, Literal, TypedDict
 
-from elastic_nb.protocol.records import GpuShare, Leftover, NodeInfo
-from elastic_nb.protocol.wire import Frame, check, check_record
+from elastic_nb.protocol.records import GpuShare, Leftover, NodeInfo, Replied
+from elastic_nb.protocol.wire import Frame, check
 
 __all__ = [
     "ANSWER",
@@ -83,7 +83,6 @@ __all__ = [
     "StreamOpen",
     "Survivor",
     "Welcome",
-    "answer_data",
     "node_news",
     "node_order",
 ]
@@ -197,15 +196,10 @@ class MemoryRead(TypedDict):
     gpus: bool
 
 
-class _Answer(TypedDict):
+class Answer(Replied):
+    """To every order that carries a request number (records.Replied)."""
+
     kind: Literal["answer"]
-    req: int
-    ok: bool
-    data: dict[str, Any]
-
-
-class Answer(_Answer, total=False):
-    error: str
 
 
 class StreamOpen(TypedDict):
@@ -355,11 +349,6 @@ ANSWERS: dict[str, type] = {
     LEFTOVERS: LeftoverList,
     STOP: Stopped,
 }
-
-
-def answer_data(kind: str, data: Frame) -> Frame:
-    """An answer's data, checked against what an order of `kind` is answered with."""
-    return check_record(data, ANSWERS[kind], f"the answer to {kind}")
 
 
 NodeNews = (

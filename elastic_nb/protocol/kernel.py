@@ -23,10 +23,11 @@ from elastic_nb.protocol.records import (
     LogBatch,
     MemorySample,
     NodeInfo,
+    Replied,
     Round,
     Summary,
 )
-from elastic_nb.protocol.wire import VERSION, Frame, ProtocolError, check, check_record
+from elastic_nb.protocol.wire import VERSION, Frame, ProtocolError, check
 
 __all__ = [
     "DOWN",
@@ -96,7 +97,6 @@ __all__ = [
     "check_hello",
     "kernel_news",
     "kernel_request",
-    "reply_data",
 ]
 
 # kernel -> supervisor
@@ -241,17 +241,10 @@ class Events(TypedDict):
     since: int
 
 
-class _Reply(TypedDict):
+class Reply(Replied):
+    """To every request (records.Replied)."""
+
     kind: Literal["reply"]
-    req: int | None
-    ok: bool
-    data: dict[str, Any]
-
-
-class Reply(_Reply, total=False):
-    """To every request: ok and the request's data, or not ok and why."""
-
-    error: str
 
 
 class _Update(TypedDict):
@@ -480,11 +473,6 @@ REPLIES: dict[str, type] = {
     NODES: MachineList,
     JOIN: JoinLine,
 }
-
-
-def reply_data(kind: str, data: Frame) -> Frame:
-    """A reply's data, checked against what a request of `kind` is answered with."""
-    return check_record(data, REPLIES[kind], f"the reply to {kind}")
 
 
 # What each channel carries; a reader takes a frame only through its channel's parser.

@@ -17,6 +17,7 @@ __all__ = [
     "MemoryPeak",
     "MemorySample",
     "NodeInfo",
+    "Replied",
     "Round",
     "Summary",
     "summary",
@@ -203,3 +204,16 @@ class Leftover(_Leftover, total=False):
     """A process a cell left running after it succeeded."""
 
     node: str  # the machine's label, where it is another machine
+
+
+class _Replied(TypedDict):
+    req: int | None  # the request's number (None: a request whose number could not be read)
+    ok: bool
+    data: dict[str, Any]  # of the type the channel's table names for the request's kind
+
+
+class Replied(_Replied, total=False):
+    """A reply's envelope, on each channel with requests (its own kind added): ok and the
+    request's data, or not ok and why."""
+
+    error: str

@@ -19,7 +19,16 @@ import typing
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Literal, Union
 
-__all__ = ["VERSION", "Frame", "FrameDecoder", "ProtocolError", "check", "check_record", "encode"]
+__all__ = [
+    "VERSION",
+    "Frame",
+    "FrameDecoder",
+    "ProtocolError",
+    "check",
+    "check_record",
+    "check_reply",
+    "encode",
+]
 
 # Every channel's, said at each handshake (the kernel's hello, a join agent's): 2: log batches are
 # records; 3: sessions; 4: typed messages, a reply's data; 5: memory samples; 6: nodes (join
@@ -108,6 +117,12 @@ def check(frame: Frame, channel: object) -> Frame:
     if cls is None:
         raise ProtocolError(f"unexpected message kind {kind!r} on this channel")
     return check_record(frame, cls, str(kind))
+
+
+def check_reply(replies: Mapping[str, type], kind: str, data: Frame) -> Frame:
+    """A reply's data, checked against the type `replies` (a channel's table) names for a
+    request of `kind`."""
+    return check_record(data, replies[kind], f"the reply to {kind}")
 
 
 def check_record(frame: Frame, cls: type, what: str) -> Frame:

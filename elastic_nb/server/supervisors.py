@@ -81,7 +81,7 @@ class Supervisor:
             error = str(answer.get("error"))
             # The supervisor's refusal of an id it does not know: a KeyError.
             raise SupervisorError(error, missing=error.startswith("KeyError"))
-        return protocol.kernel.reply_data(kind, answer["data"])
+        return protocol.wire.check_reply(protocol.kernel.REPLIES, kind, answer["data"])
 
 
 def find() -> list[Supervisor]:

@@ -163,7 +163,9 @@ class JoinAgentLink:
             raise NodeLost(f"{self.label()}, {kind}: no answer in {timeout:g} s") from None
         if not said["ok"]:
             raise RuntimeError(f"{self.label()}: {said.get('error', 'failed')}")
-        return typing.cast(R, protocol.agents.answer_data(kind, said["data"]))
+        return typing.cast(
+            R, protocol.wire.check_reply(protocol.agents.ANSWERS, kind, said["data"])
+        )
 
     def heard(self, t: float | None = None) -> None:
         now_wall = time.time()

@@ -15,7 +15,7 @@ import anyio
 
 from elastic_nb import protocol
 from elastic_nb.common.rundir import RunDir
-from elastic_nb.supervisor.forensics.watchdogs import Agent
+from elastic_nb.supervisor.forensics.watchdogs import TorchAgent
 from elastic_nb.supervisor.processes.node import MemoryReading, Node, StackDump, Survivor, Work
 from elastic_nb.supervisor.ranks.rank_state import RankState
 
@@ -84,8 +84,8 @@ class FakeNode(Node):
     def launcher_outcome(self, log: Path) -> tuple[str, str]:
         return self.result
 
-    def agent(self) -> Agent:
-        return Agent(LAUNCHER_PID, ("S", "sleeping"), time.monotonic())
+    def torch_agent(self) -> TorchAgent:
+        return TorchAgent(LAUNCHER_PID, ("S", "sleeping"), time.monotonic())
 
     # ---- ranks --------------------------------------------------------------------------------
 

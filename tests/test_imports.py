@@ -172,7 +172,7 @@ def test_the_walls_catch_a_crossing() -> None:
     assert not _allowed("elastic_nb.supervisor.forensics.verdict", "elastic_nb.supervisor.runs.job")
     assert not _allowed("elastic_nb.supervisor.runs.job", "elastic_nb.supervisor.sessions.session")
     assert _allowed("elastic_nb.supervisor.runs.job", "elastic_nb.supervisor.ranks.rank_book")
-    assert _allowed("elastic_nb.launcher.agent", "elastic_nb.rank.bootstrap")
+    assert _allowed("elastic_nb.launcher.torch_agent", "elastic_nb.rank.bootstrap")
 
 
 # ---- processes are the supervisor's process parts' business -------------------------------------

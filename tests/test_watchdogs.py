@@ -9,7 +9,12 @@ import pytest
 
 from elastic_nb import protocol
 from elastic_nb.kernel.flags import job_spec
-from elastic_nb.supervisor.forensics.watchdogs import Agent, agent_stuck, stuck_agent, zombie_bound
+from elastic_nb.supervisor.forensics.watchdogs import (
+    TorchAgent,
+    agent_stuck,
+    stuck_agent,
+    zombie_bound,
+)
 from elastic_nb.supervisor.ranks.rank_state import RankState
 
 pytestmark = pytest.mark.unit
@@ -75,7 +80,7 @@ def test_another_machines_agent_is_given_the_channels_lag() -> None:
     now = time.monotonic()
 
     def stuck(silent_s: float, slack: float) -> bool:
-        agent = Agent(10, ("S", "sleeping"), now - silent_s, slack=slack)
+        agent = TorchAgent(10, ("S", "sleeping"), now - silent_s, slack=slack)
         return (
             agent_stuck(ranks, ranks, spec, agent, None, ticking=True, unreaped=lambda r: False)
             is not None

@@ -20,7 +20,9 @@ __all__ = [
 
 SUPERVISOR = "elastic_nb.supervisor"  # python -m: the kernel's client starts it
 LAUNCHER = "elastic_nb.launcher"  # python -m: the supervisor starts the zygote
-LAUNCHER_AGENT = "elastic_nb.launcher.agent"  # what every launcher (a fork of the zygote) runs
+LAUNCHER_AGENT = (
+    "elastic_nb.launcher.torch_agent"  # what every launcher (a fork of the zygote) runs
+)
 RANK_BOOTSTRAP = "elastic_nb.rank.bootstrap"  # a one-off job's rank
 RANK_SESSION_LOOP = "elastic_nb.rank.session_loop"  # a session's rank
 WARMUP = "elastic_nb.launcher.warmup"  # what a fork server imports for every rank it forks

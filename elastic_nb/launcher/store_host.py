@@ -15,8 +15,8 @@ import sys
 
 from elastic_nb import protocol
 from elastic_nb.common import loopback, modules
-from elastic_nb.launcher.agent import die_with_parent
 from elastic_nb.launcher.pipe import Channel
+from elastic_nb.launcher.torch_agent import die_with_parent
 
 __all__ = ["main"]
 

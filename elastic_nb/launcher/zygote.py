@@ -157,5 +157,5 @@ def _become_launcher(
     if env.get(modules.ROLE_ENV) == modules.STORE_ROLE:
         from elastic_nb.launcher.store_host import main as launcher_main
     else:
-        from elastic_nb.launcher.agent import main as launcher_main
+        from elastic_nb.launcher.torch_agent import main as launcher_main
     launcher_main()

@@ -22,9 +22,9 @@ from elastic_nb.common.spec import JobSpec
 from elastic_nb.supervisor.ranks.rank_state import RankState
 
 __all__ = [
-    "Agent",
-    "AgentStuck",
     "Silence",
+    "TorchAgent",
+    "TorchAgentStuck",
     "agent_stuck",
     "stuck_agent",
     "zombie_bound",
@@ -33,7 +33,7 @@ __all__ = [
 
 
 @dataclass(frozen=True)
-class Agent:
+class TorchAgent:
     """torchelastic's agent (the launcher process) as its node sees it now."""
 
     pid: int
@@ -108,7 +108,7 @@ def zombie_title(
 
 
 @dataclass(frozen=True)
-class AgentStuck:
+class TorchAgentStuck:
     """What the zombie watchdog found, and how the job ends because of it."""
 
     title: str  # the alert's
@@ -121,12 +121,12 @@ def agent_stuck(
     ranks: Iterable[RankState],
     current: list[RankState],
     spec: JobSpec,
-    agent: Agent,
+    agent: TorchAgent,
     teardown_at: float | None,
     ticking: bool,
     unreaped: Callable[[RankState], bool],
     exit_barrier: bool = False,
-) -> AgentStuck | None:
+) -> TorchAgentStuck | None:
     """`stuck_agent` on what the node shows now (the agent's state, zombies), worded;
     `exit_barrier`: the agent waits for other nodes' agents once its ranks have finished."""
     nproc = spec.nproc
@@ -149,10 +149,10 @@ def agent_stuck(
     finished = [r.rank for r in current if r.done is not None]
     title = zombie_title(why, agent.pid, agent.state, finished)
     if len(finished) == nproc:
-        return AgentStuck(
+        return TorchAgentStuck(
             title, zombie, "succeeded", "every rank finished the cell; the agent then got stuck"
         )
-    return AgentStuck(title, zombie, "failed", f"torchelastic's agent got stuck: {why}")
+    return TorchAgentStuck(title, zombie, "failed", f"torchelastic's agent got stuck: {why}")
 
 
 @dataclass

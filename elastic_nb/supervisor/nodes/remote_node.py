@@ -31,7 +31,7 @@ from elastic_nb import protocol
 from elastic_nb.common.host_memory import MemoryLimit
 from elastic_nb.common.rundir import RunDir
 from elastic_nb.common.spec import JobSpec
-from elastic_nb.supervisor.forensics.watchdogs import Agent
+from elastic_nb.supervisor.forensics.watchdogs import TorchAgent
 from elastic_nb.supervisor.nodes.agent_link import ANSWER_S, JoinAgentLink, NodeLost
 from elastic_nb.supervisor.nodes.files import INPUTS, pack
 from elastic_nb.supervisor.processes.node import MemoryReading, Node, StackDump, Survivor, Work
@@ -134,7 +134,7 @@ class RemoteNode(Node):
     def launcher_outcome(self, log: Path) -> tuple[str, str]:
         return self._outcome
 
-    def agent(self) -> Agent:
+    def torch_agent(self) -> TorchAgent:
         beat = self._beat
         state = None
         if beat is not None and beat["state"]:
@@ -144,7 +144,7 @@ class RemoteNode(Node):
             last_tick = self._beat_at - beat["tick_age"]
         # As long as the channel takes to call the machine lost: past it, a silent loop is
         # the agent's own, not the way here.
-        return Agent(self._launcher or 0, state, last_tick, slack=protocol.agents.LOST_AFTER_S)
+        return TorchAgent(self._launcher or 0, state, last_tick, slack=protocol.agents.LOST_AFTER_S)
 
     def ranks_up(self, spec: JobSpec) -> None:
         self._order(protocol.agents.RanksUp(kind=protocol.agents.RANKS_UP, group=self._group or ""))

@@ -200,7 +200,7 @@ class ServedGroup:
     def beat(self) -> protocol.agents.GroupBeat:
         """The round's state, for the agent's heartbeat (the zombie watchdog's evidence)."""
         node = self.round()
-        agent = node.agent() if node.launcher_pid else None
+        agent = node.torch_agent() if node.launcher_pid else None
         kills = node.oom_kills()
         return protocol.agents.GroupBeat(
             launcher=node.launcher_pid,

@@ -22,7 +22,7 @@ from elastic_nb import protocol
 from elastic_nb.common import host_memory, nvml, procs
 from elastic_nb.common.rundir import RunDir, read_json
 from elastic_nb.common.spec import JobSpec
-from elastic_nb.supervisor.forensics.watchdogs import Agent
+from elastic_nb.supervisor.forensics.watchdogs import TorchAgent
 from elastic_nb.supervisor.processes.launcher_pool import LauncherPool
 from elastic_nb.supervisor.processes.launcher_process import Launcher
 from elastic_nb.supervisor.processes.node import MemoryReading, Node, StackDump, Survivor, Work
@@ -92,9 +92,9 @@ class LocalNode(Node):
     def launcher_outcome(self, log: Path) -> tuple[str, str]:
         return self._started().outcome(log)
 
-    def agent(self) -> Agent:
+    def torch_agent(self) -> TorchAgent:
         launcher = self._started()
-        return Agent(launcher.pid, procs.proc_state(launcher.pid), launcher.last_tick)
+        return TorchAgent(launcher.pid, procs.proc_state(launcher.pid), launcher.last_tick)
 
     def ranks_up(self, spec: JobSpec) -> None:
         self._pool.job_running(spec)

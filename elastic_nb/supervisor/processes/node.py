@@ -28,7 +28,7 @@ from elastic_nb import protocol
 from elastic_nb.common.host_memory import MemoryLimit
 from elastic_nb.common.rundir import RunDir
 from elastic_nb.common.spec import JobSpec
-from elastic_nb.supervisor.forensics.watchdogs import Agent
+from elastic_nb.supervisor.forensics.watchdogs import TorchAgent
 from elastic_nb.supervisor.ranks.rank_state import RankState
 
 __all__ = ["MemoryReading", "Node", "StackDump", "Survivor", "Work", "stacks_of"]
@@ -130,7 +130,7 @@ class Node(ABC):
         """How the group ends by the launcher's account, once it has exited: (outcome, reason)."""
 
     @abstractmethod
-    def agent(self) -> Agent:
+    def torch_agent(self) -> TorchAgent:
         """torchelastic's agent now, for the zombie watchdog."""
 
     def ranks_up(self, spec: JobSpec) -> None:  # noqa: B027 - a hint a node may ignore

@@ -279,7 +279,7 @@ class Job(RankGroup):
                 [r for r in self.book.all() if self.book.node(r) is node],
                 [r for r in self.book.of(self.attempt) if self.book.node(r) is node],
                 self.spec,
-                node.agent(),
+                node.torch_agent(),
                 self.teardown_at,
                 ticking=not self.decided and self.state == "running",
                 unreaped=node.unreaped,

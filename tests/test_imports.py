@@ -127,7 +127,18 @@ SUPERVISOR_WALLS = {
     "nodes": {"processes", "ranks.rank_state", "forensics.watchdogs"},
     "runs": {"forensics", "ranks", "processes", "nodes"},
     "sessions": {"forensics", "ranks", "processes", "runs"},
-    "service": {"forensics", "ranks", "processes", "runs", "sessions", "overview", "nodes"},
+    # the kernel's jobs and sessions: where each runs, started, stopped, listed
+    "groups": {"processes", "runs", "sessions", "nodes"},
+    "service": {
+        "forensics",
+        "ranks",
+        "processes",
+        "runs",
+        "sessions",
+        "overview",
+        "nodes",
+        "groups",
+    },
     "overview": {"ranks", "runs", "sessions"},
     "__main__": {"service"},
 }

@@ -197,17 +197,14 @@ def test_a_rank_that_crashes_after_finishing_is_reported(
 def test_a_long_session_keeps_a_bounded_history_of_finished_jobs(tmp_path: Path) -> None:
     from types import SimpleNamespace
 
-    from elastic_nb.supervisor import service
+    from elastic_nb.supervisor.groups import KEEP_FINISHED, Groups
 
-    sup = service.Supervisor(listen_fd=-1, kernel_pid=os.getpid(), log_path=str(tmp_path / "s.log"))
-    jobs = {f"j{i}": SimpleNamespace(running=False) for i in range(service.KEEP_FINISHED + 5)}
-    jobs["live"] = SimpleNamespace(running=True)
-    sup._jobs.update(jobs)  # type: ignore[arg-type]
-    sup._forget_old_jobs()
-    assert "live" in sup._jobs and "j0" not in sup._jobs and "j4" not in sup._jobs
-    assert (
-        len(sup._jobs) == service.KEEP_FINISHED + 1 and f"j{service.KEEP_FINISHED + 4}" in sup._jobs
-    )
+    groups = Groups.__new__(Groups)  # the table alone: no pool, task group or socket
+    groups.jobs = {f"j{i}": SimpleNamespace(running=False) for i in range(KEEP_FINISHED + 5)}  # type: ignore[misc]
+    groups.jobs["live"] = SimpleNamespace(running=True)  # type: ignore[assignment]
+    groups._forget_old_jobs()
+    assert "live" in groups.jobs and "j0" not in groups.jobs and "j4" not in groups.jobs
+    assert len(groups.jobs) == KEEP_FINISHED + 1 and f"j{KEEP_FINISHED + 4}" in groups.jobs
 
 
 def test_an_unreadable_frame_drops_the_connection_and_says_why(tmp_path: Path) -> None:

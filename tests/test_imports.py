@@ -362,3 +362,16 @@ def test_every_module_name_is_unique_in_the_package() -> None:
         if path.name not in ("__init__.py", "__main__.py"):
             names.setdefault(path.stem, []).append(mod)
     assert not {n: m for n, m in names.items() if len(m) > 1}
+
+
+def test_the_readmes_layout_is_the_tree() -> None:
+    """README's Layout names every module of the package (its name is unique: test above), and
+    no module that is not there any more."""
+    import re
+
+    readme = (PACKAGE.parent / "README.md").read_text()
+    layout = readme.split("\n## Layout\n", 1)[1].split("\n```\n", 2)[1]
+    named = set(re.findall(r"\b(\w+)\.py\b", layout))
+    modules = {p.stem for p in PACKAGE.rglob("*.py") if p.stem not in ("__init__", "__main__")}
+    assert modules - named == set(), "modules the Layout does not name"
+    assert named - modules - {"__init__"} == set(), "the Layout names modules that are gone"

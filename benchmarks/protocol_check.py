@@ -36,6 +36,22 @@ _GROUP = {
     "launcher": 4242, "launcher_alive": True, "state": ["S", "sleeping"], "tick_age": 0.1,
     "running": True, "zombies": [], "oom_kills": 0,
 }  # fmt: skip
+_DUMP = {"text": "Thread 0x7f (most recent call first):\n  File \"cell\", line 8 in <module>\n", "state": ["S", "sleeping"], "asked": True}  # fmt: skip
+
+
+def _reply(
+    parse: Callable[[Any], Any], replies: dict[str, type], kind: str
+) -> Callable[[Any], Any]:
+    """A reply's reader: its envelope by the channel's parser, its data by the request's type."""
+
+    def read(frame: Any) -> Any:
+        msg = parse(frame)
+        protocol.wire.check_reply(replies, kind, msg["data"])
+        return msg
+
+    return read
+
+
 # (channel's parser, a typical message of it): the messages that come most often on each
 MESSAGES: list[tuple[str, Callable[[Any], Any], dict[str, Any]]] = [
     ("kernel: stop", protocol.kernel.kernel_request, {"kind": "stop", "req": 7, "job": "cafe0001", "reason": "user"}),
@@ -43,11 +59,12 @@ MESSAGES: list[tuple[str, Callable[[Any], Any], dict[str, Any]]] = [
         "kind": "update", "job": "cafe0001", "ranks": {"0": _CHIP, "1": _CHIP},
         "logs": [_BATCH, {**_BATCH, "rank": 0}], "memory": [_SAMPLE, {**_SAMPLE, "rank": 0}],
     }),
-    ("kernel: reply", protocol.kernel.kernel_news, {"kind": "reply", "req": 7, "ok": True, "data": {}}),
+    ("kernel: reply to stop (its data checked too)", _reply(protocol.kernel.kernel_news, protocol.kernel.REPLIES, "stop"), {"kind": "reply", "req": 7, "ok": True, "data": {"stopping": ["cafe0001"]}}),
     ("launcher: start", protocol.launcher.launcher_news, {"kind": "start", "attempt": 0, "rank": 1, "pid": 4242}),
     ("launcher: tick", protocol.launcher.launcher_news, {"kind": "tick", "t": 1.7e9}),
     ("session rank: ran", protocol.sessions.rank_news, {"kind": "ran", "cell": "cafe0002", "ok": True}),
     ("join agent: beat (1 group)", protocol.agents.node_news, {"kind": "beat", "t": 1.7e9, "groups": {"cafe0001": _GROUP}}),
+    ("join agent: answer to stacks (2 ranks; data checked)", _reply(protocol.agents.node_news, protocol.agents.ANSWERS, "stacks"), {"kind": "answer", "req": 7, "ok": True, "data": {"dumps": {"0": _DUMP, "1": _DUMP}}}),
 ]  # fmt: skip
 
 

@@ -87,19 +87,22 @@ class TreeWatch:
         if not self.over:
             self.sample()
         new = [(key, cmd) for key, cmd in list(self.seen.items()) if key not in before]
-        live = [(pid, cmd) for (pid, started), cmd in new if _runs(pid, started)]
+        live = [(key, cmd) for key, cmd in new if _runs(*key)]
         if not live:
             return []  # most tests: no need to ask anything
         kept = self.kept()
-        if any(pid not in kept for pid, _ in live):
+        if any(pid not in kept for (pid, _), _ in live):
             # Asked afresh: what the supervisor keeps may have changed since the cached answer
             # (its idle launcher, still warming, forked a child through its fork server).
             kept = self.kept(fresh=True)
         return [
             f"{pid} {cmd} (under {self._named(self.parent.get(pid))}; now {_now(pid)}; "
             f"its parent now {_now(self.parent.get(pid, 0))}; kept: {sorted(kept)})"
-            for pid, cmd in live
-            if pid not in kept
+            for (pid, started), cmd in live
+            # Still running once the supervisor has been asked: a warming launcher's short-lived
+            # child, seen running, then gone before the answer listed the launcher's children,
+            # is no leak (it was reported as one: "now unreadable: NoSuchProcess").
+            if pid not in kept and _runs(pid, started)
         ]
 
     def _named(self, pid: int | None) -> str:

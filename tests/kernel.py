@@ -293,6 +293,7 @@ class Execution:
     error_at: float | None = None
     idle_at: float | None = None
     pager: str = ""  # what IPython's pager showed (%%elastic? and friends)
+    prompts: list[str] = field(default_factory=list)  # the kernel's input requests, in order
     messages: list[dict[str, Any]] = field(default_factory=list)
 
     @property
@@ -401,10 +402,12 @@ class Kernel:
         assert sup is not None, f"kernel {self.pid} has no supervisor running"
         return sup
 
-    def start(self, code: str) -> tuple[str, Execution]:
+    def start(self, code: str, allow_stdin: bool = False) -> tuple[str, Execution]:
+        """Execute `code`; `allow_stdin`: as a frontend that takes input (JupyterLab) rather
+        than one that takes none (nbclient): `collect` then answers its input requests."""
         ex = Execution()
         self.executions.append(ex)
-        return self.kc.execute(code), ex
+        return self.kc.execute(code, allow_stdin=allow_stdin), ex
 
     def job_pids(self, executions: list[Execution]) -> dict[str, set[int]]:
         """Every process of the one-off jobs these cells ran, observed from outside the product:
@@ -441,8 +444,12 @@ class Kernel:
         timeout: float = 120,
         until: Any = None,
         t0: float | None = None,
+        answer: Callable[[str, Execution], str | None] | None = None,
     ) -> Execution:
-        """Read IOPub for `msg_id` until the kernel is idle (or `until(ex)` holds)."""
+        """Read IOPub for `msg_id` until the kernel is idle (or `until(ex)` holds); with
+        `answer`, a person at the frontend's input box: each input request's prompt is kept in
+        `ex.prompts` and answered with `answer(prompt, ex)`, once what the kernel printed before
+        it asked is in `ex`."""
         t0 = time.monotonic() if t0 is None else t0
         deadline = time.monotonic() + timeout
         while True:
@@ -451,37 +458,80 @@ class Kernel:
                 raise TimeoutError(
                     f"no end of execution in {timeout} s; so far:\n{ex.stdout}\n{ex.stderr}"
                 )
+            if answer is not None and self._answer_input(msg_id, ex, answer):
+                return self._idle(msg_id, ex, t0)
             try:
-                msg = self.kc.get_iopub_msg(timeout=min(remaining, 1.0))
+                msg = self.kc.get_iopub_msg(timeout=min(remaining, 1.0 if answer is None else 0.02))
             except Exception:  # queue.Empty
                 continue
-            parent = msg["parent_header"].get("msg_id")
-            if parent != msg_id:
-                self.late.setdefault(parent, []).append(msg)
-                continue
-            ex.messages.append(msg)
-            kind, content = msg["msg_type"], msg["content"]
-            if kind == "stream":
-                if content["name"] == "stdout":
-                    ex.stdout += content["text"]
-                else:
-                    ex.stderr += content["text"]
-            elif kind == "execute_result":
-                ex.result = content["data"].get("text/plain")
-            elif kind == "error":
-                ex.error_at = time.time()
-                ex.error = {
-                    "ename": content["ename"],
-                    "evalue": content["evalue"],
-                    "traceback": [_ANSI.sub("", t) for t in content["traceback"]],
-                }
-            elif kind == "status" and content["execution_state"] == "idle":
-                ex.idle_at = time.time()
-                ex.seconds = time.monotonic() - t0
-                self._reply(msg_id, ex)
-                return ex
+            if self._take(msg, msg_id, ex):
+                return self._idle(msg_id, ex, t0)
             if until is not None and until(ex):
                 return ex
+
+    def _take(self, msg: dict[str, Any], msg_id: str, ex: Execution) -> bool:
+        """One IOPub message into `ex` (another cell's kept in `late`); True at the idle."""
+        parent = msg["parent_header"].get("msg_id")
+        if parent != msg_id:
+            self.late.setdefault(parent, []).append(msg)
+            return False
+        ex.messages.append(msg)
+        kind, content = msg["msg_type"], msg["content"]
+        if kind == "stream":
+            if content["name"] == "stdout":
+                ex.stdout += content["text"]
+            else:
+                ex.stderr += content["text"]
+        elif kind == "execute_result":
+            ex.result = content["data"].get("text/plain")
+        elif kind == "error":
+            ex.error_at = time.time()
+            ex.error = {
+                "ename": content["ename"],
+                "evalue": content["evalue"],
+                "traceback": [_ANSI.sub("", t) for t in content["traceback"]],
+            }
+        return kind == "status" and content["execution_state"] == "idle"
+
+    def _idle(self, msg_id: str, ex: Execution, t0: float) -> Execution:
+        ex.idle_at = time.time()
+        ex.seconds = time.monotonic() - t0
+        self._reply(msg_id, ex)
+        return ex
+
+    def _answer_input(
+        self, msg_id: str, ex: Execution, answer: Callable[[str, Execution], str | None]
+    ) -> bool:
+        """Answer the kernel's input requests; True if the kernel went idle meanwhile."""
+        while True:
+            try:
+                request = self.kc.get_stdin_msg(timeout=0)
+            except Exception:  # queue.Empty
+                return False
+            if request["msg_type"] != "input_request":
+                continue
+            # ipykernel flushes what the cell printed before it asks: take that in first (it
+            # comes on IOPub, another socket), as a person sees it above the input box.
+            while True:
+                try:
+                    msg = self.kc.get_iopub_msg(timeout=0.05)
+                except Exception:  # queue.Empty
+                    break
+                if self._take(msg, msg_id, ex):
+                    return True
+            prompt = request["content"]["prompt"]
+            ex.prompts.append(prompt)
+            text = answer(prompt, ex)
+            if text is not None:  # None: the person pressed stop instead (it interrupted)
+                self.kc.input(text)
+
+    def debug(
+        self, code: str, answer: Callable[[str, Execution], str | None], timeout: float = 120
+    ) -> Execution:
+        """Run `code` in a frontend that takes input, answering each prompt with `answer`."""
+        t0 = time.monotonic()
+        msg_id, ex = self.start(code, allow_stdin=True)
+        return self.collect(msg_id, ex, timeout, t0=t0, answer=answer)
 
     def _reply(self, msg_id: str, ex: Execution) -> None:
         """IPython shows a UsageError on stderr without an IOPub error; the reply has it."""

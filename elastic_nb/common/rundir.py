@@ -22,6 +22,8 @@ Its layout is defined here and nowhere else::
             rank-<R>.collectives.json   the rank's collectives (flight recorder), at its end
             rank-<R>.probe        a FIFO: the supervisor asks the live rank for its collectives
             rank-<R>.probe.json   the rank's answer, the latest one
+            rank-<R>.input.json   what the rank's input() (pdb's prompt, a cell's input()) asks,
+                                  the latest ask
             fr-rank-<R>           NCCL's flight-recorder dump on a collective timeout
             rank-<R>.memory.pickle    the CUDA allocator's snapshot at an OOM (--memory-history)
 """
@@ -119,6 +121,7 @@ class RunDir:
     group = _RankFile("group.json")
     probe = _RankFile("probe")
     probe_answer = _RankFile("probe.json")
+    input_asked = _RankFile("input.json")
     # torch's CUDA memory snapshot at an OOM (--memory-history): pytorch.org/memory_viz.
     memory_snapshot = _RankFile("memory.pickle")
 

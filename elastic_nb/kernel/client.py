@@ -191,7 +191,7 @@ class SupervisorClient:
     def _dispatch(self, msg: protocol.kernel.KernelNews) -> None:
         if msg["kind"] == protocol.kernel.REPLY:
             self._conn.requests.reply(msg["req"], msg)
-        elif msg["kind"] == protocol.kernel.UPDATE or msg["kind"] == protocol.kernel.END:
+        elif msg["kind"] != protocol.kernel.HELLO:  # an update, a rank's prompt, the end
             q = self._subscribers.get(msg["job"])
             if q is not None:
                 q.put(msg)
@@ -260,7 +260,7 @@ class SupervisorClient:
     # ---- requests ---------------------------------------------------------------------------
 
     def subscribe(self, job_id: str) -> queue.Queue[Any]:
-        """The queue that gets every UPDATE and END of the job (and GONE if the connection
+        """The queue that gets every UPDATE, PROMPT and END of the job (and GONE if the connection
         breaks); subscribe before submitting, so that no message can come first."""
         q: queue.Queue[Any] = queue.Queue()
         self._subscribers[job_id] = q
@@ -333,6 +333,20 @@ class SupervisorClient:
                 kind=protocol.kernel.STOP, req=self.next_req(), job=job_id, reason=reason
             )
         )
+
+    def answer(self, prompt: protocol.kernel.Prompt, text: str | None, why: str | None) -> None:
+        """The notebook's answer to a rank's prompt: the line typed, or None and why."""
+        answer = protocol.kernel.Input(
+            kind=protocol.kernel.INPUT,
+            req=self.next_req(),
+            job=prompt["job"],
+            attempt=prompt["attempt"],
+            rank=prompt["rank"],
+            ask=prompt["ask"],
+            text=text,
+            why=why,
+        )
+        self.request(answer, protocol.kernel.Done)
 
     def stacks(self, job_id: str | None = None) -> str:
         """Every rank's stack, now, of the job (the latest running one by default)."""

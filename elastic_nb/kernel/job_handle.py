@@ -22,7 +22,14 @@ from typing import Any, Protocol
 
 from elastic_nb import protocol
 from elastic_nb.common import procs
-from elastic_nb.common.errors import ElasticError, JobFailed, JobStopped, JobTimeout, SupervisorDied
+from elastic_nb.common.errors import (
+    ElasticError,
+    JobFailed,
+    JobStopped,
+    JobTimeout,
+    Refused,
+    SupervisorDied,
+)
 from elastic_nb.common.rundir import RunDir
 from elastic_nb.common.spec import JobSpec
 from elastic_nb.common.submission import Submission
@@ -275,11 +282,36 @@ class JobHandle:
             self._state = msg.get("state", self._state)
             if renderer is not None:
                 renderer.update(msg)
+        elif msg["kind"] == protocol.kernel.PROMPT:
+            self._prompt(msg, renderer)
         elif msg["kind"] == protocol.kernel.END:
             self.summary = msg["summary"]
             if renderer is not None:
                 self._rendered_end = True
                 renderer.end(msg["summary"])
+
+    def _prompt(self, msg: protocol.kernel.Prompt, renderer: Renderer | None) -> None:
+        """A rank's input() (pdb's prompt): asked in the frontend's own input box, as a plain
+        cell's input() is (the kernel's stdin channel), in the cell's thread; what was typed
+        goes back to the rank. An interrupt there stops the job, as anywhere in the cell."""
+        text: str | None = None
+        if renderer is None:
+            why = "the job is being stopped"
+        elif self._background:
+            why = "a --bg job's cell has returned: nothing can take input for it"
+        else:
+            renderer.flush()  # what the ranks printed before the prompt, above it
+            try:
+                text, why = input(f"[rank {msg['rank']}] {msg['prompt']}"), None
+            except NotImplementedError:  # IPython's StdinNotImplementedError
+                why = (
+                    "this frontend takes no input (nbclient, papermill and nbconvert --execute "
+                    "send none; JupyterLab, Notebook 7, VS Code and IPython do)"
+                )
+            except EOFError:
+                why = "the frontend's input ended"
+        with contextlib.suppress(Refused):  # the rank is gone, or no longer waits for it
+            self._client.answer(msg, text, why)
 
     def _stop_and_wait(self, outcome: str, reason: str) -> None:
         """Stop the job without a renderer; bounded, and the processes are gone afterwards."""

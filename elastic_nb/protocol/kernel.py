@@ -34,10 +34,12 @@ __all__ = [
     "END",
     "EVENTS",
     "HELLO",
+    "INPUT",
     "JOBS",
     "JOIN",
     "NODES",
     "OVERVIEW",
+    "PROMPT",
     "REPLIES",
     "REPLY",
     "ROLE_KERNEL",
@@ -57,6 +59,7 @@ __all__ = [
     "EventList",
     "Events",
     "Hello",
+    "Input",
     "JobList",
     "JobRow",
     "Jobs",
@@ -74,6 +77,7 @@ __all__ = [
     "PanelAlert",
     "PanelEntry",
     "PanelList",
+    "Prompt",
     "RankMemory",
     "Replay",
     "Reply",
@@ -117,10 +121,12 @@ JOIN: Final = "join"
 # the JupyterLab panel (the server extension) -> supervisor; any other request above works too
 OVERVIEW: Final = "overview"  # every job, session and session cell, as the panel lists them
 EVENTS: Final = "events"  # what a job's renderer was sent, since a sequence number
+INPUT: Final = "input"  # the notebook's answer to a rank's prompt (PROMPT)
 # supervisor -> kernel
 REPLY: Final = "reply"
 UPDATE: Final = "update"
 END: Final = "end"
+PROMPT: Final = "prompt"  # a rank asks for input: pdb's prompt, a cell's input()
 
 
 def check_hello(msg: Hello) -> None:
@@ -234,6 +240,17 @@ class Join(TypedDict):
     new_token: bool  # replace the token: agents holding the old one are dropped
 
 
+class Input(TypedDict):
+    kind: Literal["input"]
+    req: int
+    job: str
+    attempt: int
+    rank: int
+    ask: int  # the rank's number for what it asked
+    text: str | None  # None: the frontend takes no input (`why`)
+    why: str | None
+
+
 class Events(TypedDict):
     kind: Literal["events"]
     req: int
@@ -264,6 +281,18 @@ class Update(_Update, total=False):
     checkpoints: list[dict[str, Any]]  # checkpoints saved since the last update (their records)
     rounds: list[Round]  # a multi-node job's rounds so far (the whole timeline, when it changed)
     groups: bool  # a rank made a process group: its collectives can time out (said once)
+
+
+class Prompt(TypedDict):
+    """A rank waits for a line of input (pdb's prompt, a cell's input()): the kernel asks the
+    frontend and answers with an INPUT request."""
+
+    kind: Literal["prompt"]
+    job: str
+    attempt: int
+    rank: int
+    ask: int
+    prompt: str
 
 
 class End(TypedDict):
@@ -472,6 +501,7 @@ REPLIES: dict[str, type] = {
     EVENTS: EventList,
     NODES: MachineList,
     JOIN: JoinLine,
+    INPUT: Done,
 }
 
 
@@ -490,9 +520,10 @@ Request = (
     | Events
     | Nodes
     | Join
+    | Input
 )  # every message of the kernel's that asks for a reply
 KernelRequest = Hello | Request
-KernelNews = Hello | Reply | Update | End
+KernelNews = Hello | Reply | Update | Prompt | End
 
 
 def kernel_request(frame: Frame) -> KernelRequest:

@@ -2,19 +2,27 @@
 "<n> <what>" written into the rank's probe FIFO (rundir.RunDir.probe), which the rank's probe
 thread (rank/recorder.py) answers into rank-R.probe.json, tagged "req": n; a stack dump goes into
 the rank's .stacks file.
+
+And the other way, a rank's input() (pdb's prompt, a cell's own input()): the rank writes what
+it asks (`InputAsked`) into rank-R.input.json and waits; the supervisor asks the notebook and
+brings the answer back as a probe, ``"<n> answer <InputAnswer as JSON>"``.
 """
 
 from __future__ import annotations
 
 import signal
+from typing import TypedDict
 
 __all__ = [
+    "PROBE_ANSWER",
     "PROBE_FULL",
     "PROBE_MEMORY",
     "PROBE_STACKS",
     "PROBE_STATUS",
     "STACKS_END_MARK",
     "STACK_SIGNAL",
+    "InputAnswer",
+    "InputAsked",
 ]
 
 # The supervisor asks a rank for every thread's Python stack through its probe thread
@@ -35,3 +43,24 @@ PROBE_STATUS = "status"
 PROBE_FULL = "full"
 PROBE_MEMORY = "memory"
 PROBE_STACKS = "stacks"
+PROBE_ANSWER = "answer"  # "<n> answer <InputAnswer as JSON>": the notebook's answer to an ask
+
+
+class InputAsked(TypedDict):
+    """What a rank's input() asks (rank-R.input.json), numbered from 1 in the rank."""
+
+    ask: int
+    prompt: str
+    # How much the rank had written to its stdout and stderr then: the prompt is shown after
+    # what came before it.
+    out: int
+    err: int
+    t: float  # the rank's wall clock
+
+
+class InputAnswer(TypedDict):
+    """The notebook's answer to an ask: the text typed, or None and why there is none."""
+
+    ask: int
+    text: str | None
+    why: str | None

@@ -36,7 +36,7 @@ from elastic_nb.common import loopback, modules, procs
 from elastic_nb.common.rundir import ATTEMPT_BASE_ENV, RunDir, attempt_of, write_json
 from elastic_nb.common.spec import MANAGED_ENV, JobSpec
 from elastic_nb.protocol.rank_probes import STACK_SIGNAL, STACKS_END_MARK
-from elastic_nb.rank import memory, recorder
+from elastic_nb.rank import memory, notebook_input, recorder
 from elastic_nb.rank.outcomes import dump, dump_result, record_failure
 
 __all__ = ["Rank", "bootstrap", "prepare", "refuse_a_bad_fork", "run_cell"]
@@ -284,9 +284,11 @@ def _arm_forensics(rd: RunDir, attempt: int, rank: int) -> None:
     if end is not None:
         stacks.write(f"{STACKS_END_MARK}{end}\n")
     faulthandler.register(STACK_SIGNAL, file=stacks, all_threads=True, chain=False)
-    recorder.serve_probes(
+    if recorder.serve_probes(
         rd.probe(attempt, rank), rd.probe_answer(attempt, rank), str(rd.cell), stacks
-    )
+    ):
+        # input() and pdb's prompt ask the notebook: their answers come as probes.
+        notebook_input.install(rd.input_asked(attempt, rank), rank)
     os.replace(tmp, final)
 
 
@@ -382,6 +384,7 @@ def _pulled(names: tuple[str, ...], namespace: dict[str, Any], rank: int) -> dic
 def _run_cell(rd: RunDir, meta: dict[str, Any], namespace: dict[str, Any]) -> Any:
     """Exec the cell; evaluate a trailing expression separately so rank 0 can return it."""
     filename = str(rd.cell)
+    notebook_input.cell_is(filename)
     tree = ast.parse(rd.cell.read_text(), filename=filename)
     last = None
     if meta["display"] and tree.body and isinstance(tail := tree.body[-1], ast.Expr):

@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from elastic_nb.common.rundir import write_json
-from elastic_nb.protocol.rank_probes import PROBE_FULL, PROBE_MEMORY, PROBE_STACKS
+from elastic_nb.protocol.rank_probes import PROBE_ANSWER, PROBE_FULL, PROBE_MEMORY, PROBE_STACKS
+from elastic_nb.rank import notebook_input
 from elastic_nb.rank.memory import cuda_memory
 
 __all__ = ["serve_probes", "snapshot", "write_final"]
@@ -89,10 +90,12 @@ def write_final(path: Path, cell: str) -> None:
         sys.stderr.write(f"elastic_nb: could not record this rank's collectives: {e!r}\n")
 
 
-def serve_probes(fifo: Path, answer: Path, cell: str, stacks: TextIO) -> None:
+def serve_probes(fifo: Path, answer: Path, cell: str, stacks: TextIO) -> bool:
     """Answer the supervisor's probes from a thread: it writes ``"<n> status|full|memory"`` into the
     FIFO, this thread writes the snapshot, tagged with n, to `answer`; ``"<n> stacks <deadline>"``
-    has every thread's stack written to `stacks` (see protocol.rank_probes.STACK_SIGNAL). Opening a FIFO
+    has every thread's stack written to `stacks` (see protocol.rank_probes.STACK_SIGNAL);
+    ``"<n> answer <json>"`` hands the notebook's answer to the rank's input() (notebook_input.py),
+    and says whether one waited for it. False where no probe can come: opening a FIFO
     blocks until the other side opens it: an idle rank pays nothing. Where no FIFO can be made
     (a --log-dir on a file system without them), the rank runs without: the supervisor then
     finds a desync at the collective timeout, from the records ranks leave, and signals the
@@ -101,10 +104,11 @@ def serve_probes(fifo: Path, answer: Path, cell: str, stacks: TextIO) -> None:
         os.mkfifo(fifo, 0o600)
     except OSError as e:
         sys.stderr.write(f"elastic_nb: no desync probes for this rank ({fifo}: {e})\n")
-        return
+        return False
     threading.Thread(
         target=_serve, args=(fifo, answer, cell, stacks), name="elastic_nb-probe", daemon=True
     ).start()
+    return True
 
 
 def _serve(fifo: Path, answer: Path, cell: str, stacks: TextIO) -> None:
@@ -114,8 +118,15 @@ def _serve(fifo: Path, answer: Path, cell: str, stacks: TextIO) -> None:
                 lines = f.read().decode(errors="replace").splitlines()
             # Two requests in one read (the first timed out before it was read): the supervisor
             # waits for the last one only.
-            request = lines[-1].split() if lines else []
+            request = lines[-1].split(maxsplit=2) if lines else []
             if len(request) < 2 or not request[0].isdigit():
+                continue
+            if request[1] == PROBE_ANSWER:
+                try:
+                    taken = notebook_input.answered(json.loads(request[2]))
+                except (ValueError, IndexError, KeyError, TypeError):
+                    taken = False
+                write_json(answer, {"time": time.time(), "taken": taken, "req": int(request[0])})
                 continue
             if request[1] == PROBE_STACKS:
                 # faulthandler called with the GIL held: no other thread moves its frames

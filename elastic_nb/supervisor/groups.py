@@ -155,6 +155,15 @@ class Groups:
             raise KeyError(f"no session {session_id!r} is up")
         return session
 
+    def ranks_of(self, job_id: str) -> Job | Session:
+        """Whose ranks run a job: the job's own, or a session cell's session's."""
+        if job_id in self.jobs:
+            return self.jobs[job_id]
+        session = self.cell_session(job_id)
+        if session is None:
+            raise KeyError(f"no job {job_id!r}")
+        return session
+
     def cell_session(self, job_id: str | None) -> Session | None:
         for s in self.sessions.values():
             if job_id in s.cells:

@@ -274,6 +274,13 @@ class Supervisor:
         report = overview.reporter_of(msg["job"], self.groups.jobs, self.groups.sessions)
         return protocol.kernel.EventList(events=report.events_since(msg["since"]), seq=report.seq)
 
+    async def _on_input(
+        self, _c: Connection, msg: protocol.kernel.Input, _b: Blob
+    ) -> protocol.kernel.Done:
+        ranks = self.groups.ranks_of(msg["job"])
+        await ranks.answer_input(msg["attempt"], msg["rank"], msg["ask"], msg["text"], msg["why"])
+        return protocol.kernel.Done()
+
     async def _on_nodes(
         self, _c: Connection, _m: protocol.kernel.Nodes, _b: Blob
     ) -> protocol.kernel.MachineList:
@@ -358,4 +365,5 @@ _REQUESTS: dict[
     protocol.kernel.EVENTS: Supervisor._on_events,
     protocol.kernel.NODES: Supervisor._on_nodes,
     protocol.kernel.JOIN: Supervisor._on_join,
+    protocol.kernel.INPUT: Supervisor._on_input,
 }

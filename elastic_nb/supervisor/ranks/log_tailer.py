@@ -79,6 +79,7 @@ class _Stream:
     marked: list[str] = field(default_factory=list)
     progress: str | None = None
     progress_sent: str | None = None
+    read: int = 0  # bytes of the file read so far
 
     def __post_init__(self) -> None:
         self.lines = collections.deque(maxlen=self.max_lines)
@@ -95,6 +96,7 @@ class _Stream:
             data = os.read(self.fd, _READ_CHUNK)
             if not data:
                 break
+            self.read += len(data)
             self._consume(data)
         if final and (self.partial or self.cut):
             self._add([self.partial], self.cut)
@@ -263,6 +265,15 @@ class LogTailer:
             if (s := self._streams.get((attempt, rank, stream))) and s.active_at is not None
         ]
         return time.monotonic() - max(times) if times else None
+
+    def read_to(self, attempt: int, rank: int, offsets: dict[str, int]) -> bool:
+        """Whether the rank's streams have been read up to these byte offsets ("out", "err":
+        what it had written when it asked for input, shown before its prompt)."""
+        for stream, offset in offsets.items():
+            s = self._streams.get((attempt, rank, stream))
+            if offset and (s is None or s.read < offset):
+                return False
+        return True
 
     def last_line(self, attempt: int, rank: int) -> str | None:
         s = self._streams.get((attempt, rank, "out"))

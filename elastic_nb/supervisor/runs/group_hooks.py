@@ -12,6 +12,7 @@ from anyio.abc import TaskGroup
 from elastic_nb import protocol
 from elastic_nb.supervisor.processes.node import Node
 from elastic_nb.supervisor.ranks.rank_state import RankState
+from elastic_nb.supervisor.runs.reporter import Reporter
 
 __all__ = ["GroupHooks"]
 
@@ -43,6 +44,11 @@ class GroupHooks:
 
     def _poll(self) -> None:
         """Each poll (every rank_group.POLL_S)."""
+
+    def _asker(self) -> Reporter | None:
+        """Whose kernel a rank's input() asks: the follower of the cell the ranks run (None:
+        nobody follows it)."""
+        raise NotImplementedError
 
     async def _relayed_rank(self, stream: Any, peer: int | None, node: Node) -> None:
         """A session's rank on another machine connects (relayed by its agent)."""

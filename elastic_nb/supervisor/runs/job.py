@@ -48,7 +48,7 @@ from elastic_nb.supervisor.ranks.rank_state import RankState
 from elastic_nb.supervisor.runs import diagnosis, summary
 from elastic_nb.supervisor.runs.diagnosis import DesyncWatch, Finding
 from elastic_nb.supervisor.runs.rank_group import RankGroup
-from elastic_nb.supervisor.runs.reporter import Send
+from elastic_nb.supervisor.runs.reporter import Reporter, Send
 from elastic_nb.supervisor.runs.rounds import Machines
 
 __all__ = ["Job"]
@@ -152,6 +152,9 @@ class Job(RankGroup):
         r = self.book.get(attempt, rank)
         if r is not None:
             self._on_watchdog(r, line)
+
+    def _asker(self) -> Reporter | None:
+        return self.report
 
     def _poll(self) -> None:
         # Records land before the process exits (torch and Python teardown can take a while):

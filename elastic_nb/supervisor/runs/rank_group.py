@@ -44,6 +44,7 @@ from elastic_nb.supervisor.runs import checkpoint_news, summary
 from elastic_nb.supervisor.runs.group_hooks import GroupHooks
 from elastic_nb.supervisor.runs.group_memory import memory_figures, read_memory
 from elastic_nb.supervisor.runs.placement import InRounds, OneMachine, Placement
+from elastic_nb.supervisor.runs.prompts import Prompts
 from elastic_nb.supervisor.runs.reporter import Reporter, Send
 from elastic_nb.supervisor.runs.rounds import Machines
 
@@ -92,6 +93,7 @@ class RankGroup(GroupHooks):
         self.report = Reporter(group_id, send)
         self.tailer = LogTailer(marks=NCCL_TIMEOUT_MARKS, noise=TORCH_LOG_NOISE)
         self.silence = Silence(last_activity=time.monotonic())  # --hang-after's clock
+        self.prompts = Prompts(self.rd)  # the ranks' input(), asked in the notebook
         self.memory = MemoryWatch()
         self.checkpoints = CheckpointLog(self.rd.checkpoints)
         # The latest failure that ended an attempt (when, who: "rank 2", lost with its machine),
@@ -326,6 +328,7 @@ class RankGroup(GroupHooks):
         r.oom_killed = kills is not None and base is not None and kills > base
         r.rss_peak = self.memory.rss_peak(r.attempt, r.rank)
         self.book.read_records(r)
+        self.prompts.forget(r.attempt, r.rank)
         self.report.event("rank.exit", attempt=r.attempt, rank=r.rank, code=r.exit_code)
         self._rank_ended(r)
 
@@ -338,10 +341,39 @@ class RankGroup(GroupHooks):
             self.poll_checkpoints()
             self._poll()
             self._watch_groups()
-            if time.monotonic() >= next_flush:
-                await self._flush()
+            now = time.monotonic()
+            asks = self.prompts.ready(self.book.of(self.attempt), self.tailer, now)
+            if now >= next_flush or asks:
+                await self._flush()  # what the ranks printed first, then their prompts
                 next_flush = time.monotonic() + FLUSH_S
+            for r, asked in asks:
+                await self._ask(r, asked)
+            if self.prompts.paused:
+                self.silence.activity(now)  # a rank at a prompt is not a hang
             await anyio.sleep(POLL_S)
+
+    async def _ask(self, r: RankState, asked: protocol.rank_probes.InputAsked) -> None:
+        """A rank's prompt, to the kernel that follows the cell; where none can answer, the
+        rank's input() is told so at once (it fails the cell, naming the rank)."""
+        report = self._asker()
+        if report is not None and await report.prompt(r.attempt, r.rank, asked):
+            return
+        why = "no kernel follows this cell (a replayed cell, or a notebook that has gone)"
+        with contextlib.suppress(KeyError, RuntimeError):
+            await self.answer_input(r.attempt, r.rank, asked["ask"], None, why)
+
+    async def answer_input(
+        self, attempt: int, rank: int, ask: int, text: str | None, why: str | None
+    ) -> None:
+        """The notebook's answer to a rank's prompt; KeyError if that rank does not wait for
+        it, RuntimeError if the rank did not take it."""
+        r = self.book.get(attempt, rank)
+        if r is None:
+            raise KeyError(f"no rank {rank} in attempt {attempt}")
+        await self.prompts.answer(self.book.node(r), r, ask, text, why)
+        self.report.event(
+            "input.answered", attempt=attempt, rank=rank, ask=ask, given=text is not None
+        )
 
     def places(self, places: dict[int, str]) -> dict[int, str]:
         """The chips' words of where each rank is (Evidence.places), a rank in no collective

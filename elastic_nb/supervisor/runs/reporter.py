@@ -142,6 +142,22 @@ class Reporter:
             with anyio.CancelScope(shield=True):
                 await self._send(update)
 
+    async def prompt(self, attempt: int, rank: int, asked: protocol.rank_probes.InputAsked) -> bool:
+        """A rank waits for a line of input: the kernel is asked (after the updates before it).
+        False if the kernel is gone."""
+        self.event("input.asked", attempt=attempt, rank=rank, ask=asked["ask"])
+        prompt = protocol.kernel.Prompt(
+            kind=protocol.kernel.PROMPT,
+            job=self.job_id,
+            attempt=attempt,
+            rank=rank,
+            ask=asked["ask"],
+            prompt=asked["prompt"],
+        )
+        with anyio.CancelScope(shield=True):
+            sent = await self._send(prompt)
+        return sent is not False
+
     async def end(self, summary: protocol.records.Summary) -> None:
         end = protocol.kernel.End(kind=protocol.kernel.END, job=self.job_id, summary=summary)
         self._remember(end)

@@ -300,6 +300,10 @@ class Session(RankGroup):
     def _followers(self) -> list[Reporter]:
         return [c.report for c in self.followed.cells]
 
+    def _asker(self) -> Reporter | None:
+        cell = self.current
+        return cell.report if cell is not None and cell in self.followed.cells else None
+
     async def _flush(self) -> None:
         await self.followed.flush(self.attempt, self.current)
         await self.report.flush(self.attempt, None)

@@ -1,0 +1,120 @@
+"""A rank's input() asks the notebook: pdb's prompt (``breakpoint()``, ``pdb.set_trace()``,
+``torch.distributed.breakpoint()``: each reads its commands with input()) and a cell's own
+input() are shown in the notebook's input box, and the line typed there comes back.
+
+A rank's stdin is not a terminal (torchelastic's workers have none to share), so builtins.input
+is replaced: it writes what it asks into the rank's run directory (rank-R.input.json, with how
+much the rank had printed by then), and waits for the answer, which the supervisor brings as a
+probe (protocol.rank_probes.PROBE_ANSWER) to the rank's probe thread (recorder.py), which hands it
+over here. A frontend that takes no input (nbclient, papermill, nbconvert) answers none: the
+rank's input() then raises `NoInput`, which fails the cell at once with the rank and its line.
+
+Imported in every rank before torch: stdlib only.
+"""
+
+from __future__ import annotations
+
+import builtins
+import itertools
+import os
+import pdb
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from elastic_nb.common.rundir import write_json
+from elastic_nb.protocol.rank_probes import InputAnswer, InputAsked
+
+__all__ = ["CellPdb", "NoInput", "answered", "cell_is", "install"]
+
+
+class NoInput(EOFError):
+    """The notebook could not give this rank a line of input (its frontend takes none, or no
+    kernel follows the cell). An EOFError, as a plain input() at the end of its stdin."""
+
+
+_asks = itertools.count(1)
+_lock = threading.Lock()
+_waiting: dict[int, tuple[threading.Event, list[InputAnswer]]] = {}
+_where: Path | None = None
+_rank: int | None = None
+_cell: str | None = None  # the file name the running cell was compiled with
+
+
+class CellPdb(pdb.Pdb):
+    """pdb as a plain cell shows it: the cell's file is "cell", and the frames below the cell
+    (the rank's bootstrap, torchelastic's, multiprocessing's) are left out of `where`, `up`."""
+
+    def get_stack(self, f: Any, t: Any) -> tuple[list[tuple[Any, int]], int]:
+        stack, i = super().get_stack(f, t)
+        first = next((k for k, (fr, _) in enumerate(stack) if fr.f_code.co_filename == _cell), 0)
+        return stack[first:], max(0, i - first)
+
+    def format_stack_entry(self, frame_lineno: tuple[Any, int], lprefix: str = ": ") -> str:
+        entry: str = super().format_stack_entry(frame_lineno, lprefix)
+        return entry.replace(_cell, "cell", 1) if _cell else entry
+
+
+def install(asked: Path, rank: int) -> None:
+    """Answer this rank's input() from the notebook, its asks written at `asked`; every pdb
+    (breakpoint(), pdb.set_trace(), torch.distributed.breakpoint()'s) a `CellPdb`."""
+    global _where, _rank
+    _where, _rank = asked, rank
+    builtins.input = _input
+    pdb.Pdb = CellPdb  # type: ignore[misc]  # what pdb.set_trace and torch's subclass make
+
+
+def cell_is(filename: str) -> None:
+    """The cell about to run was compiled with this file name."""
+    global _cell
+    _cell = filename
+
+
+def answered(answer: InputAnswer) -> bool:
+    """The notebook's answer (from the probe thread): to the input() that waits for it. False if
+    none does (it was interrupted, or answered already)."""
+    with _lock:
+        waiting = _waiting.pop(answer["ask"], None)
+    if waiting is None:
+        return False
+    waiting[1].append(answer)
+    waiting[0].set()
+    return True
+
+
+def _input(prompt: object = "") -> str:
+    assert _where is not None
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    ask = next(_asks)
+    done, box = threading.Event(), list[InputAnswer]()
+    with _lock:
+        _waiting[ask] = (done, box)
+    try:
+        write_json(
+            _where,
+            InputAsked(
+                ask=ask, prompt=str(prompt), out=_written(1), err=_written(2), t=time.time()
+            ),
+        )
+        done.wait()  # a signal still lands: an interrupt (a session's) or the teardown's
+    finally:
+        with _lock:
+            _waiting.pop(ask, None)
+    answer = box[0]
+    if answer["text"] is None:
+        raise NoInput(
+            f"rank {_rank} asked for input ({str(prompt).strip() or 'input()'}), and the "
+            f"notebook has none to give: {answer['why']}"
+        )
+    return answer["text"]
+
+
+def _written(fd: int) -> int:
+    """Bytes written to an output (a log file, where torchelastic redirects it) so far."""
+    try:
+        return os.fstat(fd).st_size
+    except OSError:
+        return 0

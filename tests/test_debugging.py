@@ -1,0 +1,145 @@
+"""A rank's input() and pdb's prompt, asked in the notebook (rank/notebook_input.py,
+supervisor/runs/prompts.py): real kernels whose frontend takes input (jupyter_client answers
+the kernel's input requests, as JupyterLab's input box does) or none (nbclient's way), a real
+supervisor and gloo ranks. Every test also checks, by its fixture, that no process is left."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import pytest
+
+from tests.kernel import Execution, Kernel
+
+pytestmark = [pytest.mark.e2e]
+
+INPUT_ON_RANK_1 = """%%elastic --nproc 2
+import os
+if int(os.environ["RANK"]) == 1:
+    print("before the question")
+    name = input("your name? ")
+    print(f"hello {name}")
+"""
+
+BREAKPOINT_ON_RANK_0 = """%%elastic --nproc 2
+import os
+rank = int(os.environ["RANK"])
+x = 41 + rank
+if rank == 0:
+    breakpoint()
+y = x + 1
+print(f"y = {y}")
+"""
+
+
+def typing(*lines: str) -> Callable[[str, Execution], str]:
+    """A person who types these lines at the prompts, in turn."""
+    left = list(lines)
+    return lambda prompt, ex: left.pop(0)
+
+
+def test_input_on_a_rank_is_asked_in_the_notebook_and_answered(kernel: Kernel) -> None:
+    seen: list[str] = []
+
+    def answer(prompt: str, ex: Execution) -> str:
+        seen.append(ex.stdout)
+        return "Ada"
+
+    ex = kernel.debug(INPUT_ON_RANK_1, answer)
+    assert ex.error is None, ex.stderr
+    assert ex.prompts == ["[rank 1] your name? "]
+    assert "[rank 1] before the question" in seen[0]  # printed before it asked, shown first
+    assert "[rank 1] hello Ada" in ex.stdout
+
+
+def test_a_breakpoint_on_a_rank_takes_pdb_commands_from_the_notebook(kernel: Kernel) -> None:
+    ex = kernel.debug(BREAKPOINT_ON_RANK_0, typing("p x * 2", "where", "c"))
+    assert ex.error is None, ex.stderr
+    assert ex.prompts == ["[rank 0] (Pdb) "] * 3
+    assert "[rank 0] 82" in ex.stdout  # p x * 2, answered under the cell
+    # `where`: the cell's frame, named as the cell, and none of the bootstrap's under it
+    assert "[rank 0] > cell(7)<module>()" in ex.stdout and "bootstrap" not in ex.stdout
+    assert "[rank 0] y = 42" in ex.stdout and "[rank 1] y = 43" in ex.stdout
+
+
+def test_quitting_the_debugger_fails_the_cell_as_a_plain_cell_would(kernel: Kernel) -> None:
+    ex = kernel.debug(BREAKPOINT_ON_RANK_0, typing("q"))
+    assert ex.ename == "JobFailed", ex.stderr
+    assert "BdbQuit" in ex.error["evalue"] and "rank 0" in ex.error["evalue"]
+
+
+def test_a_frontend_without_input_fails_the_cell_at_once_naming_the_rank(kernel: Kernel) -> None:
+    t0 = time.monotonic()
+    ex = kernel.run(INPUT_ON_RANK_1)
+    assert ex.ename == "JobFailed"
+    evalue = ex.error["evalue"]
+    assert "rank 1" in evalue and "NoInput" in evalue and "takes no input" in evalue, evalue
+    assert "line 5" in evalue  # the cell's line that asked
+    assert time.monotonic() - t0 < 60  # nothing waited for an answer that cannot come
+
+
+def test_a_rank_at_a_prompt_is_not_a_hang(kernel: Kernel) -> None:
+    """--hang-after 1 and four seconds at the prompt: no hang alert, and the job succeeds."""
+
+    def slowly(prompt: str, ex: Execution) -> str:
+        time.sleep(4)  # the person thinks: the scenario under test, not a wait for the product
+        return "Grace"
+
+    ex = kernel.debug(INPUT_ON_RANK_1.replace("--nproc 2", "--nproc 2 --hang-after 1"), slowly)
+    assert ex.error is None, ex.stderr
+    assert "[rank 1] hello Grace" in ex.stdout
+    assert "--hang-after" not in ex.stdout + ex.stderr
+
+
+TORCH_BREAKPOINT = """%%elastic --nproc 2 --collective-timeout 5
+import torch.distributed as dist
+dist.init_process_group("gloo")
+x = dist.get_rank() * 10
+dist.breakpoint(rank=1)
+print(f"after {x}")
+"""
+
+
+def test_torch_distributed_breakpoint_stops_one_rank_while_the_others_wait(
+    kernel: Kernel,
+) -> None:
+    """torch's own API: rank 1 at the prompt, rank 0 in torch's barrier (whose timeout torch
+    extends: the prompt outlasts --collective-timeout 5), then both go on."""
+
+    def person(prompt: str, ex: Execution) -> str:
+        if len(ex.prompts) == 1:
+            time.sleep(6)  # longer than the collective timeout: the scenario under test
+            return "up"
+        return "p x" if len(ex.prompts) == 2 else "c"
+
+    ex = kernel.debug(TORCH_BREAKPOINT, person)
+    assert ex.error is None, ex.stderr
+    assert ex.prompts == ["[rank 1] (Pdb) "] * 3
+    assert "[rank 1] 10" in ex.stdout  # x on rank 1, in the cell's frame after `up`
+    assert "[rank 0] after 0" in ex.stdout and "[rank 1] after 10" in ex.stdout
+
+
+def test_the_stop_button_at_a_prompt_stops_the_job(kernel: Kernel) -> None:
+    """An interrupt while the frontend waits for the pdb command ends the job as an interrupt
+    does anywhere in the cell; its ranks go with it (the fixture checks)."""
+
+    def stop(prompt: str, ex: Execution) -> None:
+        kernel.interrupt()
+
+    ex = kernel.debug(BREAKPOINT_ON_RANK_0, stop, timeout=60)
+    assert ex.ename == "KeyboardInterrupt", ex.stderr
+    assert "interrupted" in ex.stdout + ex.stderr
+
+
+def test_a_breakpoint_in_a_session_cell_and_the_session_goes_on(fresh_kernel: Kernel) -> None:
+    k = fresh_kernel
+    k.ok("%elastic up --nproc 2")
+    k.ok("%%elastic\nimport os\nrank = int(os.environ['RANK'])\ntotal = 0\n")
+    cell = "%%elastic\ntotal += 5 + rank\nif rank == 1:\n    breakpoint()\nprint('total', total)\n"
+    ex = k.debug(cell, typing("p total", "c"))
+    assert ex.error is None, ex.stderr
+    assert ex.prompts == ["[rank 1] (Pdb) "] * 2
+    assert "[rank 1] 6" in ex.stdout and "[rank 0] total 5" in ex.stdout
+    assert k.ok("%%elastic\ntotal\n").result == "5"  # the session's state, kept
+    k.ok("%elastic down")

@@ -143,3 +143,60 @@ def test_a_breakpoint_in_a_session_cell_and_the_session_goes_on(fresh_kernel: Ke
     assert "[rank 1] 6" in ex.stdout and "[rank 0] total 5" in ex.stdout
     assert k.ok("%%elastic\ntotal\n").result == "5"  # the session's state, kept
     k.ok("%elastic down")
+
+
+def test_elastic_debug_opens_the_failed_rank_in_its_frames(fresh_kernel: Kernel) -> None:
+    """IPython's %debug habit, in a session: after a cell fails on rank 1, `%elastic debug`
+    opens the debugger at rank 1's exception, with that cell's locals; the session goes on."""
+    k = fresh_kernel
+    k.ok("%elastic up --nproc 2")
+    failing = (
+        "%%elastic\nimport os\nrank = int(os.environ['RANK'])\n"
+        "def step(scale):\n    local = 7 * scale\n    return local / (1 - rank)\n"
+        "step(3)\n"
+    )
+    ex = k.run(failing)
+    assert ex.ename == "JobFailed" and "ZeroDivisionError" in ex.error["evalue"]
+    ex = k.debug("%elastic debug", typing("p local, scale", "up", "p rank", "q"))
+    assert ex.error is None, ex.stderr
+    assert ex.prompts == ["[rank 1] (Pdb) "] * 4
+    assert "[rank 1] ZeroDivisionError: division by zero" in ex.stdout
+    assert "[rank 1] > cell(6)step()" in ex.stdout  # the failed cell's frame, named as the cell
+    assert "[rank 1] (21, 3)" in ex.stdout and "[rank 1] 1" in ex.stdout
+    assert k.ok("%%elastic\nrank * 10\n").result == "0"  # the session, as it was
+    ex = k.run("%elastic debug --rank 0")  # rank 0 has no failure to open
+    assert "[rank 0] no cell has failed on this rank" in ex.stdout
+    k.ok("%elastic down")
+
+
+PDB_ON_FAILURE = """%%elastic --nproc 2 --pdb --collective-timeout 5
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+t = torch.ones(1)
+if rank == 1:
+    settings = {"lr": 0.1}
+    settings["momentum"]
+dist.all_reduce(t)
+"""
+
+
+def test_pdb_flag_stops_the_failing_rank_at_its_exception_while_the_others_are_held(
+    kernel: Kernel,
+) -> None:
+    """--pdb (IPython's %pdb habit): rank 1 raises, waits in post-mortem longer than the
+    collective timeout while rank 0, held, cannot time out in its all_reduce; leaving the
+    debugger fails the cell with rank 1's error, rank 1 named first."""
+
+    def person(prompt: str, ex: Execution) -> str:
+        if len(ex.prompts) == 1:
+            time.sleep(6)  # past --collective-timeout 5: the scenario under test
+            return "p settings"
+        return "q"
+
+    ex = kernel.debug(PDB_ON_FAILURE, person)
+    assert ex.prompts == ["[rank 1] (Pdb) "] * 2
+    assert "[rank 1] {'lr': 0.1}" in ex.stdout
+    assert "[rank 1] > cell(8)<module>()" in ex.stdout
+    assert ex.ename == "JobFailed"
+    assert ex.error["evalue"].startswith("rank 1 failed first: KeyError"), ex.error["evalue"]

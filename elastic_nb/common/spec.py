@@ -92,6 +92,7 @@ class JobSpec:
     nnodes_max: int = 1
     remote_only: bool = False
     ship: tuple[str, ...] = ()
+    pdb: bool = False  # --pdb: a rank whose cell raises waits in the debugger first (post-mortem)
 
     @property
     def multi_node(self) -> bool:

@@ -61,6 +61,7 @@ class LineCommands:
     options: Callable[[str], dict[str, Any]]  # a line's flags
     spec: Callable[[dict[str, Any]], JobSpec]  # flags (over the defaults) as a spec
     check_nodes: Callable[[JobSpec], None]  # UsageError if a multi-node spec cannot run
+    run_cell: Callable[[str, str], Any]  # %%elastic itself: its line and the cell
 
     def live_session(self) -> SessionHandle | None:
         """The session whose ranks are up (%elastic up), if one is."""
@@ -245,6 +246,48 @@ class LineCommands:
             raise UsageError(str(e)) from None
         except Refused as e:
             raise UsageError(e.reason) from None
+
+    @command(
+        "debug",
+        "[--rank R]",
+        "on a session: the debugger at the exception of the last failed cell (its first failed "
+        "rank's, or R's), in that cell's frames, as IPython's %debug",
+    )
+    def _debug(self, rest: str) -> Any:
+        session = self.live_session()
+        if session is None:
+            raise UsageError(
+                "%elastic debug opens a session rank's last failure: no session is up (a "
+                "one-off job's ranks have exited; %elastic up --nproc N starts a session)"
+            )
+        parser = argparse.ArgumentParser(prog="%elastic debug", add_help=False)
+        parser.add_argument("--rank", type=int)
+        try:
+            args = parser.parse_args(rest.split())
+        except SystemExit:
+            raise UsageError("usage: %elastic debug [--rank R]") from None
+        rank = args.rank
+        if rank is None:
+            failed = [
+                j.summary
+                for j in self.jobs.values()
+                if j.session == session.id and j.summary and j.summary["outcome"] == "failed"
+            ]
+            failure = failed[-1].get("failure") if failed else None
+            if not failure:
+                raise UsageError(
+                    f"no cell of session {session.id} has failed: nothing to debug "
+                    "(--rank R opens R's last failure, if it had one)"
+                )
+            rank = int(failure["rank"])
+        if not 0 <= rank < session.spec.world_size:
+            raise UsageError(
+                f"--rank {rank}: the session has ranks 0-{session.spec.world_size - 1}"
+            )
+        # A cell of its own on the session's ranks, left out of the replay: on `rank`, the
+        # debugger in the frames the failed cell left (rank/notebook_input.py), the others idle.
+        source = f"from elastic_nb.rank.notebook_input import debug_last\ndebug_last({rank})\n"
+        return self.run_cell("--no-replay", source)
 
     @command("nodes", "", "this machine and every joined one")
     def _nodes(self, rest: str) -> None:

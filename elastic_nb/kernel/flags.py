@@ -324,6 +324,7 @@ def job_spec(
         async_error_handling=parse_async_error_handling(o["async_error_handling"]),
         hang_after=parse_optional_seconds("--hang-after", o["hang_after"]),
         memory_history=bool(o["memory_history"]),
+        pdb=bool(o["pdb"]),
         widgets=bool(o["widgets"]),
         background=bool(o["background"]),
         warm=bool(o["warm"]),

@@ -92,7 +92,7 @@ class ElasticMagics(Magics, LineCommands):
         """
         if cell is None:
             return self._line(line)
-        return self._cell(line, cell)
+        return self.run_cell(line, cell)
 
     def _shell(self) -> InteractiveShell:
         assert self.shell is not None, "the magics are registered with a shell"
@@ -127,7 +127,8 @@ class ElasticMagics(Magics, LineCommands):
                 "on each (then %elastic nodes lists them)"
             )
 
-    def _cell(self, line: str, cell: str) -> Any:
+    def run_cell(self, line: str, cell: str) -> Any:
+        """%%elastic: the cell on the ranks (a session's, if one is up), followed to its end."""
         options = self.options(line)
         session = self.live_session()
         if session is not None and not options.get("one_off"):

@@ -244,6 +244,19 @@ OPTIONS: tuple[Option, ...] = (
         shown="",
         per_cell=True,
     ),
+    # IPython's %pdb, on the ranks: the rank that raises waits at its prompt (rank/notebook_input.py).
+    Option(
+        "pdb",
+        ("--pdb",),
+        False,
+        "a rank whose cell raises stops in the debugger at its exception (post-mortem, as "
+        "IPython's %pdb) before it fails the cell; the other ranks are held (stopped) until it "
+        "is done",
+        _ENV,
+        action="store_true",
+        shown="",
+        per_cell=True,
+    ),
     Option(
         "push",
         ("--push",),

@@ -56,6 +56,7 @@ class InputAsked(TypedDict):
     out: int
     err: int
     t: float  # the rank's wall clock
+    post_mortem: bool  # pdb at the cell's exception (--pdb): the other ranks are held meanwhile
 
 
 class InputAnswer(TypedDict):

@@ -13,6 +13,7 @@ This module is imported in every rank before torch: keep its top level light.
 from __future__ import annotations
 
 import ast
+import bdb
 import builtins
 import contextlib
 import faulthandler
@@ -127,7 +128,15 @@ def run_cell(
     except BaseException as e:
         if final:
             recorder.write_final(rd.collectives(attempt, rank), str(rd.cell))
-        record_failure(rd, attempt, rank, e, phase, meta)
+        elif phase == "cell":
+            notebook_input.failed(e)  # a session's rank lives on: %elastic debug opens it
+        raised_at = time.time()
+        if spec.pdb and phase == "cell" and not isinstance(e, _NOT_DEBUGGED):
+            # Before the failure is recorded: the supervisor acts on a record (a rank that has
+            # raised ends the attempt), and the rank is not done yet. It is recorded at the
+            # time it was raised: who failed first does not change while it is debugged.
+            notebook_input.post_mortem(e)
+        record_failure(rd, attempt, rank, e, phase, meta, at=raised_at)
         return e
     # Before the done record: a rank seen as done has its history on disk (the desync watch
     # compares it with the ranks still in a collective). A session's rank lives on and answers
@@ -259,6 +268,10 @@ def refuse_a_bad_fork() -> None:
         + (f"drop {cuda_by} from --preload, or " if cuda_by else "")
         + "run the cell with --start-method spawn"
     )
+
+
+# Not a failure to debug: an interrupt, an exit, a quit from the debugger itself.
+_NOT_DEBUGGED = (KeyboardInterrupt, SystemExit, bdb.BdbQuit)
 
 
 def _synchronize() -> None:

@@ -27,7 +27,16 @@ from typing import Any
 from elastic_nb.common.rundir import write_json
 from elastic_nb.protocol.rank_probes import InputAnswer, InputAsked
 
-__all__ = ["CellPdb", "NoInput", "answered", "cell_is", "install"]
+__all__ = [
+    "CellPdb",
+    "NoInput",
+    "answered",
+    "cell_is",
+    "debug_last",
+    "failed",
+    "install",
+    "post_mortem",
+]
 
 
 class NoInput(EOFError):
@@ -41,6 +50,9 @@ _waiting: dict[int, tuple[threading.Event, list[InputAnswer]]] = {}
 _where: Path | None = None
 _rank: int | None = None
 _cell: str | None = None  # the file name the running cell was compiled with
+# A session rank's last failure, and its cell's file name: `%elastic debug` opens its frames.
+_last: tuple[BaseException, str] | None = None
+_post_mortem = False  # the prompts now are a post-mortem's (--pdb): the other ranks are held
 
 
 class CellPdb(pdb.Pdb):
@@ -72,6 +84,55 @@ def cell_is(filename: str) -> None:
     _cell = filename
 
 
+def failed(error: BaseException) -> None:
+    """A session's cell raised on this rank: kept, with its frames and their locals, for
+    `%elastic debug` (as IPython keeps sys.last_traceback for %debug, until the next failure)."""
+    global _last
+    if _cell is not None:
+        _last = (error, _cell)
+
+
+def post_mortem(error: BaseException) -> None:
+    """--pdb: the debugger at the exception the cell raised on this rank, before the rank fails
+    the cell (its failure is recorded already, at the time it raised); the supervisor holds the
+    other ranks meanwhile."""
+    global _post_mortem
+    print(
+        f"rank {_rank}: {type(error).__name__}: {error}\n"
+        "post-mortem (--pdb): the other ranks are held until you leave (c or q); the cell then "
+        "fails with this error"
+    )
+    _post_mortem = True
+    try:
+        _interact(error)
+    finally:
+        _post_mortem = False
+
+
+def _interact(error: BaseException) -> None:
+    debugger = CellPdb()
+    debugger.reset()  # as pdb.post_mortem does: a quit needs the frames it was given
+    debugger.interaction(None, error.__traceback__)
+
+
+def debug_last(rank: int) -> None:
+    """``%elastic debug``: on rank `rank`, the debugger at the exception its last failed cell
+    raised, in that cell's frames (post-mortem, as IPython's %debug)."""
+    global _cell
+    if _rank != rank:
+        return
+    if _last is None:
+        print("no cell has failed on this rank since the session's ranks started")
+        return
+    error, cell = _last
+    running, _cell = _cell, cell  # the failed cell's frames are the ones shown as `cell`
+    try:
+        print(f"{type(error).__name__}: {error}")
+        _interact(error)
+    finally:
+        _cell = running
+
+
 def answered(answer: InputAnswer) -> bool:
     """The notebook's answer (from the probe thread): to the input() that waits for it. False if
     none does (it was interrupted, or answered already)."""
@@ -96,7 +157,12 @@ def _input(prompt: object = "") -> str:
         write_json(
             _where,
             InputAsked(
-                ask=ask, prompt=str(prompt), out=_written(1), err=_written(2), t=time.time()
+                ask=ask,
+                prompt=str(prompt),
+                out=_written(1),
+                err=_written(2),
+                t=time.time(),
+                post_mortem=_post_mortem,
             ),
         )
         done.wait()  # a signal still lands: an interrupt (a session's) or the teardown's

@@ -21,10 +21,17 @@ __all__ = ["dump", "dump_result", "record_failure"]
 
 
 def record_failure(
-    rd: RunDir, attempt: int, rank: int, exc: BaseException, phase: str, meta: dict[str, Any]
+    rd: RunDir,
+    attempt: int,
+    rank: int,
+    exc: BaseException,
+    phase: str,
+    meta: dict[str, Any],
+    at: float | None = None,
 ) -> None:
-    """Stamp the failure with our clock (torch's error file has whole seconds) and say where."""
-    now = time.time()
+    """Stamp the failure with our clock (torch's error file has whole seconds; `at`: when it
+    was raised, if that was not now) and say where."""
+    now = time.time() if at is None else at
     tb = exc.__traceback__
     while tb is not None and tb.tb_frame.f_code.co_filename.startswith(_PACKAGE):
         tb = tb.tb_next  # our own frames (this bootstrap, a session's loop) are noise to the user

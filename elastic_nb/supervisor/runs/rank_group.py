@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import signal
 import time
 from typing import Any
 
@@ -94,6 +95,8 @@ class RankGroup(GroupHooks):
         self.tailer = LogTailer(marks=NCCL_TIMEOUT_MARKS, noise=TORCH_LOG_NOISE)
         self.silence = Silence(last_activity=time.monotonic())  # --hang-after's clock
         self.prompts = Prompts(self.rd)  # the ranks' input(), asked in the notebook
+        # --pdb: the ranks held (SIGSTOP) while a rank is in post-mortem, by that rank
+        self._held: dict[tuple[int, int], list[RankState]] = {}
         self.memory = MemoryWatch()
         self.checkpoints = CheckpointLog(self.rd.checkpoints)
         # The latest failure that ended an attempt (when, who: "rank 2", lost with its machine),
@@ -329,6 +332,7 @@ class RankGroup(GroupHooks):
         r.rss_peak = self.memory.rss_peak(r.attempt, r.rank)
         self.book.read_records(r)
         self.prompts.forget(r.attempt, r.rank)
+        self._release(r)
         self.report.event("rank.exit", attempt=r.attempt, rank=r.rank, code=r.exit_code)
         self._rank_ended(r)
 
@@ -355,12 +359,31 @@ class RankGroup(GroupHooks):
     async def _ask(self, r: RankState, asked: protocol.rank_probes.InputAsked) -> None:
         """A rank's prompt, to the kernel that follows the cell; where none can answer, the
         rank's input() is told so at once (it fails the cell, naming the rank)."""
+        if asked["post_mortem"]:
+            self._hold_others(r)
         report = self._asker()
         if report is not None and await report.prompt(r.attempt, r.rank, asked):
             return
         why = "no kernel follows this cell (a replayed cell, or a notebook that has gone)"
         with contextlib.suppress(KeyError, RuntimeError):
             await self.answer_input(r.attempt, r.rank, asked["ask"], None, why)
+
+    def _hold_others(self, r: RankState) -> None:
+        """--pdb: while `r` is in post-mortem the other live ranks are stopped, so that none
+        times out waiting for it in a collective (nor runs on without it); they go on once `r`
+        has left the debugger and failed."""
+        key = (r.attempt, r.rank)
+        if key in self._held:
+            return
+        others = [o for o in self.book.of(r.attempt) if o is not r and o.died_at is None]
+        self._held[key] = others
+        self.signal(others, signal.SIGSTOP)
+        self.report.event("held", attempt=r.attempt, by=r.rank, ranks=[o.rank for o in others])
+
+    def _release(self, r: RankState) -> None:
+        held = self._held.pop((r.attempt, r.rank), None)
+        if held:
+            self.signal([o for o in held if o.died_at is None], signal.SIGCONT)
 
     async def answer_input(
         self, attempt: int, rank: int, ask: int, text: str | None, why: str | None

@@ -28,6 +28,7 @@ BENCHMARKS = [
     "session.py",
     "checkpoint.py",
     "multinode.py",
+    "debugger.py",
 ]
 _BLOCK = re.compile(r"(<!-- results -->\n).*?(<!-- /results -->)", re.S)
 

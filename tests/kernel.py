@@ -294,6 +294,7 @@ class Execution:
     idle_at: float | None = None
     pager: str = ""  # what IPython's pager showed (%%elastic? and friends)
     prompts: list[str] = field(default_factory=list)  # the kernel's input requests, in order
+    prompted_at: list[float] = field(default_factory=list)  # time.time() each one arrived
     messages: list[dict[str, Any]] = field(default_factory=list)
 
     @property
@@ -461,7 +462,9 @@ class Kernel:
             if answer is not None and self._answer_input(msg_id, ex, answer):
                 return self._idle(msg_id, ex, t0)
             try:
-                msg = self.kc.get_iopub_msg(timeout=min(remaining, 1.0 if answer is None else 0.02))
+                msg = self.kc.get_iopub_msg(
+                    timeout=min(remaining, 1.0 if answer is None else 0.002)
+                )
             except Exception:  # queue.Empty
                 continue
             if self._take(msg, msg_id, ex):
@@ -510,6 +513,7 @@ class Kernel:
                 return False
             if request["msg_type"] != "input_request":
                 continue
+            arrived = time.time()
             # ipykernel flushes what the cell printed before it asks: take that in first (it
             # comes on IOPub, another socket), as a person sees it above the input box.
             while True:
@@ -521,6 +525,7 @@ class Kernel:
                     return True
             prompt = request["content"]["prompt"]
             ex.prompts.append(prompt)
+            ex.prompted_at.append(arrived)
             text = answer(prompt, ex)
             if text is not None:  # None: the person pressed stop instead (it interrupted)
                 self.kc.input(text)

@@ -69,14 +69,18 @@ class Prompts:
             out.append((r, asked))
         return out
 
+    def check(self, r: RankState, ask: int) -> None:
+        """KeyError unless `r` waits for the answer to `ask`."""
+        waiting = self.paused.get((r.attempt, r.rank))
+        if waiting is None or waiting["ask"] != ask:
+            raise KeyError(f"rank {r.rank} does not wait for that answer")
+
     async def answer(
         self, node: Node, r: RankState, ask: int, text: str | None, why: str | None
     ) -> None:
         """The notebook's answer, to the rank that asks; RuntimeError if it did not take it."""
         key = (r.attempt, r.rank)
-        waiting = self.paused.get(key)
-        if waiting is None or waiting["ask"] != ask:
-            raise KeyError(f"rank {r.rank} does not wait for that answer")
+        self.check(r, ask)
         answer = protocol.rank_probes.InputAnswer(ask=ask, text=text, why=why)
         what = f"{protocol.rank_probes.PROBE_ANSWER} {json.dumps(answer)}"
         record = await node.probe(r, what, ANSWER_WAIT_S)

@@ -55,6 +55,10 @@ log = logging.getLogger(__name__)
 
 POLL_S = 0.05  # log tail and record polling
 FLUSH_S = 0.1  # one update per group per flush: at most 10 messages a second
+# After an answer to a rank's prompt, its next prompt is looked for this often, this long (pdb
+# asks again after each command: its round trip is a person's wait).
+PROMPT_POLL_S = 0.001
+NEXT_PROMPT_S = 2.0
 IDLE_STOP_GRACE_S = 0.2  # SIGTERM -> SIGKILL for a node of a multi-node group with no live rank
 GROUPS_LOOK_S = 1.0  # a look for the ranks' first process group (a few stats)
 
@@ -350,11 +354,32 @@ class RankGroup(GroupHooks):
             if now >= next_flush or asks:
                 await self._flush()  # what the ranks printed first, then their prompts
                 next_flush = time.monotonic() + FLUSH_S
-            for r, asked in asks:
-                await self._ask(r, asked)
+            await self._show_asks(asks)
             if self.prompts.paused:
                 self.silence.activity(now)  # a rank at a prompt is not a hang
             await anyio.sleep(POLL_S)
+
+    async def _show_asks(
+        self, asks: list[tuple[RankState, protocol.rank_probes.InputAsked]]
+    ) -> None:
+        for r, asked in asks:
+            await self._ask(r, asked)
+
+    async def _next_ask(self, r: RankState) -> None:
+        """After an answer, the rank's next prompt (pdb's, after each command) is looked for
+        every PROMPT_POLL_S for a while, not at the poll loop's pace: a command's round trip
+        is that long, not a poll of the group."""
+        deadline = time.monotonic() + NEXT_PROMPT_S
+        while time.monotonic() < deadline and r.died_at is None:
+            await anyio.sleep(PROMPT_POLL_S)
+            self.tailer.poll()
+            asks = self.prompts.ready([r], self.tailer, time.monotonic())
+            if asks:
+                await self._flush()
+                await self._show_asks(asks)
+                return
+            if (r.attempt, r.rank) in self.prompts.paused:
+                return  # shown by the poll loop meanwhile
 
     async def _ask(self, r: RankState, asked: protocol.rank_probes.InputAsked) -> None:
         """A rank's prompt, to the kernel that follows the cell; where none can answer, the
@@ -388,15 +413,25 @@ class RankGroup(GroupHooks):
     async def answer_input(
         self, attempt: int, rank: int, ask: int, text: str | None, why: str | None
     ) -> None:
-        """The notebook's answer to a rank's prompt; KeyError if that rank does not wait for
-        it, RuntimeError if the rank did not take it."""
+        """The notebook's answer to a rank's prompt, on its way to the rank when this returns
+        (the kernel waits for the rank's next prompt, not for this); KeyError if that rank
+        does not wait for it."""
         r = self.book.get(attempt, rank)
         if r is None:
             raise KeyError(f"no rank {rank} in attempt {attempt}")
-        await self.prompts.answer(self.book.node(r), r, ask, text, why)
+        self.prompts.check(r, ask)
         self.report.event(
             "input.answered", attempt=attempt, rank=rank, ask=ask, given=text is not None
         )
+        self.task_group.start_soon(self._deliver, r, ask, text, why)
+
+    async def _deliver(self, r: RankState, ask: int, text: str | None, why: str | None) -> None:
+        try:
+            await self.prompts.answer(self.book.node(r), r, ask, text, why)
+        except (KeyError, RuntimeError) as e:  # it ended meanwhile: its end says the rest
+            log.info("group %s: %s", self.id, e)
+            return
+        await self._next_ask(r)
 
     def places(self, places: dict[int, str]) -> dict[int, str]:
         """The chips' words of where each rank is (Evidence.places), a rank in no collective

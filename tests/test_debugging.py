@@ -200,3 +200,32 @@ def test_pdb_flag_stops_the_failing_rank_at_its_exception_while_the_others_are_h
     assert "[rank 1] > cell(8)<module>()" in ex.stdout
     assert ex.ename == "JobFailed"
     assert ex.error["evalue"].startswith("rank 1 failed first: KeyError"), ex.error["evalue"]
+
+
+EVERY_RANK_AT_A_BREAKPOINT = """%%elastic --nproc 3
+import os
+rank = int(os.environ["RANK"])
+loss = 1.5 * (rank + 1)
+breakpoint()
+print(f"done {rank}")
+"""
+
+
+def test_every_rank_at_one_breakpoint_is_asked_at_one_prompt_and_addressed(
+    kernel: Kernel,
+) -> None:
+    """Every rank at the same breakpoint: one prompt names them all, a command goes to each
+    (their answers side by side), @R sends one to R only; `c` continues all."""
+    ex = kernel.debug(
+        EVERY_RANK_AT_A_BREAKPOINT,
+        typing("p loss", "@2 p loss * 100", "@0,1 p rank", "@7 p loss", "c"),
+    )
+    assert ex.error is None, ex.stderr
+    assert ex.prompts == ["[ranks 0,1,2] (Pdb) "] * 5
+    assert "wait at this prompt: a command goes to each of them" in ex.stdout
+    for rank, loss in ((0, 1.5), (1, 3.0), (2, 4.5)):
+        assert f"[rank {rank}] {loss}" in ex.stdout  # `p loss` on every rank
+        assert f"[rank {rank}] done {rank}" in ex.stdout  # `c` on every rank
+    assert "[rank 2] 450.0" in ex.stdout and "[rank 0] 150.0" not in ex.stdout  # @2 alone
+    assert "[rank 0] 0" in ex.stdout and "[rank 1] 1" in ex.stdout and "[rank 2] 2" not in ex.stdout
+    assert "rank 7 is not at a prompt; waiting: 0, 1, 2" in ex.stdout

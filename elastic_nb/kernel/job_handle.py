@@ -17,6 +17,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -34,6 +35,7 @@ from elastic_nb.common.rundir import RunDir
 from elastic_nb.common.spec import JobSpec
 from elastic_nb.common.submission import Submission
 from elastic_nb.kernel.client import GONE, SupervisorClient
+from elastic_nb.kernel.rank_prompts import RankPrompts
 from elastic_nb.protocol.records import Summary
 
 __all__ = ["JobHandle", "Renderer"]
@@ -82,6 +84,8 @@ class JobHandle:
         self._rendered_end = False
         self._pulled = False
         self._state = "starting"  # as the supervisor's updates say, until the summary
+        self._prompts = RankPrompts(self._answer)  # the ranks waiting at a prompt
+        self._conversing = False
 
     @classmethod
     def submit(cls, client: SupervisorClient, cell: Submission) -> JobHandle:
@@ -283,35 +287,44 @@ class JobHandle:
             if renderer is not None:
                 renderer.update(msg)
         elif msg["kind"] == protocol.kernel.PROMPT:
-            self._prompt(msg, renderer)
+            self._prompts.add(msg)
+            if not self._conversing:
+                self._converse(renderer)
         elif msg["kind"] == protocol.kernel.END:
             self.summary = msg["summary"]
             if renderer is not None:
                 self._rendered_end = True
                 renderer.end(msg["summary"])
 
-    def _prompt(self, msg: protocol.kernel.Prompt, renderer: Renderer | None) -> None:
-        """A rank's input() (pdb's prompt): asked in the frontend's own input box, as a plain
-        cell's input() is (the kernel's stdin channel), in the cell's thread; what was typed
-        goes back to the rank. An interrupt there stops the job, as anywhere in the cell."""
-        text: str | None = None
+    def _converse(self, renderer: Renderer | None) -> None:
+        """The ranks' prompts (pdb's, input()), asked in the cell's thread in the frontend's
+        input box (rank_prompts.py) until none waits, the job's other news rendered meanwhile;
+        an interrupt there stops the job, as anywhere in the cell."""
         if renderer is None:
-            why = "the job is being stopped"
-        elif self._background:
-            why = "a --bg job's cell has returned: nothing can take input for it"
-        else:
-            renderer.flush()  # what the ranks printed before the prompt, above it
-            try:
-                text, why = input(f"[rank {msg['rank']}] {msg['prompt']}"), None
-            except NotImplementedError:  # IPython's StdinNotImplementedError
-                why = (
-                    "this frontend takes no input (nbclient, papermill and nbconvert --execute "
-                    "send none; JupyterLab, Notebook 7, VS Code and IPython do)"
-                )
-            except EOFError:
-                why = "the frontend's input ended"
+            self._prompts.decline("the job is being stopped")
+            return
+        if self._background:
+            self._prompts.decline("a --bg job's cell has returned: nothing can take input for it")
+            return
+
+        def take(seconds: float, until: Callable[[], bool]) -> None:
+            deadline = time.monotonic() + seconds
+            while self.summary is None and not until():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                with contextlib.suppress(queue.Empty):
+                    self._handle(self._queue.get(timeout=left), renderer)
+
+        self._conversing = True
+        try:
+            self._prompts.converse(take, renderer.flush)
+        finally:
+            self._conversing = False
+
+    def _answer(self, prompt: protocol.kernel.Prompt, text: str | None, why: str | None) -> None:
         with contextlib.suppress(Refused):  # the rank is gone, or no longer waits for it
-            self._client.answer(msg, text, why)
+            self._client.answer(prompt, text, why)
 
     def _stop_and_wait(self, outcome: str, reason: str) -> None:
         """Stop the job without a renderer; bounded, and the processes are gone afterwards."""

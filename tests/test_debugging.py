@@ -61,6 +61,11 @@ def test_a_breakpoint_on_a_rank_takes_pdb_commands_from_the_notebook(kernel: Ker
     # `where`: the cell's frame, named as the cell, and none of the bootstrap's under it
     assert "[rank 0] > cell(7)<module>()" in ex.stdout and "bootstrap" not in ex.stdout
     assert "[rank 0] y = 42" in ex.stdout and "[rank 1] y = 43" in ex.stdout
+    # text mode: a line when the rank stopped, one when it went on (not one a command)
+    assert ex.stdout.count("[elastic_nb] rank 0 paused at line 7") == 1, ex.stdout
+    assert ex.stdout.count("[elastic_nb] rank 0 resumed") == 1, ex.stdout
+    paused_at = ex.stdout.index("[elastic_nb] rank 0 paused at line 7")
+    assert paused_at < ex.stdout.index("[rank 0] 82")  # said before its first answer
 
 
 def test_quitting_the_debugger_fails_the_cell_as_a_plain_cell_would(kernel: Kernel) -> None:

@@ -60,6 +60,7 @@ class TextRenderer:
         self._left = MAX_CELL_CHARS  # of rank output this cell may still print
         self._where: dict[int, str] = {}  # a multi-node job's ranks: rank -> its node
         self._rounds_said = 0  # rounds whose line was printed
+        self._paused: dict[int, str | None] = {}  # ranks at a prompt: the words said of it
         # The timeline, printed at the end of a job that restarted or ran across machines: each
         # attempt's start (wall clock), nodes and world size, and why it ended.
         self._attempts: list[dict[str, Any]] = [{"attempt": 0, "t": time.time()}]
@@ -81,12 +82,26 @@ class TextRenderer:
         self._out.write(report.start_line(self._job, nproc, worst_case_s, session, nodes) + "\n")
         self._out.flush()
 
+    def _pause_line(self, rank: int, chip: dict[str, Any]) -> None:
+        """A line when a rank stops at a prompt (a debugger's, an input()) and when it goes on:
+        not one a pdb command (its next prompt comes before the chip could say it ran)."""
+        paused = chip.get("state") == "paused"
+        if paused and self._paused.get(rank) != chip.get("label"):
+            self._out.write(f"[elastic_nb] rank {rank} {chip.get('label')}\n")
+        elif not paused and rank in self._paused:  # it runs again (or ran to its end)
+            self._out.write(f"[elastic_nb] rank {rank} resumed\n")
+        if paused:
+            self._paused[rank] = chip.get("label")
+        else:
+            self._paused.pop(rank, None)
+
     def update(self, msg: dict[str, Any]) -> None:
         if self._mode == "summary":
             return
         for rank, chip in msg.get("ranks", {}).items():
             if chip.get("node"):
                 self._where[int(rank)] = chip["node"]
+            self._pause_line(int(rank), chip)
         self._follow_attempts(msg)
         for entry in msg.get("rounds", ())[self._rounds_said :]:
             if entry["running_s"] is None:

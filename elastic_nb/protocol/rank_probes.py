@@ -57,6 +57,7 @@ class InputAsked(TypedDict):
     err: int
     t: float  # the rank's wall clock
     post_mortem: bool  # pdb at the cell's exception (--pdb): the other ranks are held meanwhile
+    line: int | None  # the cell's line it stopped at (the innermost of the cell's frames)
 
 
 class InputAnswer(TypedDict):

@@ -41,7 +41,7 @@ class Alert(_Alert, total=False):
 class Chip(TypedDict, total=False):
     """One rank of the current attempt, as a dashboard shows it."""
 
-    state: str  # running, done, failed, stopped, zombie
+    state: str  # running, paused (at a prompt: pdb's, an input()), done, failed, stopped, zombie
     label: str  # a few words: "exited 0", "ValueError", "left the cell early"
     attempt: int
     pid: int | None

@@ -163,6 +163,7 @@ def _input(prompt: object = "") -> str:
                 err=_written(2),
                 t=time.time(),
                 post_mortem=_post_mortem,
+                line=_cell_line(),
             ),
         )
         done.wait()  # a signal still lands: an interrupt (a session's) or the teardown's
@@ -176,6 +177,17 @@ def _input(prompt: object = "") -> str:
             f"notebook has none to give: {answer['why']}"
         )
     return answer["text"]
+
+
+def _cell_line() -> int | None:
+    """The line the cell is at: its innermost frame on this stack (pdb's prompt is called from
+    the frame it stopped; a post-mortem's, from the frames of the exception)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_filename == _cell:
+            return frame.f_lineno
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
 
 
 def _written(fd: int) -> int:

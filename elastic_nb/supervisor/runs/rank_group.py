@@ -59,6 +59,7 @@ FLUSH_S = 0.1  # one update per group per flush: at most 10 messages a second
 # asks again after each command: its round trip is a person's wait).
 PROMPT_POLL_S = 0.001
 NEXT_PROMPT_S = 2.0
+RESUMED_AFTER_S = 0.25  # no prompt this long after an answer: the rank runs again (its chip)
 IDLE_STOP_GRACE_S = 0.2  # SIGTERM -> SIGKILL for a node of a multi-node group with no live rank
 GROUPS_LOOK_S = 1.0  # a look for the ranks' first process group (a few stats)
 
@@ -369,8 +370,9 @@ class RankGroup(GroupHooks):
         """After an answer, the rank's next prompt (pdb's, after each command) is looked for
         every PROMPT_POLL_S for a while, not at the poll loop's pace: a command's round trip
         is that long, not a poll of the group."""
-        deadline = time.monotonic() + NEXT_PROMPT_S
-        while time.monotonic() < deadline and r.died_at is None:
+        start = time.monotonic()
+        resumed = False  # its chip says it runs again (it asked nothing for a while)
+        while r.died_at is None:
             await anyio.sleep(PROMPT_POLL_S)
             self.tailer.poll()
             asks = self.prompts.ready([r], self.tailer, time.monotonic())
@@ -380,30 +382,49 @@ class RankGroup(GroupHooks):
                 return
             if (r.attempt, r.rank) in self.prompts.paused:
                 return  # shown by the poll loop meanwhile
+            waited = time.monotonic() - start
+            if not resumed and (waited >= RESUMED_AFTER_S or waited >= NEXT_PROMPT_S):
+                resumed = True
+                if (report := self._asker()) is not None:
+                    report.chip(r.rank, self.book.chip(r, self.teardown_at))
+            if waited >= NEXT_PROMPT_S:
+                return
 
     async def _ask(self, r: RankState, asked: protocol.rank_probes.InputAsked) -> None:
         """A rank's prompt, to the kernel that follows the cell; where none can answer, the
         rank's input() is told so at once (it fails the cell, naming the rank)."""
-        if asked["post_mortem"]:
-            self._hold_others(r)
+        held = self._hold_others(r) if asked["post_mortem"] else []
         report = self._asker()
-        if report is not None and await report.prompt(r.attempt, r.rank, asked):
-            return
+        if report is not None:
+            # Its chip first (the dashboard's, the text mode's line), then the prompt.
+            where = f"line {asked['line']}" if asked["line"] else "input()"
+            self._paused_chip(report, r, f"paused at {where}")
+            for o in held:
+                self._paused_chip(report, o, f"held: rank {r.rank} is at its post-mortem")
+            await report.flush(self.attempt, None)
+            if await report.prompt(r.attempt, r.rank, asked):
+                return
         why = "no kernel follows this cell (a replayed cell, or a notebook that has gone)"
         with contextlib.suppress(KeyError, RuntimeError):
             await self.answer_input(r.attempt, r.rank, asked["ask"], None, why)
 
-    def _hold_others(self, r: RankState) -> None:
+    def _paused_chip(self, report: Reporter, r: RankState, words: str) -> None:
+        chip = self.book.chip(r, self.teardown_at)
+        chip["state"], chip["label"] = "paused", words
+        report.chip(r.rank, chip)
+
+    def _hold_others(self, r: RankState) -> list[RankState]:
         """--pdb: while `r` is in post-mortem the other live ranks are stopped, so that none
         times out waiting for it in a collective (nor runs on without it); they go on once `r`
         has left the debugger and failed."""
         key = (r.attempt, r.rank)
         if key in self._held:
-            return
+            return self._held[key]
         others = [o for o in self.book.of(r.attempt) if o is not r and o.died_at is None]
         self._held[key] = others
         self.signal(others, signal.SIGSTOP)
         self.report.event("held", attempt=r.attempt, by=r.rank, ranks=[o.rank for o in others])
+        return others
 
     def _release(self, r: RankState) -> None:
         held = self._held.pop((r.attempt, r.rank), None)

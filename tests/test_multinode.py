@@ -984,3 +984,28 @@ while not os.path.exists(os.path.join({str(shared)!r}, "go")):
         _nothing_left(ex.job_id, lab)
     finally:
         shutil.rmtree(shared, ignore_errors=True)
+
+
+def test_a_breakpoint_on_a_joined_nodes_rank_asks_in_the_notebook(
+    mn_kernel: Kernel, lab: machines.Lab
+) -> None:
+    """pdb on a rank of another machine: its prompt comes home through its agent (its ask is
+    mirrored, the answer goes as the agent's probe order), as a local rank's does."""
+    k = mn_kernel
+    _ensure_agents(k, lab, 2)
+    left = ["p here, dist.get_rank()", "c"]
+    ex = k.debug(
+        "%%elastic --nnodes 3 --nproc 1\n"
+        "import socket, torch.distributed as dist\n"
+        "dist.init_process_group()\n"
+        "here = socket.gethostname()\n"
+        "if dist.get_rank() == 2:\n"
+        "    breakpoint()\n"
+        "dist.barrier()\n",
+        lambda prompt, ex: left.pop(0),
+        timeout=120,
+    )
+    assert ex.error is None, ex.stderr
+    assert ex.prompts == ["[rank 2] (Pdb) "] * 2
+    assert re.search(r"\[rank 2\] \('node-\d', 2\)", ex.stdout), ex.stdout
+    _nothing_left(ex.job_id, lab)

@@ -520,3 +520,41 @@ def test_a_node_lost_from_a_three_node_job(page: Any, lab: LabServer) -> None:
     expect(second.locator(".enb-round-spent")).to_have_text("restart 1")
     expect(dash.locator('.enb-alert[data-kind="restart"]')).to_be_hidden()
     shot(page, dash, "dashboard-node-lost.png")
+
+
+def test_pdb_on_a_rank_takes_commands_in_jupyterlabs_input_box(page: Any, lab: LabServer) -> None:
+    """As a person debugs: `breakpoint()` on rank 0, its prompt in the notebook's own input
+    box, `p x * 2` typed there, the answer in the dashboard's log under the cell, the rank's
+    chip paused at its line meanwhile, then `c`, and the cell ends."""
+    nb = open_notebook(
+        page,
+        lab,
+        "debugging.ipynb",
+        [
+            "%%elastic --nproc 2\nimport os\nrank = int(os.environ['RANK'])\nx = 41 + rank\n"
+            "if rank == 0:\n    breakpoint()\ny = x + 1\nprint(f'y = {y}')\n"
+        ],
+    )
+    nb.run(1)
+    cell = nb.cell(1)
+    box = cell.locator("input.jp-Stdin-input")
+    expect(box).to_be_visible(timeout=90_000)
+    expect(cell.locator(".jp-Stdin-prompt")).to_have_text("[rank 0] (Pdb) ")
+    dash = cell.locator(".enb")
+    chip = dash.locator('.enb-chip[data-rank="0"]')
+    expect(chip).to_have_class(has_class("enb-s-paused"))
+    expect(chip.locator(".enb-chip-label")).to_have_text("paused at line 7")
+    expect(dash.locator(".enb-log")).to_contain_text("[rank 0] -> y = x + 1")
+    box.fill("p x * 2")
+    box.press("Enter")
+    expect(dash.locator(".enb-log")).to_contain_text("[rank 0] 82")
+    # JupyterLab keeps each answered prompt (with what was typed); the next one comes below.
+    expect(cell.locator("input.jp-Stdin-input")).to_have_count(2)
+    box = cell.locator("input.jp-Stdin-input").last
+    shot(page, cell, "debugging-pdb-prompt.png")
+    box.fill("c")
+    box.press("Enter")
+    nb.wait_done(1, timeout=60)
+    expect(dash.locator(".enb-state")).to_have_text("succeeded")
+    expect(dash.locator(".enb-log")).to_contain_text("[rank 0] y = 42")
+    assert_job_gone(job_of(nb, 1))

@@ -51,11 +51,11 @@ FLUSH_WAIT_S = 0.1  # a quiet queue still gets the renderer's held-back changes 
 class Renderer(Protocol):
     """What draws a job: `update` folds one supervisor update in, `flush` shows what the updates
     so far changed (called once the queue of updates is drained, and every FLUSH_WAIT_S while
-    it stays empty: a renderer may hold changes back to keep its own pace), `end` shows the
-    end."""
+    it stays empty: a renderer may hold changes back to keep its own pace, unless `now`: the
+    cell's thread is about to wait at a rank's prompt), `end` shows the end."""
 
     def update(self, msg: dict[str, Any]) -> None: ...
-    def flush(self) -> None: ...
+    def flush(self, now: bool = False) -> None: ...
     def end(self, summary: Summary) -> None: ...
 
 
@@ -318,7 +318,7 @@ class JobHandle:
 
         self._conversing = True
         try:
-            self._prompts.converse(take, renderer.flush)
+            self._prompts.converse(take, lambda: renderer.flush(now=True))
         finally:
             self._conversing = False
 

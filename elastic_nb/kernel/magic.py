@@ -239,8 +239,8 @@ class _Both:
     def update(self, msg: dict[str, Any]) -> None:
         self._dash.update(msg)
 
-    def flush(self) -> None:
-        self._dash.flush()
+    def flush(self, now: bool = False) -> None:
+        self._dash.flush(now)
 
     def end(self, summary: Summary) -> None:
         try:

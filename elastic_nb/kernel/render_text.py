@@ -208,7 +208,7 @@ class TextRenderer:
             self._left -= len(text)
         stream.write(text)
 
-    def flush(self) -> None:
+    def flush(self, now: bool = False) -> None:
         """Lines are written as they come (IOPub batches them)."""
 
     def end(self, summary: Summary) -> None:

@@ -90,8 +90,8 @@ class Dashboard:
     def update(self, msg: dict[str, Any]) -> None:
         self.state.apply(msg)
 
-    def flush(self) -> None:
-        if time.monotonic() - self._sent_at < SEND_EVERY_S:
+    def flush(self, now: bool = False) -> None:
+        if not now and time.monotonic() - self._sent_at < SEND_EVERY_S:
             return  # held: the follower flushes again within FLUSH_WAIT_S
         delta = self.state.take_delta()
         if delta is None:

@@ -123,6 +123,8 @@ def test_torch_distributed_breakpoint_stops_one_rank_while_the_others_wait(
     assert ex.prompts == ["[rank 1] (Pdb) "] * 3
     assert "[rank 1] 10" in ex.stdout  # x on rank 1, in the cell's frame after `up`
     assert "[rank 0] after 0" in ex.stdout and "[rank 1] after 10" in ex.stdout
+    # told once: what a paused rank costs the ranks waiting for it in a collective
+    assert ex.stdout.count("rank 1 waits at a prompt: a rank waiting for it in a collective") == 1
 
 
 def test_the_stop_button_at_a_prompt_stops_the_job(kernel: Kernel) -> None:

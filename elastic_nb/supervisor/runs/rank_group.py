@@ -102,6 +102,7 @@ class RankGroup(GroupHooks):
         self.prompts = Prompts(self.rd)  # the ranks' input(), asked in the notebook
         # --pdb: the ranks held (SIGSTOP) while a rank is in post-mortem, by that rank
         self._held: dict[tuple[int, int], list[RankState]] = {}
+        self._collectives_warned: set[int] = set()  # attempts told a paused rank's cost
         self.memory = MemoryWatch()
         self.checkpoints = CheckpointLog(self.rd.checkpoints)
         # The latest failure that ended an attempt (when, who: "rank 2", lost with its machine),
@@ -401,12 +402,32 @@ class RankGroup(GroupHooks):
             self._paused_chip(report, r, f"paused at {where}")
             for o in held:
                 self._paused_chip(report, o, f"held: rank {r.rank} is at its post-mortem")
+            self._warn_collectives(report, r, held)
             await report.flush(self.attempt, None)
             if await report.prompt(r.attempt, r.rank, asked):
                 return
         why = "no kernel follows this cell (a replayed cell, or a notebook that has gone)"
         with contextlib.suppress(KeyError, RuntimeError):
             await self.answer_input(r.attempt, r.rank, asked["ask"], None, why)
+
+    def _warn_collectives(self, report: Reporter, r: RankState, held: list[RankState]) -> None:
+        """Once an attempt, at the first prompt where ranks made a process group and are not
+        held: those waiting for the paused rank in a collective still time out."""
+        timeout = self.spec.collective_timeout
+        if held or timeout is None or self.groups_made != r.attempt:
+            return
+        if r.attempt in self._collectives_warned:
+            return
+        self._collectives_warned.add(r.attempt)
+        report.alert(
+            "paused",
+            "info",
+            f"rank {r.rank} waits at a prompt: a rank waiting for it in a collective fails once "
+            f"its timeout runs out (--collective-timeout {timeout:g} s) unless the timeout was "
+            f"extended: torch.distributed.breakpoint(rank={r.rank}) extends every process "
+            "group's to an hour",
+            rank=r.rank,
+        )
 
     def _paused_chip(self, report: Reporter, r: RankState, words: str) -> None:
         chip = self.book.chip(r, self.teardown_at)

@@ -84,6 +84,18 @@ def test_a_frontend_without_input_fails_the_cell_at_once_naming_the_rank(kernel:
     assert time.monotonic() - t0 < 60  # nothing waited for an answer that cannot come
 
 
+def test_a_breakpoint_in_a_frontend_without_input_fails_at_once_saying_why(
+    kernel: Kernel,
+) -> None:
+    """Not a BdbQuit that says nothing: pdb would read an end of input as a quit."""
+    ex = kernel.run(BREAKPOINT_ON_RANK_0)
+    assert ex.ename == "JobFailed"
+    evalue = ex.error["evalue"]
+    assert evalue.startswith("rank 0 failed first: elastic_nb.rank.notebook_input.NoInput"), evalue
+    assert "its prompt: '(Pdb) '" in evalue and "takes no input" in evalue, evalue
+    assert "BdbQuit" not in evalue
+
+
 def test_a_rank_at_a_prompt_is_not_a_hang(kernel: Kernel) -> None:
     """--hang-after 1 and four seconds at the prompt: no hang alert, and the job succeeds."""
 

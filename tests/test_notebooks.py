@@ -190,6 +190,17 @@ def test_debugging_oom_hangs(tmp_path: Path) -> None:
     assert "replayed on attempt 1: 1 cell in" in out and "replayed on attempt 2: 1 cell in" in out
     assert f"session {session[1]} ended: ended with %elastic down" in out
 
+    # 4. The debugger: the NaN on rank 1 fails its assert; %elastic debug opens rank 1 at it,
+    # and a frontend with no input (nbclient, running this notebook) fails that cell at once,
+    # saying why, with the rank's frame shown first.
+    nan = cell_output(out, nb, "%%elastic\nx, y = batch(0)\nscale")
+    assert "JobFailed: rank 1 failed first: AssertionError: loss is nan on rank 1" in nan
+    debug = cell_output(out, nb, "%elastic debug")
+    assert "[rank 1] AssertionError: loss is nan on rank 1" in debug
+    assert "[rank 1] > cell(5)<module>()" in debug
+    assert "NoInput: rank 1 waits for a line of input (its prompt: '(Pdb) ')" in debug
+    assert "this frontend takes no input" in debug
+
 
 def test_elastic_restarts_and_checkpoints(tmp_path: Path) -> None:
     nb = "elastic_restarts_and_checkpoints.ipynb"

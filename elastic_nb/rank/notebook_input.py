@@ -39,9 +39,10 @@ __all__ = [
 ]
 
 
-class NoInput(EOFError):
+class NoInput(RuntimeError):
     """The notebook could not give this rank a line of input (its frontend takes none, or no
-    kernel follows the cell). An EOFError, as a plain input() at the end of its stdin."""
+    kernel follows the cell), as a plain cell's StdinNotImplementedError says. Not an EOFError:
+    pdb reads one as a quit, and the cell would end in a BdbQuit that says nothing of why."""
 
 
 _asks = itertools.count(1)
@@ -53,6 +54,7 @@ _cell: str | None = None  # the file name the running cell was compiled with
 # A session rank's last failure, and its cell's file name: `%elastic debug` opens its frames.
 _last: tuple[BaseException, str] | None = None
 _post_mortem = False  # the prompts now are a post-mortem's (--pdb): the other ranks are held
+_error_line: int | None = None  # a post-mortem's: the cell's line that raised
 
 
 class CellPdb(pdb.Pdb):
@@ -110,9 +112,18 @@ def post_mortem(error: BaseException) -> None:
 
 
 def _interact(error: BaseException) -> None:
+    global _error_line
+    tb, _error_line = error.__traceback__, None
+    while tb is not None:  # its frames are the exception's, not this stack's
+        if tb.tb_frame.f_code.co_filename == _cell:
+            _error_line = tb.tb_lineno
+        tb = tb.tb_next
     debugger = CellPdb()
     debugger.reset()  # as pdb.post_mortem does: a quit needs the frames it was given
-    debugger.interaction(None, error.__traceback__)
+    try:
+        debugger.interaction(None, error.__traceback__)
+    finally:
+        _error_line = None
 
 
 def debug_last(rank: int) -> None:
@@ -173,7 +184,7 @@ def _input(prompt: object = "") -> str:
     answer = box[0]
     if answer["text"] is None:
         raise NoInput(
-            f"rank {_rank} asked for input ({str(prompt).strip() or 'input()'}), and the "
+            f"rank {_rank} waits for a line of input (its prompt: {str(prompt)!r}), and the "
             f"notebook has none to give: {answer['why']}"
         )
     return answer["text"]
@@ -182,6 +193,8 @@ def _input(prompt: object = "") -> str:
 def _cell_line() -> int | None:
     """The line the cell is at: its innermost frame on this stack (pdb's prompt is called from
     the frame it stopped; a post-mortem's, from the frames of the exception)."""
+    if _error_line is not None:
+        return _error_line
     frame = sys._getframe(1)
     while frame is not None:
         if frame.f_code.co_filename == _cell:

@@ -6,18 +6,36 @@ waits for its answer is paused: the group's watch for silence (--hang-after) lea
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
+import signal
+import time
 import typing
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+
+import anyio
+from anyio.abc import TaskGroup
 
 from elastic_nb import protocol
 from elastic_nb.common.rundir import RunDir, read_json
+from elastic_nb.common.spec import JobSpec
 from elastic_nb.supervisor.processes.node import Node
 from elastic_nb.supervisor.ranks.log_tailer import LogTailer
+from elastic_nb.supervisor.ranks.rank_book import RankBook
 from elastic_nb.supervisor.ranks.rank_state import RankState
+from elastic_nb.supervisor.runs.reporter import Reporter
 
-__all__ = ["ANSWER_WAIT_S", "Prompts"]
+__all__ = ["ANSWER_WAIT_S", "GroupPrompts", "Prompts"]
+
+# After an answer to a rank's prompt, its next prompt is looked for this often, this long (pdb
+# asks again after each command: its round trip is a person's wait).
+PROMPT_POLL_S = 0.001
+NEXT_PROMPT_S = 2.0
+RESUMED_AFTER_S = 0.25  # no prompt this long after an answer: the rank runs again (its chip)
+log = logging.getLogger(__name__)
 
 ANSWER_WAIT_S = 10.0  # for the rank's probe thread to take an answer
 MIRROR_WAIT_S = 2.0  # for what a rank printed before its prompt to reach the tailer
@@ -91,3 +109,143 @@ class Prompts:
     def forget(self, attempt: int, rank: int) -> None:
         """A rank ended: it waits for nothing."""
         self.paused.pop((attempt, rank), None)
+
+
+class GroupPrompts:
+    """A rank group's part (rank_group.RankGroup's base, as group_hooks.GroupHooks is): each
+    rank's prompt shown to the kernel that follows the cell, its chip paused meanwhile, the
+    answer brought back, the rank's next prompt looked for at once; with --pdb the other ranks
+    held while one is in post-mortem. What it uses of the group is declared here."""
+
+    id: str
+    spec: JobSpec
+    attempt: int
+    book: RankBook
+    tailer: LogTailer
+    report: Reporter
+    prompts: Prompts
+    teardown_at: float | None
+    groups_made: int | None
+    _held: dict[tuple[int, int], list[RankState]]  # --pdb: held ranks, by the rank debugged
+    _collectives_warned: set[int]  # attempts told a paused rank's cost
+    _asker: Callable[[], Reporter | None]  # group_hooks.GroupHooks's
+    _flush: Callable[[], Awaitable[None]]
+    signal: Callable[[list[RankState], int], None]
+
+    @property
+    def task_group(self) -> TaskGroup:
+        raise NotImplementedError  # rank_group.RankGroup's: the group's while it runs
+
+    async def _show_asks(
+        self, asks: list[tuple[RankState, protocol.rank_probes.InputAsked]]
+    ) -> None:
+        for r, asked in asks:
+            await self._ask(r, asked)
+
+    async def _next_ask(self, r: RankState) -> None:
+        """After an answer, the rank's next prompt (pdb's, after each command) is looked for
+        every PROMPT_POLL_S for a while, not at the poll loop's pace: a command's round trip
+        is that long, not a poll of the group."""
+        start = time.monotonic()
+        resumed = False  # its chip says it runs again (it asked nothing for a while)
+        while r.died_at is None:
+            await anyio.sleep(PROMPT_POLL_S)
+            self.tailer.poll()
+            asks = self.prompts.ready([r], self.tailer, time.monotonic())
+            if asks:
+                await self._flush()
+                await self._show_asks(asks)
+                return
+            if (r.attempt, r.rank) in self.prompts.paused:
+                return  # shown by the poll loop meanwhile
+            waited = time.monotonic() - start
+            if not resumed and (waited >= RESUMED_AFTER_S or waited >= NEXT_PROMPT_S):
+                resumed = True
+                if (report := self._asker()) is not None:
+                    report.chip(r.rank, self.book.chip(r, self.teardown_at))
+            if waited >= NEXT_PROMPT_S:
+                return
+
+    async def _ask(self, r: RankState, asked: protocol.rank_probes.InputAsked) -> None:
+        """A rank's prompt, to the kernel that follows the cell; where none can answer, the
+        rank's input() is told so at once (it fails the cell, naming the rank)."""
+        held = self._hold_others(r) if asked["post_mortem"] else []
+        report = self._asker()
+        if report is not None:
+            # Its chip first (the dashboard's, the text mode's line), then the prompt.
+            where = f"line {asked['line']}" if asked["line"] else "input()"
+            self._paused_chip(report, r, f"paused at {where}")
+            for o in held:
+                self._paused_chip(report, o, f"held: rank {r.rank} is at its post-mortem")
+            self._warn_collectives(report, r, held)
+            await report.flush(self.attempt, None)
+            if await report.prompt(r.attempt, r.rank, asked):
+                return
+        why = "no kernel follows this cell (a replayed cell, or a notebook that has gone)"
+        with contextlib.suppress(KeyError, RuntimeError):
+            await self.answer_input(r.attempt, r.rank, asked["ask"], None, why)
+
+    def _warn_collectives(self, report: Reporter, r: RankState, held: list[RankState]) -> None:
+        """Once an attempt, at the first prompt where ranks made a process group and are not
+        held: those waiting for the paused rank in a collective still time out."""
+        timeout = self.spec.collective_timeout
+        if held or timeout is None or self.groups_made != r.attempt:
+            return
+        if r.attempt in self._collectives_warned:
+            return
+        self._collectives_warned.add(r.attempt)
+        report.alert(
+            "paused",
+            "info",
+            f"rank {r.rank} waits at a prompt: a rank waiting for it in a collective fails once "
+            f"its timeout runs out (--collective-timeout {timeout:g} s) unless the timeout was "
+            f"extended: torch.distributed.breakpoint(rank={r.rank}) extends every process "
+            "group's to an hour",
+            rank=r.rank,
+        )
+
+    def _paused_chip(self, report: Reporter, r: RankState, words: str) -> None:
+        chip = self.book.chip(r, self.teardown_at)
+        chip["state"], chip["label"] = "paused", words
+        report.chip(r.rank, chip)
+
+    def _hold_others(self, r: RankState) -> list[RankState]:
+        """--pdb: while `r` is in post-mortem the other live ranks are stopped, so that none
+        times out waiting for it in a collective (nor runs on without it); they go on once `r`
+        has left the debugger and failed."""
+        key = (r.attempt, r.rank)
+        if key in self._held:
+            return self._held[key]
+        others = [o for o in self.book.of(r.attempt) if o is not r and o.died_at is None]
+        self._held[key] = others
+        self.signal(others, signal.SIGSTOP)
+        self.report.event("held", attempt=r.attempt, by=r.rank, ranks=[o.rank for o in others])
+        return others
+
+    def _release(self, r: RankState) -> None:
+        held = self._held.pop((r.attempt, r.rank), None)
+        if held:
+            self.signal([o for o in held if o.died_at is None], signal.SIGCONT)
+
+    async def answer_input(
+        self, attempt: int, rank: int, ask: int, text: str | None, why: str | None
+    ) -> None:
+        """The notebook's answer to a rank's prompt, on its way to the rank when this returns
+        (the kernel waits for the rank's next prompt, not for this); KeyError if that rank
+        does not wait for it."""
+        r = self.book.get(attempt, rank)
+        if r is None:
+            raise KeyError(f"no rank {rank} in attempt {attempt}")
+        self.prompts.check(r, ask)
+        self.report.event(
+            "input.answered", attempt=attempt, rank=rank, ask=ask, given=text is not None
+        )
+        self.task_group.start_soon(self._deliver, r, ask, text, why)
+
+    async def _deliver(self, r: RankState, ask: int, text: str | None, why: str | None) -> None:
+        try:
+            await self.prompts.answer(self.book.node(r), r, ask, text, why)
+        except (KeyError, RuntimeError) as e:  # it ended meanwhile: its end says the rest
+            log.info("group %s: %s", self.id, e)
+            return
+        await self._next_ask(r)

@@ -461,6 +461,8 @@ class Kernel:
                 )
             if answer is not None and self._answer_input(msg_id, ex, answer):
                 return self._idle(msg_id, ex, t0)
+            if answer is not None and until is not None and until(ex):
+                return ex  # a prompt it waited for, say (no IOPub message comes after it)
             try:
                 msg = self.kc.get_iopub_msg(
                     timeout=min(remaining, 1.0 if answer is None else 0.002)

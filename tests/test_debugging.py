@@ -8,9 +8,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+import psutil
 import pytest
 
-from tests.kernel import Execution, Kernel
+from elastic_nb.common import procs
+from tests.kernel import Execution, Kernel, wait_for
 
 pytestmark = [pytest.mark.e2e]
 
@@ -248,3 +250,22 @@ def test_every_rank_at_one_breakpoint_is_asked_at_one_prompt_and_addressed(
     assert "[rank 2] 450.0" in ex.stdout and "[rank 0] 150.0" not in ex.stdout  # @2 alone
     assert "[rank 0] 0" in ex.stdout and "[rank 1] 1" in ex.stdout and "[rank 2] 2" not in ex.stdout
     assert "rank 7 is not at a prompt; waiting: 0, 1, 2" in ex.stdout
+
+
+def test_a_kernel_killed_while_a_rank_waits_at_its_prompt_leaves_nothing(
+    fresh_kernel: Kernel,
+) -> None:
+    """The kernel SIGKILLed while rank 0 waits in pdb and rank 1 runs on: the supervisor ends
+    the job (its lifeline), every rank is gone within the teardown's bound."""
+    k = fresh_kernel
+    msg_id, ex = k.start(BREAKPOINT_ON_RANK_0, allow_stdin=True)
+    k.collect(msg_id, ex, timeout=60, until=lambda e: bool(e.prompts), answer=lambda p, e: None)
+    job = ex.job_id
+    assert procs.job_processes([job])  # rank 0 waits at its prompt
+    supervisor = k.supervisor()
+    k.kill()
+    assert wait_for(lambda: not procs.job_processes([job]), timeout=10), procs.job_processes([job])
+    assert wait_for(
+        lambda: not supervisor.is_running() or supervisor.status() == psutil.STATUS_ZOMBIE,
+        timeout=10,
+    )

@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 from elastic_nb.common import procs
-from tests.kernel import Execution, Kernel, wait_for
+from tests.kernel import Execution, Kernel, ask_supervisor, supervisor_socket, wait_for
 
 pytestmark = [pytest.mark.e2e]
 
@@ -269,3 +269,21 @@ def test_a_kernel_killed_while_a_rank_waits_at_its_prompt_leaves_nothing(
         lambda: not supervisor.is_running() or supervisor.status() == psutil.STATUS_ZOMBIE,
         timeout=10,
     )
+
+
+def test_the_panel_lists_the_ranks_at_a_prompt(kernel: Kernel) -> None:
+    """The JupyterLab panel's entries (the supervisor's overview, as the server extension
+    relays it) name the ranks waiting at a prompt while they wait, and none after."""
+    path = supervisor_socket(kernel)
+    seen: list[list[int]] = []
+
+    def look(prompt: str, ex: Execution) -> str:
+        jobs = ask_supervisor(path, {"kind": "overview", "req": 1})["data"]["jobs"]
+        seen.extend(j["paused"] for j in jobs if j["running"])
+        return "c"
+
+    ex = kernel.debug(BREAKPOINT_ON_RANK_0, look)
+    assert ex.error is None, ex.stderr
+    assert seen == [[0]]
+    jobs = ask_supervisor(path, {"kind": "overview", "req": 1})["data"]["jobs"]
+    assert [j["paused"] for j in jobs if j["id"] == ex.job_id] == [[]]

@@ -439,6 +439,7 @@ class PanelEntry(TypedDict):
     summary: str | None  # its summary's line, once it has ended
     run_dir: str
     logs_dir: str
+    paused: list[int]  # its ranks waiting at a prompt (pdb's, an input()) now
 
 
 class PanelList(TypedDict):

@@ -88,4 +88,7 @@ def _entry(
         summary=summary_line(summary) if summary is not None else None,
         run_dir=str(it.rd),
         logs_dir=str(ranks.rd),
+        paused=sorted(r for a, r in ranks.prompts.paused if a == ranks.attempt)
+        if it.running
+        else [],
     )

@@ -34,6 +34,8 @@ export interface IJob {
   alerts: IAlert[];
   outcome: string | null;
   summary: string | null;
+  /** Its ranks waiting at a prompt (pdb's, an input()) now. */
+  paused: number[];
 }
 
 /** A machine of a notebook's jobs: the notebook's own, or a join agent's (`%elastic nodes`). */

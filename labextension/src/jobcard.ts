@@ -101,7 +101,9 @@ export class JobCard {
     const restarts = job.kind === 'cell' ? '' : ` · restarts ${job.restarts}/${job.max_restarts}`;
     this._facts.textContent =
       `${job.world_size} ranks${restarts} · ${elapsed(this._model.elapsed(job))}` +
-      (job.kind === 'cell' && job.session ? ` · session ${job.session}` : '');
+      (job.kind === 'cell' && job.session ? ` · session ${job.session}` : '') +
+      (job.paused.length ? ` · paused: rank ${job.paused.join(', ')} at a prompt` : '');
+    this.node.dataset.paused = String(job.paused.length > 0);
     this._alerts.replaceChildren(
       ...job.alerts.slice(-3).map(a => {
         const li = document.createElement('li');

@@ -11,6 +11,7 @@ import pytest
 from IPython.core.magic_arguments import parse_argstring
 
 from elastic_nb.common.spec import JobSpec
+from elastic_nb.kernel.commands import COMMANDS
 from elastic_nb.kernel.magic import ElasticMagics
 from elastic_nb.kernel.options import DEFAULTS, OPTIONS, shown_default
 
@@ -60,3 +61,12 @@ def test_no_warm_and_warm_set_one_option() -> None:
     assert vars(parse_argstring(ElasticMagics.elastic, "--no-warm")) == {"warm": False}
     assert vars(parse_argstring(ElasticMagics.elastic, "--warm")) == {"warm": True}
     assert vars(parse_argstring(ElasticMagics.elastic, "")) == {}  # defaults merge in layers
+
+
+def test_the_readme_lists_every_line_magic_command() -> None:
+    """README's `%elastic COMMAND` table has a row for each command the magic declares
+    (kernel/commands.COMMANDS), and no other."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    table = readme.split("### `%elastic COMMAND`", 1)[1].split("\n### ", 1)[0]
+    listed = re.findall(r"^\| `%elastic ([a-z-]+)", table, re.M)
+    assert sorted(listed) == sorted(COMMANDS), listed

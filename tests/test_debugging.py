@@ -237,12 +237,17 @@ def test_every_rank_at_one_breakpoint_is_asked_at_one_prompt_and_addressed(
 ) -> None:
     """Every rank at the same breakpoint: one prompt names them all, a command goes to each
     (their answers side by side), @R sends one to R only; `c` continues all."""
-    ex = kernel.debug(
-        EVERY_RANK_AT_A_BREAKPOINT,
-        typing("p loss", "@2 p loss * 100", "@0,1 p rank", "@7 p loss", "c"),
-    )
+    script = ["p loss", "@2 p loss * 100", "@0,1 p rank", "@7 p loss", "c"]
+
+    def person(prompt: str, ex: Execution) -> str:
+        # A rank that reached the breakpoint later than the kernel's short wait for the others
+        # (a loaded machine) is asked with the next prompt: an empty line (pdb: nothing to
+        # repeat yet) until one names them all.
+        return script.pop(0) if prompt == "[ranks 0,1,2] (Pdb) " else ""
+
+    ex = kernel.debug(EVERY_RANK_AT_A_BREAKPOINT, person)
     assert ex.error is None, ex.stderr
-    assert ex.prompts == ["[ranks 0,1,2] (Pdb) "] * 5
+    assert not script and ex.prompts[-5:] == ["[ranks 0,1,2] (Pdb) "] * 5
     assert "wait at this prompt: a command goes to each of them" in ex.stdout
     for rank, loss in ((0, 1.5), (1, 3.0), (2, 4.5)):
         assert f"[rank {rank}] {loss}" in ex.stdout  # `p loss` on every rank

@@ -9,7 +9,7 @@ probe (protocol.rank_probes.PROBE_ANSWER) to the rank's probe thread (recorder.p
 over here. A frontend that takes no input (nbclient, papermill, nbconvert) answers none: the
 rank's input() then raises `NoInput`, which fails the cell at once with the rank and its line.
 
-Imported in every rank before torch: stdlib only.
+Imported in every rank before torch: nothing of torch, and pdb costs the rank about 2 ms.
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def failed(error: BaseException) -> None:
 
 def post_mortem(error: BaseException) -> None:
     """--pdb: the debugger at the exception the cell raised on this rank, before the rank fails
-    the cell (its failure is recorded already, at the time it raised); the supervisor holds the
+    the cell (its failure is recorded after, with the time it raised); the supervisor holds the
     other ranks meanwhile."""
     global _post_mortem
     print(

@@ -622,6 +622,21 @@ def assert_job_gone(job_id: str) -> None:
     assert not left, f"processes of job {job_id} survived: {left}"
 
 
+def kill_and_see_the_job_end(k: Kernel, job: str) -> None:
+    """SIGKILL the kernel: the job's processes and its supervisor (whose lifeline the kernel
+    was) are gone within the teardown's bound."""
+    from elastic_nb.common import procs
+
+    assert procs.job_processes([job])
+    supervisor = k.supervisor()
+    k.kill()
+    assert wait_for(lambda: not procs.job_processes([job]), timeout=10), procs.job_processes([job])
+    assert wait_for(
+        lambda: not supervisor.is_running() or supervisor.status() == psutil.STATUS_ZOMBIE,
+        timeout=10,
+    )
+
+
 def pid_ended(pid: int) -> bool:
     """The process has exited (gone, or a zombie its parent has yet to reap)."""
     try:

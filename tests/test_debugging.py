@@ -8,11 +8,15 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-import psutil
 import pytest
 
-from elastic_nb.common import procs
-from tests.kernel import Execution, Kernel, ask_supervisor, supervisor_socket, wait_for
+from tests.kernel import (
+    Execution,
+    Kernel,
+    ask_supervisor,
+    kill_and_see_the_job_end,
+    supervisor_socket,
+)
 
 pytestmark = [pytest.mark.e2e]
 
@@ -265,15 +269,7 @@ def test_a_kernel_killed_while_a_rank_waits_at_its_prompt_leaves_nothing(
     k = fresh_kernel
     msg_id, ex = k.start(BREAKPOINT_ON_RANK_0, allow_stdin=True)
     k.collect(msg_id, ex, timeout=60, until=lambda e: bool(e.prompts), answer=lambda p, e: None)
-    job = ex.job_id
-    assert procs.job_processes([job])  # rank 0 waits at its prompt
-    supervisor = k.supervisor()
-    k.kill()
-    assert wait_for(lambda: not procs.job_processes([job]), timeout=10), procs.job_processes([job])
-    assert wait_for(
-        lambda: not supervisor.is_running() or supervisor.status() == psutil.STATUS_ZOMBIE,
-        timeout=10,
-    )
+    kill_and_see_the_job_end(k, ex.job_id)  # rank 0 waiting at its prompt
 
 
 def test_the_panel_lists_the_ranks_at_a_prompt(kernel: Kernel) -> None:

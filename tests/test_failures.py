@@ -8,12 +8,11 @@ import signal
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 from elastic_nb.common import procs
 from elastic_nb.common.rundir import RunDir
-from tests.kernel import Kernel, assert_job_gone, run_summary, wait_for
+from tests.kernel import Kernel, assert_job_gone, kill_and_see_the_job_end, run_summary
 
 pytestmark = [pytest.mark.e2e, pytest.mark.core]
 
@@ -253,15 +252,7 @@ def test_kernel_killed_mid_job(fresh_kernel: Kernel) -> None:
         "%%elastic --nproc 2\nimport time\nprint('up', flush=True)\ntime.sleep(300)\n"
     )
     k.collect(msg_id, ex, timeout=60, until=lambda e: e.stdout.count("up") == 2)
-    job = ex.job_id
-    assert procs.job_processes([job])
-    supervisor = k.supervisor()
-    k.kill()
-    assert wait_for(lambda: not procs.job_processes([job]), timeout=10), procs.job_processes([job])
-    assert wait_for(
-        lambda: not supervisor.is_running() or supervisor.status() == psutil.STATUS_ZOMBIE,
-        timeout=10,
-    )
+    kill_and_see_the_job_end(k, ex.job_id)
 
 
 def test_supervisor_killed_mid_job(fresh_kernel: Kernel) -> None:

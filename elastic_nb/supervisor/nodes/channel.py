@@ -82,7 +82,13 @@ class Keys:
 
     @classmethod
     def new(cls) -> Keys:
-        server_public, server_secret = zmq.curve_keypair()
+        while True:
+            server_public, server_secret = zmq.curve_keypair()
+            # The token's first character comes from the server's key: "-" (1 in 64) made the
+            # join line `elastic-nb join HOST:PORT --token -...` an option to argparse, and the
+            # join failed with "--token: expected one argument".
+            if z85.decode(server_public)[0] >> 2 != 62:
+                break
         client_public, client_secret = zmq.curve_keypair()
         return cls(server_public, client_public, client_secret, server_secret)
 

@@ -49,6 +49,8 @@ class Prompts:
     # Asks shown and not answered yet: those ranks are paused.
     paused: dict[tuple[int, int], protocol.rank_probes.InputAsked] = field(default_factory=dict)
     _seen: dict[tuple[int, int], tuple[int, float]] = field(default_factory=dict)
+    # The version (mtime) of each rank's ask file already dealt with: not read again each poll.
+    _read: dict[tuple[int, int], int] = field(default_factory=dict)
 
     def ready(
         self, ranks: list[RankState], tailer: LogTailer, now: float
@@ -65,15 +67,19 @@ class Prompts:
                 mtime = os.stat(path).st_mtime_ns
             except OSError:
                 continue
+            if self._read.get(key) == mtime:
+                continue
             first_seen = self._seen.get(key)
             if first_seen is None or first_seen[0] != mtime:
                 self._seen[key] = first_seen = (mtime, now)
             record = read_json(path)
             if not isinstance(record, dict) or record.get("ask", 0) <= self.taken.get(key, 0):
+                self._read[key] = mtime
                 continue
             try:
                 protocol.wire.check_record(record, protocol.rank_probes.InputAsked, path.name)
             except protocol.wire.ProtocolError:
+                self._read[key] = mtime
                 continue
             asked = typing.cast(protocol.rank_probes.InputAsked, record)
             offsets = {"out": asked["out"], "err": asked["err"]}
@@ -82,7 +88,7 @@ class Prompts:
                 and now - first_seen[1] < MIRROR_WAIT_S
             ):
                 continue
-            self.taken[key] = asked["ask"]
+            self.taken[key], self._read[key] = asked["ask"], mtime
             self.paused[key] = asked
             out.append((r, asked))
         return out

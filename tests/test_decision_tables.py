@@ -883,6 +883,31 @@ def test_a_rank_stopped_after_another_failed_is_a_consequence(signal_name: str, 
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize(
+    ("seen", "root", "rank_1"),
+    [
+        ("before anyone would send SIGKILL", 1, "signal"),
+        ("after elastic_nb sent it SIGKILL", 0, "terminated"),
+        ("after the window", 0, "terminated"),
+    ],
+)
+def test_a_sigkill_seen_after_a_peers_error_began_the_teardown(
+    seen: str, root: int, rank_1: str
+) -> None:
+    """Rank 1 died of SIGKILL; rank 0's 'connection reset by peer' was read first and began the
+    teardown (1.1), so rank 1 is seen gone after it. No one stopping a group sends SIGKILL
+    sooner than a grace after SIGTERM: within the rank's kill window (0.5 s) the SIGKILL is its
+    own, unless elastic_nb sent it (a session ends stuck ranks with SIGKILL at once)."""
+    died_at = 1.7 if seen == "after the window" else 1.2
+    r = a_rank(1, died_at=died_at, exit_code=-SIGKILL, kill_window=0.5)
+    r.killed = seen.startswith("after elastic_nb")
+    peer = a_rank(0, failure=failed_record(1.05, "RuntimeError", "Connection reset by peer"))
+    v = analyze([peer, r], teardown_at=1.1)
+    assert v.root is not None and v.root.rank == root
+    assert r.kind(1.1) == rank_1
+
+
+@pytest.mark.unit
 def test_a_rank_ended_by_sigint_went_with_its_parent() -> None:
     """torch gives every rank PDEATHSIG=SIGINT: a rank ended by SIGINT went because its
     launcher (or fork server) did; the rank that failed is the root even if later."""

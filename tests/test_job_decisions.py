@@ -4,6 +4,7 @@ and the ranks on a fake node (tests/fake_node.py) and reads the job's end as the
 from __future__ import annotations
 
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +97,44 @@ def test_rank_1_dies_while_rank_0_waits_in_all_reduce(tmp_path: Path) -> None:
     )
     assert node.stopped and node.closed
     assert (0, signal.SIGTERM) not in node.signals  # the teardown ended it, not a rank signal
+
+
+def test_a_peer_error_read_before_the_rank_it_names_is_seen_gone(tmp_path: Path) -> None:
+    """Rank 1 SIGKILLed itself; rank 0's gloo error ("connection reset by peer") is read before
+    rank 1's node has seen it go (a loaded machine: CI saw it so), and the teardown begins
+    first. A SIGKILL sent before anyone stopping the group would send one is no teardown's:
+    rank 1 failed first, killed by SIGKILL, and rank 0 is its peer, not the other way round."""
+    job, node, sent = _job(tmp_path)
+    rd = job.rd
+
+    async def main() -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(job.run)
+            node.start_ranks(0, {0: 100, 1: 101})
+            await _until(lambda: len(job.book.of(0)) == 2)
+            rd.attempt(0).mkdir(parents=True, exist_ok=True)
+            write_json(
+                rd.failure(0, 0),
+                {
+                    "rank": 0,
+                    "attempt": 0,
+                    "time": time.time(),
+                    "type": "RuntimeError",
+                    "message": "[pair.cc:534] Read error [127.0.0.1]:4000: Connection reset by peer",
+                    "cell_line": 4,
+                    "traceback": "",
+                },
+            )
+            rank0 = job.book.ranks[(0, 0)]
+            await _until(lambda: rank0.failure is not None)
+            node.rank_dies(0, 1, -signal.SIGKILL)
+            await _until(lambda: job.summary is not None)
+
+    anyio.run(main)
+    summary = _end(sent)
+    assert (summary["cause"], summary["failure"]["rank"]) == ("signal", 1), summary
+    assert summary["failure"]["summary"] == "killed by SIGKILL"
+    assert [(o["rank"], o["kind"]) for o in summary["others"]] == [(0, "peer")]
 
 
 def _history(seq: int, *, pending: bool) -> dict[str, Any]:

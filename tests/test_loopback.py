@@ -191,6 +191,34 @@ def test_listening_is_read_where_it_would_fail() -> None:
         assert exposed(sockets) and all("::" in line for line in exposed(sockets))
 
 
+def test_the_master_port_stays_reserved_until_rank_0_serves_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torch picks rank 0's store port by binding port 0 and closing it; until rank 0 listens,
+    any process could take it (CI saw rank 0 fail with EADDRINUSE so). The launcher's pick stays
+    bound: no other socket gets it, on any address, and rank 0's listener still binds it."""
+    import torch.distributed.elastic.rendezvous.api as api
+
+    from elastic_nb.common import loopback
+    from elastic_nb.launcher import rendezvous
+
+    monkeypatch.setattr(api, "get_free_port", api.get_free_port)  # restored after the test
+    rendezvous.reserve_master_port()
+    port = api.get_free_port()
+    for host in ("127.0.0.1", "0.0.0.0"):
+        with socket.socket() as other, pytest.raises(OSError, match="in use"):
+            other.bind((host, port))
+    store = loopback._serve("127.0.0.1", port)  # rank 0's listener (SO_REUSEADDR)
+    assert store.port == port
+    store.set("k", "v")
+    # The next attempt's pick lets the previous one go.
+    again = api.get_free_port()
+    del store
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", port))
+    assert again != port
+
+
 # Here the hostname resolves to 127.0.0.1, so gloo on its default device (no
 # GLOO_SOCKET_IFNAME) listens on loopback anyway and the tests above could not fail for it.
 # These run the same jobs from a kernel whose hostname resolves to a second address of this

@@ -23,16 +23,25 @@ fails, naming why). Nothing else torch's elastic agent reads from the store unpi
   group's store serves a handful of nodes: a read every SYNC_POLL_S costs it nothing;
 - every recorded event names its method with inspect.stack(), twice, which builds the source
   context of every frame (about 40 ms per launch); the frame's code has the name.
+
+**A master port that stays free** (`reserve_master_port`). The node of group rank 0 picks the
+port of rank 0's process-group store with ``get_free_port()``, which binds port 0 and closes the
+socket: until rank 0 listens on it, any process of the machine may get the same port for a
+connection or a server of its own (a full test run saw rank 0 fail with EADDRINUSE so). The
+launcher holds the port bound (SO_REUSEADDR, never listening) until its next attempt picks
+another: the kernel then hands it to no other socket, and rank 0's listener, SO_REUSEADDR as
+torch's and loopback.py's are, binds it still.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import socket
 import sys
 from typing import Any
 
-__all__ = ["SYNC_POLL_S", "SignedBackend", "quicken", "sign"]
+__all__ = ["SYNC_POLL_S", "SignedBackend", "quicken", "reserve_master_port", "sign"]
 
 SYNC_POLL_S = 0.02  # how often a node waiting in the rendezvous reads its state (torch: 1 s)
 _MAC = hashlib.sha256().digest_size
@@ -115,3 +124,23 @@ def quicken() -> None:
     dynamic._delay = _delay
     dynamic.get_method_name = get_method_name
     holder.__init__ = __init__  # type: ignore[method-assign]
+
+
+_held: list[socket.socket] = []  # the port reserved for the current attempt's rank 0
+
+
+def reserve_master_port() -> None:
+    """From now on, the master port torch's rendezvous picks stays reserved by this process."""
+    import torch.distributed.elastic.rendezvous.api as api
+
+    def get_free_port() -> int:
+        for sock in _held:
+            sock.close()  # the previous attempt's ranks are gone
+        _held.clear()
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("", 0))  # every address: whichever rank 0 serves on, it is ours
+        _held.append(sock)
+        return int(sock.getsockname()[1])
+
+    api.get_free_port = get_free_port

@@ -50,6 +50,7 @@ def main() -> None:
 
     observe_agent(channel)
     rendezvous.quicken()
+    rendezvous.reserve_master_port()
     _wait_fork_server()
     channel.send(protocol.launcher.Ready(kind=protocol.launcher.READY, pid=os.getpid()))
     line = sys.stdin.readline()

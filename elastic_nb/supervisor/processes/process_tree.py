@@ -98,10 +98,10 @@ class ProcessTree:
                     stray.append(p.pid)
             on_signal(signal.Signals(sig).name, stray)
             await self.wait_gone(wait)
-        if self.launcher.poll() is not None:
+        if self.launcher.poll() is not None and procs.signal_group(pid, signal.SIGKILL):
             # Left in the launcher's group: its helpers, or a child of the cell that dropped
             # the marker but kept the group. Nothing of the job needs them any more.
-            procs.signal_group(pid, signal.SIGKILL)
+            on_signal(signal.SIGKILL.name, [])
         survivors = [p.pid for p in self.leftovers()]
         if self.launcher.poll() is None:
             survivors.insert(0, pid)

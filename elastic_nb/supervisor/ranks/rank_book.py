@@ -30,8 +30,9 @@ HEAR_OUT_POLL_S = 0.005  # a rank watcher woken by the launcher's word runs with
 
 
 class RankBook:
-    def __init__(self, rd: RunDir) -> None:
+    def __init__(self, rd: RunDir, kill_window: float = 0.0) -> None:
         self.rd = rd
+        self.kill_window = kill_window
         self._nodes: dict[tuple[int, int], Node] = {}  # where each rank runs
         self.ranks: dict[tuple[int, int], RankState] = {}
         self.failed_attempts: set[int] = set()
@@ -42,7 +43,7 @@ class RankBook:
         self._records: dict[tuple[int, int], tuple[Path, Path]] = {}  # done, failure
 
     def add(self, attempt: int, rank: int, pid: int, started_at: float, node: Node) -> RankState:
-        r = RankState(attempt, rank, pid=pid, started_at=started_at)
+        r = RankState(attempt, rank, pid=pid, started_at=started_at, kill_window=self.kill_window)
         self.ranks[(attempt, rank)] = r
         self._nodes[(attempt, rank)] = node
         return r

@@ -78,6 +78,10 @@ class RankState:
     blame: str | None = None  # what a desync verdict found it did ("left the cell early")
     where: str | None = None  # a multi-node job's: its node, "node 1 (gpu-b)"
     lost: str | None = None  # its node left with it: "node 1 (gpu-b) left: connection lost"
+    killed: bool = False  # elastic_nb sent it SIGKILL (a session ends stuck ranks so, at once)
+    # How soon after the teardown began a death by SIGKILL is still the rank's own: no one who
+    # stops a group sends SIGKILL sooner (RankBook.kill_window).
+    kill_window: float = 0.0
 
     @property
     def name(self) -> str:
@@ -117,7 +121,11 @@ class RankState:
             return "lost"
         if self.died_at is None:
             return "running"
-        if teardown_at is not None and self.died_at >= teardown_at:
+        if (
+            teardown_at is not None
+            and self.died_at >= teardown_at
+            and not self._own_kill(teardown_at)
+        ):
             return "terminated"
         if self.exit_code == 0:
             return "exit0"
@@ -130,6 +138,17 @@ class RankState:
             # because its launcher (or fork server) did.
             return "terminated"
         return "signal"
+
+    def _own_kill(self, teardown_at: float) -> bool:
+        """Killed by SIGKILL that no one stopping the group had sent yet: its own death (a
+        SIGKILL of its own, the cell's), seen gone only after a peer's error began the
+        teardown (a loaded machine reaps and reads late)."""
+        return (
+            self.exit_code == -signal.SIGKILL
+            and not self.killed
+            and self.died_at is not None
+            and self.died_at < teardown_at + self.kill_window
+        )
 
     def failure_summary(self) -> str:
         if self.failure:

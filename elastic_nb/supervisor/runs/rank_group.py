@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import signal
 import time
 from typing import Any
 
@@ -54,6 +55,9 @@ log = logging.getLogger(__name__)
 
 POLL_S = 0.05  # log tail and record polling
 FLUSH_S = 0.1  # one update per group per flush: at most 10 messages a second
+# The least SIGTERM -> SIGKILL of those who stop a group's ranks but the teardown (--stop-grace):
+# torch's agent (max(1, round(--stop-grace))) and a join agent (served_group.STOP_GRACE_S).
+KILL_AFTER_S = 1.0
 IDLE_STOP_GRACE_S = 0.2  # SIGTERM -> SIGKILL for a node of a multi-node group with no live rank
 GROUPS_LOOK_S = 1.0  # a look for the ranks' first process group (a few stats)
 
@@ -89,7 +93,9 @@ class RankGroup(GroupHooks, GroupPrompts):
         self.restarts_at: dict[int, int] = {0: 0}  # attempt -> restarts spent when it began
         self.replaced: set[int] = set()  # attempts a new round ended (no failure of theirs)
         self.agent_failed_in: set[int] = set()  # attempts whose torch agent failed (agent_failed)
-        self.book = RankBook(self.rd)
+        # SIGTERM -> SIGKILL: --stop-grace for the teardown, max(1, round(it)) for torch's agent,
+        # 1 s for a join agent's; half the shortest, for an agent that began before the teardown.
+        self.book = RankBook(self.rd, kill_window=min(spec.stop_grace, KILL_AFTER_S) / 2)
         self.report = Reporter(group_id, send)
         self.tailer = LogTailer(marks=NCCL_TIMEOUT_MARKS, noise=TORCH_LOG_NOISE)
         self.silence = Silence(last_activity=time.monotonic())  # --hang-after's clock
@@ -159,6 +165,7 @@ class RankGroup(GroupHooks, GroupPrompts):
 
     def signal(self, ranks: list[RankState], sig: int) -> None:
         for r in ranks:
+            r.killed = r.killed or sig == signal.SIGKILL
             self.book.node(r).signal(r, sig)
 
     def restarts_left(self, attempt: int) -> bool:
@@ -239,12 +246,7 @@ class RankGroup(GroupHooks, GroupPrompts):
             )
             grace = self.spec.stop_grace if live or not self.multi_node else IDLE_STOP_GRACE_S
             survivors.extend(
-                await node.stop(
-                    grace,
-                    lambda sig, stray: self.report.event(
-                        "teardown", node=node.label, signal=sig, stray=stray
-                    ),
-                )
+                await node.stop(grace, lambda sig, stray: self._stopping(node, sig, stray))
             )
 
         async with anyio.create_task_group() as tg:
@@ -255,6 +257,13 @@ class RankGroup(GroupHooks, GroupPrompts):
                 node.close(ended=False)
             self.nodes = []
         return survivors
+
+    def _stopping(self, node: Node, sig: str, stray: list[int]) -> None:
+        """The teardown sent `sig` on `node`: a rank not yet seen gone may die of our SIGKILL."""
+        self.report.event("teardown", node=node.label, signal=sig, stray=stray)
+        if sig.startswith("SIGKILL"):
+            for r in self.book.of(self.attempt):
+                r.killed = r.killed or (r.died_at is None and self.book.node(r) is node)
 
     # ---- a multi-node group's rounds (placement.InRounds) ---------------------------------------
 

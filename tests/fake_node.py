@@ -58,6 +58,11 @@ class FakeNode(Node):
         self._codes[(attempt, rank)] = code
         self._event(attempt, rank).set()
 
+    def rank_died_unseen(self, attempt: int, rank: int, code: int) -> None:
+        """The rank has ended (`code`), but its node sees it only at the teardown (a loaded
+        machine reaps late): the teardown's signal finds it gone."""
+        self._codes[(attempt, rank)] = code
+
     def _event(self, attempt: int, rank: int) -> anyio.Event:
         return self._gone.setdefault((attempt, rank), anyio.Event())
 
@@ -159,7 +164,7 @@ class FakeNode(Node):
         on_signal("SIGTERM", [])
         for (attempt, rank), gone in list(self._gone.items()):
             if not gone.is_set():
-                self.rank_dies(attempt, rank, -signal.SIGTERM)
+                self.rank_dies(attempt, rank, self._codes.get((attempt, rank), -signal.SIGTERM))
         self._say.close()
         self._launcher_exited.set()
         return []

@@ -650,6 +650,40 @@ def test_the_probe_refuses_storage_ranks_see_differently() -> None:
                 layout(views, rank, "/ckpt")
 
 
+# One process, no process group: an async save, then the exit a forked rank makes (bootstrap runs
+# the atexit handlers, multiprocessing then calls os._exit). Says whether this process had
+# reaped its writer by then.
+EXITS_AFTER_A_SAVE = """
+import atexit, os, sys, torch
+from elastic_nb.checkpoint.checkpoints import Checkpoints
+c = Checkpoints(sys.argv[1])
+c.save(1, torch.nn.Linear(4, 1), async_save=True)
+c.wait()
+writer = c.writer_pid
+atexit._run_exitfuncs()
+try:
+    os.waitpid(writer, os.WNOHANG)
+    print("writer still ours", flush=True)
+except ChildProcessError:
+    print("writer reaped", flush=True)
+os._exit(0)
+"""
+
+
+def test_a_rank_ends_its_writer_before_it_exits(tmp_path: Path) -> None:
+    """A writer used to end only when its rank's death closed its pipe: niced 19 on a busy
+    machine it then ran on for over a second, and the job's end named it as left running by
+    the cell. The rank's exit now ends and reaps it first."""
+    done = subprocess.run(
+        [sys.executable, "-c", EXITS_AFTER_A_SAVE, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "writer reaped", done.stdout + done.stderr
+
+
 ASYNC = """
 import signal, statistics
 from multiprocessing import util

@@ -112,6 +112,7 @@ def test_a_peer_error_read_before_the_rank_it_names_is_seen_gone(tmp_path: Path)
             tg.start_soon(job.run)
             node.start_ranks(0, {0: 100, 1: 101})
             await _until(lambda: len(job.book.of(0)) == 2)
+            node.rank_died_unseen(0, 1, -signal.SIGKILL)
             rd.attempt(0).mkdir(parents=True, exist_ok=True)
             write_json(
                 rd.failure(0, 0),
@@ -125,9 +126,6 @@ def test_a_peer_error_read_before_the_rank_it_names_is_seen_gone(tmp_path: Path)
                     "traceback": "",
                 },
             )
-            rank0 = job.book.ranks[(0, 0)]
-            await _until(lambda: rank0.failure is not None)
-            node.rank_dies(0, 1, -signal.SIGKILL)
             await _until(lambda: job.summary is not None)
 
     anyio.run(main)

@@ -4,6 +4,8 @@ and when it counts."""
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 import pickle
 import secrets
@@ -170,6 +172,7 @@ class Checkpoints:
             self._thread = ThreadPoolExecutor(1, thread_name_prefix="elastic_nb-checkpoint")
         if self._writer is None:
             self._writer = WriterProcess()
+            atexit.register(self._close_at_exit)
         handover = Handover()
         self._pending = self._thread.submit(
             self._save_async, commit, state, path, kwargs, url, fsync, handover
@@ -308,11 +311,20 @@ class Checkpoints:
             self.wait()
         finally:
             if self._writer is not None:
+                atexit.unregister(self._close_at_exit)
                 self._writer.close()
                 self._writer = None
             if self._thread is not None:
                 self._thread.shutdown(wait=True)
                 self._thread = None
+
+    def _close_at_exit(self) -> None:
+        """As the rank exits (a forked one too: bootstrap runs the atexit handlers): the save in
+        flight finished, its writer process ended and reaped. The rank outlives its writer, so
+        the job's end never finds the writer still running. A failed save said so already (its
+        commit record), and an exit handler has no one to raise to."""
+        with contextlib.suppress(Exception):
+            self.close()
 
     def _newest(self) -> dict[str, Any]:
         """A leader's word before a save or a load: its newest committed step after tidying, or

@@ -5,6 +5,7 @@ supervisor and gloo ranks. Every test also checks, by its fixture, that no proce
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 
@@ -138,11 +139,72 @@ def test_torch_distributed_breakpoint_stops_one_rank_while_the_others_wait(
 
     ex = kernel.debug(TORCH_BREAKPOINT, person)
     assert ex.error is None, ex.stderr
-    assert ex.prompts == ["[rank 1] (Pdb) "] * 3
+    assert ex.prompts[0] == "[rank 1] (Pdb) "
+    # Six seconds later rank 0 is seen waiting in torch's barrier, whose timeout torch made an
+    # hour: the prompt says so (not the 5 s of --collective-timeout).
+    for prompt in ex.prompts[1:]:
+        assert re.fullmatch(
+            r"\[rank 1 · rank 0 waits in barrier #\d+: times out in 59:\d\d\] \(Pdb\) ", prompt
+        ), ex.prompts
     assert "[rank 1] 10" in ex.stdout  # x on rank 1, in the cell's frame after `up`
     assert "[rank 0] after 0" in ex.stdout and "[rank 1] after 10" in ex.stdout
     # told once: what a paused rank costs the ranks waiting for it in a collective
     assert ex.stdout.count("rank 1 waits at a prompt: a rank waiting for it in a collective") == 1
+
+
+WAITS_FOR_RANK_1 = """%%elastic --nproc 2 --collective-timeout 120
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+if dist.get_rank() == 1:
+    breakpoint()
+dist.all_reduce(torch.ones(1))
+print("reduced")
+"""
+
+
+def test_a_rank_waiting_for_a_paused_one_says_when_its_timeout_runs_out(kernel: Kernel) -> None:
+    """Rank 1 at its breakpoint, rank 0 in the all_reduce that needs it (a collective already
+    started: torch cannot extend its 120 s). Its chip (text mode's line) says whom it waits for
+    and when the timeout runs out, and the prompt counts down, until rank 1 goes on."""
+
+    def person(prompt: str, ex: Execution) -> str:
+        if "waits in" in prompt or len(ex.prompts) > 50:
+            return "c"
+        time.sleep(0.2)  # the person reads what rank 1 shows: the scenario, not a wait for it
+        return "p 1"
+
+    ex = kernel.debug(WAITS_FOR_RANK_1, person)
+    assert ex.error is None, ex.stderr
+    waiting = [p for p in ex.prompts if "waits in" in p]
+    assert waiting, ex.prompts
+    assert re.fullmatch(
+        r"\[rank 1 · rank 0 waits in all_reduce #\d+: times out in 1:[0-5]\d\] \(Pdb\) ",
+        waiting[0],
+    ), waiting
+    assert re.search(
+        r"\[elastic_nb\] rank 0 waiting for rank 1 \(paused\) in all_reduce #\d+: its timeout "
+        r"runs out in (2 min|1 min \d+ s)\n",
+        ex.stdout,
+    ), ex.stdout
+    assert ex.stdout.count("[rank 0] reduced") == 1 and "[rank 1] reduced" in ex.stdout
+
+
+def test_a_job_that_ends_while_a_rank_waits_at_its_prompt_ends_the_wait(kernel: Kernel) -> None:
+    """Nobody answers rank 1's prompt; rank 0's all_reduce, waiting for it, times out (3 s).
+    The cell ends then, failed, without an answer: the collective timeout is rank 0's, told
+    as the pause's, not as a desync of rank 1's."""
+    ex = kernel.debug(WAITS_FOR_RANK_1.replace("120", "3"), lambda prompt, ex: None, timeout=90)
+    assert ex.prompts == ["[rank 1] (Pdb) "]
+    assert ex.ename == "JobFailed" and ex.error is not None
+    assert ex.error["evalue"].startswith("rank 0 failed first: RuntimeError: "), ex.error
+    assert "Timed out" in ex.error["evalue"] and "desync" not in ex.traceback
+    assert re.search(
+        r"\[elastic_nb\] rank 0 timed out in all_reduce after 3 s while rank 1 \(cell line 6\) "
+        r"waited at a prompt",
+        ex.stderr,
+    ), ex.stderr
+    assert "[elastic_nb] rank 0 waiting for rank 1 (paused) in all_reduce #" in ex.stdout
+    assert "resumed" not in ex.stdout  # rank 1 was ended, not resumed
 
 
 def test_the_stop_button_at_a_prompt_stops_the_job(kernel: Kernel) -> None:

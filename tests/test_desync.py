@@ -200,6 +200,27 @@ def test_the_records_elastic_nb_writes_parse_like_torchs_dumps() -> None:
     assert h.in_flight("0") == Op("0", 12, "all_gather", False)
 
 
+def test_a_collective_in_flight_says_how_long_its_timeout_has_left() -> None:
+    """The entry's creation and its group's timeout, against when the rank took the record:
+    both on the rank's clock (the supervisor adds what was left to when the answer came)."""
+    entry = {
+        "process_group": ["0", "default_pg"],
+        "collective_seq_id": 3,
+        "profiling_name": "gloo:all_reduce",
+        "state": "scheduled",
+        "retired": False,
+        "is_p2p": False,
+        "time_created_ns": 1_000_000_095_000_000_000,
+        "timeout_ms": 30_000,
+    }
+    h = history(0, {"time": 1_000_000_100.0, "dump": {"entries": [entry]}}, CELL)
+    op = h.waiting_in()
+    assert op is not None and op.timeout_left == pytest.approx(25.0)
+    untimed = {k: v for k, v in entry.items() if k != "timeout_ms"}
+    op = history(0, {"time": 1.0, "dump": {"entries": [untimed]}}, CELL).waiting_in()
+    assert op is not None and op.timeout_left is None
+
+
 @pytest.mark.parametrize("rec", [None, {}, {"dump": None}, {"error": "x"}, {"dump": "garbage"}])
 def test_nothing_readable_is_nothing_known(rec: dict | None) -> None:
     assert not history(0, rec, CELL).known

@@ -85,6 +85,37 @@ def test_a_widget_frontend_gets_the_dashboard_and_the_summary_line(widget_kernel
     assert_job_gone(ex.job_id)
 
 
+PAUSED_TOO_LONG = """%%elastic --nproc 2 --collective-timeout 3
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+if dist.get_rank() == 1:
+    breakpoint()
+dist.all_reduce(torch.ones(1))
+"""
+
+
+def test_the_dashboard_stays_live_at_a_prompt_and_the_jobs_end_ends_the_wait(
+    widget_kernel: Kernel,
+) -> None:
+    """Rank 1 at its breakpoint and nobody answers; rank 0 waits for it in an all_reduce
+    whose 3 s timeout torch cannot extend. While the input box waits, the dashboard goes on:
+    rank 0's chip says it waits for rank 1 and when its timeout runs out. When it does, the
+    job fails, and the cell ends without an answer (the prompt's rank is gone)."""
+    ex = widget_kernel.debug(PAUSED_TOO_LONG, lambda prompt, ex: None, timeout=90)
+    assert ex.prompts == ["[rank 1] (Pdb) "]
+    assert ex.ename == "JobFailed", ex.stderr
+    _, deltas = _widget_traffic(ex.messages)
+    # (the kernel's clock when the delta was sent, its chip for rank 0)
+    chips = [(d["now"], d["ranks"]["0"]) for d in deltas if "0" in d.get("ranks", {})]
+    waiting = [(now, c) for now, c in chips if c["state"] == "waiting"]
+    assert waiting, chips
+    now, chip = waiting[0]
+    assert chip["label"].startswith("waiting for rank 1 (paused) in all_reduce #"), chip
+    assert 0 < chip["expires"] - now <= 3, (now, chip)
+    assert deltas[-1]["header"]["state"] == "failed"
+    assert_job_gone(ex.job_id)
+
+
 def _summary_of(stdout: str, job: str, what: str) -> str:
     """The summary line of `job` in `stdout`, which must hold it once."""
     lines = [line for line in stdout.splitlines() if line.startswith(f"[elastic_nb] job {job} ")]

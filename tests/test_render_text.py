@@ -95,3 +95,33 @@ def test_one_attempt_on_one_machine_has_no_timeline() -> None:
     end.update(started=1000.0, wall_s=3.0, world_size=2, run_dir="/runs/cafe0001")
     r.end(end)
     assert "timeline" not in out.getvalue()
+
+
+def test_a_rank_waiting_for_a_paused_one_is_said_once_with_its_timeout() -> None:
+    """Rank 1 at a prompt, rank 0 in an all_reduce waiting for it: one line for the pause, one
+    for the wait (its chip comes again each look: said once), none when rank 0 runs again."""
+    import re
+    import time
+
+    out = io.StringIO()
+    r = TextRenderer("cafe0001", "/runs/cafe0001", out, io.StringIO())
+    paused = {"state": "paused", "label": "paused at line 5", "attempt": 0}
+    waiting = {
+        "state": "waiting",
+        "label": "waiting for rank 1 (paused) in all_reduce #2",
+        "attempt": 0,
+        "expires": time.time() + 298.4,
+    }
+    r.update({"ranks": {"1": paused}})
+    for _ in range(3):
+        r.update({"ranks": {"0": waiting}})
+    r.update({"ranks": {"1": {"state": "running", "label": "running", "attempt": 0}}})
+    r.update({"ranks": {"0": {"state": "running", "label": "running", "attempt": 0}}})
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "[elastic_nb] rank 1 paused at line 5"
+    assert re.fullmatch(
+        r"\[elastic_nb\] rank 0 waiting for rank 1 \(paused\) in all_reduce #2: its timeout "
+        r"runs out in 4 min 5[78] s",
+        lines[1],
+    ), lines
+    assert lines[2:] == ["[elastic_nb] rank 1 resumed"]

@@ -29,6 +29,8 @@ pytestmark = pytest.mark.e2e
 
 
 class Recorder:
+    live_beside_input = False
+
     def __init__(self) -> None:
         self.updates: list[tuple[float, dict[str, Any]]] = []
         self.summary: dict[str, Any] | None = None

@@ -8,8 +8,10 @@ to a renderer. For ``%%elastic --bg`` the handle is what the cell returns: ``sto
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import contextvars
+import ctypes
 import math
 import pickle
 import queue
@@ -17,7 +19,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -35,7 +37,7 @@ from elastic_nb.common.rundir import RunDir
 from elastic_nb.common.spec import JobSpec
 from elastic_nb.common.submission import Submission
 from elastic_nb.kernel.client import GONE, SupervisorClient
-from elastic_nb.kernel.rank_prompts import RankPrompts
+from elastic_nb.kernel.rank_prompts import Ended, RankPrompts
 from elastic_nb.protocol.records import Summary
 
 __all__ = ["JobHandle", "Renderer"]
@@ -46,13 +48,18 @@ STOP_TIMEOUT_S = 4.0
 
 WAKE_S = 0.1  # how long the kernel's main thread waits in one go, so that it sees an interrupt
 FLUSH_WAIT_S = 0.1  # a quiet queue still gets the renderer's held-back changes out this soon
+PUMP_S = 0.02  # how often the job's news is looked for while the cell's thread waits in input()
 
 
 class Renderer(Protocol):
     """What draws a job: `update` folds one supervisor update in, `flush` shows what the updates
     so far changed (called once the queue of updates is drained, and every FLUSH_WAIT_S while
     it stays empty: a renderer may hold changes back to keep its own pace, unless `now`: the
-    cell's thread is about to wait at a rank's prompt), `end` shows the end."""
+    cell's thread is about to wait at a rank's prompt), `end` shows the end. `live_beside_input`:
+    it may draw from another thread while the cell's thread waits in input() (a dashboard; not
+    text, whose lines would land in the middle of what a person types)."""
+
+    live_beside_input: bool
 
     def update(self, msg: dict[str, Any]) -> None: ...
     def flush(self, now: bool = False) -> None: ...
@@ -78,6 +85,7 @@ class JobHandle:
         self.widget: Any = None  # the dashboard that shows it, where there is one
         self._client = client
         self._queue = client.subscribe(job_id)
+        self._held_back: collections.deque[Any] = collections.deque()  # see _beside_input
         self._ended = threading.Event()  # followed to the end (summary or error known)
         self._background = False
         self._error: BaseException | None = None  # what a background follower ran into
@@ -257,8 +265,8 @@ class JobHandle:
                     )
                     break
                 with contextlib.suppress(queue.Empty):
-                    self._handle(self._queue.get(timeout=FLUSH_WAIT_S), renderer)
-                if self.summary is None and self._queue.empty():
+                    self._handle(self._get(FLUSH_WAIT_S), renderer)
+                if self.summary is None and self._queue.empty() and not self._held_back:
                     renderer.flush()  # and again while quiet: it may hold changes back
             except KeyboardInterrupt:
                 if interrupted:
@@ -314,13 +322,72 @@ class JobHandle:
                 if left <= 0:
                     return
                 with contextlib.suppress(queue.Empty):
-                    self._handle(self._queue.get(timeout=left), renderer)
+                    self._handle(self._get(left), renderer)
 
         self._conversing = True
         try:
-            self._prompts.converse(take, lambda: renderer.flush(now=True))
+            self._prompts.converse(
+                take, lambda: renderer.flush(now=True), lambda: self._beside_input(renderer)
+            )
         finally:
             self._conversing = False
+
+    @contextlib.contextmanager
+    def _beside_input(self, renderer: Renderer) -> Iterator[None]:
+        """While the cell's thread waits in input() at a rank's prompt, a thread of this
+        context's takes the job's news: a dashboard goes on drawing it (the other ranks' lines
+        and chips, the ranks waiting for the paused one counting down); text holds it back for
+        the cell's thread, in order (a line printed under an input box lands in what is typed).
+        The job's end ends the wait (the prompt's rank is gone with it): `Ended`, raised in the
+        waiting thread, which ipykernel's input() lets through as it does KeyboardInterrupt.
+        Each message is taken and dealt with under one lock, which the waiting thread takes
+        back as input() returns: the wait is never ended after it is over."""
+        lock = threading.Lock()
+        over = False
+        waiting = threading.get_ident()
+        live = renderer.live_beside_input
+
+        def pump() -> None:
+            while True:
+                with lock:
+                    if over:
+                        return
+                    try:
+                        msg = self._queue.get_nowait()
+                    except queue.Empty:
+                        msg = None
+                    ends = msg is GONE or (msg is not None and msg["kind"] == protocol.kernel.END)
+                    try:
+                        if msg is None:
+                            if live:
+                                renderer.flush()
+                        elif live and msg is not GONE:
+                            self._handle(msg, renderer)
+                        else:  # the cell's thread's, once input() returns (GONE: it raises)
+                            self._held_back.append(msg)
+                    except Exception:  # the cell's thread takes over once input() returns
+                        return
+                    if ends:
+                        _raise_in(waiting, Ended)
+                        return
+                if msg is None:
+                    time.sleep(PUMP_S)
+
+        context = contextvars.copy_context()
+        threading.Thread(
+            target=context.run, args=(pump,), name=f"elastic_nb-prompt-{self.id}", daemon=True
+        ).start()
+        try:
+            yield
+        finally:
+            with lock:
+                over = True
+
+    def _get(self, timeout: float) -> Any:
+        """The job's next message: those held back while the cell's thread waited first."""
+        if self._held_back:
+            return self._held_back.popleft()
+        return self._queue.get(timeout=timeout)
 
     def _answer(self, prompt: protocol.kernel.Prompt, text: str | None, why: str | None) -> None:
         with contextlib.suppress(Refused):  # the rank is gone, or no longer waits for it
@@ -334,7 +401,7 @@ class JobHandle:
         with contextlib.suppress(SupervisorDied):
             while self.summary is None and time.monotonic() < deadline:
                 with contextlib.suppress(queue.Empty):
-                    self._handle(self._queue.get(timeout=0.25), None)
+                    self._handle(self._get(0.25), None)
         if self.summary is None:
             self._kill_here(outcome, reason)
 
@@ -365,3 +432,9 @@ def _load(rd: RunDir, path: Path, what: str) -> Any:
         return pickle.loads(rd.read_private(path))
     except Exception as e:
         raise ElasticError(f"could not load {what} from {path}: {type(e).__name__}: {e}") from None
+
+
+def _raise_in(thread_id: int, exc: type[BaseException]) -> None:
+    """Raise `exc` in another thread of this process, at its next bytecode (ipykernel's input()
+    looks up every 10 ms)."""
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), ctypes.py_object(exc))

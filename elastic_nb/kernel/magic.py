@@ -235,6 +235,7 @@ class _Both:
 
     def __init__(self, dash: Renderer, text: TextRenderer) -> None:
         self._dash, self._text = dash, text
+        self.live_beside_input = dash.live_beside_input  # the text prints only the end
 
     def update(self, msg: dict[str, Any]) -> None:
         self._dash.update(msg)

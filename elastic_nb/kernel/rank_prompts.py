@@ -6,16 +6,24 @@ When several ranks wait at the same prompt (every rank at the same `breakpoint()
 asks them all, ``[ranks 0,1] (Pdb) ``: a command goes to each of them and each answers under the
 cell, rank-prefixed, side by side; ``@1 p loss`` sends it to rank 1 only, ``@0,2 c`` to ranks 0
 and 2. Ranks at different prompts are asked in turn, the lowest rank first.
+
+Where other ranks wait for the asked ones in a collective, the prompt says so and how long its
+timeout has left: ``[rank 1 · rank 0 waits in all_reduce #4: times out in 4:58] (Pdb) ``.
+
+The wait in input() happens `beside` what the job handle does meanwhile (its dashboard drawn
+live); a job that ends meanwhile ends the wait (`Ended`, raised in the waiting thread).
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
+import time
 from collections.abc import Callable
 
 from elastic_nb import protocol
 
-__all__ = ["GATHER_S", "RankPrompts", "addressed"]
+__all__ = ["GATHER_S", "Ended", "RankPrompts", "addressed", "waiting_words"]
 
 GATHER_S = 0.05  # ranks that stop together (at one breakpoint) are asked together
 SETTLE_S = 0.5  # for the addressed ranks' next prompts, before others are asked
@@ -31,6 +39,14 @@ Answer = Callable[[protocol.kernel.Prompt, str | None, str | None], None]
 Take = Callable[[float, Callable[[], bool]], None]
 
 
+class Ended(BaseException):
+    """The job ended while the cell's thread waited at a rank's prompt (its rank is gone): a
+    BaseException, as KeyboardInterrupt, which ipykernel's input() lets through."""
+
+
+Beside = Callable[[], contextlib.AbstractContextManager[None]]
+
+
 def addressed(line: str, waiting: list[int], asked: list[int]) -> tuple[list[int], str]:
     """The ranks a line goes to and the command: ``@R[,S...] command`` names them (each must be
     waiting), else the ranks the prompt asked. ValueError for a rank that does not wait."""
@@ -44,6 +60,24 @@ def addressed(line: str, waiting: list[int], asked: list[int]) -> tuple[list[int
             f"{', '.join(map(str, waiting))}"
         )
     return ranks, m.group(2)
+
+
+def waiting_words(waits: list[protocol.records.Waiting], now: float) -> str:
+    """What the prompt says of the ranks waiting for the asked ones in a collective: whose wait
+    times out first, and when ('' where none waits)."""
+    if not waits:
+        return ""
+    first = min(waits, key=lambda w: float("inf") if w["expires"] is None else w["expires"])
+    ranks = sorted({w["rank"] for w in waits})
+    who = f"rank {ranks[0]} waits" if len(ranks) == 1 else f"ranks {','.join(map(str, ranks))} wait"
+    words = f" · {who} in {first['op']}"
+    if first["expires"] is None:
+        return words
+    left = first["expires"] - now
+    if left <= 0:
+        return f"{words}: its timeout has run out"
+    clock = f"{left:.0f} s" if left < 60 else f"{int(left // 60)}:{int(left % 60):02d}"
+    return f"{words}: times out in {clock}"
 
 
 class RankPrompts:
@@ -66,9 +100,10 @@ class RankPrompts:
             self._answer(prompt, None, why)
         self.waiting.clear()
 
-    def converse(self, take: Take, flush: Callable[[], None]) -> None:
+    def converse(self, take: Take, flush: Callable[[], None], beside: Beside) -> None:
         """Ask until no rank waits (the ones that went on: `c`, or an input() answered);
-        `flush`: what the ranks printed before a prompt, above the input box."""
+        `flush`: what the ranks printed before a prompt, above the input box; `beside`: what
+        goes on while the frontend's input box waits."""
         take(GATHER_S, lambda: False)
         while self.waiting:
             first = self.waiting[min(self.waiting)]
@@ -81,13 +116,19 @@ class RankPrompts:
                     "command goes to each of them; @R (or @R,S) before it sends it to those only"
                 )
             who = f"rank {asked[0]}" if len(asked) == 1 else f"ranks {','.join(map(str, asked))}"
+            waits = {w["rank"]: w for r in asked for w in self.waiting[r]["waits"]}
+            who += waiting_words(list(waits.values()), time.time())
             try:
-                line = input(f"[{who}] {first['prompt']}")
+                with beside():
+                    line = input(f"[{who}] {first['prompt']}")
             except NotImplementedError:  # IPython's StdinNotImplementedError
                 self.decline(NO_INPUT)
                 return
             except EOFError:
                 self.decline("the frontend's input ended")
+                return
+            except Ended:
+                self.decline("the job ended")
                 return
             try:
                 targets, command = addressed(line, sorted(self.waiting), asked)

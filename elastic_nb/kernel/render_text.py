@@ -42,6 +42,8 @@ class TextRenderer:
     notebook on GitHub or nbviewer, nbconvert), the summary is the one line a saved notebook
     needs besides them."""
 
+    live_beside_input = False  # a line printed under an input box lands in what is typed
+
     def __init__(
         self,
         job_id: str,
@@ -61,6 +63,7 @@ class TextRenderer:
         self._where: dict[int, str] = {}  # a multi-node job's ranks: rank -> its node
         self._rounds_said = 0  # rounds whose line was printed
         self._paused: dict[int, str | None] = {}  # ranks at a prompt: the words said of it
+        self._waiting: dict[int, str | None] = {}  # ranks waiting for a paused one: said so
         # The timeline, printed at the end of a job that restarted or ran across machines: each
         # attempt's start (wall clock), nodes and world size, and why it ended.
         self._attempts: list[dict[str, Any]] = [{"attempt": 0, "t": time.time()}]
@@ -84,11 +87,22 @@ class TextRenderer:
 
     def _pause_line(self, rank: int, chip: dict[str, Any]) -> None:
         """A line when a rank stops at a prompt (a debugger's, an input()) and when it goes on:
-        not one a pdb command (its next prompt comes before the chip could say it ran)."""
+        not one a pdb command (its next prompt comes before the chip could say it ran). A line
+        when a rank begins to wait for a paused one in a collective, with its timeout's end."""
+        if chip.get("state") == "waiting":
+            if self._waiting.get(rank) != chip.get("label"):
+                self._waiting[rank] = chip.get("label")
+                expires = chip.get("expires")
+                left = time.time() if expires is None else float(expires)
+                words = f": its timeout runs out in {report.duration(left - time.time())}"
+                said = words if expires is not None else ""
+                self._out.write(f"[elastic_nb] rank {rank} {chip.get('label')}{said}\n")
+            return
+        self._waiting.pop(rank, None)
         paused = chip.get("state") == "paused"
         if paused and self._paused.get(rank) != chip.get("label"):
             self._out.write(f"[elastic_nb] rank {rank} {chip.get('label')}\n")
-        elif not paused and rank in self._paused:  # it runs again (or ran to its end)
+        elif chip.get("state") in ("running", "done") and rank in self._paused:  # it went on
             self._out.write(f"[elastic_nb] rank {rank} resumed\n")
         if paused:
             self._paused[rank] = chip.get("label")

@@ -26,6 +26,7 @@ from elastic_nb.protocol.records import (
     Replied,
     Round,
     Summary,
+    Waiting,
 )
 from elastic_nb.protocol.wire import VERSION, Frame, ProtocolError, check
 
@@ -293,6 +294,7 @@ class Prompt(TypedDict):
     rank: int
     ask: int
     prompt: str
+    waits: list[Waiting]  # the ranks that wait for it in a collective, as last looked
 
 
 class End(TypedDict):

@@ -20,6 +20,7 @@ __all__ = [
     "Replied",
     "Round",
     "Summary",
+    "Waiting",
     "summary",
 ]
 
@@ -41,12 +42,23 @@ class Alert(_Alert, total=False):
 class Chip(TypedDict, total=False):
     """One rank of the current attempt, as a dashboard shows it."""
 
-    state: str  # running, paused (at a prompt: pdb's, an input()), done, failed, stopped, zombie
+    # running, paused (at a prompt: pdb's, an input()), waiting (in a collective, for a paused
+    # rank), done, failed, stopped, zombie
+    state: str
     label: str  # a few words: "exited 0", "ValueError", "left the cell early"
     attempt: int
     pid: int | None
     detail: str  # the whole story, for a failed or stopped rank
     node: str  # a multi-node job's: where the rank runs, "node 1 (gpu-b)"
+    expires: float  # waiting for a paused rank: when its collective's timeout runs out (clock)
+
+
+class Waiting(TypedDict):
+    """A rank waiting in a collective for a rank at a prompt: when its timeout runs out."""
+
+    rank: int
+    op: str  # "all_reduce #4"
+    expires: float | None  # the supervisor's wall clock (the kernel's machine); None: unknown
 
 
 class Round(TypedDict):

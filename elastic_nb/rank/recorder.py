@@ -37,8 +37,19 @@ from elastic_nb.rank.memory import cuda_memory
 
 __all__ = ["serve_probes", "snapshot", "write_final"]
 
-# Entry fields the verdict reads (supervisor/desync.py); the rest (sizes, dtypes, ...) stays out.
-_FIELDS = ("process_group", "collective_seq_id", "profiling_name", "state", "retired", "is_p2p")
+# Entry fields the verdict reads (supervisor/desync.py) and, for a rank waiting for one at a
+# prompt, when its timeout runs out (supervisor/runs/prompts.py); the rest (sizes, dtypes, ...)
+# stays out.
+_FIELDS = (
+    "process_group",
+    "collective_seq_id",
+    "profiling_name",
+    "state",
+    "retired",
+    "is_p2p",
+    "time_created_ns",
+    "timeout_ms",
+)
 _MAX_FRAMES = 8  # innermost frames kept per entry, down to the cell's own
 
 

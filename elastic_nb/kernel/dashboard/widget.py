@@ -66,6 +66,8 @@ class DashboardWidget(anywidget.AnyWidget):
 class Dashboard:
     """A renderer (update / flush / end) that draws a job into a `DashboardWidget`."""
 
+    live_beside_input = True  # its sends are comm messages: any thread's, none under the input
+
     def __init__(
         self,
         job_id: str,

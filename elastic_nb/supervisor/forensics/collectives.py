@@ -60,6 +60,9 @@ class Op:
     done: bool  # retired (gloo) or completed (NCCL): nothing waits in it any more
     line: int | None = None  # the cell line that issued it, when the dump has frames
     backward: bool = False  # issued from autograd's backward(): DDP's gradient all-reduce
+    # The seconds its timeout had left when the rank's record was taken (created + its group's
+    # timeout, both on the rank's clock): a probe's answer only.
+    timeout_left: float | None = field(default=None, compare=False)
 
 
 @dataclass
@@ -102,11 +105,12 @@ def history(rank: int, record: dict[str, Any] | None, cell: str, left: bool = Fa
     """Parse what `elastic_nb.rank.recorder` wrote (or `read_nccl_dump` read) for one rank."""
     record = record or {}
     h = History(rank, left=left, final=bool(record.get("final")))
+    taken = record.get("time")
     for key in ("dump", "nccl"):
         dump = record.get(key)
         if isinstance(dump, dict):
             h.known = True
-            _parse(h, dump, cell, key)
+            _parse(h, dump, cell, key, taken if isinstance(taken, (int, float)) else None)
     seqs = record.get("seqs")
     if isinstance(seqs, dict) and seqs:  # none: no group yet, or a torch that cannot say
         h.known = True
@@ -117,7 +121,7 @@ def history(rank: int, record: dict[str, Any] | None, cell: str, left: bool = Fa
     return h
 
 
-def _parse(h: History, dump: dict[str, Any], cell: str, key: str) -> None:
+def _parse(h: History, dump: dict[str, Any], cell: str, key: str, taken: float | None) -> None:
     entries = [e for e in dump.get("entries") or () if isinstance(e, dict)]
     names = [str(e.get("profiling_name") or "") for e in entries]
     # A dump is NCCL's by its entries' names ("nccl:all_reduce"); an empty one by where it came.
@@ -143,6 +147,7 @@ def _parse(h: History, dump: dict[str, Any], cell: str, key: str) -> None:
                 (int(f["line"]) for f in frames if is_cell(str(f.get("filename")), cell)), None
             ),
             backward=any(f.get("name") in _BACKWARD for f in frames),
+            timeout_left=_timeout_left(e, taken),
         )
         h.ops[(op.group, seq)] = op
         h.last[op.group] = max(h.last.get(op.group, 0), seq)
@@ -150,6 +155,13 @@ def _parse(h: History, dump: dict[str, Any], cell: str, key: str) -> None:
         ranks = _ranks(config.get("ranks"))
         if group and ranks:  # gloo's config is keyed "" and lists no ranks: useless
             h.members[f"{group}{suffix}"] = ranks
+
+
+def _timeout_left(entry: dict[str, Any], taken: float | None) -> float | None:
+    created, timeout = _int(entry.get("time_created_ns")), _int(entry.get("timeout_ms"))
+    if taken is None or not created or not timeout:
+        return None
+    return created / 1e9 + timeout / 1e3 - taken
 
 
 def base(group: str) -> str:

@@ -63,14 +63,24 @@ class Finding:
         }
 
 
-def timeout_finding(r: RankState, ev: Evidence, spec: JobSpec) -> Finding:
-    """Rank `r` timed out in a collective: in which op, after how long, and whose fault."""
+def timeout_finding(
+    r: RankState, ev: Evidence, spec: JobSpec, paused: dict[int, int | None] | None = None
+) -> Finding:
+    """Rank `r` timed out in a collective: in which op, after how long, and whose fault. A rank
+    the others waited for because it sat at a prompt (`paused`: rank -> its cell line) did not
+    fall out of step: the timeout is the pause's, and `r`'s to report."""
     op = ev.where[r.rank].collective() if r.rank in ev.where else None
     after = f" after {spec.collective_timeout:g} s" if spec.collective_timeout else ""
     if r.watchdog is not None:  # its own words: the op, and the timeout it had
         op, after = watchdog_op(r.watchdog["line"]) or op, ""
     title = f"rank {r.rank} timed out in {op or 'a collective'}{after}"
     desync = ev.desync
+    if paused and desync is not None and set(desync.behind) <= paused.keys():
+        at = [
+            f"rank {p}" + (f" (cell line {paused[p]})" if paused[p] else "") for p in desync.behind
+        ]
+        title += f" while {', '.join(at)} waited at a prompt (a debugger's, an input())"
+        return Finding(title, r.rank, None, ev.stacks)
     if desync is not None:
         title += f": {desync.text}"
     culprit = desync.behind[0] if desync is not None and desync.behind else r.rank

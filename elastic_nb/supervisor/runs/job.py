@@ -363,7 +363,8 @@ class Job(RankGroup):
 
     async def _diagnose_timeout(self, r: RankState, kind: str) -> None:
         try:
-            found = diagnosis.timeout_finding(r, await self._evidence(), self.spec)
+            ev = await self._evidence()
+            found = diagnosis.timeout_finding(r, ev, self.spec, self.prompts.lines(r.attempt))
             if found.desync is not None:
                 self._blame(r.attempt, found.desync)
             self.finding = found

@@ -2,6 +2,11 @@
 seen in the run directory (rank-R.input.json), shown in the notebook once what the rank printed
 before it has been sent, and answered back to the rank through its node (a probe). A rank that
 waits for its answer is paused: the group's watch for silence (--hang-after) leaves it alone.
+
+While a rank is paused, the others that wait for it in a collective are looked for each second
+(their flight recorders: the collective in flight, when it began, its group's timeout): their
+chips say whom they wait for and when the collective's timeout runs out, and so does the paused
+rank's prompt. torch cannot extend a timeout for a collective already started.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from anyio.abc import TaskGroup
 from elastic_nb import protocol
 from elastic_nb.common.rundir import RunDir, read_json
 from elastic_nb.common.spec import JobSpec
+from elastic_nb.supervisor.forensics.collectives import base, history
 from elastic_nb.supervisor.processes.node import Node
 from elastic_nb.supervisor.ranks.log_tailer import LogTailer
 from elastic_nb.supervisor.ranks.rank_book import RankBook
@@ -39,6 +45,8 @@ log = logging.getLogger(__name__)
 
 ANSWER_WAIT_S = 10.0  # for the rank's probe thread to take an answer
 MIRROR_WAIT_S = 2.0  # for what a rank printed before its prompt to reach the tailer
+WAITS_LOOK_S = 1.0  # how often the ranks waiting for a paused one are looked for
+WAITS_PROBE_S = 1.0  # for a rank's flight recorder (a full one: ~0.1 s)
 
 
 @dataclass
@@ -51,6 +59,17 @@ class Prompts:
     _seen: dict[tuple[int, int], tuple[int, float]] = field(default_factory=dict)
     # The version (mtime) of each rank's ask file already dealt with: not read again each poll.
     _read: dict[tuple[int, int], int] = field(default_factory=dict)
+    # The ranks that wait in a collective for paused ones (rank -> the wait, the paused ranks
+    # in its group), as last looked; and the attempts whose waits are being watched.
+    waits: dict[int, tuple[protocol.records.Waiting, list[int]]] = field(default_factory=dict)
+    watching: set[int] = field(default_factory=set)
+
+    def lines(self, attempt: int) -> dict[int, int | None]:
+        """The ranks of `attempt` at a prompt now, and the cell line each stopped at."""
+        return {rank: asked["line"] for (a, rank), asked in self.paused.items() if a == attempt}
+
+    def waits_for(self, rank: int) -> list[protocol.records.Waiting]:
+        return [w for w, paused in self.waits.values() if rank in paused]
 
     def ready(
         self, ranks: list[RankState], tailer: LogTailer, now: float
@@ -184,8 +203,11 @@ class GroupPrompts:
             for o in held:
                 self._paused_chip(report, o, f"held: rank {r.rank} is at its post-mortem")
             self._warn_collectives(report, r, held)
+            if not held and r.attempt not in self.prompts.watching:
+                self.prompts.watching.add(r.attempt)
+                self.task_group.start_soon(self._watch_waits, r.attempt)
             await report.flush(self.attempt, None)
-            if await report.prompt(r.attempt, r.rank, asked):
+            if await report.prompt(r.attempt, r.rank, asked, self.prompts.waits_for(r.rank)):
                 return
         why = "no kernel follows this cell (a replayed cell, or a notebook that has gone)"
         with contextlib.suppress(KeyError, RuntimeError):
@@ -209,6 +231,55 @@ class GroupPrompts:
             "group's to an hour",
             rank=r.rank,
         )
+
+    async def _watch_waits(self, attempt: int) -> None:
+        """While a rank of `attempt` waits at a prompt, every WAITS_LOOK_S: which other live
+        ranks wait for it in a collective; their chips say so (the dashboard counts down to the
+        timeout), and the paused rank's next prompt too."""
+        try:
+            while self.attempt == attempt and self.teardown_at is None:
+                paused = {rank for a, rank in self.prompts.paused if a == attempt}
+                if not paused:
+                    return
+                held = {id(o) for ranks in self._held.values() for o in ranks}
+                others = [
+                    r
+                    for r in self.book.of(attempt)
+                    if r.died_at is None and r.rank not in paused and id(r) not in held
+                ]
+                self._show_waits(attempt, await waiting_for(others, paused, self.book.node))
+                await anyio.sleep(WAITS_LOOK_S)
+        finally:
+            self._show_waits(attempt, {})
+            self.prompts.watching.discard(attempt)
+
+    def _show_waits(
+        self, attempt: int, found: dict[int, tuple[protocol.records.Waiting, list[int]]]
+    ) -> None:
+        """Chips for the ranks that wait now (a wait already shown keeps its first expiry: the
+        same collective's), and back to the book's for those that no longer do."""
+        report, shown = self._asker(), self.prompts.waits
+        for rank in [rank for rank in shown if rank not in found]:
+            del shown[rank]
+            r = self.book.get(attempt, rank)
+            if report is not None and r is not None and self.teardown_at is None:
+                report.chip(rank, self.book.chip(r, self.teardown_at))
+        for rank, (wait, paused) in found.items():
+            before = shown.get(rank)
+            if before is not None and (before[0]["op"], before[1]) == (wait["op"], paused):
+                continue
+            shown[rank] = (wait, paused)
+            r = self.book.get(attempt, rank)
+            if report is None or r is None:
+                continue
+            whom = (
+                f"rank {paused[0]}" if len(paused) == 1 else f"ranks {', '.join(map(str, paused))}"
+            )
+            chip = self.book.chip(r, self.teardown_at)
+            chip["state"], chip["label"] = "waiting", f"waiting for {whom} (paused) in {wait['op']}"
+            if wait["expires"] is not None:
+                chip["expires"] = wait["expires"]
+            report.chip(rank, chip)
 
     def _paused_chip(self, report: Reporter, r: RankState, words: str) -> None:
         chip = self.book.chip(r, self.teardown_at)
@@ -255,3 +326,34 @@ class GroupPrompts:
             log.info("group %s: %s", self.id, e)
             return
         await self._next_ask(r)
+
+
+async def waiting_for(
+    ranks: list[RankState], paused: set[int], node_of: Callable[[RankState], Node]
+) -> dict[int, tuple[protocol.records.Waiting, list[int]]]:
+    """Of `ranks`, those in a collective of a group that holds a paused rank: the wait (its
+    timeout's end on our clock: what the rank's record said was left, from when it came) and
+    the paused ranks of that group. A rank that does not answer in time is left out."""
+    found: dict[int, tuple[protocol.records.Waiting, list[int]]] = {}
+
+    async def look(r: RankState) -> None:
+        record = await node_of(r).probe(r, protocol.rank_probes.PROBE_FULL, WAITS_PROBE_S)
+        received = time.time()
+        if record is None:
+            return
+        h = history(r.rank, record, cell="")  # the cell's lines are not asked for here
+        op = h.waiting_in()
+        if op is None:
+            return
+        members = h.members.get(base(op.group))
+        waited = sorted(paused if members is None else paused & set(members))
+        if waited:
+            left = op.timeout_left
+            expires = None if left is None else received + left
+            wait = protocol.records.Waiting(rank=r.rank, op=f"{op.name} #{op.seq}", expires=expires)
+            found[r.rank] = (wait, waited)
+
+    async with anyio.create_task_group() as tg:
+        for r in ranks:
+            tg.start_soon(look, r)
+    return found

@@ -142,9 +142,15 @@ class Reporter:
             with anyio.CancelScope(shield=True):
                 await self._send(update)
 
-    async def prompt(self, attempt: int, rank: int, asked: protocol.rank_probes.InputAsked) -> bool:
-        """A rank waits for a line of input: the kernel is asked (after the updates before it).
-        False if the kernel is gone."""
+    async def prompt(
+        self,
+        attempt: int,
+        rank: int,
+        asked: protocol.rank_probes.InputAsked,
+        waits: list[protocol.records.Waiting],
+    ) -> bool:
+        """A rank waits for a line of input: the kernel is asked (after the updates before it),
+        told which ranks wait for it in a collective. False if the kernel is gone."""
         self.event("input.asked", attempt=attempt, rank=rank, ask=asked["ask"])
         prompt = protocol.kernel.Prompt(
             kind=protocol.kernel.PROMPT,
@@ -153,6 +159,7 @@ class Reporter:
             rank=rank,
             ask=asked["ask"],
             prompt=asked["prompt"],
+            waits=waits,
         )
         with anyio.CancelScope(shield=True):
             sent = await self._send(prompt)

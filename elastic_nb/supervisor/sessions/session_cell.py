@@ -234,7 +234,8 @@ class SessionCell:
             )
             return None
         timed_out = next(r for r in views if r.rank == rank)
-        self.finding = diagnosis.timeout_finding(timed_out, ev, group.spec)
+        paused = group.prompts.lines(timed_out.attempt)
+        self.finding = diagnosis.timeout_finding(timed_out, ev, group.spec, paused)
         self.report.alert(
             "collective_timeout",
             "error",

@@ -376,6 +376,8 @@ class View {
     });
     this.timer = setInterval(() => {
       this.drawHeader();
+      // A rank waiting for a paused one counts down to its collective's timeout.
+      if (Object.values(this.data.ranks).some((c) => c.expires)) this.drawChips();
       if (!this.q(".enb-attempts").hidden) this.drawAttempts(); // the running bar grows
     }, 1000);
     this.redraw = (delta) => this.draw(delta);
@@ -483,10 +485,18 @@ class View {
         const node = c.node ? `<span class="enb-chip-node">${esc(c.node)}</span>` : "";
         return `<div class="enb-chip enb-s-${esc(c.state)}" data-rank="${esc(r)}" title="${esc(title)}">
           <span class="enb-chip-rank">rank ${esc(r)}</span>${node}
-          <span class="enb-chip-label">${esc(c.label ?? c.state)}</span>
+          <span class="enb-chip-label">${esc(c.label ?? c.state)}</span>${this.timeoutLeft(c)}
           <span class="enb-chip-last">${esc(last)}</span>${memoryChip(this.data.memory[r], tops, outlier?.rank === r ? outlier : null)}</div>`;
       })
       .join("");
+  }
+
+  // What a rank waiting for a paused one has left of its collective's timeout (kernel clock).
+  timeoutLeft(c) {
+    if (!c.expires) return "";
+    const left = c.expires - (Date.now() / 1000 - this.data.offset);
+    const words = left <= 0 ? "its timeout has run out" : `times out in ${left < 60 ? `${Math.round(left)} s` : duration(left)}`;
+    return ` <span class="enb-chip-timeout">${words}</span>`;
   }
 
   drawAlerts(all) {

@@ -1006,6 +1006,12 @@ def test_a_breakpoint_on_a_joined_nodes_rank_asks_in_the_notebook(
         timeout=120,
     )
     assert ex.error is None, ex.stderr
-    assert ex.prompts == ["[rank 2] (Pdb) "] * 2
+    assert ex.prompts[0] == "[rank 2] (Pdb) " and len(ex.prompts) == 2, ex.prompts
+    # Once the other machines' ranks are seen in the barrier (their agents' probes), the
+    # prompt says they wait for rank 2.
+    assert re.fullmatch(
+        r"\[rank 2( · ranks 0,1 wait in barrier #\d+: times out in \d+:\d\d)?\] \(Pdb\) ",
+        ex.prompts[1],
+    ), ex.prompts
     assert re.search(r"\[rank 2\] \('node-\d', 2\)", ex.stdout), ex.stdout
     _nothing_left(ex.job_id, lab)

@@ -122,12 +122,11 @@ class Prompts:
         self, node: Node, r: RankState, ask: int, text: str | None, why: str | None
     ) -> None:
         """The notebook's answer, to the rank that asks; RuntimeError if it did not take it."""
-        key = (r.attempt, r.rank)
         self.check(r, ask)
+        self.paused.pop((r.attempt, r.rank), None)  # its next ask may come before the ack
         answer = protocol.rank_probes.InputAnswer(ask=ask, text=text, why=why)
         what = f"{protocol.rank_probes.PROBE_ANSWER} {json.dumps(answer)}"
         record = await node.probe(r, what, ANSWER_WAIT_S)
-        self.paused.pop(key, None)
         if record is None or not record.get("taken"):
             raise RuntimeError(f"rank {r.rank} did not take the answer (it is no longer waiting)")
 
@@ -320,12 +319,15 @@ class GroupPrompts:
         self.task_group.start_soon(self._deliver, r, ask, text, why)
 
     async def _deliver(self, r: RankState, ask: int, text: str | None, why: str | None) -> None:
-        try:
-            await self.prompts.answer(self.book.node(r), r, ask, text, why)
-        except (KeyError, RuntimeError) as e:  # it ended meanwhile: its end says the rest
-            log.info("group %s: %s", self.id, e)
-            return
-        await self._next_ask(r)
+        """The answer to the rank, and its next prompt looked for at once: pdb asks again
+        before the rank's acknowledgement has been read."""
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._next_ask, r)
+            try:
+                await self.prompts.answer(self.book.node(r), r, ask, text, why)
+            except (KeyError, RuntimeError) as e:  # it ended meanwhile: its end says the rest
+                log.info("group %s: %s", self.id, e)
+                tg.cancel_scope.cancel()
 
 
 async def waiting_for(

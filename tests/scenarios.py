@@ -113,3 +113,59 @@ def run_the_desync_and_the_hang(page: Any, lab: LabServer, name: str, shots: str
     expect(dash.locator(".enb-worst")).to_have_text("")  # --collective-timeout off: no note
     shot(page, dash, f"{shots}hang-timeout.png")
     assert_job_gone(job_of(nb, 2))
+
+
+def debug_a_rank_in_the_input_box(page: Any, lab: LabServer, name: str, picture: str) -> None:
+    """As a person debugs, in the frontend's own input box (JupyterLab's, Notebook 7's: one
+    output area): `breakpoint()` on rank 0, its prompt in the input box, `p x * 2` typed there,
+    the answer in the dashboard's log under the cell, the rank's chip paused at its line, rank 1's chip waiting for it in the all_reduce with its
+    timeout counting down (and the next prompt saying so), then `c`, and the cell ends."""
+    nb = open_notebook(
+        page,
+        lab,
+        name,
+        [
+            "%%elastic --nproc 2 --collective-timeout 300\nimport torch, torch.distributed as dist\n"
+            "dist.init_process_group('gloo')\nrank = dist.get_rank()\nx = 41 + rank\n"
+            "if rank == 0:\n    breakpoint()\ndist.all_reduce(torch.ones(1))\n"
+            "print(f'y = {x + 1}')\n"
+        ],
+    )
+    nb.run(1)
+    cell = nb.cell(1)
+    box = cell.locator("input.jp-Stdin-input")
+    expect(box).to_be_visible(timeout=90_000)
+    expect(cell.locator(".jp-Stdin-prompt")).to_have_text("[rank 0] (Pdb) ")
+    dash = cell.locator(".enb")
+    chip = dash.locator('.enb-chip[data-rank="0"]')
+    expect(chip).to_have_class(has_class("enb-s-paused"))
+    expect(chip.locator(".enb-chip-label")).to_have_text("paused at line 8")
+    expect(dash.locator(".enb-log")).to_contain_text("[rank 0] -> dist.all_reduce(torch.ones(1))")
+    waiting = dash.locator('.enb-chip[data-rank="1"]')
+    expect(waiting).to_have_class(has_class("enb-s-waiting"))
+    expect(waiting.locator(".enb-chip-label")).to_have_text(
+        re.compile(r"^waiting for rank 0 \(paused\) in all_reduce #\d+$")
+    )
+    countdown = waiting.locator(".enb-chip-timeout")
+    expect(countdown).to_have_text(re.compile(r"^times out in 4:[0-5]\d$"))
+    before = countdown.inner_text()
+    expect(countdown).not_to_have_text(before, timeout=3_000)  # it counts down
+    box.fill("p x * 2")
+    box.press("Enter")
+    expect(dash.locator(".enb-log")).to_contain_text("[rank 0] 82")
+    # JupyterLab keeps each answered prompt (with what was typed); the next one comes below.
+    expect(cell.locator("input.jp-Stdin-input")).to_have_count(2)
+    expect(cell.locator(".jp-Stdin-prompt").last).to_have_text(
+        re.compile(
+            r"^\[rank 0 · rank 1 waits in all_reduce #\d+: times out in 4:[0-5]\d\] \(Pdb\) $"
+        )
+    )
+    box = cell.locator("input.jp-Stdin-input").last
+    shot(page, cell, picture)
+    box.fill("c")
+    box.press("Enter")
+    nb.wait_done(1, timeout=60)
+    expect(dash.locator(".enb-state")).to_have_text("succeeded")
+    expect(dash.locator(".enb-log")).to_contain_text("[rank 0] y = 42")
+    expect(waiting).to_have_class(has_class("enb-s-done"))
+    assert_job_gone(job_of(nb, 1))

@@ -28,6 +28,7 @@ from tests.lab import (
 )
 from tests.scenarios import (
     CHECKPOINTED_RESTART,
+    debug_a_rank_in_the_input_box,
     expect_a_checkpointed_restart,
     run_the_desync_and_the_hang,
 )
@@ -96,3 +97,10 @@ def test_a_checkpointed_restart_in_notebook_7(page: Any, lab: LabServer, tmp_pat
 def test_a_desync_and_a_hang_ended_by_the_timeout_in_notebook_7(page: Any, lab: LabServer) -> None:
     """The same screen as in JupyterLab: the desync said once, the hang's finding kept."""
     run_the_desync_and_the_hang(page, lab, "notebook7-forensics.ipynb", "dashboard-notebook7-")
+
+
+def test_pdb_on_a_rank_takes_commands_in_notebook_7s_input_box(page: Any, lab: LabServer) -> None:
+    """The README's frontends with an input box: Notebook 7's, as JupyterLab's."""
+    debug_a_rank_in_the_input_box(
+        page, lab, "notebook7-debugging.ipynb", "notebook7-debugging-pdb-prompt.png"
+    )

@@ -165,16 +165,20 @@ print("reduced")
 def test_a_rank_waiting_for_a_paused_one_says_when_its_timeout_runs_out(kernel: Kernel) -> None:
     """Rank 1 at its breakpoint, rank 0 in the all_reduce that needs it (a collective already
     started: torch cannot extend its 120 s). Its chip (text mode's line) says whom it waits for
-    and when the timeout runs out, and the prompt counts down, until rank 1 goes on."""
+    and when the timeout runs out, and the prompt counts down, until rank 1 goes on. Four
+    seconds there with --hang-after 2: no hang, no desync, nothing but the wait is said."""
 
     def person(prompt: str, ex: Execution) -> str:
         if "waits in" in prompt or len(ex.prompts) > 50:
+            time.sleep(4)  # the person thinks, past --hang-after: the scenario under test
             return "c"
         time.sleep(0.2)  # the person reads what rank 1 shows: the scenario, not a wait for it
         return "p 1"
 
-    ex = kernel.debug(WAITS_FOR_RANK_1, person)
+    ex = kernel.debug(WAITS_FOR_RANK_1.replace("--nproc 2", "--nproc 2 --hang-after 2"), person)
     assert ex.error is None, ex.stderr
+    for word in ("hang", "desync", "silent", "never entered", "zombie"):
+        assert word not in ex.stdout + ex.stderr, ex.stdout + ex.stderr
     waiting = [p for p in ex.prompts if "waits in" in p]
     assert waiting, ex.prompts
     assert re.fullmatch(

@@ -55,7 +55,10 @@ __all__ = ["Job"]
 
 WATCH_S = 0.25  # the zombie watchdog and --hang-after look this often
 PEER_GONE_WAIT_S = 1.0  # for the rank whose going a peer error reports to be seen gone
-AGENT_WORD_S = 1.0  # for torch's agent to say it failed, when a rank died of its SIGTERM
+# For torch's agent to say it failed, when a rank died of its SIGTERM: the word is in the
+# launcher's pipe before the SIGTERM is sent, but a full run on 2 cores read it over 1 s later.
+# Only a SIGTERM from outside (a user's kill) waits this out.
+AGENT_WORD_S = 3.0
 STOPPED = ("timeout", "interrupted", "stopped")  # outcomes that end a job from outside it
 
 

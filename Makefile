@@ -4,6 +4,7 @@
 # and the inner loop, after each change:
 #   make test-fast  the unit tests and the core end-to-end tests (what `make floors` runs too)
 #   make floors runs a smoke subset on the oldest versions pyproject.toml claims (CI runs it too)
+#   make docs   builds the docs site (docs/_build/html), its notebooks run (CI runs it too)
 # The first two create .venv on first use. TORCH is what pip installs when the venv has no torch: the pinned
 # CPU build by default (never let pip resolve an unpinned torch: that is a multi-GB CUDA download).
 
@@ -14,7 +15,7 @@ CHROMIUM ?= /usr/bin/chromium
 BIN      := $(VENV)/bin
 SUDO     := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: demo test test-fast bench floors node netns-tools gpu-wheels gpu-check
+.PHONY: demo test test-fast docs bench floors node netns-tools gpu-wheels gpu-check
 
 $(VENV)/.installed: pyproject.toml labextension/package.json labextension/yarn.lock | node
 	$(PYTHON) -m venv $(VENV)
@@ -53,7 +54,7 @@ PYTHON_TESTS := ELASTIC_NB_CHROMIUM=$(CHROMIUM) $(BIN)/python
 EVERY_TEST   := unit or e2e or browser# every test is of one kind (tests/conftest.py)
 
 test: $(VENV)/.installed $(LABEXT_BUILD) $(CHROMIUM) | netns-tools
-	$(BIN)/ruff check elastic_nb tests scripts benchmarks
+	$(BIN)/ruff check elastic_nb tests scripts benchmarks docs
 	$(BIN)/mypy
 	$(call suite,$(PYTHON_TESTS),$(EVERY_TEST))
 
@@ -61,8 +62,13 @@ test: $(VENV)/.installed $(LABEXT_BUILD) $(CHROMIUM) | netns-tools
 # tests, the selection `make floors` runs on the floors, but for the `alone` ones (their bounds are
 # make test's to check: here they would wait for the workers to end).
 test-fast: $(VENV)/.installed | netns-tools
-	$(BIN)/ruff check elastic_nb tests scripts benchmarks
+	$(BIN)/ruff check elastic_nb tests scripts benchmarks docs
 	$(PYTHON_TESTS) -m pytest -n $(JOBS) -m "($(FLOORS_TESTS)) and not alone"
+
+# The docs site into docs/_build/html, offline: every notebook of the tutorials runs (on CPU), and
+# any warning (a broken link, a cell that raises untagged, a docstring autodoc cannot read) fails it.
+docs: $(VENV)/.installed
+	$(BIN)/python -m sphinx -W --keep-going -q -b html docs docs/_build/html
 
 # pip builds the JupyterLab extension (labextension/, with jupyter-builder's jlpm) and needs node for
 # it: Debian's nodejs when there is none. (A wheel carries the built extension: installing one

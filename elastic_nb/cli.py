@@ -1,13 +1,8 @@
 """`elastic-nb` (also ``python -m elastic_nb``): a terminal's side of elastic_nb.
 
-elastic-nb join HOST:PORT [--token TOKEN | --token-file PATH] [--workdir DIR] [--addr ADDR]
-                [--rejoin]
-    make this machine a node of a notebook's jobs (the line %elastic join-command prints; the
-    token from $ELASTIC_NB_TOKEN where neither is given)
-elastic-nb runs [--log-dir DIR]
-    the latest run directories, with their outcome
-elastic-nb logs RUN [--rank R] [--attempt K] [--tail N] [--log-dir DIR]
-    a run's rank logs
+Its commands and their arguments are `command_line()`'s (``elastic-nb --help``; the docs' command-line
+reference is generated from it): ``join`` makes this machine a node of a notebook's jobs,
+``runs`` lists the latest run directories, ``logs`` prints a run's rank logs.
 """
 
 from __future__ import annotations
@@ -19,26 +14,34 @@ from pathlib import Path
 
 from elastic_nb.common.rundir import cache_home
 
-__all__ = ["TOKEN_ENV", "main"]
+__all__ = ["TOKEN_ENV", "command_line", "main"]
 
 TOKEN_ENV = "ELASTIC_NB_TOKEN"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="elastic-nb", description=__doc__.split("\n\n")[0])
+def command_line() -> argparse.ArgumentParser:
+    """The command line, declared once: what `main` parses and the docs' reference shows."""
+    parser = argparse.ArgumentParser(
+        prog="elastic-nb",
+        description="A terminal's side of elastic_nb (also python -m elastic_nb).",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
-    join = sub.add_parser("join", help="make this machine a node of a notebook's jobs")
+    join = sub.add_parser(
+        "join",
+        help="make this machine a node of a notebook's jobs (the line %%elastic join-command "
+        f"prints; the token from ${TOKEN_ENV} where neither --token nor --token-file is given)",
+    )
     join.add_argument("endpoint", metavar="HOST:PORT", help="the notebook's supervisor")
     join.add_argument(
         "--token",
         default=os.environ.get(TOKEN_ENV),
-        help=f"from %%%%elastic join-command (default: ${TOKEN_ENV}, which, unlike a command "
+        help=f"from %%elastic join-command (default: ${TOKEN_ENV}, which, unlike a command "
         "line, other users of this machine cannot read)",
     )
     join.add_argument(
         "--token-file",
         type=Path,
-        help="read the token from this file, which must be its owner's alone (%%%%elastic "
+        help="read the token from this file, which must be its owner's alone (%%elastic "
         "join-command --token-file writes it so)",
     )
     join.add_argument(
@@ -66,6 +69,11 @@ def main(argv: list[str] | None = None) -> int:
     logs.add_argument("--attempt", type=int)
     logs.add_argument("--tail", type=int, default=50, help="lines per file; 0 for all")
     logs.add_argument("--log-dir", type=Path, default=cache_home() / "runs")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = command_line()
     args = parser.parse_args(argv)
 
     if args.command == "join":

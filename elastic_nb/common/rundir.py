@@ -20,6 +20,7 @@ Its layout is defined here and nowhere else::
             rank-<R>.pull.pkl     the --pull objects (from --pull-rank)
             rank-<R>.stacks       every thread's Python stack, appended on each dump request
             rank-<R>.collectives.json   the rank's collectives (flight recorder), at its end
+            rank-<R>.group.json   the rank made its first process group (a collective can time out)
             rank-<R>.probe        a FIFO: the supervisor asks the live rank for its collectives
             rank-<R>.probe.json   the rank's answer, the latest one
             rank-<R>.input.json   what the rank's input() (pdb's prompt, a cell's input()) asks,

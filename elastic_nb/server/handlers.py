@@ -23,7 +23,7 @@ from elastic_nb.common.rundir import RunDir
 from elastic_nb.server import supervisors
 from elastic_nb.server.supervisors import Supervisor, SupervisorError
 
-__all__ = ["setup_handlers"]
+__all__ = ["ROUTES", "setup_handlers"]
 
 AUTH_RESOURCE = "elastic-nb"
 LOG_CHUNK = 256 * 1024  # bytes of a log per call, following it
@@ -108,6 +108,8 @@ class StopHandler(_Handler):
     @web.authenticated
     @authorized
     async def post(self, job_id: str) -> None:
+        """Stop a job (a session: take it down), as its cell's interrupt would: ``{"stopping":
+        [ids]}``, the jobs now on their way out."""
         sup, entry = await self.owner(job_id)
         if entry["kind"] == "session":
             await self.ask(
@@ -130,6 +132,8 @@ class StacksHandler(_Handler):
     @web.authenticated
     @authorized
     async def post(self, job_id: str) -> None:
+        """Every live rank's stack, now: ``{"text": report, "ranks": [{"rank", "pid", ...}]}``;
+        409 when the job is not running."""
         sup, entry = await self.owner(job_id)
         if not entry["running"]:
             raise web.HTTPError(409, f"job {job_id} is not running")
@@ -176,6 +180,8 @@ class EventsHandler(_Handler):
     @web.authenticated
     @authorized
     async def get(self, job_id: str) -> None:
+        """The job's dashboard messages after ``since`` (a sequence number), as its cell's
+        dashboard got them: ``{"events": [...], "seq": latest}``."""
         sup, _ = await self.owner(job_id)
         try:
             since = int(self.get_argument("since", "0"))
@@ -248,16 +254,24 @@ def _chunk(path: Any, data: bytes, offset: int, size: int) -> dict[str, Any]:
     }
 
 
+# Every endpoint, under {base_url}elastic-nb/api/jobs ("{job}": a job's or a session's id): the
+# server's routes and the docs' REST reference are both made from this table.
+ROUTES: tuple[tuple[str, type[_Handler]], ...] = (
+    ("", JobsHandler),
+    ("{job}/stop", StopHandler),
+    ("{job}/stacks", StacksHandler),
+    ("{job}/logs", LogsHandler),
+    ("{job}/events", EventsHandler),
+)
+
+
 def setup_handlers(web_app: Any) -> None:
     base = url_path_join(web_app.settings["base_url"], "elastic-nb", "api", "jobs")
     job = r"(?P<job_id>[0-9a-zA-Z]+)"
     web_app.add_handlers(
         ".*$",
         [
-            (base, JobsHandler),
-            (url_path_join(base, job, "stop"), StopHandler),
-            (url_path_join(base, job, "stacks"), StacksHandler),
-            (url_path_join(base, job, "logs"), LogsHandler),
-            (url_path_join(base, job, "events"), EventsHandler),
+            (url_path_join(base, *path.format(job=job).split("/")) if path else base, handler)
+            for path, handler in ROUTES
         ],
     )

@@ -1,12 +1,19 @@
-"""Which ranks a line typed at a rank prompt goes to, and what the prompt says of the ranks that
-wait for them (kernel/rank_prompts.py)."""
+"""Which ranks a line typed at a rank prompt goes to, what the prompt says of the ranks that
+wait for them (kernel/rank_prompts.py), and their chips (supervisor/runs/prompts.py)."""
 
 from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
 
 import pytest
 
 from elastic_nb import protocol
+from elastic_nb.common.rundir import RunDir
 from elastic_nb.kernel.rank_prompts import addressed, waiting_words
+from elastic_nb.supervisor.ranks.rank_book import RankBook
+from elastic_nb.supervisor.runs.prompts import GroupPrompts, Prompts
+from elastic_nb.supervisor.runs.reporter import Reporter
 
 pytestmark = pytest.mark.unit
 
@@ -60,3 +67,39 @@ def test_the_prompt_says_who_waits_and_how_long_their_timeout_has(
     waits: list[protocol.records.Waiting], words: str
 ) -> None:
     assert waiting_words(waits, now=1000.0) == words
+
+
+def test_a_waiting_rank_that_stops_at_a_prompt_of_its_own_keeps_its_paused_chip(
+    tmp_path: Path,
+) -> None:
+    """Rank 0 waited in a collective for rank 1 (its chip said so); rank 1 went on, and rank 0
+    is now at a prompt of its own: the next look finds it waiting for nobody, but its chip
+    stays 'paused', not the book's 'running'. A rank that simply stops waiting gets the book's
+    chip back."""
+    rd = RunDir(tmp_path)
+
+    async def send(msg: Any) -> None:  # nothing is flushed here: the chips are read as kept
+        raise AssertionError(msg)
+
+    report = Reporter("cafe0001", send)
+
+    class Group(GroupPrompts):
+        def __init__(self) -> None:
+            self.book, self.prompts, self.teardown_at = RankBook(rd), Prompts(rd), None
+            self._asker = lambda: report
+
+    g = Group()
+    node: Any = None
+    r0, r1 = g.book.add(0, 0, 100, 0.0, node), g.book.add(0, 1, 101, 0.0, node)
+    wait = protocol.records.Waiting(rank=0, op="all_reduce #1", expires=None)
+    g._show_waits(0, {0: (wait, [1])})
+    assert report._ranks[0]["state"] == "waiting"
+    g.prompts.paused[(0, 0)] = protocol.rank_probes.InputAsked(
+        ask=1, prompt="(Pdb) ", out=0, err=0, t=0.0, post_mortem=False, line=8
+    )
+    report._ranks[0] = {**g.book.chip(r0, None), "state": "paused", "label": "paused at line 8"}
+    g._show_waits(0, {})
+    assert report._ranks[0]["state"] == "paused" and g.prompts.waits == {}
+    g._show_waits(0, {1: (protocol.records.Waiting(rank=1, op="barrier #2", expires=None), [0])})
+    g._show_waits(0, {})
+    assert report._ranks[1] == g.book.chip(r1, None)  # waiting for nobody: the book's again

@@ -261,7 +261,9 @@ class GroupPrompts:
         for rank in [rank for rank in shown if rank not in found]:
             del shown[rank]
             r = self.book.get(attempt, rank)
-            if report is not None and r is not None and self.teardown_at is None:
+            if report is None or r is None or self.teardown_at is not None:
+                continue
+            if (attempt, rank) not in self.prompts.paused:  # (one at a prompt keeps its chip)
                 report.chip(rank, self.book.chip(r, self.teardown_at))
         for rank, (wait, paused) in found.items():
             before = shown.get(rank)

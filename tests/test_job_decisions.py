@@ -56,6 +56,13 @@ async def _until(predicate: Any, timeout: float = 10) -> None:
             await anyio.sleep(0.01)
 
 
+def _raised(rd: RunDir, rank: int, at: float, kind: str, message: str, line: int) -> None:
+    """The failure record rank `rank` of attempt 0 leaves as it raises (bootstrap's)."""
+    rd.attempt(0).mkdir(parents=True, exist_ok=True)
+    record = {"rank": rank, "attempt": 0, "time": at, "type": kind, "message": message}
+    write_json(rd.failure(0, rank), {**record, "cell_line": line, "traceback": ""})
+
+
 def test_rank_1_dies_while_rank_0_waits_in_all_reduce(tmp_path: Path) -> None:
     """Rank 1 raised (its record says ValueError at cell line 3) and died; rank 0 sits in an
     all_reduce. The job fails at once naming rank 1, stops rank 0 (SIGTERM through its node)
@@ -69,19 +76,7 @@ def test_rank_1_dies_while_rank_0_waits_in_all_reduce(tmp_path: Path) -> None:
             node.start_ranks(0, {0: 100, 1: 101})
             await _until(lambda: len(job.book.of(0)) == 2)
             node.dumps[0] = WAITING.format(cell=rd.cell)
-            rd.attempt(0).mkdir(parents=True, exist_ok=True)
-            write_json(
-                rd.failure(0, 1),
-                {
-                    "rank": 1,
-                    "attempt": 0,
-                    "time": 1e10,
-                    "type": "ValueError",
-                    "message": "rank 1 ran out of patience",
-                    "cell_line": 3,
-                    "traceback": "",
-                },
-            )
+            _raised(rd, 1, 1e10, "ValueError", "rank 1 ran out of patience", 3)
             node.rank_dies(0, 1, 1)
             await _until(lambda: job.summary is not None)
 
@@ -113,19 +108,8 @@ def test_a_peer_error_read_before_the_rank_it_names_is_seen_gone(tmp_path: Path)
             node.start_ranks(0, {0: 100, 1: 101})
             await _until(lambda: len(job.book.of(0)) == 2)
             node.rank_died_unseen(0, 1, -signal.SIGKILL)
-            rd.attempt(0).mkdir(parents=True, exist_ok=True)
-            write_json(
-                rd.failure(0, 0),
-                {
-                    "rank": 0,
-                    "attempt": 0,
-                    "time": time.time(),
-                    "type": "RuntimeError",
-                    "message": "[pair.cc:534] Read error [127.0.0.1]:4000: Connection reset by peer",
-                    "cell_line": 4,
-                    "traceback": "",
-                },
-            )
+            reset = "[pair.cc:534] Read error [127.0.0.1]:4000: Connection reset by peer"
+            _raised(rd, 0, time.time(), "RuntimeError", reset, 4)
             await _until(lambda: job.summary is not None)
 
     anyio.run(main)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,21 @@ async def _until(predicate: Any, timeout: float = 10) -> None:
             await anyio.sleep(0.01)
 
 
+def _play(job: Job, node: FakeNode, story: Callable[[], None]) -> None:
+    """The job on its fake node: ranks 0 and 1 of attempt 0 start, `story()` plays what
+    happens to them, and the job runs to its end."""
+
+    async def main() -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(job.run)
+            node.start_ranks(0, {0: 100, 1: 101})
+            await _until(lambda: len(job.book.of(0)) == 2)
+            story()
+            await _until(lambda: job.summary is not None)
+
+    anyio.run(main)
+
+
 def _raised(rd: RunDir, rank: int, at: float, kind: str, message: str, line: int) -> None:
     """The failure record rank `rank` of attempt 0 leaves as it raises (bootstrap's)."""
     rd.attempt(0).mkdir(parents=True, exist_ok=True)
@@ -70,17 +86,12 @@ def test_rank_1_dies_while_rank_0_waits_in_all_reduce(tmp_path: Path) -> None:
     job, node, sent = _job(tmp_path)
     rd = job.rd
 
-    async def main() -> None:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(job.run)
-            node.start_ranks(0, {0: 100, 1: 101})
-            await _until(lambda: len(job.book.of(0)) == 2)
-            node.dumps[0] = WAITING.format(cell=rd.cell)
-            _raised(rd, 1, 1e10, "ValueError", "rank 1 ran out of patience", 3)
-            node.rank_dies(0, 1, 1)
-            await _until(lambda: job.summary is not None)
+    def story() -> None:
+        node.dumps[0] = WAITING.format(cell=rd.cell)
+        _raised(rd, 1, 1e10, "ValueError", "rank 1 ran out of patience", 3)
+        node.rank_dies(0, 1, 1)
 
-    anyio.run(main)
+    _play(job, node, story)
     summary = _end(sent)
     assert summary["outcome"] == "failed" and summary["cause"] == "exception"
     assert summary["failure"]["rank"] == 1
@@ -102,17 +113,12 @@ def test_a_peer_error_read_before_the_rank_it_names_is_seen_gone(tmp_path: Path)
     job, node, sent = _job(tmp_path)
     rd = job.rd
 
-    async def main() -> None:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(job.run)
-            node.start_ranks(0, {0: 100, 1: 101})
-            await _until(lambda: len(job.book.of(0)) == 2)
-            node.rank_died_unseen(0, 1, -signal.SIGKILL)
-            reset = "[pair.cc:534] Read error [127.0.0.1]:4000: Connection reset by peer"
-            _raised(rd, 0, time.time(), "RuntimeError", reset, 4)
-            await _until(lambda: job.summary is not None)
+    def story() -> None:
+        node.rank_died_unseen(0, 1, -signal.SIGKILL)
+        reset = "[pair.cc:534] Read error [127.0.0.1]:4000: Connection reset by peer"
+        _raised(rd, 0, time.time(), "RuntimeError", reset, 4)
 
-    anyio.run(main)
+    _play(job, node, story)
     summary = _end(sent)
     assert (summary["cause"], summary["failure"]["rank"]) == ("signal", 1), summary
     assert summary["failure"]["summary"] == "killed by SIGKILL"
@@ -146,20 +152,14 @@ def test_rank_1_left_the_cell_after_3_collectives_while_rank_0_waits_in_the_4th(
     job, node, sent = _job(tmp_path, collective_timeout="600")
     rd = job.rd
 
-    async def main() -> None:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(job.run)
-            node.start_ranks(0, {0: 100, 1: 101})
-            await _until(lambda: len(job.book.of(0)) == 2)
-            node.dumps[0] = WAITING.format(cell=rd.cell)
-            node.recorders[0] = _history(4, pending=True)
-            rd.attempt(0).mkdir(parents=True, exist_ok=True)
-            write_json(rd.collectives(0, 1), {**_history(3, pending=False), "final": True})
-            write_json(rd.done(0, 1), {"rank": 1, "attempt": 0, "time": 1.0})
-            with anyio.fail_after(10):
-                await _until(lambda: job.summary is not None)
+    def story() -> None:
+        node.dumps[0] = WAITING.format(cell=rd.cell)
+        node.recorders[0] = _history(4, pending=True)
+        rd.attempt(0).mkdir(parents=True, exist_ok=True)
+        write_json(rd.collectives(0, 1), {**_history(3, pending=False), "final": True})
+        write_json(rd.done(0, 1), {"rank": 1, "attempt": 0, "time": 1.0})
 
-    anyio.run(main)
+    _play(job, node, story)
     summary = _end(sent)
     assert summary["outcome"] == "failed" and summary["cause"] == "desync"
     assert summary["failure"]["rank"] == 1
@@ -174,15 +174,10 @@ def test_rank_1_left_the_cell_after_3_collectives_while_rank_0_waits_in_the_4th(
 def test_a_stop_ends_every_rank_and_says_who_asked(tmp_path: Path, stop: str) -> None:
     job, node, sent = _job(tmp_path)
 
-    async def main() -> None:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(job.run)
-            node.start_ranks(0, {0: 100, 1: 101})
-            await _until(lambda: len(job.book.of(0)) == 2)
-            job.request_stop(stop)
-            await _until(lambda: job.summary is not None)
+    def story() -> None:
+        job.request_stop(stop)
 
-    anyio.run(main)
+    _play(job, node, story)
     summary = _end(sent)
     expected = {"interrupt": "interrupted", "panel": "stopped"}[stop]
     assert summary["outcome"] == expected and summary["cause"] == "interrupted"

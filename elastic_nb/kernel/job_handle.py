@@ -11,7 +11,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import contextvars
-import ctypes
 import math
 import pickle
 import queue
@@ -19,7 +18,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -37,7 +36,7 @@ from elastic_nb.common.rundir import RunDir
 from elastic_nb.common.spec import JobSpec
 from elastic_nb.common.submission import Submission
 from elastic_nb.kernel.client import GONE, SupervisorClient
-from elastic_nb.kernel.rank_prompts import Ended, RankPrompts
+from elastic_nb.kernel.rank_prompts import RankPrompts, beside_input
 from elastic_nb.protocol.records import Summary
 
 __all__ = ["JobHandle", "Renderer"]
@@ -48,7 +47,6 @@ STOP_TIMEOUT_S = 4.0
 
 WAKE_S = 0.1  # how long the kernel's main thread waits in one go, so that it sees an interrupt
 FLUSH_WAIT_S = 0.1  # a quiet queue still gets the renderer's held-back changes out this soon
-PUMP_S = 0.02  # how often the job's news is looked for while the cell's thread waits in input()
 
 
 class Renderer(Protocol):
@@ -85,7 +83,8 @@ class JobHandle:
         self.widget: Any = None  # the dashboard that shows it, where there is one
         self._client = client
         self._queue = client.subscribe(job_id)
-        self._held_back: collections.deque[Any] = collections.deque()  # see _beside_input
+        # News taken while the cell's thread waited at a prompt, for it to deal with first.
+        self._held_back: collections.deque[Any] = collections.deque()
         self._ended = threading.Event()  # followed to the end (summary or error known)
         self._background = False
         self._error: BaseException | None = None  # what a background follower ran into
@@ -332,56 +331,22 @@ class JobHandle:
         finally:
             self._conversing = False
 
-    @contextlib.contextmanager
-    def _beside_input(self, renderer: Renderer) -> Iterator[None]:
-        """While the cell's thread waits in input() at a rank's prompt, a thread of this
-        context's takes the job's news: a dashboard goes on drawing it (the other ranks' lines
-        and chips, the ranks waiting for the paused one counting down); text holds it back for
-        the cell's thread, in order (a line printed under an input box lands in what is typed).
-        The job's end ends the wait (the prompt's rank is gone with it): `Ended`, raised in the
-        waiting thread, which ipykernel's input() lets through as it does KeyboardInterrupt.
-        Each message is taken and dealt with under one lock, which the waiting thread takes
-        back as input() returns: the wait is never ended after it is over."""
-        lock = threading.Lock()
-        over = False
-        waiting = threading.get_ident()
-        live = renderer.live_beside_input
+    def _beside_input(self, renderer: Renderer) -> contextlib.AbstractContextManager[None]:
+        """The job's news while the cell's thread waits in input() (rank_prompts.beside_input):
+        a dashboard draws it; text, and the supervisor's going, wait for the cell's thread."""
 
-        def pump() -> None:
-            while True:
-                with lock:
-                    if over:
-                        return
-                    try:
-                        msg = self._queue.get_nowait()
-                    except queue.Empty:
-                        msg = None
-                    ends = msg is GONE or (msg is not None and msg["kind"] == protocol.kernel.END)
-                    try:
-                        if msg is None:
-                            if live:
-                                renderer.flush()
-                        elif live and msg is not GONE:
-                            self._handle(msg, renderer)
-                        else:  # the cell's thread's, once input() returns (GONE: it raises)
-                            self._held_back.append(msg)
-                    except Exception:  # the cell's thread takes over once input() returns
-                        return
-                    if ends:
-                        _raise_in(waiting, Ended)
-                        return
-                if msg is None:
-                    time.sleep(PUMP_S)
+        def deal(msg: Any) -> None:
+            if renderer.live_beside_input and msg is not GONE:
+                self._handle(msg, renderer)
+            else:
+                self._held_back.append(msg)  # taken first by `_get` (GONE: it raises there)
 
-        context = contextvars.copy_context()
-        threading.Thread(
-            target=context.run, args=(pump,), name=f"elastic_nb-prompt-{self.id}", daemon=True
-        ).start()
-        try:
-            yield
-        finally:
-            with lock:
-                over = True
+        return beside_input(
+            self._queue,
+            deal,
+            ends=lambda msg: msg is GONE or msg["kind"] == protocol.kernel.END,
+            idle=renderer.flush if renderer.live_beside_input else None,
+        )
 
     def _get(self, timeout: float) -> Any:
         """The job's next message: those held back while the cell's thread waited first."""
@@ -432,9 +397,3 @@ def _load(rd: RunDir, path: Path, what: str) -> Any:
         return pickle.loads(rd.read_private(path))
     except Exception as e:
         raise ElasticError(f"could not load {what} from {path}: {type(e).__name__}: {e}") from None
-
-
-def _raise_in(thread_id: int, exc: type[BaseException]) -> None:
-    """Raise `exc` in another thread of this process, at its next bytecode (ipykernel's input()
-    looks up every 10 ms)."""
-    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), ctypes.py_object(exc))

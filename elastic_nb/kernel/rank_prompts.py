@@ -10,23 +10,30 @@ and 2. Ranks at different prompts are asked in turn, the lowest rank first.
 Where other ranks wait for the asked ones in a collective, the prompt says so and how long its
 timeout has left: ``[rank 1 · rank 0 waits in all_reduce #4: times out in 4:58] (Pdb) ``.
 
-The wait in input() happens `beside` what the job handle does meanwhile (its dashboard drawn
-live); a job that ends meanwhile ends the wait (`Ended`, raised in the waiting thread).
+While the frontend's input box waits, a thread takes the job's news (`beside_input`): its
+dashboard is drawn live, and a job that ends meanwhile ends the wait (`Ended`, raised in the
+waiting thread).
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import ctypes
+import queue
 import re
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from elastic_nb import protocol
 
-__all__ = ["GATHER_S", "Ended", "RankPrompts", "addressed", "waiting_words"]
+__all__ = ["GATHER_S", "Ended", "RankPrompts", "addressed", "beside_input", "waiting_words"]
 
 GATHER_S = 0.05  # ranks that stop together (at one breakpoint) are asked together
 SETTLE_S = 0.5  # for the addressed ranks' next prompts, before others are asked
+PUMP_S = 0.02  # how often the job's news is looked for while the input box waits
 NO_INPUT = (
     "this frontend takes no input (nbclient, papermill and nbconvert --execute send none; "
     "JupyterLab, Notebook 7, VS Code and IPython do)"
@@ -139,3 +146,55 @@ class RankPrompts:
                 self._answer(self.waiting.pop(rank), command, None)
             # Their next prompts (pdb asks again after each command), before anyone else's.
             take(SETTLE_S, self._back(targets))
+
+
+@contextlib.contextmanager
+def beside_input(
+    news: queue.Queue[Any],
+    deal: Callable[[Any], None],
+    ends: Callable[[Any], bool],
+    idle: Callable[[], None] | None,
+) -> Iterator[None]:
+    """While the calling thread waits in input(): a thread of its context takes each message of
+    `news` and `deal`s with it (`idle` when there is none). One that `ends` the job ends the wait:
+    `Ended`, raised in the waiting thread, which ipykernel's input() lets through as it does
+    KeyboardInterrupt (it looks up every 10 ms). Each message is taken and dealt with under one
+    lock, which the waiting thread takes back as input() returns: the news stays in order, and
+    the wait is never ended after it is over."""
+    lock = threading.Lock()
+    over = False
+    waiting = threading.get_ident()
+
+    def pump() -> None:
+        while True:
+            with lock:
+                if over:
+                    return
+                try:
+                    msg = news.get_nowait()
+                except queue.Empty:
+                    msg = None
+                try:
+                    if msg is not None:
+                        deal(msg)
+                    elif idle is not None:
+                        idle()
+                except Exception:  # the waiting thread takes over once input() returns
+                    return
+                if msg is not None and ends(msg):
+                    ctypes.pythonapi.PyThreadState_SetAsyncExc(
+                        ctypes.c_ulong(waiting), ctypes.py_object(Ended)
+                    )
+                    return
+            if msg is None:
+                time.sleep(PUMP_S)
+
+    context = contextvars.copy_context()
+    threading.Thread(
+        target=context.run, args=(pump,), name="elastic_nb-prompt", daemon=True
+    ).start()
+    try:
+        yield
+    finally:
+        with lock:
+            over = True

@@ -125,7 +125,7 @@ def test_nccls_own_collective_timeout_in_each_async_error_handling_mode(
     kernel: Kernel, cache_home: Path, mode: int
 ) -> None:
     """NCCL's watchdog line is read as this torch prints it, and each --async-error-handling mode
-    does what the README's flag table says. 1 and 3 end the rank: the watchdog's first line fails
+    does what its help says (the flags reference: kernel/options.py). 1 and 3 end the rank: the watchdog's first line fails
     the cell, every stack taken while both ranks live, naming rank 1 (not the rank NCCL's abort
     reaches first), well before NCCL's own end of it (the timeout, then its 60 s wait for the
     flight recorder's dump). 0 and 2 keep the rank (elastic_nb turns NCCL's heartbeat monitor

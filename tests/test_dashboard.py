@@ -19,7 +19,7 @@ from elastic_nb.supervisor.ranks.log_tailer import LogTailer
 
 pytestmark = pytest.mark.unit
 
-# The README's numbers: "the last 1,000 lines of each rank (2,000 across ranks)".
+# docs/howto/dashboard.md's numbers: "the last 1,000 lines of each rank (2,000 across ranks)".
 TAB_LINES = 1000
 ALL_TAB_LINES = 2000
 
@@ -126,7 +126,7 @@ def test_a_flood_costs_one_bounded_message_per_tick(
     comms: list[RecordingComm], clock: Clock, tmp_path: Path
 ) -> None:
     """4 ranks x 100,000 lines, fed through the supervisor's own tailer in 20 of its ticks
-    (0.1 s apart): the dashboard sends one message per 0.2 s (the README's "at most one message
+    (0.1 s apart): the dashboard sends one message per 0.2 s (docs/howto/dashboard.md: "at most one message
     per 0.2 s, however much the ranks print"), whatever the volume."""
     ranks, lines_per_rank, ticks = 4, 100_000, 20
     dash = Dashboard("cafe0001", str(tmp_path), job_spec({"nproc": ranks}))
@@ -152,7 +152,7 @@ def test_a_flood_costs_one_bounded_message_per_tick(
 
     # One message per 0.2 s of the 2 s the flood lasted, one for the end; the open and a
     # snapshot every 2 s (and at the end) besides.
-    sends = round(ticks * 0.1 / 0.2)  # the README's 0.2 s
+    sends = round(ticks * 0.1 / 0.2)  # docs/howto/dashboard.md's 0.2 s
     assert len(c.customs) == sends + 1
     assert [m["seq"] for m in c.customs] == list(range(1, sends + 2))
     assert len(c.sent) == 1 + len(c.customs) + len(c.snapshots) and len(c.snapshots) <= 2

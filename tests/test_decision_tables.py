@@ -1,8 +1,8 @@
-"""Every entry of the product's decision tables, one test each, read from the README where it
+"""Every entry of the product's decision tables, one test each, read from the docs' page that
 lists them: the variables that need a zygote of a job's own, the exit codes and signals and what
 each makes of a rank, the cause classes, the flags a session's cell takes, the reasons a join is
 refused, what --rdzv-conf takes, and when a checkpoint step counts. Removing or changing an entry,
-in the code or in the README, fails a test here.
+in the code or in the docs, fails a test here.
 
 Each decision is driven through the function that makes it, with fakes only below it: the
 launcher pool with a zygote and launchers that are records (no process), a checkpoint's commit
@@ -47,43 +47,25 @@ from elastic_nb.supervisor.runs.rounds import Machines
 from elastic_nb.supervisor.runs.summary import closing_alerts as summary_alerts
 from elastic_nb.supervisor.runs.summary import summarize
 from tests import test_checkpoint as checkpoint_tests
+from tests.docs_pages import between, every_page
 from tests.fake_node import FakeNode
-
-README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-
-
-def readme_section(title: str) -> str:
-    """The README's section under `title` (a heading's text), up to the next heading (a line
-    starting with # outside a fenced code block)."""
-    start = README.index(f"\n{title}\n")
-    lines = README[start + 1 :].split("\n")
-    fenced, end = False, len(lines)
-    for i, line in enumerate(lines[1:], 1):
-        fenced ^= line.startswith("```")
-        if not fenced and re.match(r"#+ ", line):
-            end = i
-            break
-    return "\n" + "\n".join(lines[:end])
-
-
-def readme_between(section: str, before: str, after: str) -> str:
-    """The README's words between `before` and `after` in `section`, lines joined."""
-    text = " ".join(readme_section(section).split())
-    start = text.index(before) + len(before)
-    return text[start : text.index(after, start)]
-
 
 # ---- the zygote: which variables need one of a job's own -------------------------------------
 
 
-def readme_at_start() -> list[str]:
+def docs_at_start() -> list[str]:
     """Warm start: 'A job whose environment differs where a running process cannot follow
     (`LD_LIBRARY_PATH`, ...) gets a zygote of its own'."""
-    listed = readme_between("### Warm start", "where a running process cannot follow (", ")")
+    listed = between(
+        "howto/warm-start",
+        "Warm start and `--preload`",
+        "where a running process cannot follow (",
+        ")",
+    )
     return re.findall(r"`([A-Z_]+)`", listed)
 
 
-AT_START = readme_at_start()
+AT_START = docs_at_start()
 KERNEL_ENV = {"PATH": "/usr/bin:/bin", "HOME": "/home/me", "LANG": "C.UTF-8"}
 
 
@@ -167,8 +149,8 @@ def a_spec(tmp_path: Path, **options: Any) -> JobSpec:
 
 
 @pytest.mark.unit
-def test_the_readme_lists_every_variable_the_pool_starts_a_zygote_for() -> None:
-    assert AT_START, "the README's Warm start no longer lists the variables"
+def test_the_docs_list_every_variable_the_pool_starts_a_zygote_for() -> None:
+    assert AT_START, "the docs' Warm start no longer lists the variables"
     assert sorted(AT_START) == sorted(launcher_pool._AT_START)
 
 
@@ -401,14 +383,14 @@ def test_a_step_whose_commit_failed_on_one_node_fails_on_every_rank(
 # ---- the cause classes ---------------------------------------------------------------------
 
 
-def readme_causes() -> list[str]:
+def docs_causes() -> list[str]:
     """Forensics: 'Every failure ends with a cause class ... and a one-line hint: `exception`,
     ...' (each class's note in parentheses)."""
-    listed = readme_between("### Forensics: why a job failed, where every rank was", "hint:", ".")
+    listed = between("explanation/forensics", "Cause classes", "hint:", ".")
     return re.findall(r"`([a-z_]+)`", re.sub(r"\([^)]*\)", "", listed))
 
 
-CAUSES = readme_causes()
+CAUSES = docs_causes()
 
 
 def failed_record(t: float, type_: str, message: str) -> dict[str, Any]:
@@ -475,8 +457,8 @@ def job_summary(tmp_path: Path, scenario: dict[str, Any]) -> dict[str, Any]:
 
 
 @pytest.mark.unit
-def test_the_readme_lists_every_cause_class_and_each_has_a_hint() -> None:
-    assert CAUSES, "the README's Forensics no longer lists the cause classes"
+def test_the_docs_list_every_cause_class_and_each_has_a_hint() -> None:
+    assert CAUSES, "the docs' Forensics no longer lists the cause classes"
     assert sorted(CAUSES) == sorted(report.CAUSE_HINTS)
     assert {scenario.split(",")[0] for scenario in CAUSE_SCENARIOS} == set(CAUSES)
 
@@ -538,14 +520,16 @@ def test_a_job_whose_nodes_never_came_ends_with_cause_nodes(tmp_path: Path) -> N
 # ---- the flags a session's cell takes --------------------------------------------------------
 
 
-def readme_cell_flags() -> list[str]:
+def docs_cell_flags() -> list[str]:
     """Sessions: 'a bare `%%elastic` runs on it, and so does one with only a cell's own flags:
     `--push`, ... A launch flag (...) is refused'."""
-    listed = readme_between("### Sessions: `%elastic up`", "only a cell's own flags:", "A launch")
+    listed = between(
+        "howto/sessions", "What a session's cell takes", "only a cell's own flags:", "A launch"
+    )
     return re.findall(r"`(--[a-z-]+)`", listed)
 
 
-CELL_FLAGS = readme_cell_flags()
+CELL_FLAGS = docs_cell_flags()
 
 
 def option_of(flag: str) -> Option:
@@ -570,8 +554,8 @@ def a_session(tmp_path: Path) -> SessionHandle:
 
 
 @pytest.mark.unit
-def test_the_readme_lists_every_flag_a_session_cell_takes() -> None:
-    assert CELL_FLAGS, "the README's Sessions no longer lists a cell's own flags"
+def test_the_docs_list_every_flag_a_session_cell_takes() -> None:
+    assert CELL_FLAGS, "the docs' Sessions page no longer lists a cell's own flags"
     per_cell = [o.flags[0] for o in OPTIONS if o.per_cell]
     # --one-off is a cell's own flag too: it runs the cell beside the session, not on it
     assert sorted([*CELL_FLAGS, "--one-off"]) == sorted(per_cell)
@@ -635,18 +619,16 @@ def test_elastic_up_refuses_exactly_a_single_cells_flags(flag: str) -> None:
 # ---- the reasons a join is refused -----------------------------------------------------------
 
 
-def readme_join_checks() -> list[str]:
+def docs_join_checks() -> list[str]:
     """Across machines: 'A machine whose Python (minor), torch (major.minor) or elastic_nb
     version differs from the notebook's is refused at join with both named'."""
-    listed = readme_between(
-        "### Across machines: `--nnodes MIN:MAX`", "A machine whose ", " differs from the"
-    )
+    listed = between("howto/multinode", "The agent", "A machine whose ", " differs from the")
     return re.split(r", | or ", listed)
 
 
-JOIN_CHECKS = readme_join_checks()
+JOIN_CHECKS = docs_join_checks()
 NOTEBOOK = {"python": "3.11.9", "torch": "2.13.0+cpu", "elastic_nb": "0.1.0"}
-# Per README entry: the field, a version that differs only below what is compared (admitted),
+# Per entry the docs list: the field, a version that differs only below what is compared (admitted),
 # one that differs in what is (refused).
 JOIN_VERSIONS = {
     "Python (minor)": ("python", "3.11.2", "3.12.9"),
@@ -661,7 +643,7 @@ def node_info(**versions: str) -> dict[str, Any]:
 
 
 @pytest.mark.unit
-def test_the_readme_lists_every_version_a_join_compares() -> None:
+def test_the_docs_list_every_version_a_join_compares() -> None:
     assert sorted(JOIN_CHECKS) == sorted(JOIN_VERSIONS)
 
 
@@ -722,20 +704,23 @@ def test_an_agent_speaking_another_protocol_is_refused_and_one_that_matches_join
 # ---- what --rdzv-conf takes --------------------------------------------------------------------
 
 
-def readme_rdzv_conf() -> list[str]:
+def docs_rdzv_conf() -> list[str]:
     """Across machines: '`--rdzv-conf` takes what c10d reads (`join_timeout`, ...); `timeout=`
     is refused: c10d ignores it'."""
-    listed = readme_between(
-        "### Across machines: `--nnodes MIN:MAX`", "`--rdzv-conf` takes what c10d reads (", ")"
+    listed = between(
+        "howto/multinode",
+        "How a job runs on several machines",
+        "`--rdzv-conf` takes what c10d reads (",
+        ")",
     )
     return re.findall(r"`([a-z_]+)`", listed)
 
 
-RDZV_CONF = readme_rdzv_conf()
+RDZV_CONF = docs_rdzv_conf()
 
 
 @pytest.mark.unit
-def test_the_readme_lists_every_rdzv_conf_setting() -> None:
+def test_the_docs_list_every_rdzv_conf_setting() -> None:
     assert sorted(RDZV_CONF) == sorted(C10D_CONF)
 
 
@@ -765,7 +750,7 @@ def a_rank(rank: int, **fields: Any) -> RankState:
     return RankState(0, rank, **fields)
 
 
-# A rank that ended on its own, by each way a rank can: (README's words for it, the rank as the
+# A rank that ended on its own, by each way a rank can: (the docs' words for it, the rank as the
 # supervisor saw it, its kind, the cause class it gives the job, its words in the report).
 OWN_ENDS: dict[str, tuple[str, dict[str, Any], str, str, str]] = {
     "exit 0 early": (
@@ -848,7 +833,7 @@ def test_a_rank_that_ended_on_its_own_is_the_root_whatever_its_peers_said(end: s
     gives it; and it is the root even when a peer's 'connection closed' came earlier (that
     peer saw it die)."""
     promise, fields, kind, cause, words = OWN_ENDS[end]
-    assert promise in " ".join(README.split()), f"the README no longer says: {promise}"
+    assert promise in every_page(), f"the docs no longer say: {promise}"
     r = a_rank(1, **fields)
     assert r.kind(None) == kind
     assert r.failure_summary().startswith(words)
@@ -864,7 +849,7 @@ def test_a_rank_that_ended_on_its_own_is_the_root_whatever_its_peers_said(end: s
 )
 def test_a_rank_stopped_after_another_failed_is_a_consequence(signal_name: str, code: int) -> None:
     """SIGTERM, SIGINT or SIGKILL after another rank failed: torchelastic's agent stopping the
-    group (README: 'rank 0: stopped by elastic_nb (SIGTERM) after rank 1 failed' once the
+    group (the docs: 'rank 0: stopped by elastic_nb (SIGTERM) after rank 1 failed' once the
     teardown began), never the root."""
     culprit = a_rank(1, failure=failed_record(1.0, "ValueError", "boom"))
     stopped = a_rank(0, died_at=1.2, exit_code=code)

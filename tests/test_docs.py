@@ -1,8 +1,8 @@
 """The docs are checked like code: every `--flag`, `%elastic COMMAND` and `elastic-nb COMMAND`
-the README, the docs' pages and the notebooks name exists (their reference pages are generated
-from the declarations, so every one that exists is documented there); and the site builds and
-reads in a real Chromium (`make docs`, which CI runs, builds it with the notebooks run and every
-warning an error)."""
+the README, the docs' pages and the notebooks name exists; the reference pages are generated
+from the declarations, and the built pages have a row for every declared flag and command (with
+its declared default) and for nothing else; and the site builds and reads in a real Chromium
+(`make docs`, which CI runs, builds it with the notebooks run and every warning an error)."""
 
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ DOCS = ROOT / "docs"
 OTHERS = {
     "--device": "benchmarks/ scripts (P1, P2 and P6 on a GPU: --device cuda)",
     "--no-index": "pip's (the GPU machine installs wheels with no package registry)",
+    "--allow-errors": "jupyter nbconvert's (a headless run that goes on past a failed cell)",
 }
 
 
@@ -168,9 +169,26 @@ def test_the_site_reads_and_finds_a_flag(site: str, page: Any) -> None:
 
     page.goto(f"{site}/index.html")
     expect(page.locator("h1")).to_have_text(re.compile(r"^elastic_nb"))
-    for link in ("Install", "Tutorials", "User guide", "Reference"):
+    for link in ("Install", "Tutorials", "How-to guides", "Explanation", "Reference"):
         expect(page.locator(".sidebar-tree").get_by_role("link", name=link)).to_be_visible()
     shot(page, page.locator("article"), "docs-index.png")
+
+    # Every declared flag and command has its row in the reference, with the declared default,
+    # and no row names one that is not declared.
+    page.goto(f"{site}/reference/flags.html")
+    rows = page.locator("table.elastic-nb-ref tbody tr").evaluate_all(
+        "rows => rows.map(r => [...r.querySelectorAll('td')].map(td => td.innerText.trim()))"
+    )
+    shown = {}
+    for o in OPTIONS:
+        flags = list(o.spellings)
+        if o.metavar:
+            flags[0] = f"{flags[0]} {o.metavar}"
+        shown[", ".join(flags)] = shown_default(o)
+    assert {cells[0]: cells[1] for cells in rows} == shown
+    page.goto(f"{site}/reference/commands.html")
+    listed = page.locator("table.elastic-nb-ref tbody tr td:first-child code").all_inner_texts()
+    assert sorted(c.split()[1] for c in listed) == sorted(COMMANDS)
 
     page.goto(f"{site}/reference/flags.html")
     row = page.locator(

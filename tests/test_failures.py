@@ -231,7 +231,7 @@ def test_interrupt_while_ranks_block_in_a_collective(fresh_kernel: Kernel) -> No
     t0 = time.monotonic()
     k.interrupt()
     k.collect(msg_id, ex, timeout=30)
-    assert time.monotonic() - t0 < 5  # the README: "returns within 5 s"
+    assert time.monotonic() - t0 < 5  # docs/explanation/how-a-cell-runs.md: "returns within 5 s"
     assert ex.ename == "KeyboardInterrupt"
     assert_job_gone(ex.job_id)
     # The next cell just works: a new job, its collectives included.

@@ -28,7 +28,7 @@ from tests.test_supervisor import Recorder, submit
 
 pytestmark = [pytest.mark.e2e, pytest.mark.core]
 
-# The README: a desync is named "about 0.5 s" after a rank leaves the cell (the watch looks every
+# docs/howto/hangs.md: a desync is named "about 0.5 s" after a rank leaves the cell (the watch looks every
 # 0.25 s once one has), and two ranks in different ops within the second it looks every second.
 # The margin is for a loaded machine (CI's; this suite beside a CPU hog). After a rank left:
 # 1.0 s; measured beside three `yes > /dev/null` and other suites, a load average of 4-12 on 2
@@ -39,7 +39,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.core]
 DESYNC_AFTER_LEAVING_S = 0.5 + 1.0
 DESYNC_MISMATCH_S = 1.0 + 0.5 + 1.5
 
-# The README's zombie watchdog: a dead rank left unreaped, or a monitor loop silent, "for more
+# docs/explanation/forensics.md's zombie watchdog: a dead rank left unreaped, or a monitor loop silent, "for more
 # than `1 s + 3 x monitor-interval + 0.25 s`": 1.55 s at the default --monitor-interval (0.1).
 # Caught at that bound: not before it (less 0.05 s, about one of the supervisor's polls), and
 # within a margin of 0.5 s for a loaded machine.
@@ -455,7 +455,7 @@ def test_agent_deadlock_after_results_is_caught_by_the_watchdog(
         else:
             seen = re.search(r"every rank finished the cell and exited ([\d.]+) s ago", ex.stderr)
         assert seen, ex.stderr
-        # Caught at the README's bound (ZOMBIE_AFTER_S), give or take a poll on a loaded
+        # Caught at the docs' bound (ZOMBIE_AFTER_S), give or take a poll on a loaded
         # machine.
         assert ZOMBIE_AFTER_S - 0.05 <= float(seen[1]) < ZOMBIE_AFTER_S + 0.5
         assert_job_gone(ex.job_id)

@@ -16,7 +16,7 @@ from tests.kernel import Kernel, assert_job_gone
 pytestmark = pytest.mark.e2e
 
 WIDGET = "application/vnd.jupyter.widget-view+json"
-# The README: "The kernel sends the dashboard at most one message per 0.2 s".
+# docs/howto/dashboard.md: "The kernel sends the dashboard at most one message per 0.2 s".
 SEND_EVERY_S = 0.2
 
 

@@ -364,13 +364,14 @@ def test_every_module_name_is_unique_in_the_package() -> None:
     assert not {n: m for n, m in names.items() if len(m) > 1}
 
 
-def test_the_readmes_layout_is_the_tree() -> None:
-    """README's Layout names every module of the package (its name is unique: test above), and
-    no module that is not there any more."""
+def test_the_layout_page_is_the_tree() -> None:
+    """The contributing page's Layout names every module of the package (its name is unique:
+    test above), and no module that is not there any more."""
     import re
 
-    readme = (PACKAGE.parent / "README.md").read_text()
-    layout = readme.split("\n## Layout\n", 1)[1].split("\n```\n", 2)[1]
+    from tests.docs_pages import section
+
+    layout = section("contributing", "Layout").split("\n```\n", 2)[1]
     layout = layout.split("\nnotebooks/", 1)[0]  # the package's part (tests/, scripts/ follow)
     named = set(re.findall(r"\b(\w+)\.py\b", layout))
     modules = {p.stem for p in PACKAGE.rglob("*.py") if p.stem not in ("__init__", "__main__")}

@@ -142,7 +142,7 @@ def test_a_job_listens_on_loopback_only(kernel: Kernel, tmp_path: Path, flags: s
 
 
 def test_gloo_and_nccl_are_named_loopback_over_the_kernels_environment(kernel: Kernel) -> None:
-    """The README's words: the ranks get GLOO_SOCKET_IFNAME=lo and NCCL_SOCKET_IFNAME==lo (this
+    """docs/explanation/security.md's words: the ranks get GLOO_SOCKET_IFNAME=lo and NCCL_SOCKET_IFNAME==lo (this
     machine's loopback interface, exactly: NCCL reads a leading '^' as "not these" and '=' as
     "exactly this one"), over a kernel environment set up for a cluster
     (GLOO_SOCKET_IFNAME=eth0); --env, the job's own setting, still wins. (What gloo then binds

@@ -45,7 +45,7 @@ from tests.kernel import (
 )
 
 MiB, GiB = 2**20, 2**30
-# The README: each rank's sparkline is "its last five minutes", of samples taken once a second.
+# docs/howto/dashboard.md: each rank's sparkline is "its last five minutes", of samples taken once a second.
 FIVE_MINUTES_OF_SAMPLES = 5 * 60
 _META = {"display": True, "modules": {}, "objects": [], "pull": []}
 
@@ -929,7 +929,7 @@ def test_neither_the_kernel_nor_the_supervisor_loads_torch(kernel: Kernel, tmp_p
         ranks = status.get("memory", {}).get(job, {})
         return all(str(r) in ranks and ranks[str(r)]["sample"]["t"] > since for r in (0, 1))
 
-    assert wait_for(sampled, timeout=30)  # once a second, the README says
+    assert wait_for(sampled, timeout=30)  # once a second, docs/howto/memory.md says
     supervisor = kernel.supervisor().pid
 
     def neither_loads_torch() -> None:

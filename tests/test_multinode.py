@@ -39,7 +39,7 @@ from tests.kernel import (
 
 pytestmark = [pytest.mark.e2e]
 
-# The README's promises (Across machines): a node that leaves is known within 2 s and the
+# docs/howto/multinode.md's promises: a node that leaves is known within 2 s and the
 # survivors run the next round within 3 s; a node that joins runs with the others within 3 s; an
 # agent whose notebook is gone ends its ranks within 5 s. Margin for this loaded 2-core machine
 # running six ranks and three machines' processes: stated per test.
@@ -460,7 +460,7 @@ def test_a_desync_whose_culprit_is_on_another_machine_is_named_within_seconds(
     mn_kernel: Kernel, lab: machines.Lab
 ) -> None:
     """A remote rank skips an all_reduce and leaves the cell while the others wait in it: named
-    with its node by the same watch and within the same bound as on one machine (the README's
+    with its node by the same watch and within the same bound as on one machine (docs/howto/hangs.md's
     "about 0.5 s" from its leaving; margin 2 s here: three machines on two cores)."""
     k = mn_kernel
     _ensure_agents(k, lab, 2)
@@ -618,7 +618,7 @@ def test_when_the_notebooks_side_dies_every_agent_ends_its_ranks_in_seconds(
     lab: machines.Lab, tmp_path: Path, who: str
 ) -> None:
     """The kernel SIGKILLed mid-job (its supervisor then ends the job and says bye), or the
-    supervisor itself (the agent hears nothing more): within the README's 5 s no process of the
+    supervisor itself (the agent hears nothing more): within docs/howto/multinode.md's 5 s no process of the
     job is left on the other machine, and its agent has ended and said why. Every rank is on
     the other machine (--remote-only): none learns of the loss from a peer it had here."""
     k = Kernel(

@@ -1,7 +1,7 @@
 """The dashboard in Notebook 7: a real `jupyter notebook`, a headless Chromium, real ranks.
 
 Notebook 7 loads the same federated extensions as JupyterLab (anywidget, the widget manager),
-but in a page of its own (`/notebooks/NAME`): this checks the README's promise that the
+but in a page of its own (`/notebooks/NAME`): this checks the docs' promise that the
 dashboard draws there, with the same driver and assertions as tests/test_browser.py.
 """
 
@@ -100,7 +100,7 @@ def test_a_desync_and_a_hang_ended_by_the_timeout_in_notebook_7(page: Any, lab: 
 
 
 def test_pdb_on_a_rank_takes_commands_in_notebook_7s_input_box(page: Any, lab: LabServer) -> None:
-    """The README's frontends with an input box: Notebook 7's, as JupyterLab's."""
+    """The docs' frontends with an input box: Notebook 7's, as JupyterLab's."""
     debug_a_rank_in_the_input_box(
         page, lab, "notebook7-debugging.ipynb", "notebook7-debugging-pdb-prompt.png"
     )

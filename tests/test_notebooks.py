@@ -1,4 +1,4 @@
-"""The notebooks in notebooks/ run, through the same command the README gives, and say what their
+"""The notebooks in notebooks/ run, through the same command `make demo` runs, and say what their
 prose says they say. Each runs in a kernel of its own, on CPU (gloo), with a cache home of its
 own: nothing of the notebook (a job, a session, the supervisor, the kernel) may outlive it."""
 

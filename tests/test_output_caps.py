@@ -20,7 +20,7 @@ from tests.kernel import Execution, Kernel
 pytestmark = pytest.mark.e2e
 
 MB = 1024 * 1024
-# The README's numbers (its run-directory and dashboard sections), not the product's constants:
+# The docs' numbers (docs/explanation/how-a-cell-runs.md, docs/howto/dashboard.md), not the product's constants:
 CELL_CHARS = 500_000  # "at most 500,000 characters of rank output per cell" in text mode
 LINE_CHARS = 4_000  # "the first 4,000 characters of a line"
 TAB_CHARS = 250_000  # "a tab holds at most 250,000 characters"
@@ -111,7 +111,7 @@ def test_the_dashboard_holds_a_bounded_number_of_characters(tmp_path) -> None:
         state.apply({"logs": [_flood(0, 200), _flood(1, 200)]})
         delta = state.take_delta()
         assert delta and len(json.dumps(delta)) < 2 * ALL_TAB_CHARS
-    # The newest lines that fit: full to within a line of the README's bound, never over it.
+    # The newest lines that fit: full to within a line of the docs' bound, never over it.
     for rank in ("0", "1"):
         tail = state.tails[rank]
         held = sum(len(t) for _, t in tail)

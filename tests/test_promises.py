@@ -1,4 +1,4 @@
-"""What the README promises, each end to end in a real kernel: flags no other test runs, cause
+"""What the docs promise, each end to end in a real kernel: flags no other test runs, cause
 classes, the exception's fields, several jobs at once, the handle's logs and stacks."""
 
 from __future__ import annotations

@@ -45,9 +45,9 @@ def up(k: Kernel, flags: str = "--nproc 2") -> str:
     return m.group(1)
 
 
-# The README: interrupting a session cell gives control back "within a second" when every rank
+# docs/howto/sessions.md: interrupting a session cell gives control back "within a second" when every rank
 # comes back, and when one is stuck "once the 2 s grace, the restart and the replay are over
-# (about 3 s here)"; the margin is for a loaded machine: 1.5 s (measured with a load average of 8
+# (about 3 s on a 2-core machine)"; the margin is for a loaded machine: 1.5 s (measured with a load average of 8
 # on 2 cores: 0.53 s and 2.99 s).
 INTERRUPT_S = 1.0 + 1.5
 HANG_AFTER_S = 3.0
@@ -394,7 +394,7 @@ def test_a_desync_is_named_in_seconds_and_the_session_comes_back(
 ) -> None:
     """The classic uneven step: rank 1 skips an all_reduce and finishes the cell while rank 0
     waits in it. The desync is certain at once (the flight recorder of both live ranks), long
-    before --collective-timeout (120 s): the README says "within about a second" of rank 1
+    before --collective-timeout (120 s): docs/howto/sessions.md says "within about a second" of rank 1
     leaving the cell (margin for a loaded machine: 1.5 s). Rank 0 cannot leave the collective,
     so the group restarts and replays."""
     k, _session = session_kernel

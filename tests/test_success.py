@@ -184,7 +184,7 @@ def test_log_flood_every_line_on_disk(kernel: Kernel, tmp_path: Path) -> None:
         lines = rd.log(0, rank, "out").read_text().splitlines()
         assert lines == [f"rank {rank} line {i}" for i in range(50_000)]
     # The notebook got a bounded view with the way to the rest, not 200,000 lines: at most 200
-    # lines per rank per update, at most 10 updates a second (README, "The run directory").
+    # lines per rank per update, at most 10 updates a second (docs/explanation/how-a-cell-runs.md, "The run directory").
     updates = 10 * ex.seconds + 2
     for rank in range(4):
         shown = ex.stdout.count(f"[rank {rank}] rank {rank} line ")

@@ -69,7 +69,12 @@ class LineCommands:
             self.session = None  # it ended (down, out of restarts, the supervisor went)
         return self.session
 
-    @command("status", "", "the supervisor, its warm launcher, the ranks' memory")
+    @command(
+        "status",
+        "",
+        "the supervisor (pid, socket, its log of what went wrong on its side), its running jobs "
+        "and sessions with each rank's memory, and the warm launcher (pid, ready, memory)",
+    )
     def _status(self, rest: str) -> None:
         c = current_client()
         if c is None:
@@ -108,14 +113,19 @@ class LineCommands:
             + (f", preloaded: {', '.join(w['preload'])}" if w["preload"] else "")
         )
 
-    @command("jobs", "", "this notebook's jobs")
+    @command("jobs", "", "this notebook's jobs: outcome, ranks, restarts, wall time, run directory")
     def _jobs(self, rest: str) -> None:
         c = current_client()
         running = {j["job"]: j for j in c.jobs()} if c is not None else {}
         table = jobs_table(self.jobs.values(), running)
         print("\n".join(table) if table else "no jobs in this session yet")
 
-    @command("logs", "[JOB] [--rank R] [--attempt K] [--tail N]", "a job's rank logs")
+    @command(
+        "logs",
+        "[JOB] [--rank R] [--attempt K] [--tail N]",
+        "a job's rank logs from its run directory (default: the last job, every rank, the last "
+        "50 lines)",
+    )
     def _logs(self, rest: str) -> None:
         parser = argparse.ArgumentParser(prog="%elastic logs", add_help=False)
         parser.add_argument("job", nargs="?")
@@ -143,7 +153,12 @@ class LineCommands:
         stopping = c.stop(job_id, reason="user")
         print(f"stopping: {', '.join(stopping)}" if stopping else "no running jobs")
 
-    @command("stacks", "[JOB]", "every rank's Python stack, now")
+    @command(
+        "stacks",
+        "[JOB]",
+        "every live rank's Python stack, now, all threads, inside a collective too (default: the "
+        "session, else the running job)",
+    )
     def _stacks(self, rest: str) -> None:
         """Every rank's Python stack, now, for a running job (the latest one by default)."""
         job_id = rest or None
@@ -191,7 +206,12 @@ class LineCommands:
         else:
             print("no session defaults: every flag has its built-in default (%elastic? lists them)")
 
-    @command("up", "--nproc N [FLAGS]", "keep ranks up across cells: a session")
+    @command(
+        "up",
+        "--nproc N [FLAGS]",
+        "keep ranks up across cells: a session (launch flags as %%elastic's; --max-restarts 3 by "
+        "default)",
+    )
     def _up(self, rest: str) -> None:
         session = self.live_session()
         if session is not None:
@@ -212,7 +232,7 @@ class LineCommands:
         session.start()
         self.session = session
 
-    @command("down", "", "end the session")
+    @command("down", "", "end the session's ranks; the next bare %%elastic is a one-off job again")
     def _down(self, rest: str) -> None:
         session = self.live_session()
         if session is None:
@@ -222,7 +242,12 @@ class LineCommands:
         self.session = None
         print(session.end_line())
 
-    @command("session", "", "the session's ranks, attempt, restarts, replay journal")
+    @command(
+        "session",
+        "",
+        "the session: state, ranks and pids, attempt, restarts, cells run, the replay journal, "
+        "its latest checkpoint",
+    )
     def _session_info(self, rest: str) -> None:
         session = self.live_session()
         if session is None:
@@ -236,7 +261,9 @@ class LineCommands:
     @command(
         "join-command",
         "[--host H] [--port P] [--new-token] [--token-file PATH]",
-        "the line that makes another machine a node of this notebook's jobs",
+        "the line that makes another machine a node of this notebook's jobs; --new-token "
+        "replaces the token and drops the agents holding the old one; --token-file keeps the "
+        "token out of the notebook",
     )
     def _join_command(self, rest: str) -> None:
         """The line that makes another machine a node of this notebook's jobs."""
@@ -289,7 +316,12 @@ class LineCommands:
         source = f"from elastic_nb.rank.notebook_input import debug_last\ndebug_last({rank})\n"
         return self.run_cell("--no-replay", source)
 
-    @command("nodes", "", "this machine and every joined one")
+    @command(
+        "nodes",
+        "",
+        "this machine and every joined one (host, address, GPUs, CPUs, versions, state, last "
+        "heard, its jobs), and refused joins with why",
+    )
     def _nodes(self, rest: str) -> None:
         print("\n".join(nodes_table(get_client().nodes())))
 

@@ -1,7 +1,7 @@
 """Every flag of ``%%elastic``, declared once: its spellings, default, help and group.
 
 The magic's parser, ``%elastic config``, `DEFAULTS` (what `flags.job_spec` starts from) and
-the README's flag table (tests/test_options.py compares them) all come from `OPTIONS`. Defaults
+the docs' flags reference (docs/_ext/elastic_nb_docs.py) all come from `OPTIONS`. Defaults
 are raw, as a flag would give them; `flags.job_spec` parses and validates them.
 """
 
@@ -34,7 +34,7 @@ class Option:
     group: str
     metavar: str | None = None
     action: str | None = None  # "append" (repeatable), "store_true" or "store_false"
-    shown: str | None = None  # the default as help and README say it, when not the value
+    shown: str | None = None  # the default as help and the docs say it, when not the value
     torchrun: bool = False  # torchrun's flag: its underscore spelling works too
     per_cell: bool = False  # a cell on a session (%elastic up) may give it; the rest launch ranks
 
@@ -54,8 +54,10 @@ OPTIONS: tuple[Option, ...] = (
         "nproc",
         ("--nproc", "--nproc-per-node"),
         "1",
-        "ranks to run: a number, 'gpu' (one per GPU the ranks would see, counted without "
-        "initialising CUDA), 'cpu', or 'auto' ('gpu', else 'cpu')",
+        "ranks to run: a number, 'gpu' (one per GPU the ranks would see: counted through NVML "
+        "with CUDA's rules for CUDA_VISIBLE_DEVICES, --env included; with MIG, CUDA counts in a "
+        "throwaway process; the kernel never initialises CUDA), 'cpu', or 'auto' ('gpu', else "
+        "'cpu')",
         _RANKS,
         metavar="N",
         torchrun=True,
@@ -190,8 +192,9 @@ OPTIONS: tuple[Option, ...] = (
         "collective_timeout",
         ("--collective-timeout",),
         120.0,
-        "default timeout of every process group the cell creates (gloo and NCCL), in seconds; "
-        "'off' keeps torch's 30 min / 10 min; an explicit timeout= in the cell still wins",
+        "default timeout of every process group the cell creates (gloo and NCCL), in seconds, "
+        "patched into torch.distributed before the cell runs; 'off' keeps torch's 30 min / "
+        "10 min; an explicit timeout= in the cell still wins, and the magic warns about it",
         _ENV,
         metavar="S",
         shown="120",
@@ -204,8 +207,10 @@ OPTIONS: tuple[Option, ...] = (
         "heartbeat_timeout",
         ("--heartbeat-timeout",),
         480.0,
-        "NCCL's heartbeat monitor (TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC): it ends a rank whose NCCL "
-        "watchdog thread is stuck this long, never a slow collective",
+        "NCCL's heartbeat monitor (TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC, torch's own default): it "
+        "ends a rank whose NCCL watchdog thread is stuck this long (a hung CUDA or NCCL call), "
+        "never a slow collective; lower, it can end a healthy rank whose watchdog waits behind "
+        "a long cudaFree",
         _ENV,
         metavar="S",
         shown="480",
@@ -215,7 +220,9 @@ OPTIONS: tuple[Option, ...] = (
         ("--async-error-handling",),
         1,
         "what NCCL does when a collective times out (TORCH_NCCL_ASYNC_ERROR_HANDLING): "
-        + "; ".join(f"{k}: {v}" for k, v in ASYNC_ERROR_HANDLING.items()),
+        + "; ".join(f"{k}: {v}" for k, v in ASYNC_ERROR_HANDLING.items())
+        + ". With 1 and 3 the watchdog's first line fails the cell; with 0 and 2 elastic_nb "
+        "raises an alert with every rank's stack and the cell goes on",
         _ENV,
         metavar="0-3",
     ),
@@ -238,7 +245,7 @@ OPTIONS: tuple[Option, ...] = (
         False,
         "record every CUDA allocation's Python stack in each rank; at a CUDA OOM the report "
         "names the cell lines whose allocations filled the GPU and keeps torch's snapshot "
-        "(for pytorch.org/memory_viz) in the run directory",
+        "(for pytorch.org/memory_viz) in the run directory; refused where the ranks see no GPU",
         _ENV,
         action="store_true",
         shown="",

@@ -116,7 +116,7 @@ BYE: Final = "bye"
 STREAM_STORE = "store"
 STREAM_SESSION = "session"
 # Both sides of a join agent's channel say they live this often; one silent for LOST_AFTER_S is
-# gone (the README promises a node that leaves is known within 2 s).
+# gone (docs/howto/multinode.md promises a node that leaves is known within 2 s).
 BEAT_S = 0.25
 LOST_AFTER_S = 1.75
 

@@ -64,8 +64,14 @@ class JobsHandler(_Handler):
     @web.authenticated
     @authorized
     async def get(self) -> None:
-        """Every job, and the machines of every notebook open to other machines (its join
-        agents: `%elastic nodes`)."""
+        """Every job, session and session cell of every supervisor of this user, oldest first
+        (``jobs``: ``id``, ``kind`` (job, session, cell), ``session`` (a cell's),
+        ``supervisor_pid``, ``kernel_id``, ``notebook`` (the server's path of the notebook whose
+        kernel runs it), ``state``, ``running``, ``world_size``, ``attempt``, ``restarts``,
+        ``max_restarts``, ``created``, ``elapsed_s``, the latest ``alerts`` (``kind``,
+        ``severity``, ``rank``, ``text``), ``paused`` (ranks at a prompt), ``run_dir``, and its
+        ``outcome`` and ``summary`` line once ended); and the machines of every notebook open to
+        other machines (``machines``: its join agents, as `%elastic nodes` lists them)."""
         notebooks = await self._notebooks()
         jobs = []
         for sup, entry in await self.overview():
@@ -149,9 +155,11 @@ class LogsHandler(_Handler):
     @web.authenticated
     @authorized
     async def get(self, job_id: str) -> None:
-        """A rank's log (``stream=out``, its stdout, or ``err``) of an attempt (the latest, or
-        ``attempt``): with ``offset``, what follows it (a chunk); without, the last ``tail``
-        lines. A session cell's ranks are its session's: their logs are the session's."""
+        """A rank's log (``rank``, ``stream=out``, its stdout, or ``err``) of an attempt (the
+        latest, or ``attempt``): without ``offset``, its last ``tail`` lines (200 by default);
+        with it, what was written since (at most 256 KiB a call), to follow the log: its ``text``,
+        the ``offset`` to ask from next, ``path``, ``size``, ``rank``, ``attempt``, ``stream``. A session
+        cell's ranks are its session's: their logs are the session's."""
         _, entry = await self.owner(job_id)
         try:
             rank = int(self.get_argument("rank", "0"))
@@ -181,7 +189,8 @@ class EventsHandler(_Handler):
     @authorized
     async def get(self, job_id: str) -> None:
         """The job's dashboard messages after ``since`` (a sequence number), as its cell's
-        dashboard got them: ``{"events": [...], "seq": latest}``."""
+        dashboard got them (the latest 1,000 are kept), each with its ``seq`` and time ``t``:
+        ``{"events": [...], "seq": latest}``."""
         sup, _ = await self.owner(job_id)
         try:
             since = int(self.get_argument("since", "0"))

@@ -99,6 +99,27 @@ def test_the_check_sees_what_it_checks() -> None:
 
 
 @pytest.mark.unit
+def test_the_readmes_figures_are_the_benchmarks_latest() -> None:
+    """The README's figures beside torchrun are those of benchmarks/README.md's latest results
+    (which `make bench` rewrites): each median and ratio as that table's row gives it."""
+    readme = (ROOT / "README.md").read_text()
+    table = readme.split("\n## Beside torchrun\n", 1)[1].split("\n## ", 1)[0]
+    rows = [
+        [c.strip() for c in r.strip("|").split("|")]
+        for r in re.findall(r"^\|.*\(P\w+\) \|.*$", table, re.M)
+    ]
+    assert len(rows) == 3
+    latest = (ROOT / "benchmarks" / "README.md").read_text().split("<!-- results -->", 1)[1]
+    for what, ours, theirs, ratio in rows:
+        key = re.search(r"\((P\w+)\)$", what).group(1)  # type: ignore[union-attr]
+        measured = next(r for r in latest.splitlines() if r.startswith(f"| {key} "))
+        cells = [c.strip() for c in measured.strip("|").split("|")]
+        assert cells[1].startswith(ours.split(",")[0] + " ("), (key, cells[1])
+        assert cells[2].startswith(theirs.split(",")[0] + " ("), (key, cells[2])
+        assert cells[3] == ratio.replace("×", "x"), (key, cells[3])
+
+
+@pytest.mark.unit
 def test_the_reference_pages_are_generated() -> None:
     """Each reference page is its directive (nothing in it written by hand), and every
     directive the docs' extension declares has its page."""

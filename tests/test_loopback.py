@@ -208,15 +208,16 @@ def test_the_master_port_stays_reserved_until_rank_0_serves_it(
     for host in ("127.0.0.1", "0.0.0.0"):
         with socket.socket() as other, pytest.raises(OSError, match="in use"):
             other.bind((host, port))
-    store = loopback._serve("127.0.0.1", port)  # rank 0's listener (SO_REUSEADDR)
-    assert store.port == port
-    store.set("k", "v")
-    # The next attempt's pick lets the previous one go.
+    # The next attempt's pick lets the previous one go (checked on a port no connection used:
+    # a closed store's connections may leave it in TIME_WAIT, which a plain bind refuses too).
     again = api.get_free_port()
-    del store
-    with socket.socket() as other:
-        other.bind(("127.0.0.1", port))
     assert again != port
+    with socket.socket() as other:
+        other.bind(("0.0.0.0", port))
+    store = loopback._serve("127.0.0.1", again)  # rank 0's listener (SO_REUSEADDR)
+    assert store.port == again
+    store.set("k", "v")
+    assert store.get("k") == b"v"
 
 
 # Here the hostname resolves to 127.0.0.1, so gloo on its default device (no

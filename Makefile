@@ -5,8 +5,9 @@
 #   make test-fast  the unit tests and the core end-to-end tests (what `make floors` runs too)
 #   make floors runs a smoke subset on the oldest versions pyproject.toml claims (CI runs it too)
 #   make docs   builds the docs site (docs/_build/html), its notebooks run (CI runs it too)
-# The first two create .venv on first use. TORCH is what pip installs when the venv has no torch: the pinned
-# CPU build by default (never let pip resolve an unpinned torch: that is a multi-GB CUDA download).
+# The first two create .venv on first use. TORCH is what pip installs when the venv has no torch: pinned
+# (the project's machines serve its CPU build; never let pip resolve an unpinned torch: from PyPI
+# that is a multi-GB CUDA download, as this pin is there too).
 
 PYTHON   ?= python3
 VENV     ?= .venv

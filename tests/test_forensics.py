@@ -28,8 +28,9 @@ from tests.test_supervisor import Recorder, submit
 
 pytestmark = [pytest.mark.e2e, pytest.mark.core]
 
-# docs/howto/hangs.md: a desync is named "about 0.5 s" after a rank leaves the cell (the watch looks every
-# 0.25 s once one has), and two ranks in different ops within the second it looks every second.
+# docs/howto/hangs.md: a desync is named "within about half a second" of a rank leaving the cell
+# (the watch looks every 0.25 s once one has), and two ranks in different ops within the second
+# it looks every second.
 # The margin is for a loaded machine (CI's; this suite beside a CPU hog). After a rank left:
 # 1.0 s; measured beside three `yes > /dev/null` and other suites, a load average of 4-12 on 2
 # cores, 3 runs of its four cases: 0.33-0.86 s. Two ranks in different ops: 1.5 s; measured

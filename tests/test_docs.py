@@ -120,6 +120,17 @@ def test_the_readmes_figures_are_the_benchmarks_latest() -> None:
 
 
 @pytest.mark.unit
+def test_the_readmes_links_lead_somewhere() -> None:
+    """The README is read on a code host, where its links are the repository's paths: each
+    relative one names a file of the repository (a page's anchor aside)."""
+    readme = (ROOT / "README.md").read_text()
+    targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", readme)
+    relative = [t for t in targets if not re.match(r"[a-z]+://", t)]
+    assert len(relative) > 20  # the docs' pages, the notebooks, the picture
+    assert [t for t in relative if not (ROOT / t).is_file()] == []
+
+
+@pytest.mark.unit
 def test_the_reference_pages_are_generated() -> None:
     """Each reference page is its directive (nothing in it written by hand), and every
     directive the docs' extension declares has its page."""

@@ -42,6 +42,9 @@ class FakeNode(Node):
         self.kills: int | None = None  # the OOM killer's count where the ranks run
         self.stopped = False
         self.closed = False
+        self.asked: list[
+            tuple[int, str]
+        ] = []  # (rank, what) of each stack dump and probe, in order
 
     # ---- the test's side ----------------------------------------------------------------------
 
@@ -117,6 +120,7 @@ class FakeNode(Node):
         return True
 
     async def stacks(self, ranks: list[RankState], wait_s: float) -> dict[int, StackDump]:
+        self.asked += [(r.rank, "stacks") for r in ranks]
         return {
             r.rank: StackDump(
                 self.dumps.get(r.rank, ""),
@@ -128,6 +132,9 @@ class FakeNode(Node):
         }
 
     async def probe(self, r: RankState, what: str, wait_s: float) -> dict[str, Any] | None:
+        self.asked.append((r.rank, what))
+        if what == protocol.rank_probes.PROBE_RELEASE:
+            return {"released": True}
         if what == protocol.rank_probes.PROBE_MEMORY:
             return {"cuda": self.cuda.get(r.rank)}
         if self.probe_gate is not None:

@@ -5,6 +5,9 @@ hand-made histories for the shapes a 2-rank recording cannot show."""
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +24,7 @@ from elastic_nb.supervisor.forensics.collectives import (
     stalled,
 )
 from elastic_nb.supervisor.forensics.desync import desync_verdict
+from tests.kernel import wait_for
 
 pytestmark = pytest.mark.unit
 
@@ -402,3 +406,67 @@ def test_a_rank_without_a_fifo_runs_on_without_probes(
     with open(tmp_path / "rank-0.stacks", "a") as stacks:
         recorder.serve_probes(taken, tmp_path / "rank-0.probe.json", CELL, stacks)
     assert "no desync probes for this rank" in capsys.readouterr().err
+
+
+# A rank whose collective timed out (rank/recorder.hold_for_evidence), in a process of its own:
+# its probe thread serves the FIFO, the main thread holds for the error given, then says how long
+# it held and whether it was released.
+_HOLDER = """
+import json, sys, time
+from pathlib import Path
+from elastic_nb.rank import recorder
+d = Path(sys.argv[1])
+with open(d / "rank-0.stacks", "a") as stacks:
+    assert recorder.serve_probes(d / "rank-0.probe", d / "rank-0.probe.json", "cell.py", stacks)
+    t0 = time.monotonic()
+    recorder.hold_for_evidence(RuntimeError(sys.argv[2]))
+    print(json.dumps({"held": time.monotonic() - t0, "released": recorder._released.is_set()}))
+"""
+TIMED_OUT_ERROR = "[unbound_buffer.cc:78] Timed out waiting 3000ms for recv operation to complete"
+
+
+def _holder(tmp_path: Path, error: str) -> subprocess.Popen[str]:
+    env = {**os.environ, "WORLD_SIZE": "2"}
+    return subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, str(tmp_path), error],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+
+
+def test_a_rank_whose_collective_timed_out_holds_its_exit_until_released(tmp_path: Path) -> None:
+    import json
+
+    from elastic_nb.protocol.rank_probes import HOLD_FOR_EVIDENCE_S
+
+    p = _holder(tmp_path, TIMED_OUT_ERROR)
+    # The supervisor's release, as LocalNode sends a probe (the FIFO's write end; opening it
+    # waits for the probe thread's read end).
+    fifo = tmp_path / "rank-0.probe"
+    assert wait_for(fifo.exists, timeout=30)
+    fd = os.open(fifo, os.O_WRONLY)
+    os.write(fd, b"7 release\n")
+    os.close(fd)
+    out, _ = p.communicate(timeout=HOLD_FOR_EVIDENCE_S)
+    said = json.loads(out)
+    assert said["released"] and said["held"] < HOLD_FOR_EVIDENCE_S
+    assert json.loads((tmp_path / "rank-0.probe.json").read_text())["req"] == 7
+
+
+@pytest.mark.parametrize(
+    "error, holds",
+    [(TIMED_OUT_ERROR, True), ("rank 1 ran out of patience", False)],
+    ids=["timed out", "another error"],
+)
+def test_without_a_release_a_timed_out_rank_goes_after_the_bound(
+    tmp_path: Path, error: str, holds: bool
+) -> None:
+    import json
+
+    from elastic_nb.protocol.rank_probes import HOLD_FOR_EVIDENCE_S
+
+    out, _ = _holder(tmp_path, error).communicate(timeout=HOLD_FOR_EVIDENCE_S + 30)
+    said = json.loads(out)
+    assert not said["released"]
+    assert (said["held"] >= HOLD_FOR_EVIDENCE_S) == holds

@@ -27,6 +27,10 @@ WAITING = """Current thread 0x00007f0000000001 (most recent call first):
   File "/torch/distributed/distributed_c10d.py", line 2500 in all_reduce
   File "{cell}", line 4 in <module>
 """
+# Rank 1's stack while it sleeps at cell line 3.
+SLEEPING = """Current thread 0x00007f0000000002 (most recent call first):
+  File "{cell}", line 3 in <module>
+"""
 
 
 def _job(tmp_path: Path, **options: Any) -> tuple[Job, FakeNode, list[dict[str, Any]]]:
@@ -123,6 +127,33 @@ def test_a_peer_error_read_before_the_rank_it_names_is_seen_gone(tmp_path: Path)
     assert (summary["cause"], summary["failure"]["rank"]) == ("signal", 1), summary
     assert summary["failure"]["summary"] == "killed by SIGKILL"
     assert [(o["rank"], o["kind"]) for o in summary["others"]] == [(0, "peer")]
+
+
+def test_a_rank_whose_collective_timed_out_is_released_once_the_evidence_is_taken(
+    tmp_path: Path,
+) -> None:
+    """Rank 0's all_reduce timed out (its record says so) while rank 1 sleeps elsewhere; rank 0
+    holds its exit for the evidence (rank/recorder.hold_for_evidence): once torch's agent sees
+    it go, it ends rank 1, and where rank 1 was with it. The job takes every live rank's stack
+    and flight recorder first, then releases rank 0."""
+    job, node, sent = _job(tmp_path, collective_timeout="3")
+    rd = job.rd
+
+    def story() -> None:
+        node.dumps[0] = WAITING.format(cell=rd.cell)
+        node.dumps[1] = SLEEPING.format(cell=rd.cell)
+        timed_out = "[unbound_buffer.cc:78] Timed out waiting 3000ms for recv operation to complete"
+        _raised(rd, 0, time.time(), "RuntimeError", timed_out, 4)
+
+    _play(job, node, story)
+    summary = _end(sent)
+    assert (summary["cause"], summary["failure"]["rank"]) == ("collective_timeout", 0), summary
+    alerts = [a for m in sent if m["kind"] == protocol.kernel.UPDATE for a in m.get("alerts", [])]
+    (timeout,) = [a for a in alerts if a["kind"] == "collective_timeout"]
+    assert "rank 1 · cell line 3" in timeout["text"], timeout  # where rank 1 was
+    released = node.asked.index((0, protocol.rank_probes.PROBE_RELEASE))
+    assert node.asked.index((1, "stacks")) < released
+    assert [what for rank, what in node.asked if rank == 0].count("release") == 1
 
 
 def _history(seq: int, *, pending: bool) -> dict[str, Any]:

@@ -3,6 +3,10 @@
 thread (rank/recorder.py) answers into rank-R.probe.json, tagged "req": n; a stack dump goes into
 the rank's .stacks file.
 
+A rank whose cell raised a collective timeout holds its exit until the supervisor has taken
+every rank's evidence (``"<n> release"``), `HOLD_FOR_EVIDENCE_S` at most: once one rank exits,
+torch's agent ends the others at its next monitor tick, and with them where they were.
+
 And the other way, a rank's input() (pdb's prompt, a cell's own input()): the rank writes what
 it asks (`InputAsked`) into rank-R.input.json and waits; the supervisor asks the notebook and
 brings the answer back as a probe, ``"<n> answer <InputAnswer as JSON>"``.
@@ -10,17 +14,21 @@ brings the answer back as a probe, ``"<n> answer <InputAnswer as JSON>"``.
 
 from __future__ import annotations
 
+import re
 import signal
 from typing import TypedDict
 
 __all__ = [
+    "HOLD_FOR_EVIDENCE_S",
     "PROBE_ANSWER",
     "PROBE_FULL",
     "PROBE_MEMORY",
+    "PROBE_RELEASE",
     "PROBE_STACKS",
     "PROBE_STATUS",
     "STACKS_END_MARK",
     "STACK_SIGNAL",
+    "TIMED_OUT",
     "InputAnswer",
     "InputAsked",
 ]
@@ -44,6 +52,18 @@ PROBE_FULL = "full"
 PROBE_MEMORY = "memory"
 PROBE_STACKS = "stacks"
 PROBE_ANSWER = "answer"  # "<n> answer <InputAnswer as JSON>": the notebook's answer to an ask
+PROBE_RELEASE = "release"  # the evidence is taken: a rank holding its exit for it may go
+
+# What a rank raises when a collective of its timed out (gloo's, NCCL's and c10d's own words):
+# such a rank holds its exit for the evidence, and the supervisor judges it a collective timeout.
+TIMED_OUT = re.compile(
+    r"timed out waiting|watchdog caught collective operation timeout|DistTimeoutError"
+    r"|operation timed out|collective operation timeout",
+    re.IGNORECASE,
+)
+# The longest a rank holds its exit: the evidence takes STACKS_WAIT_S and PROBE_WAIT_S (1 s
+# each, asked together) after the supervisor's poll has seen the rank's record.
+HOLD_FOR_EVIDENCE_S = 3.0
 
 
 class InputAsked(TypedDict):

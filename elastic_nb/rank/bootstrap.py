@@ -56,6 +56,7 @@ def bootstrap(run_dir: str, env: dict[str, str], start_env: dict[str, str]) -> b
         me.rd, meta, me.spec, me.attempt, me.rank, me.namespace, _checked_fork(), final=True
     )
     if error is not None:
+        recorder.hold_for_evidence(error)
         raise error
     return True
 

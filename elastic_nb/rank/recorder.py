@@ -31,7 +31,15 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from elastic_nb.common.rundir import write_json
-from elastic_nb.protocol.rank_probes import PROBE_ANSWER, PROBE_FULL, PROBE_MEMORY, PROBE_STACKS
+from elastic_nb.protocol.rank_probes import (
+    HOLD_FOR_EVIDENCE_S,
+    PROBE_ANSWER,
+    PROBE_FULL,
+    PROBE_MEMORY,
+    PROBE_RELEASE,
+    PROBE_STACKS,
+    TIMED_OUT,
+)
 from elastic_nb.rank import notebook_input
 from elastic_nb.rank.memory import cuda_memory
 
@@ -101,12 +109,30 @@ def write_final(path: Path, cell: str) -> None:
         sys.stderr.write(f"elastic_nb: could not record this rank's collectives: {e!r}\n")
 
 
+_serving = threading.Event()  # the probe thread listens: the supervisor can reach this rank
+_released = threading.Event()  # the supervisor has taken the evidence (PROBE_RELEASE)
+
+
+def hold_for_evidence(error: BaseException) -> None:
+    """A collective of this rank timed out while the others wait, in a collective or elsewhere:
+    stay until the supervisor has taken every rank's stack and flight recorder (it releases the
+    rank), `HOLD_FOR_EVIDENCE_S` at most. Once this rank exits, torch's agent ends the others at
+    its next monitor tick, and with them where they were; a loaded machine's supervisor could
+    see this rank's failure after that."""
+    if (
+        _serving.is_set()
+        and int(os.environ.get("WORLD_SIZE", "1")) > 1
+        and TIMED_OUT.search(str(error))
+    ):
+        _released.wait(HOLD_FOR_EVIDENCE_S)
+
+
 def serve_probes(fifo: Path, answer: Path, cell: str, stacks: TextIO) -> bool:
     """Answer the supervisor's probes from a thread: it writes ``"<n> status|full|memory"`` into the
     FIFO, this thread writes the snapshot, tagged with n, to `answer`; ``"<n> stacks <deadline>"``
     has every thread's stack written to `stacks` (see protocol.rank_probes.STACK_SIGNAL);
     ``"<n> answer <json>"`` hands the notebook's answer to the rank's input() (notebook_input.py),
-    and says whether one waited for it. False where no probe can come: opening a FIFO
+    and says whether one waited for it; ``"<n> release"`` ends `hold_for_evidence`. False where no probe can come: opening a FIFO
     blocks until the other side opens it: an idle rank pays nothing. Where no FIFO can be made
     (a --log-dir on a file system without them), the rank runs without: the supervisor then
     finds a desync at the collective timeout, from the records ranks leave, and signals the
@@ -119,6 +145,7 @@ def serve_probes(fifo: Path, answer: Path, cell: str, stacks: TextIO) -> bool:
     threading.Thread(
         target=_serve, args=(fifo, answer, cell, stacks), name="elastic_nb-probe", daemon=True
     ).start()
+    _serving.set()
     return True
 
 
@@ -138,6 +165,10 @@ def _serve(fifo: Path, answer: Path, cell: str, stacks: TextIO) -> None:
                 except (ValueError, IndexError, KeyError, TypeError):
                     taken = False
                 write_json(answer, {"time": time.time(), "taken": taken, "req": int(request[0])})
+                continue
+            if request[1] == PROBE_RELEASE:
+                _released.set()
+                write_json(answer, {"time": time.time(), "released": True, "req": int(request[0])})
                 continue
             if request[1] == PROBE_STACKS:
                 # faulthandler called with the GIL held: no other thread moves its frames

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from elastic_nb.common.report import describe_exit, signal_name, size
+from elastic_nb.protocol.rank_probes import TIMED_OUT
 
 __all__ = [
     "NCCL_TIMEOUT_MARKS",
@@ -33,12 +34,6 @@ _PEER_DIED = re.compile(
 # transport, c10d's store), not in a rank's own code (an HTTP download refused is its failure).
 _SOCKET_GONE = re.compile(r"broken pipe|connection refused", re.IGNORECASE)
 _TORCH_COMM = re.compile(r"gloo|c10d|TCPStore|ProcessGroup|nccl", re.IGNORECASE)
-# A collective that waited past its timeout (gloo, NCCL's watchdog, c10d's own wording).
-_TIMED_OUT = re.compile(
-    r"timed out waiting|watchdog caught collective operation timeout|DistTimeoutError"
-    r"|operation timed out|collective operation timeout",
-    re.IGNORECASE,
-)
 # NCCL's watchdog announcing that a collective of *this* rank timed out (ProcessGroupNCCL.cpp,
 # Watchdog::runLoop and the heartbeat monitor). With TORCH_NCCL_ASYNC_ERROR_HANDLING=1 it then
 # waits for the flight recorder's dump (60 s by default) and aborts: no exception reaches the
@@ -106,7 +101,7 @@ class RankState:
                 return "exit"  # sys.exit(N), exit(N): the cell chose to end the rank
             if self.failure["type"].endswith("OutOfMemoryError"):
                 return "oom"
-            if _TIMED_OUT.search(self.failure["message"]):
+            if TIMED_OUT.search(self.failure["message"]):
                 return "collective_timeout"
             message = self.failure["message"]
             if _PEER_DIED.search(message) or (

@@ -55,6 +55,7 @@ __all__ = ["Job"]
 
 WATCH_S = 0.25  # the zombie watchdog and --hang-after look this often
 PEER_GONE_WAIT_S = 1.0  # for the rank whose going a peer error reports to be seen gone
+RELEASE_WAIT_S = 1.0  # for a held rank's word that it was released (it goes in any case)
 # For torch's agent to say it failed, when a rank died of its SIGTERM: the word is in the
 # launcher's pipe before the SIGTERM is sent, but a full run on 2 cores read it over 1 s later.
 # Only a SIGTERM from outside (a user's kill) waits this out.
@@ -367,6 +368,7 @@ class Job(RankGroup):
     async def _diagnose_timeout(self, r: RankState, kind: str) -> None:
         try:
             ev = await self._evidence()
+            self._release_held(r.attempt)
             found = diagnosis.timeout_finding(r, ev, self.spec, self.prompts.lines(r.attempt))
             if found.desync is not None:
                 self._blame(r.attempt, found.desync)
@@ -378,6 +380,16 @@ class Job(RankGroup):
             self._diagnosis_ended(r.attempt)
             self._fail_attempt(r, kind)
             self._decide_deferred()
+
+    def _release_held(self, attempt: int) -> None:
+        """The evidence is taken: the ranks whose collective timed out, holding their exit for it
+        (rank/recorder.hold_for_evidence), may go, and torch's agent then ends or restarts the
+        group as it would have."""
+        for x in self.book.of(attempt):
+            if x.died_at is None and x.kind(None) == "collective_timeout" and x.failure:
+                node = self.book.node(x)
+                release = protocol.rank_probes.PROBE_RELEASE
+                self.task_group.start_soon(node.probe, x, release, RELEASE_WAIT_S)
 
     async def _diagnose_peer(self, r: RankState, kind: str) -> None:
         """A peer of `r` went while `r` waited in a collective: if the one that went had

@@ -116,6 +116,13 @@ class Placement(ABC):
     def close(self) -> None:
         """After the group's end."""
 
+    def _stopped_since(self, at: float) -> None:
+        """torch's agent failed at `at` and then SIGTERMed its ranks: once that ends the group,
+        ranks that died since were stopped, not failed (a loaded machine may see their deaths
+        before the agent's word)."""
+        if self.g.decided and self.g.teardown_at is not None:
+            self.g.teardown_at = min(self.g.teardown_at, at)
+
 
 class OneMachine(Placement):
     multi_node = False
@@ -147,9 +154,7 @@ class OneMachine(Placement):
 
     def agent_failed(self, node: Node, why: str, at: float) -> None:
         self.g._decide("failed", why)
-        if self.g.teardown_at is not None:
-            # Its SIGTERMs came after `at`: ranks they ended were stopped, not failed.
-            self.g.teardown_at = min(self.g.teardown_at, at)
+        self._stopped_since(at)
 
 
 class InRounds(Placement):
@@ -185,6 +190,7 @@ class InRounds(Placement):
     def agent_failed(self, node: Node, why: str, at: float) -> None:
         if node in self.g.nodes and not self.g.decided and not self._changing:
             self.round_failed(why)
+            self._stopped_since(at)
 
     def close(self) -> None:
         self.rounds.close()

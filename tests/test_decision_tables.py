@@ -15,6 +15,7 @@ import json
 import os
 import re
 import threading
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from signal import SIGABRT, SIGINT, SIGKILL, SIGSEGV, SIGTERM
@@ -515,6 +516,70 @@ def test_a_job_whose_nodes_never_came_ends_with_cause_nodes(tmp_path: Path) -> N
     assert (s["outcome"], s["cause"]) == ("failed", "nodes"), s
     assert "only 1 of the 2 nodes it needs were there within 1.0 s" in s["reason"]
     assert report.CAUSE_HINTS["nodes"] in "\n".join(report.failure_report(s))
+
+
+@pytest.mark.unit
+def test_across_machines_the_ranks_a_failed_agent_ended_were_stopped(tmp_path: Path) -> None:
+    """torch's agent on the notebook's machine failed (its rendezvous refused a forged state)
+    and SIGTERMed its rank; a loaded supervisor saw the rank's death before the agent's word.
+    The round failed because the agent did: the rank it ended was stopped, not the root (as on
+    one machine)."""
+    spec = a_spec(tmp_path, nnodes="1:2")
+    sent: list[dict[str, Any]] = []
+
+    async def send(msg: Any) -> None:
+        sent.append(dict(msg))
+
+    class NoAgents:
+        addr = "127.0.0.1"
+        changed = anyio.Event()
+
+        def ready(self) -> list[Any]:
+            return []
+
+    async def store() -> tuple[Any, int]:
+        return None, 0
+
+    nodes: list[FakeNode] = []
+
+    def local() -> FakeNode:
+        nodes.append(FakeNode(job.rd))
+        return nodes[-1]
+
+    machines = Machines(
+        cluster=NoAgents(),  # type: ignore[arg-type]
+        local=local,
+        store=store,
+        end_store=lambda _: None,
+    )
+    meta = {"display": True, "modules": {}, "objects": [], "pull": []}
+    job = Job(Submission("cafe0001", spec, "x = 1\n", meta, None), {}, None, send, machines)
+    job.prepare()
+
+    async def until(predicate: Callable[[], bool]) -> None:
+        while not predicate():
+            await anyio.sleep(0.01)
+
+    async def main() -> None:
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(job.run)
+                await until(lambda: bool(nodes))
+                node = nodes[0]
+                node.start_ranks(0, {0: 100})
+                await until(lambda: len(job.book.of(0)) == 1)
+                failed_at = time.time()
+                node.rank_dies(0, 0, -SIGTERM)
+                await until(lambda: job.book.of(0)[0].died_at is not None)
+                error = "RendezvousStateError: the rendezvous state was not written by this job"
+                node.say(protocol.launcher.AGENT_FAILED, error=error, t=failed_at)
+                await until(lambda: job.summary is not None)
+
+    anyio.run(main)
+    (end,) = [m for m in sent if m["kind"] == protocol.kernel.END]
+    s = end["summary"]
+    assert s["outcome"] == "failed" and s["failure"] is None, s
+    assert "torchelastic's agent failed on node 0" in s["reason"], s["reason"]
 
 
 # ---- the flags a session's cell takes --------------------------------------------------------

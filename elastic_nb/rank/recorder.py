@@ -167,8 +167,9 @@ def _serve(fifo: Path, answer: Path, cell: str, stacks: TextIO) -> None:
                 write_json(answer, {"time": time.time(), "taken": taken, "req": int(request[0])})
                 continue
             if request[1] == PROBE_RELEASE:
-                _released.set()
+                # Answered first: the released rank exits at once, this thread with it.
                 write_json(answer, {"time": time.time(), "released": True, "req": int(request[0])})
+                _released.set()
                 continue
             if request[1] == PROBE_STACKS:
                 # faulthandler called with the GIL held: no other thread moves its frames

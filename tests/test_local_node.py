@@ -89,6 +89,25 @@ def test_a_stack_dump_is_read_whole_when_its_rank_pauses_in_the_middle(tmp_path:
         rank.wait()
 
 
+def test_a_rank_seen_gone_is_not_alive_while_its_exit_status_is_on_its_way(tmp_path: Path) -> None:
+    """A forked rank's exit status comes from its launcher, up to seconds after its pidfd said
+    it ended (a loaded machine); the book counts it dead only then. Meanwhile it is not alive:
+    a session's next cell, sent in that window, met a dead rank (test_session's rank killed
+    between cells, once in a full run)."""
+    rd = RunDir(str(tmp_path))
+    rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        r = RankState(0, 0, pid=rank.pid, started_at=time.time())
+        node = LocalNode(rd, LauncherPool(str(tmp_path / "pool")), list, lambda: None)
+        assert node.alive(r)
+        rank.kill()
+        anyio.run(node.wait_gone, r)
+        assert r.died_at is None and not node.alive(r)
+    finally:
+        rank.kill()
+        rank.wait()
+
+
 _PAUSING_DUMPER = """
 import signal, time
 def dump(*_):

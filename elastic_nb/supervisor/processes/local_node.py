@@ -57,6 +57,9 @@ class LocalNode(Node):
         self._tree: ProcessTree | None = None
         self._spec: JobSpec | None = None
         self._pidfds: dict[tuple[int, int], int] = {}  # open while a rank is watched
+        # Ranks seen gone whose exit status may still be on its way (a forked rank's comes from
+        # its launcher): not alive, though not yet dead in the book.
+        self._exited: set[tuple[int, int]] = set()
         self._probe_numbers = itertools.count(1)
         self._probe_locks: dict[tuple[int, int], anyio.Lock] = {}
 
@@ -122,12 +125,13 @@ class LocalNode(Node):
                 del self._pidfds[(r.attempt, r.rank)]
                 os.close(fd)
         gone = time.time(), time.monotonic()
+        self._exited.add((r.attempt, r.rank))
         if r.exit_code is None:
             r.exit_code = procs.zombie_exit_code(r.pid)
         return gone
 
     def alive(self, r: RankState) -> bool:
-        if r.died_at is not None:
+        if r.died_at is not None or (r.attempt, r.rank) in self._exited:
             return False
         fd = self._pidfds.get((r.attempt, r.rank))
         return fd is None or not select.select([fd], [], [], 0)[0]

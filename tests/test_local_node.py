@@ -93,7 +93,7 @@ def test_a_rank_seen_gone_is_not_alive_while_its_exit_status_is_on_its_way(tmp_p
     """A forked rank's exit status comes from its launcher, up to seconds after its pidfd said
     it ended (a loaded machine); the book counts it dead only then. Meanwhile it is not alive:
     a session's next cell, sent in that window, met a dead rank (test_session's rank killed
-    between cells, once in a full run)."""
+    between cells, once in a full run). Nor is it signalled by a pid that is no longer its."""
     rd = RunDir(str(tmp_path))
     rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
@@ -103,6 +103,7 @@ def test_a_rank_seen_gone_is_not_alive_while_its_exit_status_is_on_its_way(tmp_p
         rank.kill()
         anyio.run(node.wait_gone, r)
         assert r.died_at is None and not node.alive(r)
+        assert not node.signal(r, signal.SIGTERM)  # its pid may be another process's by now
     finally:
         rank.kill()
         rank.wait()

@@ -137,8 +137,8 @@ class LocalNode(Node):
         return fd is None or not select.select([fd], [], [], 0)[0]
 
     def signal(self, r: RankState, sig: int) -> bool:
-        if r.pid is None:
-            return False
+        if r.pid is None or not self.alive(r):
+            return False  # gone: its pid may be another process's by now
         return procs.send_signal(r.pid, self._pidfds.get((r.attempt, r.rank)), sig)
 
     def unreaped(self, r: RankState) -> bool:

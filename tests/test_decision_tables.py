@@ -381,6 +381,42 @@ def test_a_step_whose_commit_failed_on_one_node_fails_on_every_rank(
     assert committed_steps(roots[1]) == []
 
 
+@pytest.mark.unit
+def test_a_committed_step_is_recorded_though_a_peer_is_lost_as_the_ranks_compare(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Rank 0 committed step 14 (a load takes it from then on); a peer's machine went before
+    the ranks compared their commits, and that comparison raised. The step is recorded for the
+    notebook all the same: the restart's words named step 9 while the next attempt resumed
+    from step 14 (the elastic_restarts_and_checkpoints notebook, once in a full run)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    monkeypatch.setenv(RUN_DIR_ENV, str(run))
+    root = str(tmp_path / "ckpt")
+    name = step_name(14, "cafe0001")
+    directory = Directory(root)
+    os.makedirs(directory.path(name))
+    Path(directory.path(name, ".metadata")).write_bytes(b"metadata")
+
+    class PeerLost:
+        rank, world, group = 0, 2, None
+        calls = 0
+
+        def all_ok(self, ok: bool) -> bool:
+            self.calls += 1
+            if self.calls == 2:  # the comparison of the commits
+                raise RuntimeError("Connection closed by peer")
+            return ok
+
+    ranks: Any = PeerLost()
+    commit = Commit(directory, ranks, Layout(True, 0, ((0, 1),)), 14, name, 0.0, False, 3, False)
+    with pytest.raises(RuntimeError, match="Connection closed by peer"):
+        commit(None)
+    assert committed_steps(root) == [14]
+    (saved,) = CheckpointLog(run / "checkpoints.jsonl").poll()
+    assert (saved["event"], saved["step"]) == ("saved", 14)
+
+
 # ---- the cause classes ---------------------------------------------------------------------
 
 

@@ -87,13 +87,17 @@ class Commit:
                 self.directory.clean(self.keep)
             except OSError as e:
                 failed = e
+            else:
+                if self.ranks.rank == 0:  # the lowest rank leads its view of the directory
+                    # Said as it counts (a load takes it from here), not after the ranks have
+                    # compared their commits: a peer lost meanwhile fails that comparison, and
+                    # the next attempt resumes from a step the notebook was never told of.
+                    self.saved(committed, size)
         if not self.ranks.all_ok(failed is None):
             raise RuntimeError(
                 f"elastic_nb.checkpoint: step {self.step} was written but not committed"
                 + (f": {failed}" if failed else " on every node (see the other ranks' logs)")
             )
-        if self.ranks.rank == 0:
-            self.saved(committed, size)
 
     def saved(self, committed: float, size: int) -> None:
         returned = self.returned if self.returned is not None else committed

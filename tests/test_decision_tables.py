@@ -512,35 +512,54 @@ def test_each_cause_class_is_what_its_failure_ends_with(tmp_path: Path, scenario
     assert report.CAUSE_HINTS[cause] in "\n".join(report.failure_report(s))  # type: ignore[arg-type]
 
 
-@pytest.mark.unit
-def test_a_job_whose_nodes_never_came_ends_with_cause_nodes(tmp_path: Path) -> None:
-    """--nnodes 2 with no agent joined: the job waits `join_timeout` (1 s here), then fails with
-    cause `nodes` and its hint (not the launcher's: none ever started)."""
-    spec = a_spec(tmp_path, nnodes="2", rdzv_conf=["join_timeout=1"])
+class NoAgents:
+    """A supervisor's cluster that no join agent has joined."""
+
+    addr = "127.0.0.1"
+
+    def __init__(self) -> None:
+        self.changed = anyio.Event()
+
+    def ready(self) -> list[Any]:
+        return []
+
+
+def multi_node_job(
+    tmp_path: Path, **options: Any
+) -> tuple[Job, list[FakeNode], list[dict[str, Any]]]:
+    """A job across machines (`options`: its flags) with no agent joined: this machine's nodes
+    are FakeNodes (one a round, as they are made), and what the job sends the kernel."""
+    spec = a_spec(tmp_path, **options)
     sent: list[dict[str, Any]] = []
+    nodes: list[FakeNode] = []
 
     async def send(msg: Any) -> None:
         sent.append(dict(msg))
 
-    class NoAgents:
-        addr = "127.0.0.1"
-        changed = anyio.Event()
-
-        def ready(self) -> list[Any]:
-            return []
-
     async def store() -> tuple[Any, int]:
         return None, 0
 
+    def local() -> FakeNode:
+        nodes.append(FakeNode(job.rd))
+        return nodes[-1]
+
     machines = Machines(
         cluster=NoAgents(),  # type: ignore[arg-type]
-        local=lambda: FakeNode(job.rd),
+        local=local,
         store=store,
         end_store=lambda _: None,
     )
     meta = {"display": True, "modules": {}, "objects": [], "pull": []}
     job = Job(Submission("cafe0001", spec, "x = 1\n", meta, None), {}, None, send, machines)
     job.prepare()
+    return job, nodes, sent
+
+
+@pytest.mark.unit
+def test_a_job_whose_nodes_never_came_ends_with_cause_nodes(tmp_path: Path) -> None:
+    """--nnodes 2 with no agent joined: the job waits `join_timeout` (1 s here), then fails with
+    cause `nodes` and its hint (not the launcher's: none ever started)."""
+    job, _, sent = multi_node_job(tmp_path, nnodes="2", rdzv_conf=["join_timeout=1"])
 
     async def main() -> None:
         with anyio.fail_after(20):
@@ -560,37 +579,7 @@ def test_across_machines_the_ranks_a_failed_agent_ended_were_stopped(tmp_path: P
     and SIGTERMed its rank; a loaded supervisor saw the rank's death before the agent's word.
     The round failed because the agent did: the rank it ended was stopped, not the root (as on
     one machine)."""
-    spec = a_spec(tmp_path, nnodes="1:2")
-    sent: list[dict[str, Any]] = []
-
-    async def send(msg: Any) -> None:
-        sent.append(dict(msg))
-
-    class NoAgents:
-        addr = "127.0.0.1"
-        changed = anyio.Event()
-
-        def ready(self) -> list[Any]:
-            return []
-
-    async def store() -> tuple[Any, int]:
-        return None, 0
-
-    nodes: list[FakeNode] = []
-
-    def local() -> FakeNode:
-        nodes.append(FakeNode(job.rd))
-        return nodes[-1]
-
-    machines = Machines(
-        cluster=NoAgents(),  # type: ignore[arg-type]
-        local=local,
-        store=store,
-        end_store=lambda _: None,
-    )
-    meta = {"display": True, "modules": {}, "objects": [], "pull": []}
-    job = Job(Submission("cafe0001", spec, "x = 1\n", meta, None), {}, None, send, machines)
-    job.prepare()
+    job, nodes, sent = multi_node_job(tmp_path, nnodes="1:2")
 
     async def until(predicate: Callable[[], bool]) -> None:
         while not predicate():

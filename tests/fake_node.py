@@ -42,6 +42,9 @@ class FakeNode(Node):
         self.kills: int | None = None  # the OOM killer's count where the ranks run
         self.stopped = False
         self.closed = False
+        # Ranks the stop ends seen gone with their exit status untold (a loaded machine's launcher,
+        # which tells a forked rank's, went before it did)
+        self.untold_at_stop: set[int] = set()
         self.asked: list[
             tuple[int, str]
         ] = []  # (rank, what) of each stack dump and probe, in order
@@ -170,7 +173,11 @@ class FakeNode(Node):
         self.stopped = True
         on_signal("SIGTERM", [])
         for (attempt, rank), gone in list(self._gone.items()):
-            if not gone.is_set():
+            if gone.is_set():
+                continue
+            if rank in self.untold_at_stop:
+                gone.set()
+            else:
                 self.rank_dies(attempt, rank, self._codes.get((attempt, rank), -signal.SIGTERM))
         self._say.close()
         self._launcher_exited.set()

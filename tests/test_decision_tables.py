@@ -607,6 +607,42 @@ def test_across_machines_the_ranks_a_failed_agent_ended_were_stopped(tmp_path: P
     assert "torchelastic's agent failed on node 0" in s["reason"], s["reason"]
 
 
+@pytest.mark.unit
+def test_the_ranks_a_round_change_stopped_show_so_though_a_status_is_untold(tmp_path: Path) -> None:
+    """A round ended for the next (a node left, one joined): its ranks' chips in the timeline
+    say "stopped for the next round", also the one whose exit status its node had not told yet
+    when the stop ended (a forked rank's comes from its launcher, which went with the round).
+    None stays "running" in an attempt that is over (test_multinode, once in a full run)."""
+    job, nodes, sent = multi_node_job(tmp_path, nnodes="1:2", start_method="forkserver")
+
+    async def until(predicate: Callable[[], bool]) -> None:
+        while not predicate():
+            await anyio.sleep(0.01)
+
+    async def main() -> None:
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(job.run)
+                await until(lambda: bool(nodes))
+                nodes[0].start_ranks(0, {0: 100, 1: 101})
+                await until(lambda: len(job.book.of(0)) == 2)
+                nodes[0].untold_at_stop = {1}  # rank 0's status told at once, rank 1's late
+                job.new_round("node-2 left", counted=False)
+                await until(lambda: len(nodes) == 2)  # the next round has begun
+                seen.extend(sent)
+                tg.cancel_scope.cancel()
+
+    seen: list[dict[str, Any]] = []
+    anyio.run(main)
+    chips: dict[str, dict[str, Any]] = {}
+    for m in seen:
+        if m["kind"] == protocol.kernel.UPDATE:
+            chips.update({r: c for r, c in m.get("ranks", {}).items() if c["attempt"] == 0})
+    assert {r: (c["state"], c["label"]) for r, c in chips.items()} == {
+        r: ("stopped", "stopped for the next round") for r in ("0", "1")
+    }, chips
+
+
 # ---- the flags a session's cell takes --------------------------------------------------------
 
 

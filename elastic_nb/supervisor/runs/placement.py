@@ -295,10 +295,13 @@ class InRounds(Placement):
         """The ended round's ranks as its end left them, for the timeline: a rank stopped for the
         next round says so (it stayed "running" there); one that failed or was lost keeps its
         word. Sent before the next round's chips take their ranks' places (an update holds one
-        chip a rank)."""
+        chip a rank), so a rank the book still counts running is gone all the same: the stop
+        ended every process of the round, and its node saw it go; its exit status (a forked
+        rank's, from the launcher the round's end took too) may come seconds later or never. A lost
+        node's ranks are not among them: its loss tells their ends at once (RemoteNode.on_lost)."""
         for r in self.g.book.of(attempt):
             chip = self.g.book.chip(r, at)
-            if r.kind(at) == "terminated":
+            if r.kind(at) == "terminated" or chip["state"] == "running":
                 chip["state"], chip["label"] = "stopped", "stopped for the next round"
             self.g.report.chip(r.rank, chip)
         await self.g._flush()

@@ -74,6 +74,7 @@ def test_nested_records_are_checked_whole_and_the_field_named() -> None:
     memory peaks) is checked as deep as its type goes; the error names the first field that
     does not fit, by its path."""
     group = {
+        "round": 0,
         "launcher": 42,
         "launcher_alive": True,
         "state": ["S", "sleeping"],
@@ -85,7 +86,7 @@ def test_nested_records_are_checked_whole_and_the_field_named() -> None:
     beat = {"kind": "beat", "t": 1.0, "groups": {"cafe0001": group}}
     assert protocol.agents.node_news(beat) == beat
     with pytest.raises(
-        protocol.wire.ProtocolError, match=r"beat: groups\['g'\]\.launcher is missing"
+        protocol.wire.ProtocolError, match=r"beat: groups\['g'\]\.round is missing"
     ):
         protocol.agents.node_news({**beat, "groups": {"g": {"bogus": 1}}})
     with pytest.raises(

@@ -34,7 +34,7 @@ def _node(tmp_path: Path, sent: list[Any]) -> RemoteNode:
 
     link = JoinAgentLink(send, lambda *a: None, b"peer", 1, machine.describe("10.0.0.2", ""), "x:1")
     node = RemoteNode(RunDir(str(tmp_path)), link, 0, None, {})
-    node._group = "g1"  # as start() leaves it
+    node._group, node.round = "g1", 0  # as start() leaves it
     link.nodes["g1"] = node
     return node
 
@@ -49,10 +49,92 @@ def test_a_rounds_news_that_nobody_reads_any_more_is_dropped(tmp_path: Path) -> 
         said = protocol.agents.LauncherSaid(
             kind=protocol.agents.LAUNCHER,
             group="g1",
+            round=0,
             msg={"kind": "start", "attempt": 0, "rank": 0, "pid": 123},
         )
         node.link.dispatch(said, None)  # raised BrokenResourceError
         assert (0, 0) in node._gone  # what it said is still known
+
+    anyio.run(main)
+
+
+def test_a_closed_rounds_late_news_is_not_taken_as_the_next_rounds(tmp_path: Path) -> None:
+    """A group's rounds on an agent share its id: the agent can send the last word of a round's
+    launcher (its exit, after the mirror's sweep) after the supervisor has closed that round and
+    opened the next there. Taken as the new launcher's exit, it failed a round that had just
+    begun ("torchelastic gave up: launcher received SIGTERM", the old launcher's end) and spent
+    a restart (test_notebooks, once in a full run). Each piece of news names its round; another
+    round's is dropped, the node's own is taken."""
+
+    async def main() -> None:
+        node = _node(tmp_path, [])
+        node.round = 2  # the round after a join: the agent still tells of round 1
+        link, group = node.link, "g1"
+        late: list[protocol.agents.NodeNews] = [
+            protocol.agents.LauncherSaid(
+                kind=protocol.agents.LAUNCHER,
+                group=group,
+                round=1,
+                msg={"kind": "start", "attempt": 1, "rank": 1, "pid": 100},
+            ),
+            protocol.agents.RankGone(
+                kind=protocol.agents.RANK_GONE,
+                group=group,
+                round=1,
+                attempt=1,
+                rank=1,
+                t=0.0,
+                code=-15,
+            ),
+            protocol.agents.MemoryRead(
+                kind=protocol.agents.MEMORY,
+                group=group,
+                round=1,
+                rss={"1": 5},
+                gpu={},
+                limit=None,
+                gpus=False,
+            ),
+            protocol.agents.LauncherExit(
+                kind=protocol.agents.LAUNCHER_EXIT,
+                group=group,
+                round=1,
+                outcome="failed",
+                reason="torchelastic gave up: launcher received SIGTERM",
+            ),
+        ]
+        for msg in late:
+            link.dispatch(msg, None)
+        beat = protocol.agents.GroupBeat(
+            round=1,
+            launcher=100,
+            launcher_alive=False,
+            state=None,
+            tick_age=None,
+            running=False,
+            zombies=[[1, 1]],
+            oom_kills=None,
+        )
+        link.dispatch(
+            protocol.agents.Beat(kind=protocol.agents.BEAT, t=0.0, groups={group: beat}), None
+        )
+        assert not node._exited.is_set() and node._outcome[0] == "failed"
+        assert "never reported" in node._outcome[1], node._outcome
+        assert not node._gone and not node._seen_gone and node._beat is None
+        assert node._reading.rss == {}
+
+        own = protocol.agents.LauncherExit(
+            kind=protocol.agents.LAUNCHER_EXIT,
+            group=group,
+            round=2,
+            outcome="succeeded",
+            reason="every rank finished",
+        )
+        link.dispatch(own, None)
+        assert node._exited.is_set() and node._outcome == (
+            "succeeded",
+            f"{node.label}: every rank finished",
+        )
 
     anyio.run(main)
 
@@ -218,7 +300,9 @@ def test_a_node_writes_only_the_files_of_the_ranks_its_launcher_started(tmp_path
         def started(rank: int) -> None:
             msg = {"kind": "start", "attempt": 0, "rank": rank, "pid": 100 + rank}
             link.dispatch(
-                protocol.agents.LauncherSaid(kind=protocol.agents.LAUNCHER, group="g1", msg=msg),
+                protocol.agents.LauncherSaid(
+                    kind=protocol.agents.LAUNCHER, group="g1", round=0, msg=msg
+                ),
                 None,
             )
 

@@ -120,10 +120,16 @@ STREAM_SESSION = "session"
 BEAT_S = 0.25
 LOST_AFTER_S = 1.75
 
+# A group's rounds on an agent's machine share its id, and a round's last news (its launcher's
+# exit, after the mirror's sweep) can come after the supervisor has closed it and opened the
+# next there: every piece of a group's news names its round (`round`: the round's attempt), and
+# the supervisor takes only its open round's.
+
 
 class GroupBeat(TypedDict):
     """A group's processes on an agent's machine, as its LocalNode sees them now."""
 
+    round: int  # its round's attempt: the supervisor drops a closed round's news
     launcher: int | None
     launcher_alive: bool
     state: list[str] | None  # the launcher's process state (letter, words)
@@ -160,12 +166,14 @@ class Beat(TypedDict):
 class LauncherSaid(TypedDict):
     kind: Literal["launcher"]
     group: str
+    round: int  # its round's attempt: the supervisor drops a closed round's news
     msg: dict[str, Any]  # a launcher message (launcher_news checks it)
 
 
 class LauncherExit(TypedDict):
     kind: Literal["launcher_exit"]
     group: str
+    round: int  # its round's attempt: the supervisor drops a closed round's news
     outcome: str
     reason: str
 
@@ -173,6 +181,7 @@ class LauncherExit(TypedDict):
 class RankGone(TypedDict):
     kind: Literal["rank_gone"]
     group: str
+    round: int  # its round's attempt: the supervisor drops a closed round's news
     attempt: int
     rank: int
     t: float  # when the agent saw it go (its clock)
@@ -190,6 +199,7 @@ class FileChunk(TypedDict):
 class MemoryRead(TypedDict):
     kind: Literal["memory"]
     group: str
+    round: int  # its round's attempt: the supervisor drops a closed round's news
     rss: dict[str, int]
     gpu: dict[str, GpuShare]
     limit: dict[str, Any] | None  # host_memory.MemoryLimit's fields

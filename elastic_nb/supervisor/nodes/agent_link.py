@@ -34,6 +34,8 @@ ORDER_S = 60.0  # an order with no time of its own (an open: a launcher taken; a
 class GroupRound(Protocol):
     """What hears a group's news from the agent: its round's node there."""
 
+    round: int | None  # the round's attempt
+
     def on_beat(self, beat: protocol.agents.GroupBeat) -> None: ...
     def on_news(self, msg: protocol.agents.NodeNews) -> None: ...
     def on_lost(self, why: str, at: float) -> None:
@@ -188,7 +190,7 @@ class JoinAgentLink:
     def _on_beat(self, msg: protocol.agents.Beat, _b: bytes | None) -> None:
         for group, beat in msg["groups"].items():
             node = self.nodes.get(group)
-            if node is not None:
+            if node is not None and node.round == beat["round"]:
                 node.on_beat(beat)
 
     def _on_answer(self, msg: protocol.agents.Answer, _b: bytes | None) -> None:
@@ -241,10 +243,12 @@ class JoinAgentLink:
         ),
         _b: bytes | None,
     ) -> None:
-        """A group's news (its launcher's word and exit, a rank gone, memory), to its node."""
+        """A group's news (its launcher's word and exit, a rank gone, memory), to its node: the
+        node of its round (protocol.agents: a closed round's news can come after the next round
+        has opened there; nobody listens to it any more)."""
         node = self.nodes.get(msg["group"])
-        if node is None:
-            return  # the news of a round that has been closed here: nobody listens any more
+        if node is None or node.round != msg["round"]:
+            return
         node.on_news(msg)
 
     def gone(self, state: str, why: str) -> None:

@@ -67,6 +67,7 @@ class RemoteNode(Node):
         self._session_streams = session_streams
         self._ship = ship
         self._group: str | None = None
+        self.round: int | None = None  # its round's attempt: the agent's news of another is not its
         self._news, self._said = anyio.create_memory_object_stream[protocol.launcher.LauncherNews](
             math.inf
         )
@@ -90,7 +91,7 @@ class RemoteNode(Node):
     async def start(self, work: Work) -> bool:
         group, spec, plan = work.group, work.spec, work.plan
         assert plan is not None, "a node on another machine runs multi-node rounds only"
-        self._group = group
+        self._group, self.round = group, plan["attempt"]
         agent = self.link
         files = b""
         if (group, "") not in agent.dirs:  # the agent has not served this group yet

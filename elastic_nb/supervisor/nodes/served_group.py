@@ -59,6 +59,7 @@ class ServedGroup:
         self.session = session
         self.spec: JobSpec | None = None
         self.node: LocalNode | None = None  # the current round's
+        self.attempt = 0  # the current (or last) round's: its news names it
         self.ranks: dict[tuple[int, int], RankState] = {}
         # (attempt, rank) the supervisor has been told the launcher started: their files may go
         # (files.NodeFiles refuses a rank's file it has not heard of).
@@ -116,13 +117,14 @@ class ServedGroup:
         )
         hands = self._hands
         node = self.node = LocalNode(self.rd, hands.pool, hands.orphans, hands.reap)
+        self.attempt = launch["attempt"]
         self.oom_base = node.oom_kills()
         env = dict(os.environ)
         if self.socket_path is not None:
             env[protocol.sessions.SESSION_SOCKET_ENV] = str(self.socket_path)
         env.update(msg["env"])
         warm = await node.start(Work(self.id, self.spec, env, launch))
-        hands.tg.start_soon(self._read_launcher, node)
+        hands.tg.start_soon(self._read_launcher, node, self.attempt)
         return protocol.agents.Opened(warm=warm, launcher=node.launcher_pid)
 
     async def close_round(self) -> None:
@@ -157,7 +159,7 @@ class ServedGroup:
         rd.spec.write_text(spec.to_json())
         return spec
 
-    async def _read_launcher(self, node: LocalNode) -> None:
+    async def _read_launcher(self, node: LocalNode, round_: int) -> None:
         """The round's launcher: what it says, to the supervisor; a watcher per rank it starts."""
         send = self._hands.send
         async for msg in node.messages():
@@ -166,7 +168,7 @@ class ServedGroup:
                 self.ranks[(r.attempt, r.rank)] = r
                 self._hands.tg.start_soon(self._watch_rank, node, r)
             said = protocol.agents.LauncherSaid(
-                kind=protocol.agents.LAUNCHER, group=self.id, msg=dict(msg)
+                kind=protocol.agents.LAUNCHER, group=self.id, round=round_, msg=dict(msg)
             )
             await send(said, None)
             if msg["kind"] == protocol.launcher.START:
@@ -175,7 +177,11 @@ class ServedGroup:
         outcome, reason = node.launcher_outcome(self.rd.launcher_log)
         await self._hands.mirror.sweep(self.id)
         exited = protocol.agents.LauncherExit(
-            kind=protocol.agents.LAUNCHER_EXIT, group=self.id, outcome=outcome, reason=reason
+            kind=protocol.agents.LAUNCHER_EXIT,
+            group=self.id,
+            round=round_,
+            outcome=outcome,
+            reason=reason,
         )
         await send(exited, None)
 
@@ -188,6 +194,7 @@ class ServedGroup:
         gone = protocol.agents.RankGone(
             kind=protocol.agents.RANK_GONE,
             group=self.id,
+            round=r.attempt,  # a round's launcher runs one attempt, the round's
             attempt=r.attempt,
             rank=r.rank,
             t=seen,
@@ -203,6 +210,7 @@ class ServedGroup:
         agent = node.torch_agent() if node.launcher_pid else None
         kills = node.oom_kills()
         return protocol.agents.GroupBeat(
+            round=self.attempt,
             launcher=node.launcher_pid,
             launcher_alive=node.launcher_alive(),
             state=list(agent.state) if agent and agent.state else None,
@@ -221,6 +229,7 @@ class ServedGroup:
         return protocol.agents.MemoryRead(
             kind=protocol.agents.MEMORY,
             group=self.id,
+            round=self.attempt,
             rss={str(k): v for k, v in reading.rss.items()},
             gpu={str(k): v for k, v in reading.gpu.items()},
             limit=None if reading.limit is None else vars(reading.limit),

@@ -555,6 +555,27 @@ def multi_node_job(
     return job, nodes, sent
 
 
+async def until(predicate: Callable[[], bool]) -> None:
+    """Until `predicate` holds (the caller's bound says how long at most)."""
+    while not predicate():
+        await anyio.sleep(0.01)
+
+
+def play(job: Job, nodes: list[FakeNode], scene: Callable[[FakeNode], Awaitable[None]]) -> None:
+    """Run `job` while `scene` plays its first node's launcher and ranks (20 s at most); a job
+    still running when the scene ends is stopped."""
+
+    async def main() -> None:
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(job.run)
+                await until(lambda: bool(nodes))
+                await scene(nodes[0])
+                tg.cancel_scope.cancel()
+
+    anyio.run(main)
+
+
 @pytest.mark.unit
 def test_a_job_whose_nodes_never_came_ends_with_cause_nodes(tmp_path: Path) -> None:
     """--nnodes 2 with no agent joined: the job waits `join_timeout` (1 s here), then fails with
@@ -581,26 +602,17 @@ def test_across_machines_the_ranks_a_failed_agent_ended_were_stopped(tmp_path: P
     one machine)."""
     job, nodes, sent = multi_node_job(tmp_path, nnodes="1:2")
 
-    async def until(predicate: Callable[[], bool]) -> None:
-        while not predicate():
-            await anyio.sleep(0.01)
+    async def scene(node: FakeNode) -> None:
+        node.start_ranks(0, {0: 100})
+        await until(lambda: len(job.book.of(0)) == 1)
+        failed_at = time.time()
+        node.rank_dies(0, 0, -SIGTERM)
+        await until(lambda: job.book.of(0)[0].died_at is not None)
+        error = "RendezvousStateError: the rendezvous state was not written by this job"
+        node.say(protocol.launcher.AGENT_FAILED, error=error, t=failed_at)
+        await until(lambda: job.summary is not None)
 
-    async def main() -> None:
-        with anyio.fail_after(20):
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(job.run)
-                await until(lambda: bool(nodes))
-                node = nodes[0]
-                node.start_ranks(0, {0: 100})
-                await until(lambda: len(job.book.of(0)) == 1)
-                failed_at = time.time()
-                node.rank_dies(0, 0, -SIGTERM)
-                await until(lambda: job.book.of(0)[0].died_at is not None)
-                error = "RendezvousStateError: the rendezvous state was not written by this job"
-                node.say(protocol.launcher.AGENT_FAILED, error=error, t=failed_at)
-                await until(lambda: job.summary is not None)
-
-    anyio.run(main)
+    play(job, nodes, scene)
     (end,) = [m for m in sent if m["kind"] == protocol.kernel.END]
     s = end["summary"]
     assert s["outcome"] == "failed" and s["failure"] is None, s
@@ -614,26 +626,17 @@ def test_the_ranks_a_round_change_stopped_show_so_though_a_status_is_untold(tmp_
     when the stop ended (a forked rank's comes from its launcher, which went with the round).
     None stays "running" in an attempt that is over (test_multinode, once in a full run)."""
     job, nodes, sent = multi_node_job(tmp_path, nnodes="1:2", start_method="forkserver")
-
-    async def until(predicate: Callable[[], bool]) -> None:
-        while not predicate():
-            await anyio.sleep(0.01)
-
-    async def main() -> None:
-        with anyio.fail_after(20):
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(job.run)
-                await until(lambda: bool(nodes))
-                nodes[0].start_ranks(0, {0: 100, 1: 101})
-                await until(lambda: len(job.book.of(0)) == 2)
-                nodes[0].untold_at_stop = {1}  # rank 0's status told at once, rank 1's late
-                job.new_round("node-2 left", counted=False)
-                await until(lambda: len(nodes) == 2)  # the next round has begun
-                seen.extend(sent)
-                tg.cancel_scope.cancel()
-
     seen: list[dict[str, Any]] = []
-    anyio.run(main)
+
+    async def scene(node: FakeNode) -> None:
+        node.start_ranks(0, {0: 100, 1: 101})
+        await until(lambda: len(job.book.of(0)) == 2)
+        node.untold_at_stop = {1}  # rank 0's status told at once, rank 1's late
+        job.new_round("node-2 left", counted=False)
+        await until(lambda: len(nodes) == 2)  # the next round has begun
+        seen.extend(sent)
+
+    play(job, nodes, scene)
     chips: dict[str, dict[str, Any]] = {}
     for m in seen:
         if m["kind"] == protocol.kernel.UPDATE:

@@ -34,7 +34,8 @@ __all__ = [
 # records; 3: sessions; 4: typed messages, a reply's data; 5: memory samples; 6: nodes (join
 # agents); 7: a module a channel, nested records checked, memory samples with their limit; 8:
 # replies typed per request (a stop's answer from an agent: records, not pairs); 9: a rank's
-# prompt and the notebook's input; 10: the ranks waiting for a paused one (a prompt's, a chip's).
+# prompt and the notebook's input; 10: the ranks waiting for a paused one (a prompt's, a chip's);
+# 11: a join agent's news of a group names its round.
 VERSION = 11
 
 # A header line longer than this is a corrupt stream, not a message.

@@ -67,7 +67,7 @@ class RemoteNode(Node):
         self._session_streams = session_streams
         self._ship = ship
         self._group: str | None = None
-        self.round: int | None = None  # its round's attempt: the agent's news of another is not its
+        self.round: int | None = None  # its round's attempt (the agent's news names the round)
         self._news, self._said = anyio.create_memory_object_stream[protocol.launcher.LauncherNews](
             math.inf
         )

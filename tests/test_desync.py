@@ -5,6 +5,7 @@ hand-made histories for the shapes a 2-rank recording cannot show."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from typing import Any
 import pytest
 
 from elastic_nb.common.rundir import RunDir
+from elastic_nb.protocol.rank_probes import HOLD_FOR_EVIDENCE_S
 from elastic_nb.supervisor.forensics import stacks
 from elastic_nb.supervisor.forensics.collectives import (
     History,
@@ -436,10 +438,6 @@ def _holder(tmp_path: Path, error: str) -> subprocess.Popen[str]:
 
 
 def test_a_rank_whose_collective_timed_out_holds_its_exit_until_released(tmp_path: Path) -> None:
-    import json
-
-    from elastic_nb.protocol.rank_probes import HOLD_FOR_EVIDENCE_S
-
     p = _holder(tmp_path, TIMED_OUT_ERROR)
     # The supervisor's release, as LocalNode sends a probe (the FIFO's write end; opening it
     # waits for the probe thread's read end).
@@ -462,10 +460,6 @@ def test_a_rank_whose_collective_timed_out_holds_its_exit_until_released(tmp_pat
 def test_without_a_release_a_timed_out_rank_goes_after_the_bound(
     tmp_path: Path, error: str, holds: bool
 ) -> None:
-    import json
-
-    from elastic_nb.protocol.rank_probes import HOLD_FOR_EVIDENCE_S
-
     out, _ = _holder(tmp_path, error).communicate(timeout=HOLD_FOR_EVIDENCE_S + 30)
     said = json.loads(out)
     assert not said["released"]

@@ -132,11 +132,11 @@ def serve_probes(fifo: Path, answer: Path, cell: str, stacks: TextIO) -> bool:
     FIFO, this thread writes the snapshot, tagged with n, to `answer`; ``"<n> stacks <deadline>"``
     has every thread's stack written to `stacks` (see protocol.rank_probes.STACK_SIGNAL);
     ``"<n> answer <json>"`` hands the notebook's answer to the rank's input() (notebook_input.py),
-    and says whether one waited for it; ``"<n> release"`` ends `hold_for_evidence`. False where no probe can come: opening a FIFO
-    blocks until the other side opens it: an idle rank pays nothing. Where no FIFO can be made
-    (a --log-dir on a file system without them), the rank runs without: the supervisor then
-    finds a desync at the collective timeout, from the records ranks leave, and signals the
-    rank for its stacks."""
+    and says whether one waited for it; ``"<n> release"`` ends `hold_for_evidence`. False where
+    no probe can come: opening a FIFO blocks until the other side opens it: an idle rank pays
+    nothing. Where no FIFO can be made (a --log-dir on a file system without them), the rank
+    runs without: the supervisor then finds a desync at the collective timeout, from the records
+    ranks leave, and signals the rank for its stacks."""
     try:
         os.mkfifo(fifo, 0o600)
     except OSError as e:

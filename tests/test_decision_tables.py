@@ -44,6 +44,7 @@ from elastic_nb.supervisor.processes.zygote_process import ZygoteFailed
 from elastic_nb.supervisor.ranks.checkpoint_log import CheckpointLog
 from elastic_nb.supervisor.ranks.rank_state import RankState
 from elastic_nb.supervisor.runs.job import Job
+from elastic_nb.supervisor.runs.placement import InRounds
 from elastic_nb.supervisor.runs.rounds import Machines
 from elastic_nb.supervisor.runs.summary import closing_alerts as summary_alerts
 from elastic_nb.supervisor.runs.summary import summarize
@@ -632,7 +633,8 @@ def test_the_ranks_a_round_change_stopped_show_so_though_a_status_is_untold(tmp_
         node.start_ranks(0, {0: 100, 1: 101})
         await until(lambda: len(job.book.of(0)) == 2)
         node.untold_at_stop = {1}  # rank 0's status told at once, rank 1's late
-        job.new_round("node-2 left", counted=False)
+        assert isinstance(job.placement, InRounds)
+        job.placement.new_round("node-2 left", counted=False)
         await until(lambda: len(nodes) == 2)  # the next round has begun
         seen.extend(sent)
 

@@ -84,8 +84,10 @@ def test_a_waiting_rank_that_stops_at_a_prompt_of_its_own_keeps_its_paused_chip(
     report = Reporter("cafe0001", send)
 
     class Group(GroupPrompts):
+        teardown_at = None
+
         def __init__(self) -> None:
-            self.book, self.prompts, self.teardown_at = RankBook(rd), Prompts(rd), None
+            self.book, self.prompts = RankBook(rd), Prompts(rd)
             self._asker = lambda: report
 
     g = Group()

@@ -54,6 +54,11 @@ class GroupHooks:
         """A session's rank on another machine connects (relayed by its agent)."""
         await stream.aclose()
 
+    def _diagnose(self, what: str, r: RankState) -> None:
+        """Take the evidence the decision core asks for (decider.Diagnose), then tell it
+        (decider.Diagnosed). Only a kind whose ranks' ends the core judges is asked."""
+        raise NotImplementedError
+
     async def _launcher_ended(self, outcome: tuple[str, str]) -> tuple[str, str]:
         """The launcher exited, and said (or not) how: the outcome that gives the group."""
         return outcome

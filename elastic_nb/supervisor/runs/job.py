@@ -1,19 +1,16 @@
-"""One job in the supervisor: a rank group whose ranks run one cell, and what decides its end.
+"""One job in the supervisor: a rank group whose ranks run one cell, and what tells its end.
 
-A job runs until one thing *decides* its outcome, then it tears its process tree down and
-reports (the rank group's mechanics, `rank_group.RankGroup`). What decides, first come first
-served:
+A job runs until its outcome is decided (the decision core, `decider.Decider`, from the events
+the job hears), then it tears its process tree down and reports (the rank group's mechanics,
+`rank_group.RankGroup`). What the job adds to the group's events:
 
-* every rank of an attempt finished the cell and exited                  -> succeeded
-* a rank failed in the last attempt the restart budget allows           -> failed
-* a desync the flight recorders make certain, in the last attempt       -> failed
-* the launcher exited (torchelastic gave up, or the launcher broke)     -> from its result
-* torchelastic's agent stuck (the zombie watchdog)                      -> failed, or succeeded
-                                                                           if every rank had
-                                                                           finished the cell
-* `stop` from a client (interrupt, %elastic stop)                        -> interrupted / stopped
-* the --timeout deadline                                                 -> timeout
-* the supervisor shutting down (the kernel died)                         -> stopped
+* each rank's failure record as it appears, and NCCL's watchdog line       -> RankFailed, Watchdog
+* a desync the flight recorders make certain                              -> LookBegan, Diagnosed
+* torchelastic's agent stuck (the zombie watchdog)                        -> Ended: failed, or
+                                                                             succeeded if every
+                                                                             rank had finished
+* `stop` from a client (interrupt, %elastic stop)                          -> Ended: interrupted
+* the --timeout deadline                                                   -> Ended: timeout
 
 Deciding on our own observations rather than waiting for `elastic_launch` to return is what
 makes failures fast: torchelastic notices a dead rank at its next monitor tick and formats its
@@ -24,12 +21,12 @@ of the job is accounted for before the kernel hears the end.
 Diagnoses are the job's too: when a rank times out in a collective, the ranks desync or fall
 silent, the evidence (every stack, every flight recorder) is taken while they still live, and
 the attempt's decision waits for it (an unconfirmed desync must not swallow a rank's own
-exception, nor a teardown destroy the evidence of where the others were).
+exception, nor a teardown destroy the evidence of where the others were): the core asks for the
+evidence (`Diagnose`) and the job takes it (`_diagnose`).
 """
 
 from __future__ import annotations
 
-import signal
 import time
 from typing import Any
 
@@ -40,12 +37,12 @@ from elastic_nb import protocol
 from elastic_nb.common.spec import TEARS_DOWN
 from elastic_nb.common.submission import Submission
 from elastic_nb.supervisor.forensics.desync import Desync
-from elastic_nb.supervisor.forensics.verdict import FAILED, Verdict, analyze
+from elastic_nb.supervisor.forensics.verdict import Verdict, analyze
 from elastic_nb.supervisor.forensics.watchdogs import agent_stuck
 from elastic_nb.supervisor.processes.node import Node
 from elastic_nb.supervisor.ranks.evidence import Evidence, EvidenceCollector
 from elastic_nb.supervisor.ranks.rank_state import RankState
-from elastic_nb.supervisor.runs import diagnosis, summary
+from elastic_nb.supervisor.runs import decider, diagnosis, summary
 from elastic_nb.supervisor.runs.diagnosis import DesyncWatch, Finding
 from elastic_nb.supervisor.runs.rank_group import RankGroup
 from elastic_nb.supervisor.runs.reporter import Reporter, Send
@@ -54,12 +51,7 @@ from elastic_nb.supervisor.runs.rounds import Machines
 __all__ = ["Job"]
 
 WATCH_S = 0.25  # the zombie watchdog and --hang-after look this often
-PEER_GONE_WAIT_S = 1.0  # for the rank whose going a peer error reports to be seen gone
 RELEASE_WAIT_S = 1.0  # for a held rank's word that it was released (it goes in any case)
-# For torch's agent to say it failed, when a rank died of its SIGTERM: the word is in the
-# launcher's pipe before the SIGTERM is sent, but a full run on 2 cores read it over 1 s later.
-# Only a SIGTERM from outside (a user's kill) waits this out.
-AGENT_WORD_S = 3.0
 STOPPED = ("timeout", "interrupted", "stopped")  # outcomes that end a job from outside it
 
 
@@ -79,11 +71,6 @@ class Job(RankGroup):
         self._watchdog_fired = False  # the zombie watchdog stopped the agent
         self._next_watch = 0.0  # monotonic: the watchdogs' next look
         self._collector = EvidenceCollector(self.rd, self.book.node, cell.source)
-        # Diagnoses: at most one per attempt at a time; a failure that comes while one is under
-        # way waits for it.
-        self._under_way: set[int] = set()  # attempts being diagnosed
-        self._diagnosed = anyio.Event()  # replaced after each diagnosis ends
-        self._deferred: list[tuple[RankState, str]] = []
         self.finding: Finding | None = None  # what the summary says about a timeout or desync
         # The last hang or kept-alive watchdog alert's finding, by attempt: a job stopped while it
         # stood (--timeout, an interrupt, Stop) ends with it, not with "stopped" on every rank.
@@ -150,7 +137,7 @@ class Job(RankGroup):
                 node.ranks_up(self.spec)
 
     def _rank_ended(self, r: RankState) -> None:
-        self.evaluate(r)
+        self.hear(decider.RankExited(time.time(), r))
 
     def _on_watchdog_line(self, attempt: int, rank: int, line: str) -> None:
         r = self.book.get(attempt, rank)
@@ -163,9 +150,9 @@ class Job(RankGroup):
     def _poll(self) -> None:
         # Records land before the process exits (torch and Python teardown can take a while):
         # act on a failure at once.
-        if self.attempt not in self.replaced:
+        if self.attempt not in self.core.replaced:
             for r in self.book.new_failures(self.attempt):
-                self.evaluate(r)
+                self.hear(decider.RankFailed(time.time(), r))
         # The watchdogs' bounds are seconds: a look every WATCH_S (each reads the launcher's
         # /proc entries) is all they need.
         now = time.monotonic()
@@ -173,17 +160,6 @@ class Job(RankGroup):
             self._next_watch = now + WATCH_S
             self._watch_agent()
             self._watch_silence()
-
-    async def _launcher_ended(self, outcome: tuple[str, str]) -> tuple[str, str]:
-        # torchelastic gives up the moment a rank fails; a diagnosis under way (stacks taken
-        # while the others were still alive) decides first, or its verdict would be lost.
-        while self._under_way:
-            await self._diagnosed.wait()
-        return outcome
-
-    def _on_decided(self, outcome: str) -> None:
-        if outcome != "succeeded":
-            self.teardown_at = time.time()
 
     async def _before_teardown(self, outcome: str) -> None:
         # After a success, name what the cell left running before the teardown ends it.
@@ -205,69 +181,6 @@ class Job(RankGroup):
     def show(self, r: RankState) -> None:
         if r.attempt == self.attempt:
             self.report.chip(r.rank, self.book.chip(r, self.teardown_at))
-
-    def evaluate(self, r: RankState) -> None:
-        if r.attempt in self.replaced:
-            return  # a new round ended it: no failure of its own
-        self.show(r)
-        kind = r.kind(self.teardown_at)
-        if kind in FAILED:
-            if kind == "oom" and r.failure is not None:
-                title, text = diagnosis.oom_alert(r)
-                self.report.alert("oom", "error", title, rank=r.rank, text=text)
-            self._rank_failed(r, kind)
-        elif kind == "done":
-            ranks = self.book.of(r.attempt)
-            if len(ranks) == self.world_size and all(x.done and x.died_at for x in ranks):
-                self._decide("succeeded", "every rank finished the cell")
-
-    def _rank_failed(self, r: RankState, kind: str) -> None:
-        if r.attempt in self.book.failed_attempts:
-            return
-        if r.attempt in self._under_way:
-            self._deferred.append((r, kind))  # decided once the diagnosis under way has ended
-            return
-        if kind == "collective_timeout" and r.attempt == self.attempt:
-            # Hold the attempt's decision until every live rank's stack is on disk (the
-            # teardown would destroy the evidence of where the others were).
-            self._under_way.add(r.attempt)
-            self.task_group.start_soon(self._diagnose_timeout, r, kind)
-            return
-        if kind == "peer" and self.multi_node and r.attempt == self.attempt:
-            # Across machines a node whose ranks all finished the cell ends them (its agent's
-            # exit barrier), and their peers see the connection close at once: before the
-            # desync watch has looked. The ranks' records say whether the one that went had
-            # left the cell early.
-            self._under_way.add(r.attempt)
-            self.task_group.start_soon(self._diagnose_peer, r, kind)
-            return
-        if kind == "signal" and r.exit_code == -signal.SIGTERM and r.attempt == self.attempt:
-            # torch's agent ends its ranks with SIGTERM when it fails itself, and says so first
-            # (agent_failed): its word may still be on its way through the launcher's pipe.
-            self._under_way.add(r.attempt)
-            self.task_group.start_soon(self._hear_the_agent, r, kind)
-            return
-        self._fail_attempt(r, kind)
-
-    def _fail_attempt(self, r: RankState, kind: str, reason: str | None = None) -> None:
-        self.book.failed_attempts.add(r.attempt)
-        self.last_failure = (r.failed_at or time.time(), r.name, r.lost is not None)
-        self.report.event("attempt.failed", attempt=r.attempt, rank=r.rank, kind=kind)
-        # An exit(0) without finishing leaves torchelastic waiting forever for a return value
-        # (multiprocessing/api.py, _poll): no restart would come, so it ends the job.
-        if not self.restarts_left(r.attempt) or (kind == "exit0" and not self.multi_node):
-            self._decide("failed", reason or f"{r.name} {r.failure_summary()}")
-            return
-        self.report.set_state("restarting")
-        if self.multi_node:
-            # The next round, with the nodes there are (its own ranks' failure or departure
-            # spends a restart); the others of this round are ended with it.
-            self.new_round(reason or f"{r.name} {r.failure_summary()}", counted=True)
-        elif kind == "desync":
-            # In torch's eyes nothing has failed: the waiting ranks would sit in their
-            # collective until its timeout. Ending them makes the agent restart the group now.
-            waiting = [x for x in self.book.of(r.attempt) if x.died_at is None and x.done is None]
-            self.signal(waiting, signal.SIGTERM)
 
     # ---- watchdogs ----------------------------------------------------------------------------
 
@@ -305,7 +218,7 @@ class Job(RankGroup):
 
     def _watch_silence(self) -> None:
         """--hang-after (`watchdogs.Silence` judges): an alert with every stack, nothing ends."""
-        quiet = not self.decided and self.state == "running" and not self._under_way
+        quiet = not self.decided and self.state == "running" and not self.core.under_way
         now = time.monotonic()
         hang_after = self.spec.hang_after if quiet else None
         in_cell = self.book.in_the_cell(self.attempt)
@@ -326,8 +239,8 @@ class Job(RankGroup):
         self.report.event("rank.watchdog", attempt=r.attempt, rank=r.rank, line=line)
         mode = self.spec.async_error_handling
         if mode in TEARS_DOWN:
-            r.watchdog = {"time": time.time(), "line": line}
-            self.evaluate(r)  # a collective timeout: diagnosed, then the attempt fails
+            # a collective timeout: diagnosed, then the attempt fails
+            self.hear(decider.Watchdog(time.time(), r, line))
         elif r.attempt not in self._watchdog_alerts:
             # The rank lives on and the error may reach the cell, which may handle it: say
             # where every rank is (once an attempt: every rank's watchdog says it), end nothing.
@@ -365,7 +278,11 @@ class Job(RankGroup):
                 chip["label"] = places.get(r.rank, chip["label"])
                 self.report.chip(r.rank, chip)
 
-    async def _diagnose_timeout(self, r: RankState, kind: str) -> None:
+    def _diagnose(self, what: str, r: RankState) -> None:
+        diagnose = self._diagnose_timeout if what == "timeout" else self._diagnose_peer
+        self.task_group.start_soon(diagnose, r)
+
+    async def _diagnose_timeout(self, r: RankState) -> None:
         try:
             ev = await self._evidence()
             self._release_held(r.attempt)
@@ -377,9 +294,7 @@ class Job(RankGroup):
                 "collective_timeout", "error", found.title, rank=found.culprit, text=found.stacks
             )
         finally:
-            self._diagnosis_ended(r.attempt)
-            self._fail_attempt(r, kind)
-            self._decide_deferred()
+            self.hear(decider.Diagnosed(time.time(), r.attempt, "timeout", r))
 
     def _release_held(self, attempt: int) -> None:
         """The evidence is taken: the ranks whose collective timed out, holding their exit for it
@@ -391,43 +306,27 @@ class Job(RankGroup):
                 release = protocol.rank_probes.PROBE_RELEASE
                 self.task_group.start_soon(node.probe, x, release, RELEASE_WAIT_S)
 
-    async def _diagnose_peer(self, r: RankState, kind: str) -> None:
-        """A peer of `r` went while `r` waited in a collective: if the one that went had
-        finished the cell (its records and the others' flight recorders say so), a desync."""
+    async def _diagnose_peer(self, r: RankState) -> None:
+        """A peer of `r` went while `r` waited in a collective (the core waited for it to be
+        seen gone): if the one that went had finished the cell (its records and the others'
+        flight recorders say so), a desync."""
+        culprit, reason = None, None
         try:
-            others = [x for x in self.book.of(r.attempt) if x is not r]
-            with anyio.move_on_after(PEER_GONE_WAIT_S):
-                # Its node says it went once what it left is here (a remote one's mirrored).
-                while not any(x.died_at is not None for x in others):
-                    await anyio.sleep(0.02)
             ev = await self._evidence()
             if ev.desync is not None and ev.desync.certain and ev.desync.behind:
-                self.finding = diagnosis.desync_finding(ev)
-                assert self.finding.culprit is not None
-                self._blame(r.attempt, ev.desync)
-                self.report.alert(
-                    "desync", "error", self.finding.title, rank=self.finding.culprit, text=ev.stacks
-                )
-                culprit = self.book.ranks[(r.attempt, self.finding.culprit)]
-                self._fail_attempt(culprit, "desync", reason=self.finding.title)
-                return
-            self._fail_attempt(r, kind)
+                culprit, reason = self._desync_found(r.attempt, ev)
         finally:
-            self._diagnosis_ended(r.attempt)
-            self._decide_deferred()
+            self.hear(decider.Diagnosed(time.time(), r.attempt, "peer", r, culprit, reason))
 
-    async def _hear_the_agent(self, r: RankState, kind: str) -> None:
-        """`r` died of a SIGTERM elastic_nb did not send: the agent's own failure, if it says so
-        within AGENT_WORD_S, is the attempt's (RankGroup._agent_failed); else `r`'s death."""
-        try:
-            with anyio.move_on_after(AGENT_WORD_S):
-                while r.attempt not in self.agent_failed_in and not self.decided:
-                    await anyio.sleep(0.02)
-            if r.attempt not in self.agent_failed_in and not self.decided:
-                self._fail_attempt(r, kind)
-        finally:
-            self._diagnosis_ended(r.attempt)
-            self._decide_deferred()
+    def _desync_found(self, attempt: int, ev: Evidence) -> tuple[RankState, str]:
+        """A confirmed desync: its finding, its culprit's chip and its alert; the culprit."""
+        self.finding = diagnosis.desync_finding(ev)
+        assert ev.desync is not None and self.finding.culprit is not None
+        self._blame(attempt, ev.desync)
+        self.report.alert(
+            "desync", "error", self.finding.title, rank=self.finding.culprit, text=ev.stacks
+        )
+        return self.book.ranks[(attempt, self.finding.culprit)], self.finding.title
 
     async def _watch_desync(self) -> None:
         """The desync watch (`diagnosis.DesyncWatch`), one per attempt, while every rank of it
@@ -443,21 +342,22 @@ class Job(RankGroup):
             live = [r for r in ranks if r.died_at is None and r.done is None and r.failure is None]
             if (
                 self.decided
-                or self._under_way
+                or self.core.under_way
                 or self.state != "running"
                 or len(ranks) < self.world_size
-                or attempt in self.book.failed_attempts
+                or attempt in self.core.failed
                 or not live
             ):
                 watch.forget()
                 continue
             certain = await watch.look(ranks, left=any(r.done is not None for r in ranks))
-            if certain is not None and not self.decided and not self._under_way:
+            if certain is not None and not self.decided and not self.core.under_way:
                 await self._desync(attempt, watch, certain)
 
     async def _desync(self, attempt: int, watch: DesyncWatch, certain: Any) -> None:
         """Take the stacks and a full look; if the desync holds, report it and end the attempt."""
-        self._under_way.add(attempt)
+        self.hear(decider.LookBegan(time.time(), attempt))
+        culprit, reason = None, None
         try:
             ranks = self.book.of(attempt)
             for r in ranks:
@@ -474,27 +374,9 @@ class Job(RankGroup):
                     verdict=last.desync.text if last and last.desync else None,
                 )
                 return
-            self.finding = diagnosis.desync_finding(ev)
-            assert ev.desync is not None and self.finding.culprit is not None
-            self._blame(attempt, ev.desync)
-            self.report.alert(
-                "desync", "error", self.finding.title, rank=self.finding.culprit, text=ev.stacks
-            )
-            culprit = self.book.ranks[(attempt, self.finding.culprit)]
-            self._fail_attempt(culprit, "desync", reason=self.finding.title)
+            culprit, reason = self._desync_found(attempt, ev)
         finally:
-            self._diagnosis_ended(attempt)
-            self._decide_deferred()
-
-    def _diagnosis_ended(self, attempt: int) -> None:
-        self._under_way.discard(attempt)
-        self._diagnosed.set()
-        self._diagnosed = anyio.Event()
-
-    def _decide_deferred(self) -> None:
-        deferred, self._deferred = self._deferred, []
-        for r, kind in deferred:
-            self._rank_failed(r, kind)
+            self.hear(decider.Diagnosed(time.time(), attempt, "look", None, culprit, reason))
 
     def _blame(self, attempt: int, desync: Desync) -> None:
         for r in self.book.blame(attempt, desync):

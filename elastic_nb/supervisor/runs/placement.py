@@ -6,10 +6,15 @@
 * `InRounds`: machines a round at a time (`rounds.Rounds`): a round ends when a node joins or
   leaves or a rank fails, the next begins with the nodes there are (a failure or a departure
   spends a restart, an arrival does not); a launcher's end is its round's, not the group's.
+
+What differs for the decision core (`decider.Decider`) is what a placement supplies: the
+failures no restart follows (`final`), those judged only with evidence (`awaited`), whether a
+node's news is of the current round (`hears`), and how a restart is carried out (`restart`).
 """
 
 from __future__ import annotations
 
+import signal
 import time
 from abc import ABC, abstractmethod
 from pathlib import Path
@@ -28,6 +33,7 @@ from elastic_nb.supervisor.processes.node import Node, Survivor
 from elastic_nb.supervisor.ranks.checkpoint_log import CheckpointLog, cost_words
 from elastic_nb.supervisor.ranks.rank_book import RankBook
 from elastic_nb.supervisor.ranks.rank_state import RankState
+from elastic_nb.supervisor.runs import decider
 from elastic_nb.supervisor.runs.reporter import Reporter
 from elastic_nb.supervisor.runs.rounds import Machines, Rounds
 
@@ -41,24 +47,25 @@ class Group(Protocol):
     id: str
     spec: JobSpec
     rd: RunDir
-    attempt: int
     nodes: list[Node]
     book: RankBook
     report: Reporter
     checkpoints: CheckpointLog
-    restarts: int
-    restarts_at: dict[int, int]
-    replaced: set[int]
     nodes_missing: bool
-    teardown_at: float | None
-    last_failure: tuple[float, str, bool] | None
 
+    @property
+    def attempt(self) -> int: ...
     @property
     def decided(self) -> bool: ...
     @property
+    def restarts(self) -> int: ...
+    @property
+    def last_failure(self) -> tuple[float, str, bool] | None: ...
+    @property
     def task_group(self) -> TaskGroup: ...
-    def restarts_left(self, attempt: int) -> bool: ...
     def attempt_failed(self, attempt: int) -> bool: ...
+    def hear(self, event: decider.Event) -> None: ...
+    def signal(self, ranks: list[RankState], sig: int) -> None: ...
     def alert(self, kind: str, severity: str, title: str, **about: Any) -> None: ...
     def poll_checkpoints(self) -> None: ...
     async def start_nodes(
@@ -76,6 +83,8 @@ class Placement(ABC):
     group's own mechanics (its nodes, its report, its decision)."""
 
     multi_node: bool
+    final: frozenset[str]  # failures no restart follows here (decider.Decider)
+    awaited: frozenset[str]  # failures judged only with evidence here, besides timeouts
 
     def __init__(self, group: Group) -> None:
         self.g = group
@@ -109,23 +118,24 @@ class Placement(ABC):
         """`node`'s launcher exited, saying (or not) how: `outcome`."""
 
     @abstractmethod
-    def agent_failed(self, node: Node, why: str, at: float) -> None:
-        """torch's agent on `node` raised at `at` (our clock)."""
+    def round_of(self, node: Node) -> int:
+        """The attempt `node`'s news is of (a closed round's news comes late)."""
+
+    @abstractmethod
+    def restart(self, action: decider.Restart) -> None:
+        """An attempt failed within the budget: the next attempt, as this placement makes it."""
 
     @abstractmethod
     def close(self) -> None:
         """After the group's end."""
 
-    def _stopped_since(self, at: float) -> None:
-        """torch's agent failed at `at` and then SIGTERMed its ranks: once that ends the group,
-        ranks that died since were stopped, not failed (a loaded machine may see their deaths
-        before the agent's word)."""
-        if self.g.decided and self.g.teardown_at is not None:
-            self.g.teardown_at = min(self.g.teardown_at, at)
-
 
 class OneMachine(Placement):
     multi_node = False
+    # An exit(0) without finishing leaves torchelastic waiting forever for a return value
+    # (multiprocessing/api.py, _poll), and torch's agent that failed restarts nothing.
+    final = frozenset({"exit0", "agent"})
+    awaited: frozenset[str] = frozenset()
 
     def __init__(self, group: Group, node: Node) -> None:
         super().__init__(group)
@@ -135,13 +145,15 @@ class OneMachine(Placement):
         return self.g.spec.nproc
 
     async def begin(self, tg: TaskGroup) -> None:
+        self.g.hear(decider.AttemptOpened(time.time(), 0, self.g.spec.nproc, counted=False))
         await self.g.start_nodes([self.node], None)
 
     def rendezvous(self, attempt: int, seconds: float) -> None:
         pass  # the launcher's event says it; a round's timeline is a multi-node group's
 
     def attempt_began(self, attempt: int) -> None:
-        self.g.restarts = self.g.restarts_at[attempt] = attempt  # torch restarted the group
+        # torch restarted the group
+        self.g.hear(decider.AttemptOpened(time.time(), attempt, self.g.spec.nproc, counted=True))
 
     def rank_started(self, node: Node, r: RankState) -> None:
         pass  # every rank here: nothing to place
@@ -150,21 +162,33 @@ class OneMachine(Placement):
         pass  # the node closes with the group
 
     async def launcher_ended(self, node: Node, outcome: tuple[str, str]) -> None:
-        self.g._decide(*await self.g._launcher_ended(outcome))
+        outcome = await self.g._launcher_ended(outcome)
+        self.g.hear(decider.LauncherExited(time.time(), outcome))
 
-    def agent_failed(self, node: Node, why: str, at: float) -> None:
-        self.g._decide("failed", why)
-        self._stopped_since(at)
+    def round_of(self, node: Node) -> int:
+        return self.g.attempt
+
+    def restart(self, action: decider.Restart) -> None:
+        if action.kind == "desync":
+            # In torch's eyes nothing has failed: the waiting ranks would sit in their
+            # collective until its timeout. Ending them makes the agent restart the group now.
+            ranks = self.g.book.of(action.attempt)
+            self.g.signal(
+                [x for x in ranks if x.died_at is None and x.done is None], signal.SIGTERM
+            )
 
 
 class InRounds(Placement):
     multi_node = True
+    final: frozenset[str] = frozenset()
+    awaited = frozenset({"peer"})
 
     def __init__(self, group: Group, machines: Machines) -> None:
         super().__init__(group)
         self.rounds = Rounds(group.spec, machines)
         self._lock = anyio.Lock()
         self._changing = False  # a round is ending or starting
+        self._rounds_of: dict[Node, int] = {}  # each node's latest round's attempt
 
     def world_size(self, attempt: int) -> int:
         return self.rounds.world_size(attempt)
@@ -187,10 +211,13 @@ class InRounds(Placement):
             assert entry is not None
             self.g.report.event("round.running", attempt=r.attempt, s=entry["running_s"])
 
-    def agent_failed(self, node: Node, why: str, at: float) -> None:
-        if node in self.g.nodes and not self.g.decided and not self._changing:
-            self.round_failed(why)
-            self._stopped_since(at)
+    def round_of(self, node: Node) -> int:
+        return self._rounds_of.get(node, -1)
+
+    def restart(self, action: decider.Restart) -> None:
+        # The next round, with the nodes there are (its own ranks' failure or departure
+        # spends a restart); the others of this round are ended with it.
+        self.new_round(action.why, counted=True)
 
     def close(self) -> None:
         self.rounds.close()
@@ -210,12 +237,7 @@ class InRounds(Placement):
     def round_failed(self, why: str) -> None:
         """A multi-node round ended with no rank to blame (a node left before its ranks started,
         its launcher died): as a failure, within the budget."""
-        self.g.report.event("round.failed", why=why)
-        if not self.g.restarts_left(self.g.attempt):
-            m = self.g.spec.max_restarts
-            self.g._decide("failed", f"{why}; no restarts are left ({m}/{m})")
-            return
-        self.new_round(why, counted=True)
+        self.g.hear(decider.RoundFailed(time.time(), self.rounds.next_attempt - 1, why))
 
     def new_round(self, why: str, counted: bool) -> None:
         """A multi-node group's next round, after the current one's end (a failure or a
@@ -260,11 +282,12 @@ class InRounds(Placement):
                 started, stop_s = time.time(), None
                 if self.g.nodes:
                     ending = rounds.next_attempt - 1
-                    self.g.replaced.add(ending)
+                    self.g.hear(decider.RoundEnding(time.time(), ending))
                     self.g.report.set_state("restarting")
                     await self.g.stop_nodes(ended=False)
                     stop_s = time.time() - started
-                    await self._round_ended(ending, started)
+                    self.g.hear(decider.RoundEnded(started, ending))
+                    await self.g._flush()
 
                 def waiting(words: str) -> None:
                     self.g.report.set_state("waiting")
@@ -278,33 +301,22 @@ class InRounds(Placement):
                     self.g.nodes_missing = not self.g.decided
                     self.g._decide("failed", nodes)
                     return
-                if counted:
-                    self.g.restarts += 1
-                entry = rounds.record(nodes, why, counted, self.g.restarts, started, stop_s)
-                self.g.restarts_at[entry["attempt"]] = self.g.restarts
+                spent = self.g.restarts + counted
+                entry = rounds.record(nodes, why, counted, spent, started, stop_s)
+                self.g.hear(
+                    decider.AttemptOpened(
+                        time.time(), entry["attempt"], entry["world_size"], counted
+                    )
+                )
                 self.g.report.rounds(rounds.timeline)
                 self.g.report.event("round", **entry)
                 if entry["attempt"] > 0:
                     self._round_alert(entry)
                 plan = rounds.plan(entry["attempt"], len(nodes), self.g.id)
+                self._rounds_of.update((node, entry["attempt"]) for node in nodes)
             finally:
                 self._changing = False
             await self.g.start_nodes(nodes, plan)
-
-    async def _round_ended(self, attempt: int, at: float) -> None:
-        """The ended round's ranks as its end left them, for the timeline: a rank stopped for the
-        next round says so (it stayed "running" there); one that failed or was lost keeps its
-        word. Sent before the next round's chips take their ranks' places (an update holds one
-        chip a rank), so a rank the book still counts running is gone all the same: the stop
-        ended every process of the round, and its node saw it go; its exit status (a forked
-        rank's, from the launcher the round's end took too) may come seconds later or never. A lost
-        node's ranks are not among them: its loss tells their ends at once (RemoteNode.on_lost)."""
-        for r in self.g.book.of(attempt):
-            chip = self.g.book.chip(r, at)
-            if r.kind(at) == "terminated" or chip["state"] == "running":
-                chip["state"], chip["label"] = "stopped", "stopped for the next round"
-            self.g.report.chip(r.rank, chip)
-        await self.g._flush()
 
     def _round_alert(self, entry: protocol.records.Round) -> None:
         counted = entry["counted"]

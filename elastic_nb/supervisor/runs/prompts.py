@@ -143,12 +143,10 @@ class GroupPrompts:
 
     id: str
     spec: JobSpec
-    attempt: int
     book: RankBook
     tailer: LogTailer
     report: Reporter
     prompts: Prompts
-    teardown_at: float | None
     groups_made: int | None
     _held: dict[tuple[int, int], list[RankState]]  # --pdb: held ranks, by the rank debugged
     _collectives_warned: set[int]  # attempts told a paused rank's cost
@@ -156,9 +154,18 @@ class GroupPrompts:
     _flush: Callable[[], Awaitable[None]]
     signal: Callable[[list[RankState], int], None]
 
+    # rank_group.RankGroup's: its decision core's, and its task group while it runs
+    @property
+    def attempt(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def teardown_at(self) -> float | None:
+        raise NotImplementedError
+
     @property
     def task_group(self) -> TaskGroup:
-        raise NotImplementedError  # rank_group.RankGroup's: the group's while it runs
+        raise NotImplementedError
 
     async def _show_asks(
         self, asks: list[tuple[RankState, protocol.rank_probes.InputAsked]]

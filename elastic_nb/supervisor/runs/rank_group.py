@@ -16,8 +16,10 @@ they share, from the launcher's start to the kernel hearing the end:
 
 Everything done to a rank goes through the node it runs on (`RankState.node`).
 
-What decides the outcome is each kind's own business (its hooks: group_hooks.GroupHooks); the group
-keeps the mechanics in one place, so that a job and a session see ranks, logs and their end alike.
+What the group decides is the decision core's (`decider.Decider`: events in, actions out); the
+group is its shell: it turns what it hears into the core's events and carries out the actions
+(`act`), with each kind's own steps in its hooks (group_hooks.GroupHooks), so that a job and a
+session see ranks, logs and their end alike.
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ from elastic_nb.supervisor.ranks.log_tailer import LogTailer
 from elastic_nb.supervisor.ranks.memory_watch import SAMPLE_S, MemoryWatch
 from elastic_nb.supervisor.ranks.rank_book import RankBook
 from elastic_nb.supervisor.ranks.rank_state import NCCL_TIMEOUT_MARKS, TORCH_LOG_NOISE, RankState
-from elastic_nb.supervisor.runs import checkpoint_news, summary
+from elastic_nb.supervisor.runs import checkpoint_news, decider, diagnosis, summary
+from elastic_nb.supervisor.runs.decider import Decider
 from elastic_nb.supervisor.runs.group_hooks import GroupHooks
 from elastic_nb.supervisor.runs.group_memory import memory_figures, read_memory
 from elastic_nb.supervisor.runs.placement import InRounds, OneMachine, Placement
@@ -64,6 +67,8 @@ GROUPS_LOOK_S = 1.0  # a look for the ranks' first process group (a few stats)
 
 class RankGroup(GroupHooks, GroupPrompts):
     kind = "job"  # what the logs and errors call it
+    # The outcomes whose decision is the moment the group begins to end its ranks (Decider)
+    stops_ranks = frozenset({"failed", "timeout", "interrupted", "stopped"})
 
     def __init__(
         self,
@@ -78,7 +83,6 @@ class RankGroup(GroupHooks, GroupPrompts):
         self.id = group_id
         self.spec = spec
         self.created = time.time()
-        self.attempt = 0
         self.summary: protocol.records.Summary | None = None
         self.nodes: list[Node] = []  # the current round's
         self.placement: Placement
@@ -89,10 +93,9 @@ class RankGroup(GroupHooks, GroupPrompts):
             assert machines is not None, "a group runs on a node or on machines"
             self.rd = RunDir.of(spec.log_dir, group_id)
             self.placement = InRounds(self, machines)
-        self.restarts = 0  # spent: a single-node group's is its attempt (torch's count)
-        self.restarts_at: dict[int, int] = {0: 0}  # attempt -> restarts spent when it began
-        self.replaced: set[int] = set()  # attempts a new round ended (no failure of theirs)
-        self.agent_failed_in: set[int] = set()  # attempts whose torch agent failed (agent_failed)
+        self.core = Decider(
+            spec.max_restarts, self.placement.final, self.placement.awaited, self.stops_ranks
+        )
         # SIGTERM -> SIGKILL: --stop-grace for the teardown, max(1, round(it)) for torch's agent,
         # 1 s for a join agent's; half the shortest, for an agent that began before the teardown.
         self.book = RankBook(self.rd, kill_window=min(spec.stop_grace, KILL_AFTER_S) / 2)
@@ -105,16 +108,11 @@ class RankGroup(GroupHooks, GroupPrompts):
         self._collectives_warned: set[int] = set()  # attempts told a paused rank's cost
         self.memory = MemoryWatch()
         self.checkpoints = CheckpointLog(self.rd.checkpoints)
-        # The latest failure that ended an attempt (when, who: "rank 2", lost with its machine),
-        # for the words of what it cost (the resume that follows it).
-        self.last_failure: tuple[float, str, bool] | None = None
-        self.teardown_at: float | None = None  # when ending the ranks began (our clock)
         # The latest attempt a rank of which made a process group (its collectives can time
         # out: the dashboards say what --collective-timeout will do), and the next look for one.
         self.groups_made: int | None = None
         self._groups_look = 0.0
         self.nodes_missing = False  # a multi-node group's nodes did not come (cause: nodes)
-        self._outcome: tuple[str, str] | None = None
         self._decided = anyio.Event()
         self._heard = anyio.Event()  # every message of the launchers taken in (book.hear_out)
         self._unheard = 0  # launchers of the current round whose messages are still coming
@@ -128,7 +126,28 @@ class RankGroup(GroupHooks, GroupPrompts):
 
     @property
     def decided(self) -> bool:
-        return self._outcome is not None
+        return self.core.decided
+
+    @property
+    def attempt(self) -> int:
+        """The latest attempt a rank of which started."""
+        return self.core.attempt
+
+    @property
+    def restarts(self) -> int:
+        """Spent: a single-node group's is its attempt (torch's count)."""
+        return self.core.restarts
+
+    @property
+    def teardown_at(self) -> float | None:
+        """When ending the ranks began (our clock)."""
+        return self.core.teardown_at
+
+    @property
+    def last_failure(self) -> tuple[float, str, bool] | None:
+        """The latest failure that ended an attempt (when, who: "rank 2", lost with its
+        machine), for the words of what it cost (the resume that follows it)."""
+        return self.core.last_failure
 
     @property
     def launcher_pid(self) -> int | None:
@@ -146,10 +165,10 @@ class RankGroup(GroupHooks, GroupPrompts):
 
     def ended(self) -> str | None:
         """Why the group ended, once its outcome is decided."""
-        return self._outcome[1] if self._outcome is not None else None
+        return self.core.outcome[1] if self.core.outcome is not None else None
 
     def attempt_failed(self, attempt: int) -> bool:
-        return attempt in self.book.failed_attempts
+        return attempt in self.core.failed
 
     def alert(self, kind: str, severity: str, title: str, **about: Any) -> None:
         """About the group, to whoever follows it (`about`: Reporter.alert's rank, key or ends)."""
@@ -170,7 +189,7 @@ class RankGroup(GroupHooks, GroupPrompts):
 
     def restarts_left(self, attempt: int) -> bool:
         """A failure in `attempt` can still be restarted from."""
-        return self.restarts_at.get(attempt, self.restarts) < self.spec.max_restarts
+        return self.core.restarts_left(attempt)
 
     @property
     def task_group(self) -> TaskGroup:
@@ -181,7 +200,7 @@ class RankGroup(GroupHooks, GroupPrompts):
 
     async def run(self) -> None:
         try:
-            if self._outcome is not None:
+            if self.decided:
                 return  # stopped before it started
             await self._open()
             async with anyio.create_task_group() as tg:
@@ -265,30 +284,55 @@ class RankGroup(GroupHooks, GroupPrompts):
             for r in self.book.of(self.attempt):
                 r.killed = r.killed or (r.died_at is None and self.book.node(r) is node)
 
-    # ---- a multi-node group's rounds (placement.InRounds) ---------------------------------------
+    # ---- the decision core's events and actions ------------------------------------------------
 
-    def new_round(self, why: str, counted: bool) -> None:
-        """The next round, after the current one's end (a failure or a departure spends a
-        restart); asked twice for one round, it happens once."""
-        assert isinstance(self.placement, InRounds), "rounds are a multi-node group's"
-        self.placement.new_round(why, counted)
+    def hear(self, event: decider.Event) -> None:
+        """An event for the decision core, and what it decides carried out."""
+        self.act(self.core.handle(event))
+
+    def act(self, actions: list[decider.Action]) -> None:
+        for action in actions:
+            _ACTIONS[type(action)](self, action)
 
     def _agent_failed(self, node: Node, error: str, at: float) -> None:
         """torch's agent on `node` raised at `at` (our clock): the ranks it ends from then on
         did not fail, it did."""
         label = self.placement.node_label(node)
         why = f"torchelastic's agent failed{f' on {label}' if label else ''}: {error}"
-        self.agent_failed_in.add(self.attempt)
-        self.placement.agent_failed(node, why, at)
+        self.hear(decider.AgentFailed(time.time(), self.placement.round_of(node), why, at))
 
     def _decide(self, outcome: str, reason: str) -> None:
-        """The group's outcome, first come first served."""
-        if self._outcome is not None:
-            return
-        self._outcome = (outcome, reason)
-        self.report.event("decided", outcome=outcome, reason=reason)
-        self._on_decided(outcome)
+        """The group's outcome from outside its ranks, first come first served."""
+        self.hear(decider.Ended(time.time(), outcome, reason))
+
+    def _decided_as(self, action: decider.Decide) -> None:
+        self.report.event("decided", outcome=action.outcome, reason=action.reason)
+        self._on_decided(action.outcome)
         self._decided.set()
+
+    def _show_action(self, action: decider.Show) -> None:
+        chip = self.book.chip(action.r, self.teardown_at)
+        if action.ended is not None:
+            chip["state"], chip["label"] = "stopped", action.ended
+        self.report.chip(action.r.rank, chip)
+
+    def _oom_alert(self, action: decider.OomAlert) -> None:
+        title, text = diagnosis.oom_alert(action.r)
+        self.report.alert("oom", "error", title, rank=action.r.rank, text=text)
+
+    def _wait(self, action: decider.Wait) -> None:
+        async def wait() -> None:
+            await anyio.sleep(action.seconds)
+            self.hear(decider.Waited(time.time(), action.attempt, action.what))
+
+        self.task_group.start_soon(wait)
+
+    def _restart(self, action: decider.Restart) -> None:
+        self.report.set_state("restarting")
+        self.placement.restart(action)
+
+    def _record(self, action: decider.Record) -> None:
+        self.report.event(action.name, **action.fields)
 
     async def _read_launcher(self, node: Node) -> None:
         async for msg in node.messages():
@@ -318,10 +362,10 @@ class RankGroup(GroupHooks, GroupPrompts):
         if attempt > self.attempt:
             self.memory.forget(self.attempt)
             self._new_attempt(attempt)
-            self.attempt = attempt
             self.placement.attempt_began(attempt)
         r = self.book.add(attempt, rank, pid, time.time(), node)
         self.placement.rank_started(node, r)
+        self.hear(decider.RankStarted(time.time(), r))
         self.silence.activity(time.monotonic())
         self.tailer.follow(
             attempt, rank, {s: self.rd.log(attempt, rank, s) for s in ("out", "err")}
@@ -419,18 +463,18 @@ class RankGroup(GroupHooks, GroupPrompts):
     async def _teardown(self) -> None:
         """Leave nothing behind: what the kind does first (`_before_teardown`), then SIGTERM,
         grace, SIGKILL to every process of the group on its nodes, and what survived said."""
-        assert self._outcome is not None
-        await self._before_teardown(self._outcome[0])
-        if any(n.running() for n in self.nodes) and self.teardown_at is None:
-            self.teardown_at = time.time()
+        assert self.core.outcome is not None
+        await self._before_teardown(self.core.outcome[0])
+        if any(n.running() for n in self.nodes):
+            self.hear(decider.TeardownBegan(time.time()))
         survivors = await self.stop_nodes(ended=True)
         if survivors:  # no process of a group may outlive it unsaid
             self.report.event("teardown_failed", pids=[s.pid for s in survivors])
             self.report.alert(**summary.unkillable(survivors))
 
     async def _finish(self) -> None:
-        assert self._outcome is not None
-        outcome, reason = self._outcome
+        assert self.core.outcome is not None
+        outcome, reason = self.core.outcome
         self._watch_groups(last=True)
         try:
             self.summary = await self._summarize(outcome, reason)
@@ -475,3 +519,15 @@ class RankGroup(GroupHooks, GroupPrompts):
 
     async def _flush(self) -> None:
         await self.report.flush(self.attempt, self.tailer)
+
+
+# What carries out each action of the decision core (Diagnose: the kind's own, `_diagnose`).
+_ACTIONS: dict[type[decider.Action], Any] = {
+    decider.Decide: RankGroup._decided_as,
+    decider.Show: RankGroup._show_action,
+    decider.OomAlert: RankGroup._oom_alert,
+    decider.Diagnose: lambda g, action: g._diagnose(action.what, action.r),
+    decider.Wait: RankGroup._wait,
+    decider.Restart: RankGroup._restart,
+    decider.Record: RankGroup._record,
+}

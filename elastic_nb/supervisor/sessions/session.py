@@ -38,7 +38,7 @@ from elastic_nb.supervisor.ranks.checkpoint_log import cost_words
 from elastic_nb.supervisor.ranks.evidence import EvidenceCollector
 from elastic_nb.supervisor.ranks.rank_links import Link, RankLinks
 from elastic_nb.supervisor.ranks.rank_state import RankState
-from elastic_nb.supervisor.runs import summary
+from elastic_nb.supervisor.runs import decider, summary
 from elastic_nb.supervisor.runs.rank_group import RankGroup
 from elastic_nb.supervisor.runs.reporter import Reporter, Send
 from elastic_nb.supervisor.runs.rounds import Machines
@@ -98,8 +98,8 @@ class Session(RankGroup):
         """The state's word; once the summary is out, the outcome's (it says more: ended,
         failed, stopped or interrupted)."""
         if self._state is State.ENDED:
-            assert self._outcome is not None
-            return self._outcome[0]
+            assert self.core.outcome is not None
+            return self.core.outcome[0]
         word: str = self._state.value  # mypy 2.4 types a narrowed enum's value as Any
         return word
 
@@ -111,8 +111,8 @@ class Session(RankGroup):
 
     def submit(self, cell: SessionCell) -> None:
         """Queue a cell (its run directory is ready); it runs once the ones before it have."""
-        if self._outcome is not None:
-            raise RuntimeError(f"session {self.id} has ended: {self._outcome[1]}")
+        if self.core.outcome is not None:
+            raise RuntimeError(f"session {self.id} has ended: {self.core.outcome[1]}")
         self.cells[cell.id] = cell
         self.followed.add(cell, self.attempt)
         cell.checkpoints = self.checkpoints
@@ -214,7 +214,7 @@ class Session(RankGroup):
     def up(self) -> bool:
         """Every rank of the current attempt is connected and alive, looked at now: a death its
         watcher has not told yet counts too (a cell sent now would meet a dead rank)."""
-        return self.attempt not in self.book.failed_attempts and self._ranks.up(
+        return self.attempt not in self.core.failed and self._ranks.up(
             self.attempt, self.world_size
         )
 
@@ -240,7 +240,7 @@ class Session(RankGroup):
 
     def _new_attempt(self, attempt: int) -> None:
         # torchelastic restarted the group (its monitor can see a death before we do).
-        self.book.failed_attempts.add(self.attempt)
+        self.core.failed.add(self.attempt)
         self._restarting()
 
     def _on_rank_started(self, r: RankState) -> None:
@@ -249,22 +249,18 @@ class Session(RankGroup):
     def _rank_ended(self, r: RankState) -> None:
         self._ranks.drop(r)
         book = self.book
-        if (
-            self._state not in LIVE
-            or r.attempt != self.attempt
-            or r.attempt in book.failed_attempts
-        ):
+        if self._state not in LIVE or r.attempt != self.attempt or r.attempt in self.core.failed:
             self.notify()
             return
-        if r.attempt in self.replaced:  # a new round ends the attempt: no failure of its own
+        if r.attempt in self.core.replaced:  # a new round ends the attempt: no failure of its own
             self._restarting()
             return
-        book.failed_attempts.add(r.attempt)
+        self.core.failed.add(r.attempt)
         if self.current is not None:
             self.current.poke()  # it ran on this attempt: its end is decided now
         why = f"{r.name} {r.failure_summary()}"
         failed_at = r.failed_at or time.time()
-        self.last_failure = (failed_at, r.name, r.lost is not None)
+        self.core.last_failure = (failed_at, r.name, r.lost is not None)
         self.poll_checkpoints()  # a save committed just before the failure counts
         cost = cost_words(self.checkpoints, failed_at, r.name, r.lost is not None)
         self.restart_why = f"{why}; {cost}" if cost else why
@@ -283,7 +279,7 @@ class Session(RankGroup):
             ends=r.attempt,
         )
         if self.multi_node:
-            self.new_round(why, counted=True)  # the next round: the nodes there are now
+            self.placement.restart(decider.Restart(r.attempt, why, r))  # the nodes there are now
         elif r.kind(None) == "exit0":
             # torchelastic waits forever for the return value of a rank that exited 0
             # (multiprocessing/api.py, _poll): the others' deaths make it restart the group.

@@ -119,7 +119,7 @@ class RankState:
         if (
             teardown_at is not None
             and self.died_at >= teardown_at
-            and not self._own_kill(teardown_at)
+            and not self._own_end(teardown_at)
         ):
             return "terminated"
         if self.exit_code == 0:
@@ -134,16 +134,13 @@ class RankState:
             return "terminated"
         return "signal"
 
-    def _own_kill(self, teardown_at: float) -> bool:
-        """Killed by SIGKILL that no one stopping the group had sent yet: its own death (a
-        SIGKILL of its own, the cell's), seen gone only after a peer's error began the
-        teardown (a loaded machine reaps and reads late)."""
-        return (
-            self.exit_code == -signal.SIGKILL
-            and not self.killed
-            and self.died_at is not None
-            and self.died_at < teardown_at + self.kill_window
-        )
+    def _own_end(self, teardown_at: float) -> bool:
+        """An end no one stopping the group had caused yet, seen only after a peer's error
+        began the teardown (a loaded machine reaps and reads late): a SIGKILL no one had sent
+        (the cell's own), or an exit(0) before the cell's end (a stop ends a rank by a signal,
+        or by an error of a torn-down store: never with 0)."""
+        own = self.exit_code == 0 or (self.exit_code == -signal.SIGKILL and not self.killed)
+        return own and self.died_at is not None and self.died_at < teardown_at + self.kill_window
 
     def failure_summary(self) -> str:
         if self.failure:

@@ -24,7 +24,6 @@ that comes while a diagnosis is under way waits for it, and so does a launcher's
 from __future__ import annotations
 
 import signal
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -319,7 +318,7 @@ class Decider:
 
     def handle(self, event: Event) -> list[Action]:
         self._out = []
-        _HANDLERS[type(event)](self, event)
+        getattr(self, _HANDLERS[type(event)])(event)
         return self._out
 
     # ---- events ----------------------------------------------------------------------------
@@ -359,13 +358,16 @@ class Decider:
         if self._of_now(attempt):
             if not self.decided:
                 self._round_failed(e.t, "agent", e.why)
-            if self.decided and self.teardown_at is not None:
-                # The agent SIGTERMed its ranks from `at` on: once that ends the group, ranks
-                # that died since were stopped, not failed (a loaded machine may see their
-                # deaths before its word).
-                self.teardown_at = min(self.teardown_at, e.at)
+            self._stopped_since(e.at)
         if self._waits.pop((attempt, "agent"), None) is not None:
             self._diagnosis_ended(e.t, attempt)  # the SIGTERM it waited about is explained
+
+    def _stopped_since(self, at: float) -> None:
+        """torch's agent SIGTERMed its ranks from `at` on: once that ends the group, ranks that
+        died since were stopped, not failed (a loaded machine may see their deaths before its
+        word)."""
+        if self.decided and self.teardown_at is not None:
+            self.teardown_at = min(self.teardown_at, at)
 
     def _launcher_exited(self, e: LauncherExited) -> None:
         # torchelastic gives up the moment a rank fails; a diagnosis under way (stacks taken
@@ -542,20 +544,21 @@ class Decider:
         self._out.append(Decide(outcome, reason))
 
 
-_HANDLERS: dict[type[Event], Callable[[Decider, Any], None]] = {
-    AttemptOpened: Decider._opened,
-    RankStarted: Decider._started,
-    RankFailed: Decider._failed,
-    Watchdog: Decider._watchdog,
-    RankExited: Decider._exited,
-    AgentFailed: Decider._agent_failed,
-    LauncherExited: Decider._launcher_exited,
-    RoundFailed: Decider._round_failed_event,
-    RoundEnding: Decider._round_ending,
-    RoundEnded: Decider._round_ended,
-    LookBegan: Decider._look_began,
-    Diagnosed: Decider._diagnosed,
-    Waited: Decider._waited,
-    Ended: Decider._ended,
-    TeardownBegan: Decider._teardown_began,
+# Each event's handler, by name (a test may stand in for one: tests/test_simulation.py)
+_HANDLERS: dict[type[Event], str] = {
+    AttemptOpened: "_opened",
+    RankStarted: "_started",
+    RankFailed: "_failed",
+    Watchdog: "_watchdog",
+    RankExited: "_exited",
+    AgentFailed: "_agent_failed",
+    LauncherExited: "_launcher_exited",
+    RoundFailed: "_round_failed_event",
+    RoundEnding: "_round_ending",
+    RoundEnded: "_round_ended",
+    LookBegan: "_look_began",
+    Diagnosed: "_diagnosed",
+    Waited: "_waited",
+    Ended: "_ended",
+    TeardownBegan: "_teardown_began",
 }

@@ -1,12 +1,14 @@
 """P17: the wire's parse and check, per message kind: a frame's header line read (`json.loads`)
 and checked by its channel's parser, in microseconds a message (the best of 7 repeats of 20,000),
 beside `json.loads` alone. No torchrun side: torch's elastic agent passes no messages of its own.
+The target: a message's check within 3 µs, the job update's (the busiest) included.
 
-    python benchmarks/protocol_check.py
+    python benchmarks/protocol_check.py [--runs 7] [--number 20000]      (make bench runs it)
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import timeit
 from collections.abc import Callable
@@ -34,7 +36,7 @@ _SAMPLE = {
 }
 _GROUP = {
     "launcher": 4242, "launcher_alive": True, "state": ["S", "sleeping"], "tick_age": 0.1,
-    "running": True, "zombies": [], "oom_kills": 0,
+    "running": True, "zombies": [], "oom_kills": 0, "round": 0,
 }  # fmt: skip
 _DUMP = {"text": "Thread 0x7f (most recent call first):\n  File \"cell\", line 8 in <module>\n", "state": ["S", "sleeping"], "asked": True}  # fmt: skip
 
@@ -69,18 +71,30 @@ MESSAGES: list[tuple[str, Callable[[Any], Any], dict[str, Any]]] = [
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--runs", type=int, default=7, help="repeats; the best counts")
+    parser.add_argument("--number", type=int, default=20_000, help="messages a repeat")
+    args = parser.parse_args()
     print("| message | json.loads | parse + check | check alone |")
     print("| --- | --- | --- | --- |")
+    worst = 0.0
     for name, parse, msg in MESSAGES:
         line = json.dumps(msg, separators=(",", ":")).encode()
         assert parse(json.loads(line)) == msg, name  # a message of its channel, whole
-        loads = _per_message(lambda line=line: json.loads(line))
-        both = _per_message(lambda line=line, parse=parse: parse(json.loads(line)))
-        print(f"| {name} | {loads:.2f} µs | {both:.2f} µs | {both - loads:.2f} µs |")
+        loads = _per_message(lambda line=line: json.loads(line), args.runs, args.number)
+        both = _per_message(
+            lambda line=line, parse=parse: parse(json.loads(line)), args.runs, args.number
+        )
+        # The check alone on the parsed frame (the parsers do not change it): a difference of
+        # the two figures above is the noise of two.
+        alone = _per_message(lambda msg=msg, parse=parse: parse(msg), args.runs, args.number)
+        worst = max(worst, alone)
+        print(f"| {name} | {loads:.2f} µs | {both:.2f} µs | {alone:.2f} µs |")
+    print(f"P17: the slowest check {worst:.2f} µs a message (target: within 3 µs)")
 
 
-def _per_message(fn: Callable[[], Any], number: int = 20_000) -> float:
-    return min(timeit.repeat(fn, number=number, repeat=7)) / number * 1e6
+def _per_message(fn: Callable[[], Any], runs: int, number: int) -> float:
+    return min(timeit.repeat(fn, number=number, repeat=runs)) / number * 1e6
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ BENCHMARKS = [
     "checkpoint.py",
     "multinode.py",
     "debugger.py",
+    "protocol_check.py",
 ]
 _BLOCK = re.compile(r"(<!-- results -->\n).*?(<!-- /results -->)", re.S)
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import typing
+from typing import Any
+
 import pytest
 
 from elastic_nb import protocol
@@ -190,3 +193,15 @@ def test_every_piece_of_an_agents_news_has_its_handler() -> None:
         typing.get_args(typing.get_type_hints(m)["kind"])[0] for m in typing.get_args(a.NodeNews)
     }
     assert set(_NEWS) == kinds - {a.NODE_HELLO, a.BYE}
+
+
+def test_a_record_with_nothing_to_check_but_its_being_one() -> None:
+    """A TypedDict whose fields are all optional and of any type still compiles: a dict fits,
+    anything else does not."""
+
+    class Loose(typing.TypedDict, total=False):
+        anything: Any
+
+    assert protocol.wire.check_record({"anything": [1]}, Loose, "loose") == {"anything": [1]}
+    with pytest.raises(protocol.wire.ProtocolError, match="loose"):
+        protocol.wire.check_record([], Loose, "loose")

@@ -351,7 +351,7 @@ def test_the_panel_s_connection_is_not_the_kernel_s_lifeline(kernel: Kernel) -> 
     """A panel request's connection ends after its reply; the supervisor serves on."""
     from elastic_nb.server import supervisors
 
-    def mine() -> list[supervisors.Supervisor]:  # %load_ext starts it in the background
+    def mine() -> list[supervisors.RegisteredSupervisor]:  # %load_ext starts it in the background
         return [s for s in supervisors.find() if s.registration.kernel_pid == kernel.pid]
 
     assert wait_for(mine, 60)

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from elastic_nb import protocol
-from elastic_nb.common.errors import SupervisorDied
+from elastic_nb.common.errors import Refused, SupervisorDied
 from elastic_nb.common.submission import Submission
 from elastic_nb.kernel.cell import prepare_cell
 from elastic_nb.kernel.client import GONE, SupervisorClient
@@ -131,6 +131,27 @@ def test_a_bad_connection_is_dropped_and_the_supervisor_serves_on(
     )
     assert said.count("dropped a client connection") == 3
     job = submit(client, tmp_path, 1, "print('still here')\n")
+    assert job.follow(Recorder())["outcome"] == "succeeded"
+    assert_job_gone(job.id)
+
+
+def test_a_submit_whose_spec_does_not_fit_is_refused_and_launches_nothing(
+    client: SupervisorClient, tmp_path: Path
+) -> None:
+    """The spec is checked where it crosses into the supervisor (JobSpec.from_dict): a request
+    from a client that is not ours (or a newer one) with `nproc: "four"` is refused there,
+    naming the field, with no run directory made and no launcher started."""
+    spec = job_spec({"nproc": "2", "log_dir": str(tmp_path)}, cwd=str(tmp_path))
+    cell = prepare_cell("--nproc 2", "print('never')\n", {})
+    request = Submission(secrets.token_hex(4), spec, cell.source, cell.meta, None).request(
+        client.next_req()
+    )
+    request["spec"] = {**request["spec"], "nproc": "four"}
+    with pytest.raises(Refused, match=r"the job's spec: nproc is not a int: 'four'"):
+        client.request(request, protocol.kernel.Submitted)
+    assert not (tmp_path / request["job"]).exists()
+    assert [j["job"] for j in client.jobs()] == []
+    job = submit(client, tmp_path, 1, "print('still here')\n")  # the supervisor serves on
     assert job.follow(Recorder())["outcome"] == "succeeded"
     assert_job_gone(job.id)
 

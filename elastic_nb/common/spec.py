@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
+
+from elastic_nb.protocol.wire import ProtocolError, check_record
 
 __all__ = ["CHECKPOINT_DIR_ENV", "MANAGED_ENV", "TEARS_DOWN", "USER_ENV", "JobSpec"]
 
@@ -125,7 +127,13 @@ class JobSpec:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> JobSpec:
-        d = dict(d)
+        """A spec as it crossed a boundary (a submit, a join agent's order, a run directory's
+        spec.json): every field of its type, none unknown, or ProtocolError naming the field
+        (a submit with `nproc: "four"` is refused there, not by the launcher it would start)."""
+        d = check_record(dict(d), cls, "the job's spec")
+        unknown = sorted(set(d) - _FIELDS)
+        if unknown:
+            raise ProtocolError(f"the job's spec: unknown field {unknown[0]!r}")
         for key in _TUPLES:
             d[key] = tuple(d.get(key, ()))
         return cls(**d)
@@ -139,3 +147,4 @@ class JobSpec:
 
 
 _TUPLES = ("push", "pull", "preload", "sys_path", "ship")
+_FIELDS = frozenset(f.name for f in fields(JobSpec))

@@ -18,7 +18,7 @@ from __future__ import annotations
 import typing
 from typing import Any, Final, Literal, TypedDict
 
-from elastic_nb.protocol.records import GpuShare, Leftover, NodeInfo, Replied
+from elastic_nb.protocol.records import GpuShare, Leftover, NodeInfo, Replied, Survivor
 from elastic_nb.protocol.wire import Frame, check
 
 __all__ = [
@@ -55,6 +55,7 @@ __all__ = [
     "Dumps",
     "FileChunk",
     "GroupBeat",
+    "JoinRefused",
     "LauncherExit",
     "LauncherSaid",
     "LeftoverList",
@@ -73,7 +74,6 @@ __all__ = [
     "RankDump",
     "RankGone",
     "RanksUp",
-    "Refused",
     "Request",
     "Signal",
     "SignalSent",
@@ -152,7 +152,7 @@ class Welcome(TypedDict):
     info: NodeInfo  # the notebook's machine
 
 
-class Refused(TypedDict):
+class JoinRefused(TypedDict):
     kind: Literal["refused"]
     error: str
 
@@ -341,11 +341,6 @@ class SignalSent(TypedDict):
     pids: list[int]
 
 
-class Survivor(TypedDict):
-    pid: int
-    state: str  # its process state, in words
-
-
 class Stopped(TypedDict):
     survivors: list[Survivor]  # what a SIGKILL did not end
     signals: list[SignalSent]  # the teardown's signals, in order
@@ -378,7 +373,7 @@ NodeNews = (
 Request = Open | CellFiles | NodeStacks | Probe | Leftovers | NodeStop  # the orders answered
 NodeOrder = (
     Welcome
-    | Refused
+    | JoinRefused
     | Beat
     | Open
     | CellFiles

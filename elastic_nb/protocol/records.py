@@ -20,6 +20,7 @@ __all__ = [
     "Replied",
     "Round",
     "Summary",
+    "Survivor",
     "Waiting",
     "summary",
 ]
@@ -216,6 +217,13 @@ class Leftover(_Leftover, total=False):
     """A process a cell left running after it succeeded."""
 
     node: str  # the machine's label, where it is another machine
+
+
+class Survivor(TypedDict):
+    """A process of a group still alive after SIGKILL (in D state, most often)."""
+
+    pid: int
+    state: str  # what its state means, or "gone"
 
 
 class _Replied(TypedDict):

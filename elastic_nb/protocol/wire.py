@@ -13,6 +13,7 @@ only then, by `_misfit`, slowly (benchmarks/protocol_check.py measures both).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import types
 import typing
@@ -162,8 +163,8 @@ def _expr(hint: Any, v: str, depth: int, names: dict[str, Any]) -> str:
         names[f"_fits_{hint.__name__}"] = _fits_of(hint)
         return f"_fits_{hint.__name__}({v})"
     x = f"_x{depth}"
-    if origin is list:
-        (item,) = typing.get_args(hint) or (Any,)
+    if origin is list or origin is tuple:
+        item = _item(hint)
         each = _expr(item, x, depth + 1, names)
         every = "" if each == "True" else f" and all({each} for {x} in {v})"
         return f"(type({v}) is list{every})"
@@ -193,8 +194,8 @@ def _statements(hint: Any, v: str, depth: int, names: dict[str, Any], indent: st
                 *_statements(inner, v, depth, names, indent + "    "),
             ]
     x = f"_x{depth}"
-    if origin is list:
-        (item,) = args or (Any,)
+    if origin is list or origin is tuple:
+        item = _item(hint)
         out = [f"{indent}if type({v}) is not list: return False"]
         if _expr(item, x, depth + 1, names) != "True":
             out.append(f"{indent}for {x} in {v}:")
@@ -215,8 +216,29 @@ def _statements(hint: Any, v: str, depth: int, names: dict[str, Any], indent: st
     return [] if test == "True" else [f"{indent}if not ({test}): return False"]
 
 
+def _item(hint: Any) -> Any:
+    """A list's item type; a homogeneous tuple's (`tuple[str, ...]`), which travels as a list."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) is tuple and (len(args) != 2 or args[1] is not Ellipsis):
+        raise TypeError(f"the protocol's checker takes tuple[X, ...] only, not {hint!r}")
+    return args[0] if args else Any
+
+
 def _is_record(hint: Any) -> bool:
+    """A TypedDict, or a frozen dataclass whose fields travel as a JSON object (JobSpec)."""
+    if dataclasses.is_dataclass(hint) and isinstance(hint, type):
+        return True
     return isinstance(hint, type) and issubclass(hint, dict) and hasattr(hint, "__required_keys__")
+
+
+def _required(cls: type) -> frozenset[str]:
+    if dataclasses.is_dataclass(cls):
+        return frozenset(
+            f.name
+            for f in dataclasses.fields(cls)
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        )
+    return cls.__required_keys__  # type: ignore[attr-defined,no-any-return]
 
 
 _FITS: dict[type, Callable[[Any], bool]] = {}
@@ -229,7 +251,7 @@ def _fits_of(cls: type) -> Callable[[Any], bool]:
     if known is not None:
         return known
     names: dict[str, Any] = {}
-    required = cls.__required_keys__  # type: ignore[attr-defined]
+    required = _required(cls)
     # A required key read by subscript, its absence the KeyError (free in 3.11 until raised); an
     # optional one looked for first: faster than a get() with a default for either.
     lines = [
@@ -274,15 +296,15 @@ def _misfit(value: Any, hint: Any, path: str) -> str | None:
             return f"{path} is not a record: {value!r:.80}"
         for key, h in typing.get_type_hints(hint).items():
             if key not in value:
-                if key in hint.__required_keys__:
+                if key in _required(hint):
                     return f"{path}.{key} is missing" if path else f"without {key}"
                 continue
             found = _misfit(value[key], h, f"{path}.{key}" if path else key)
             if found:
                 return found
         return None
-    if origin is list and isinstance(value, list):
-        (item,) = typing.get_args(hint) or (Any,)
+    if (origin is list or origin is tuple) and isinstance(value, list):
+        item = _item(hint)
         for i, x in enumerate(value):
             found = _misfit(x, item, f"{path}[{i}]")
             if found:

@@ -21,7 +21,7 @@ from tornado import web
 from elastic_nb import protocol
 from elastic_nb.common.rundir import RunDir
 from elastic_nb.server import supervisors
-from elastic_nb.server.supervisors import Supervisor, SupervisorError
+from elastic_nb.server.supervisors import RegisteredSupervisor, SupervisorError
 
 __all__ = ["ROUTES", "setup_handlers"]
 
@@ -38,7 +38,7 @@ class _Handler(APIHandler):
     async def blocking(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(None, lambda: fn(*args, **kwargs))
 
-    async def overview(self) -> list[tuple[Supervisor, protocol.kernel.PanelEntry]]:
+    async def overview(self) -> list[tuple[RegisteredSupervisor, protocol.kernel.PanelEntry]]:
         """(supervisor, entry) for every job, session and cell of every live supervisor, asked
         all at once: one slow supervisor delays the listing by its own time only."""
         found = await self.blocking(supervisors.find)
@@ -47,13 +47,15 @@ class _Handler(APIHandler):
             (sup, entry) for sup, entries in zip(found, replies, strict=True) for entry in entries
         ]
 
-    async def owner(self, job_id: str) -> tuple[Supervisor, protocol.kernel.PanelEntry]:
+    async def owner(self, job_id: str) -> tuple[RegisteredSupervisor, protocol.kernel.PanelEntry]:
         for sup, entry in await self.overview():
             if entry["id"] == job_id:
                 return sup, entry
         raise web.HTTPError(404, f"no job {job_id}")
 
-    async def ask(self, sup: Supervisor, msg: protocol.kernel.Request, reply: type[R]) -> R:
+    async def ask(
+        self, sup: RegisteredSupervisor, msg: protocol.kernel.Request, reply: type[R]
+    ) -> R:
         try:
             return await self.blocking(sup.request, msg, reply)
         except SupervisorError as e:
@@ -201,7 +203,7 @@ class EventsHandler(_Handler):
         self.finish(json.dumps({"events": reply["events"], "seq": reply["seq"]}))
 
 
-def _overview_of(sup: Supervisor) -> list[protocol.kernel.PanelEntry]:
+def _overview_of(sup: RegisteredSupervisor) -> list[protocol.kernel.PanelEntry]:
     overview = protocol.kernel.Overview(kind=protocol.kernel.OVERVIEW, req=1)
     try:
         return sup.request(overview, protocol.kernel.PanelList)["jobs"]
@@ -209,7 +211,7 @@ def _overview_of(sup: Supervisor) -> list[protocol.kernel.PanelEntry]:
         return []  # gone or going (its jobs with it), or of another elastic_nb version
 
 
-def _nodes_of(sup: Supervisor) -> protocol.kernel.MachineList | None:
+def _nodes_of(sup: RegisteredSupervisor) -> protocol.kernel.MachineList | None:
     try:
         nodes = protocol.kernel.Nodes(kind=protocol.kernel.NODES, req=1)
         return sup.request(nodes, protocol.kernel.MachineList)

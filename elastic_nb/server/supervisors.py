@@ -16,7 +16,7 @@ from elastic_nb import protocol
 from elastic_nb.common import registry
 from elastic_nb.common.registry import runtime_dir
 
-__all__ = ["Supervisor", "SupervisorError", "find"]
+__all__ = ["RegisteredSupervisor", "SupervisorError", "find"]
 
 TIMEOUT_S = 10.0  # a request the supervisor answers from memory; stacks take a probe round
 # connect() on a socket file nobody listens on: the supervisor is gone, its registration stale.
@@ -33,7 +33,7 @@ class SupervisorError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class Supervisor:
+class RegisteredSupervisor:
     registration: registry.Registration
 
     @property
@@ -84,6 +84,6 @@ class Supervisor:
         return protocol.wire.check_reply(protocol.kernel.REPLIES, kind, answer["data"])
 
 
-def find() -> list[Supervisor]:
+def find() -> list[RegisteredSupervisor]:
     """Every live supervisor of this user (registry.find drops the stale)."""
-    return [Supervisor(r) for r in registry.find(runtime_dir())]
+    return [RegisteredSupervisor(r) for r in registry.find(runtime_dir())]

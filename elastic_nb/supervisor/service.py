@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 # A connection to the supervisor's socket (the kernel's, or the panel's): its frames are checked
 # a request at a time (Supervisor._handle), so that a request that does not fit is refused in
 # its reply, and the connection serves on.
-Connection = protocol.connection.AsyncConnection[protocol.wire.Frame]
+KernelConnection = protocol.connection.AsyncConnection[protocol.wire.Frame]
 
 
 class Supervisor:
@@ -142,7 +142,7 @@ class Supervisor:
     # ---- requests ---------------------------------------------------------------------------
 
     async def _serve_connection(self, stream: SocketStream) -> None:
-        conn = Connection(stream, _unchecked)
+        conn = KernelConnection(stream, _unchecked)
         is_kernel = greeted = False
         try:
             # A frame that is no message ends this connection only (ProtocolError); a request
@@ -172,7 +172,7 @@ class Supervisor:
                 self._shutdown()  # the kernel closed its lifeline: it is gone or shutting down
 
     async def _handle(
-        self, conn: Connection, frame: protocol.wire.Frame, blob: bytes | None
+        self, conn: KernelConnection, frame: protocol.wire.Frame, blob: bytes | None
     ) -> None:
         req = frame.get("req") if type(frame.get("req")) is int else None
         try:
@@ -194,7 +194,7 @@ class Supervisor:
         )
 
     async def _serve(
-        self, conn: Connection, msg: protocol.kernel.KernelRequest, blob: bytes | None
+        self, conn: KernelConnection, msg: protocol.kernel.KernelRequest, blob: bytes | None
     ) -> Mapping[str, object]:
         """What a request asks for, by its kind's handler (`_REQUESTS`); raises what refuses it."""
         handler = _REQUESTS.get(msg["kind"])
@@ -205,34 +205,34 @@ class Supervisor:
     # ---- the requests (each its handler in _REQUESTS) --------------------------------------------
 
     async def _on_submit(
-        self, conn: Connection, msg: protocol.kernel.Submit, blob: Blob
+        self, conn: KernelConnection, msg: protocol.kernel.Submit, blob: Blob
     ) -> protocol.kernel.Submitted:
         return await self.groups.submit(msg, blob, conn.send)
 
     async def _on_stop(
-        self, _c: Connection, msg: protocol.kernel.Stop, _b: Blob
+        self, _c: KernelConnection, msg: protocol.kernel.Stop, _b: Blob
     ) -> protocol.kernel.Stopping:
         return self.groups.stop(msg["job"], msg["reason"])
 
     async def _on_stacks(
-        self, _c: Connection, msg: protocol.kernel.Stacks, _b: Blob
+        self, _c: KernelConnection, msg: protocol.kernel.Stacks, _b: Blob
     ) -> protocol.kernel.StackText:
         text, owner = await self.groups.stacks(msg["job"])
         return protocol.kernel.StackText(text=text, pids=overview.rank_pids(owner))
 
     async def _on_warm(
-        self, _c: Connection, msg: protocol.kernel.Warm, _b: Blob
+        self, _c: KernelConnection, msg: protocol.kernel.Warm, _b: Blob
     ) -> protocol.kernel.Done:
         self._launchers.keep_warm(msg["on"])
         return protocol.kernel.Done()
 
     async def _on_jobs(
-        self, _c: Connection, _m: protocol.kernel.Jobs, _b: Blob
+        self, _c: KernelConnection, _m: protocol.kernel.Jobs, _b: Blob
     ) -> protocol.kernel.JobList:
         return protocol.kernel.JobList(jobs=self.groups.rows())
 
     async def _on_status(
-        self, _c: Connection, _m: protocol.kernel.Status, _b: Blob
+        self, _c: KernelConnection, _m: protocol.kernel.Status, _b: Blob
     ) -> protocol.kernel.SupervisorStatus:
         groups = self.groups
         return protocol.kernel.SupervisorStatus(
@@ -245,23 +245,23 @@ class Supervisor:
         )
 
     async def _on_up(
-        self, conn: Connection, msg: protocol.kernel.Up, _b: Blob
+        self, conn: KernelConnection, msg: protocol.kernel.Up, _b: Blob
     ) -> protocol.kernel.SessionUp:
         return await self.groups.up(msg, conn.send)
 
     async def _on_down(
-        self, _c: Connection, msg: protocol.kernel.Down, _b: Blob
+        self, _c: KernelConnection, msg: protocol.kernel.Down, _b: Blob
     ) -> protocol.kernel.Done:
         self.groups.session(msg["session"]).down(msg.get("reason", "user"))
         return protocol.kernel.Done()
 
     async def _on_session(
-        self, _c: Connection, msg: protocol.kernel.SessionInfo, _b: Blob
+        self, _c: KernelConnection, msg: protocol.kernel.SessionInfo, _b: Blob
     ) -> protocol.kernel.SessionState:
         return self.groups.session(msg["session"]).info()
 
     async def _on_overview(
-        self, _c: Connection, _m: protocol.kernel.Overview, _b: Blob
+        self, _c: KernelConnection, _m: protocol.kernel.Overview, _b: Blob
     ) -> protocol.kernel.PanelList:
         groups = self.groups
         return protocol.kernel.PanelList(
@@ -269,25 +269,25 @@ class Supervisor:
         )
 
     async def _on_events(
-        self, _c: Connection, msg: protocol.kernel.Events, _b: Blob
+        self, _c: KernelConnection, msg: protocol.kernel.Events, _b: Blob
     ) -> protocol.kernel.EventList:
         report = overview.reporter_of(msg["job"], self.groups.jobs, self.groups.sessions)
         return protocol.kernel.EventList(events=report.events_since(msg["since"]), seq=report.seq)
 
     async def _on_input(
-        self, _c: Connection, msg: protocol.kernel.Input, _b: Blob
+        self, _c: KernelConnection, msg: protocol.kernel.Input, _b: Blob
     ) -> protocol.kernel.Done:
         ranks = self.groups.ranks_of(msg["job"])
         await ranks.answer_input(msg["attempt"], msg["rank"], msg["ask"], msg["text"], msg["why"])
         return protocol.kernel.Done()
 
     async def _on_nodes(
-        self, _c: Connection, _m: protocol.kernel.Nodes, _b: Blob
+        self, _c: KernelConnection, _m: protocol.kernel.Nodes, _b: Blob
     ) -> protocol.kernel.MachineList:
         return self._nodes()
 
     async def _on_join(
-        self, _c: Connection, msg: protocol.kernel.Join, _b: Blob
+        self, _c: KernelConnection, msg: protocol.kernel.Join, _b: Blob
     ) -> protocol.kernel.JoinLine:
         return await self._join(msg)
 
@@ -350,7 +350,7 @@ Blob = bytes | None
 # reply's data (of the type protocol.kernel.REPLIES names). The hello is the channel's too, but
 # it is the handshake's (Supervisor._serve_connection), no request.
 _REQUESTS: dict[
-    str, Callable[[Supervisor, Connection, Any, Blob], Awaitable[Mapping[str, object]]]
+    str, Callable[[Supervisor, KernelConnection, Any, Blob], Awaitable[Mapping[str, object]]]
 ] = {
     protocol.kernel.SUBMIT: Supervisor._on_submit,
     protocol.kernel.STOP: Supervisor._on_stop,

@@ -187,7 +187,7 @@ class Cluster:
             log.warning("refused %s (%s): %s", info.get("name"), address, why)
             self.refused.append({"name": info.get("name"), "addr": address, "why": why})
             await self.listener_send(
-                peer, protocol.agents.Refused(kind=protocol.agents.REFUSED, error=why)
+                peer, protocol.agents.JoinRefused(kind=protocol.agents.REFUSED, error=why)
             )
             return
         endpoint = (blob or b"").decode(errors="replace")

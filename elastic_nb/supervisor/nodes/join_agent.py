@@ -369,7 +369,7 @@ class JoinAgent:
         survivors = await node.stop(msg["grace"], sent)
         await self._mirror.sweep(g.id)  # everything the ranks left, before the answer
         return protocol.agents.Stopped(
-            survivors=[protocol.agents.Survivor(pid=s.pid, state=s.state) for s in survivors],
+            survivors=survivors,
             signals=signals,
         )
 

@@ -290,7 +290,10 @@ class RemoteNode(Node):
         for sent in answer["signals"]:
             on_signal(f"{sent['sig']} on {self.label}", sent["pids"])
         self._launcher_alive = False
-        return [Survivor(s["pid"], f"{s['state']} on {self.label}") for s in answer["survivors"]]
+        return [
+            Survivor(pid=s["pid"], state=f"{s['state']} on {self.label}")
+            for s in answer["survivors"]
+        ]
 
     def close(self, ended: bool = True) -> None:
         group = self._group

@@ -289,7 +289,10 @@ class LocalNode(Node):
             return []
         pids = await self._tree.stop(grace, on_signal)
         self._reap()
-        return [Survivor(pid, st[1] if (st := procs.proc_state(pid)) else "gone") for pid in pids]
+        return [
+            Survivor(pid=pid, state=st[1] if (st := procs.proc_state(pid)) else "gone")
+            for pid in pids
+        ]
 
     def close(self, ended: bool = True) -> None:
         launcher = self._launcher

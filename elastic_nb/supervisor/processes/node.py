@@ -28,6 +28,7 @@ from elastic_nb import protocol
 from elastic_nb.common.host_memory import MemoryLimit
 from elastic_nb.common.rundir import RunDir
 from elastic_nb.common.spec import JobSpec
+from elastic_nb.protocol.records import Survivor
 from elastic_nb.supervisor.forensics.watchdogs import TorchAgent
 from elastic_nb.supervisor.ranks.rank_state import RankState
 
@@ -73,14 +74,6 @@ class Work:
     env: dict[str, str]  # the ranks' environment
     # A multi-node group's round (the node fills in its own endpoint, address and interface).
     plan: protocol.launcher.LaunchRound | None = None
-
-
-@dataclass(frozen=True)
-class Survivor:
-    """A process of the group still alive after SIGKILL (in D state, most often)."""
-
-    pid: int
-    state: str  # what its state means, or "gone"
 
 
 class Node(ABC):

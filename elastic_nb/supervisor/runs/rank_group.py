@@ -469,7 +469,7 @@ class RankGroup(GroupHooks, GroupPrompts):
             self.hear(decider.TeardownBegan(time.time()))
         survivors = await self.stop_nodes(ended=True)
         if survivors:  # no process of a group may outlive it unsaid
-            self.report.event("teardown_failed", pids=[s.pid for s in survivors])
+            self.report.event("teardown_failed", pids=[s["pid"] for s in survivors])
             self.report.alert(**summary.unkillable(survivors))
 
     async def _finish(self) -> None:

@@ -216,7 +216,7 @@ def unkillable(survivors: list[Survivor]) -> dict[str, Any]:
         kind="unkillable",
         severity="error",
         title=f"{len(survivors)} process(es) of the job survived SIGKILL",
-        text="\n".join(f"pid {s.pid}: {s.state}" for s in survivors),
+        text="\n".join(f"pid {s['pid']}: {s['state']}" for s in survivors),
     )
 
 

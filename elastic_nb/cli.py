@@ -85,8 +85,8 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
         if not args.token:
             parser.error(f"join: a token is needed: --token TOKEN or ${TOKEN_ENV}")
+        from elastic_nb.join_agent.agent import run_agent
         from elastic_nb.supervisor.nodes.channel import TokenError
-        from elastic_nb.supervisor.nodes.join_agent import run_agent
 
         try:
             return run_agent(args.endpoint, args.token, args.workdir, args.addr, args.rejoin)

@@ -109,9 +109,12 @@ WALLS = {
     "supervisor": {"common", "protocol"},
     "server": {"common", "protocol"},
     "checkpoint": {"common", "protocol"},  # the cells' API, run in the ranks
-    # the command line: `elastic-nb join` runs a join agent (the supervisor of its machine's
-    # processes, supervisor/nodes/join_agent.py); `runs` and `logs` read run directories
-    "cli": {"common", "protocol", "supervisor"},
+    # a join agent, another machine's: what it shares with the notebook's supervisor, only
+    # (JOIN_AGENT_SHARES)
+    "join_agent": {"common", "protocol", "supervisor"},
+    # the command line: `elastic-nb join` runs a join agent (join_agent/agent.py; its token's
+    # errors are the channel's); `runs` and `logs` read run directories
+    "cli": {"common", "protocol", "supervisor", "join_agent"},
     "__main__": {"cli"},  # python -m elastic_nb: the command line
 }
 # Inside the supervisor: pure judgements import no part that does I/O; the parts that own
@@ -122,8 +125,7 @@ SUPERVISOR_WALLS = {
     "ranks": {"forensics", "processes.node", "processes.peers"},
     # a node reports the agent as the zombie watchdog judges it
     "processes": {"ranks.rank_state", "forensics.watchdogs"},
-    # other machines: a remote node (a second Node), the cluster of agents, the join agent (a
-    # LocalNode of its own machine's)
+    # other machines: a remote node (a second Node), the cluster of agents
     "nodes": {"processes", "ranks.rank_state", "forensics.watchdogs"},
     "runs": {"forensics", "ranks", "processes", "nodes"},
     "sessions": {"forensics", "ranks", "processes", "runs"},
@@ -142,6 +144,10 @@ SUPERVISOR_WALLS = {
     "overview": {"ranks", "runs", "sessions"},
     "__main__": {"service"},
 }
+# What a join agent's process shares with the notebook's supervisor: the channel between them,
+# the files they exchange, the ownership of its machine's processes (a LocalNode, the launcher
+# pool) and the rank record the nodes keep.
+JOIN_AGENT_SHARES = ("nodes.channel", "nodes.files", "processes", "ranks.rank_state")
 
 
 def _folder(mod: str) -> str:
@@ -157,6 +163,9 @@ def _allowed(src: str, dst: str) -> bool:
         return True
     if b not in WALLS[a] and a != b:
         return False
+    if a == "join_agent" and b == "supervisor":
+        inner = ".".join(dst.split(".")[2:])
+        return any(inner == x or inner.startswith(x + ".") for x in JOIN_AGENT_SHARES)
     if a == "supervisor" == b:
         inner_a = src.split(".")[2] if src.count(".") >= 2 else "__init__"
         inner_b = ".".join(dst.split(".")[2:]) or "__init__"
@@ -197,8 +206,10 @@ _PROCESS_WORD = "pidfd"  # in any identifier: os.pidfd_open, signal.pidfd_send_s
 _PROCESS_TEXT = "/proc"  # in any string but a docstring
 _PROCESS_ATTRS = ("SO_PEERCRED",)
 
-# The supervisor's modules outside supervisor/processes/ that may touch a process anyway, each
-# touch by itself, with why. Anything else found there fails the test below.
+# The supervisors' modules (the notebook's, and a join agent's: its machine's) outside
+# supervisor/processes/ that may touch a process anyway, each touch by itself, with why. Anything
+# else found there fails the test below.
+_SUPERVISORS = ("elastic_nb.supervisor", "elastic_nb.join_agent")
 PROCESS_EXCEPTIONS = {
     ("elastic_nb.supervisor.service", "elastic_nb.common.procs"): (
         "the supervisor's own process: it makes itself a subreaper, watches its kernel's pid "
@@ -211,11 +222,11 @@ PROCESS_EXCEPTIONS = {
     ("elastic_nb.supervisor.service", "os.kill"): (
         "os.kill(kernel, 0): whether its kernel lives, where no pidfd can be had"
     ),
-    ("elastic_nb.supervisor.nodes.join_agent", "elastic_nb.common.procs"): (
+    ("elastic_nb.join_agent.agent", "elastic_nb.common.procs"): (
         "a join agent is its machine's supervisor process: it makes itself the subreaper of "
         "its launchers and reaps the orphans it inherits, as service does"
     ),
-    ("elastic_nb.supervisor.nodes.join_agent", "psutil"): (
+    ("elastic_nb.join_agent.agent", "psutil"): (
         "its own process's one TCP connection to the supervisor: the address its machine is "
         "reached at (zmq does not tell a socket's local end)"
     ),
@@ -280,9 +291,7 @@ def process_touches(mod: str, source: str, is_package: bool = False) -> set[str]
 def process_crossings(mod: str, source: str, is_package: bool = False) -> list[str]:
     """The touches of a supervisor module outside supervisor/processes/ that no exception
     allows."""
-    if not mod.startswith("elastic_nb.supervisor") or mod.startswith(
-        "elastic_nb.supervisor.processes"
-    ):
+    if not mod.startswith(_SUPERVISORS) or mod.startswith("elastic_nb.supervisor.processes"):
         return []
     return sorted(
         f"{mod}: {what}"

@@ -171,7 +171,7 @@ def test_every_order_to_a_join_agent_has_its_handler() -> None:
     takes in the order they came (bye, a stream's data and close)."""
     import typing
 
-    from elastic_nb.supervisor.nodes.join_agent import _ORDERS
+    from elastic_nb.join_agent.agent import _ORDERS
 
     a = protocol.agents
     kinds = {

@@ -273,7 +273,7 @@ def test_a_frame_over_the_channels_limit_is_never_sent_and_one_at_it_arrives() -
 
 
 def test_a_stack_dump_too_long_for_the_answer_keeps_its_last_lines() -> None:
-    from elastic_nb.supervisor.nodes.join_agent import _tail
+    from elastic_nb.join_agent.agent import _tail
 
     text = "".join(f"line {i}\n" for i in range(100_000))
     kept = _tail(text, 1000)

@@ -32,10 +32,10 @@ from anyio.abc import TaskGroup
 
 from elastic_nb import protocol
 from elastic_nb.common import machine, procs
+from elastic_nb.join_agent.relay import Relay
+from elastic_nb.join_agent.served_group import STOP_GRACE_S, Hands, ServedGroup
 from elastic_nb.supervisor.nodes.channel import MAX_FRAME, Dialer, Keys
 from elastic_nb.supervisor.nodes.files import Mirror
-from elastic_nb.supervisor.nodes.relay import Relay
-from elastic_nb.supervisor.nodes.served_group import STOP_GRACE_S, Hands, ServedGroup
 from elastic_nb.supervisor.processes.launcher_pool import LauncherPool
 
 __all__ = ["ORPHAN_BOUND_S", "JoinAgent"]

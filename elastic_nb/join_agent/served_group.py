@@ -24,8 +24,8 @@ from elastic_nb import protocol
 from elastic_nb.common import machine
 from elastic_nb.common.rundir import CHECKPOINTS, RunDir
 from elastic_nb.common.spec import JobSpec
+from elastic_nb.join_agent.relay import Relay
 from elastic_nb.supervisor.nodes.files import Mirror, owner, unpack
-from elastic_nb.supervisor.nodes.relay import Relay
 from elastic_nb.supervisor.processes.launcher_pool import LauncherPool
 from elastic_nb.supervisor.processes.local_node import LocalNode
 from elastic_nb.supervisor.processes.node import Work

@@ -162,17 +162,18 @@ class ServedGroup:
     async def _read_launcher(self, node: LocalNode, round_: int) -> None:
         """The round's launcher: what it says, to the supervisor; a watcher per rank it starts."""
         send = self._hands.send
+        starts = _RankStarts()
         async for msg in node.messages():
-            if msg["kind"] == protocol.launcher.START:
-                r = RankState(msg["attempt"], msg["rank"], pid=msg["pid"], started_at=time.time())
+            protocol.launcher.hear(msg, starts)
+            for r in starts.ranks:
                 self.ranks[(r.attempt, r.rank)] = r
                 self._hands.tg.start_soon(self._watch_rank, node, r)
             said = protocol.agents.LauncherSaid(
                 kind=protocol.agents.LAUNCHER, group=self.id, round=round_, msg=dict(msg)
             )
             await send(said, None)
-            if msg["kind"] == protocol.launcher.START:
-                self.told.add((msg["attempt"], msg["rank"]))
+            self.told.update((r.attempt, r.rank) for r in starts.ranks)  # its start said first
+            starts.ranks.clear()
         await node.launcher_exited()
         outcome, reason = node.launcher_outcome(self.rd.launcher_log)
         await self._hands.mirror.sweep(self.id)
@@ -263,3 +264,15 @@ class ServedGroup:
                 self.socket_path.unlink()
         for path in (self.rd.path, self.cwd, *cells):
             shutil.rmtree(path, ignore_errors=True)
+
+
+class _RankStarts(protocol.launcher.Listener):
+    """The ranks a launcher's message says started, each to be watched."""
+
+    def __init__(self) -> None:
+        self.ranks: list[RankState] = []
+
+    def started(self, msg: protocol.launcher.Start) -> None:
+        self.ranks.append(
+            RankState(msg["attempt"], msg["rank"], pid=msg["pid"], started_at=time.time())
+        )

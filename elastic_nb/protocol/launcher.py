@@ -30,6 +30,7 @@ __all__ = [
     "Exits",
     "LaunchRound",
     "LauncherNews",
+    "Listener",
     "Ready",
     "Rendezvous",
     "Result",
@@ -37,6 +38,7 @@ __all__ = [
     "StoreUp",
     "Tick",
     "assignment",
+    "hear",
     "launcher_news",
 ]
 
@@ -140,6 +142,61 @@ LauncherNews = Ready | Rendezvous | Start | Exit | Exits | Tick | AgentFailed | 
 def launcher_news(frame: Frame) -> LauncherNews:
     """A frame on a launcher's pipe, checked."""
     return typing.cast(LauncherNews, check(frame, LauncherNews))
+
+
+class Listener:
+    """What a reader of a launcher's news does with each kind: the channel's one receiver
+    (`hear`), so that no reader compares kinds. A reader overrides the kinds it takes; each
+    other kind goes to `other`, which ignores it."""
+
+    def ready(self, msg: Ready) -> None:
+        self.other(msg)
+
+    def rendezvous(self, msg: Rendezvous) -> None:
+        self.other(msg)
+
+    def started(self, msg: Start) -> None:
+        self.other(msg)
+
+    def exited(self, msg: Exit) -> None:
+        self.other(msg)
+
+    def exits(self, msg: Exits) -> None:
+        self.other(msg)
+
+    def tick(self, msg: Tick) -> None:
+        self.other(msg)
+
+    def agent_failed(self, msg: AgentFailed) -> None:
+        self.other(msg)
+
+    def result(self, msg: Result) -> None:
+        self.other(msg)
+
+    def store_up(self, msg: StoreUp) -> None:
+        self.other(msg)
+
+    def other(self, msg: LauncherNews) -> None:
+        """A kind this reader does not take."""
+
+
+# Each kind's method of a Listener, by name (a reader's override is the one called)
+_HEARD = {
+    READY: "ready",
+    RENDEZVOUS: "rendezvous",
+    START: "started",
+    EXIT: "exited",
+    EXITS: "exits",
+    TICK: "tick",
+    AGENT_FAILED: "agent_failed",
+    RESULT: "result",
+    STORE: "store_up",
+}
+
+
+def hear(msg: LauncherNews, listener: Listener) -> None:
+    """`msg` (checked: launcher_news) to the `listener`'s method for its kind."""
+    getattr(listener, _HEARD[msg["kind"]])(msg)
 
 
 def assignment(frame: Frame) -> Assignment:

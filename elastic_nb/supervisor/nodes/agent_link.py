@@ -228,9 +228,9 @@ class JoinAgentLink:
             relayed.ended()
 
     def _on_launcher(self, msg: protocol.agents.LauncherSaid, blob: bytes | None) -> None:
-        said = msg["msg"]
-        if said.get("kind") == protocol.launcher.START:
-            self.files.started(msg["group"], int(said["attempt"]), int(said["rank"]))
+        # Checked before anything is taken from it (its node reads it again, checked).
+        said = protocol.launcher.launcher_news(msg["msg"])
+        protocol.launcher.hear(said, _Starts(self.files, msg["group"]))
         self._on_group_news(msg, blob)
 
     def _on_group_news(
@@ -290,3 +290,13 @@ _NEWS: dict[str, Callable[[JoinAgentLink, Any, bytes | None], None]] = {
     protocol.agents.RANK_GONE: JoinAgentLink._on_group_news,
     protocol.agents.MEMORY: JoinAgentLink._on_group_news,
 }
+
+
+class _Starts(protocol.launcher.Listener):
+    """A rank an agent's launcher started: its files are mirrored home from then on."""
+
+    def __init__(self, files: NodeFiles, group: str) -> None:
+        self.files, self.group = files, group
+
+    def started(self, msg: protocol.launcher.Start) -> None:
+        self.files.started(self.group, msg["attempt"], msg["rank"])

@@ -76,6 +76,7 @@ class RemoteNode(Node):
         self._exited = anyio.Event()
         self._outcome: tuple[str, str] = ("failed", "its node never reported")
         self._gone: dict[tuple[int, int], anyio.Event] = {}
+        self._starts = _Starts(self._gone)
         self._seen_gone: dict[tuple[int, int], tuple[float, int | None]] = {}
         self._beat: protocol.agents.GroupBeat | None = None
         self._beat_at: float | None = None
@@ -340,34 +341,35 @@ class RemoteNode(Node):
         self._beat, self._beat_at = beat, time.monotonic()
 
     def on_news(self, msg: protocol.agents.NodeNews) -> None:
-        if msg["kind"] == protocol.agents.LAUNCHER:
-            assert msg["kind"] == protocol.agents.LAUNCHER
-            said = protocol.launcher.launcher_news(msg["msg"])
-            if said["kind"] == protocol.launcher.START:
-                self._gone.setdefault((said["attempt"], said["rank"]), anyio.Event())
-            # Its reader gone (the group's tasks ended by a bug of ours): nobody listens.
-            with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
-                self._news.send_nowait(said)
-        elif msg["kind"] == protocol.agents.LAUNCHER_EXIT:
-            assert msg["kind"] == protocol.agents.LAUNCHER_EXIT
-            self._outcome = (msg["outcome"], f"{self.label}: {msg['reason']}")
-            self._launcher_alive = False
-            self._news.close()
-            self._exited.set()
-        elif msg["kind"] == protocol.agents.RANK_GONE:
-            assert msg["kind"] == protocol.agents.RANK_GONE
-            key = (msg["attempt"], msg["rank"])
-            self._seen_gone[key] = (msg["t"] + self.clock_offset, msg["code"])
-            self._gone.setdefault(key, anyio.Event()).set()
-        elif msg["kind"] == protocol.agents.MEMORY:
-            assert msg["kind"] == protocol.agents.MEMORY
-            limit = MemoryLimit(**msg["limit"]) if msg["limit"] else None
-            self._reading = MemoryReading(
-                {int(k): v for k, v in msg["rss"].items()},
-                {int(k): v for k, v in msg["gpu"].items()},
-                limit,
-                msg["gpus"],
-            )
+        """A group's news from the agent (agent_link routes it here): by its kind's handler."""
+        getattr(self, _NEWS[msg["kind"]])(msg)
+
+    def _launcher_said(self, msg: protocol.agents.LauncherSaid) -> None:
+        said = protocol.launcher.launcher_news(msg["msg"])
+        protocol.launcher.hear(said, self._starts)
+        # Its reader gone (the group's tasks ended by a bug of ours): nobody listens.
+        with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+            self._news.send_nowait(said)
+
+    def _launcher_exit(self, msg: protocol.agents.LauncherExit) -> None:
+        self._outcome = (msg["outcome"], f"{self.label}: {msg['reason']}")
+        self._launcher_alive = False
+        self._news.close()
+        self._exited.set()
+
+    def _rank_gone(self, msg: protocol.agents.RankGone) -> None:
+        key = (msg["attempt"], msg["rank"])
+        self._seen_gone[key] = (msg["t"] + self.clock_offset, msg["code"])
+        self._gone.setdefault(key, anyio.Event()).set()
+
+    def _memory(self, msg: protocol.agents.MemoryRead) -> None:
+        limit = MemoryLimit(**msg["limit"]) if msg["limit"] else None
+        self._reading = MemoryReading(
+            {int(k): v for k, v in msg["rss"].items()},
+            {int(k): v for k, v in msg["gpu"].items()},
+            limit,
+            msg["gpus"],
+        )
 
     def on_lost(self, why: str, at: float) -> None:
         """The agent is gone: its ranks with it, as of when it was last heard from."""
@@ -415,3 +417,23 @@ class RemoteNode(Node):
             tg.start_soon(pump, stream, store)
             tg.start_soon(pump, store, stream)
         await stream.aclose()
+
+
+# A group's news from its agent, by kind: RemoteNode's handler of each (agent_link routes only
+# these kinds to a node)
+_NEWS = {
+    protocol.agents.LAUNCHER: "_launcher_said",
+    protocol.agents.LAUNCHER_EXIT: "_launcher_exit",
+    protocol.agents.RANK_GONE: "_rank_gone",
+    protocol.agents.MEMORY: "_memory",
+}
+
+
+class _Starts(protocol.launcher.Listener):
+    """A rank the agent's launcher started: its going is waited for from then on."""
+
+    def __init__(self, gone: dict[tuple[int, int], anyio.Event]) -> None:
+        self.gone = gone
+
+    def started(self, msg: protocol.launcher.Start) -> None:
+        self.gone.setdefault((msg["attempt"], msg["rank"]), anyio.Event())

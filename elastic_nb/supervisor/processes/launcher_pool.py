@@ -93,9 +93,11 @@ class LauncherPool:
         role = {modules.ROLE_ENV: modules.STORE_ROLE, modules.STORE_PORT_ENV: str(port)}
         store = await self._fork(zygote, {**env, **role}, (), ())
         self._stores.add(store)
+        serving = _Serving()
         async for msg in store.messages:
-            if msg["kind"] == protocol.launcher.STORE:
-                return store, msg["port"]
+            protocol.launcher.hear(msg, serving)
+            if serving.port is not None:
+                return store, serving.port
         self.end_store(store)
         raise ZygoteFailed(f"the rendezvous store did not start: {log_tail(store.log_path)}")
 
@@ -331,3 +333,12 @@ def _cores() -> int:
 
 def _start_key(env: dict[str, Any]) -> tuple[str | None, ...]:
     return tuple(env.get(k) for k in _AT_START)
+
+
+class _Serving(protocol.launcher.Listener):
+    """A rendezvous store's word that it serves, and where."""
+
+    port: int | None = None
+
+    def store_up(self, msg: protocol.launcher.StoreUp) -> None:
+        self.port = msg["port"]

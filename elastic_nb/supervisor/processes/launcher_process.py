@@ -50,6 +50,7 @@ class Launcher(Child):
         self._forward, self.messages = anyio.create_memory_object_stream[
             protocol.launcher.LauncherNews
         ](math.inf)
+        self._heard = _Heard(self)
         stdin_r, stdin_w = os.pipe()
         stdout_r, stdout_w = os.pipe()
         try:
@@ -89,17 +90,7 @@ class Launcher(Child):
                 if not data:
                     return
                 for frame, _ in self.decoder.feed(data):
-                    msg = protocol.launcher.launcher_news(frame)
-                    if msg["kind"] == protocol.launcher.TICK:
-                        self.last_tick = time.monotonic()
-                        continue
-                    if msg["kind"] == protocol.launcher.RESULT:
-                        self.result = msg
-                    if msg["kind"] == protocol.launcher.READY:
-                        self.ready = True
-                        if self.job is None:
-                            continue  # said while idle: nothing a job needs to hear
-                    self._forward.send_nowait(msg)
+                    protocol.launcher.hear(protocol.launcher.launcher_news(frame), self._heard)
         finally:
             self._forward.close()
             self.proc.stdout.close()
@@ -154,3 +145,25 @@ class Launcher(Child):
                 self.proc.stdin.close()
         with contextlib.suppress(OSError):
             self.log_path.unlink()
+
+
+class _Heard(protocol.launcher.Listener):
+    """What the pipe's reader does with each kind: the launcher's own state, or on to its job."""
+
+    def __init__(self, launcher: Launcher) -> None:
+        self.launcher = launcher
+
+    def tick(self, msg: protocol.launcher.Tick) -> None:
+        self.launcher.last_tick = time.monotonic()
+
+    def result(self, msg: protocol.launcher.Result) -> None:
+        self.launcher.result = msg
+        self.other(msg)
+
+    def ready(self, msg: protocol.launcher.Ready) -> None:
+        self.launcher.ready = True
+        if self.launcher.job is not None:  # said while idle: nothing a job needs to hear
+            self.other(msg)
+
+    def other(self, msg: protocol.launcher.LauncherNews) -> None:
+        self.launcher._forward.send_nowait(msg)

@@ -76,9 +76,9 @@ class LocalNode(Node):
 
     async def messages(self) -> AsyncIterator[protocol.launcher.LauncherNews]:
         launcher = self._started()
+        heard = _SignOfLife(launcher)
         async for msg in launcher.messages:
-            if msg["kind"] == protocol.launcher.START:
-                launcher.last_tick = time.monotonic()  # a start is a sign of life
+            protocol.launcher.hear(msg, heard)
             yield msg
 
     @property
@@ -325,3 +325,13 @@ def _read_from(path: Path, offset: int) -> str:
 def _read_record(path: Path) -> dict[str, Any] | None:
     record = read_json(path)
     return record if isinstance(record, dict) else None
+
+
+class _SignOfLife(protocol.launcher.Listener):
+    """A rank's start is a sign of its launcher's life, as a tick is (the zombie watchdog)."""
+
+    def __init__(self, launcher: Launcher) -> None:
+        self.launcher = launcher
+
+    def started(self, msg: protocol.launcher.Start) -> None:
+        self.launcher.last_tick = time.monotonic()

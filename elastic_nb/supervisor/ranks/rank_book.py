@@ -13,7 +13,6 @@ from typing import Any
 
 import anyio
 
-from elastic_nb import protocol
 from elastic_nb.common.rundir import RunDir, read_json
 from elastic_nb.protocol.records import Chip
 from elastic_nb.supervisor.forensics.desync import Desync
@@ -73,16 +72,6 @@ class RankBook:
         r.exit_code = int(code)
         self.exit_reported(r).set()
         return r
-
-    def take_exits(self, msg: protocol.launcher.LauncherNews) -> list[RankState]:
-        """The launcher's EXIT or EXITS message, if it is one; returns the ranks that can be
-        judged now (they were seen gone before their exit code was known)."""
-        if msg["kind"] == protocol.launcher.EXIT:
-            self.report_exit(msg["attempt"], msg["rank"], msg["code"])
-        elif msg["kind"] == protocol.launcher.EXITS:
-            codes = {int(r): c for r, c in msg["codes"].items() if c is not None}
-            return self.record_exits(msg["attempt"], codes)
-        return []
 
     def record_exits(self, attempt: int, codes: dict[int, int]) -> list[RankState]:
         """The launcher's EXITS: every rank's code as torch saw it; returns the ranks already

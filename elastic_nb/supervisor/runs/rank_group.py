@@ -335,21 +335,13 @@ class RankGroup(GroupHooks, GroupPrompts):
         self.report.event(action.name, **action.fields)
 
     async def _read_launcher(self, node: Node) -> None:
+        heard = _Heard(self, node)
         async for msg in node.messages():
             fields = {k: v for k, v in msg.items() if k != "kind"}
             if label := self.placement.node_label(node):
                 fields["node"] = label
             self.report.event(f"launcher.{msg['kind']}", **fields)
-            if msg["kind"] == protocol.launcher.READY:
-                self._on_ready()
-            elif msg["kind"] == protocol.launcher.RENDEZVOUS:
-                self.placement.rendezvous(msg["attempt"], msg["seconds"])
-            elif msg["kind"] == protocol.launcher.START:
-                self._on_start(node, msg["attempt"], msg["rank"], msg["pid"])
-            elif msg["kind"] == protocol.launcher.AGENT_FAILED:
-                self._agent_failed(node, msg["error"], msg["t"] + node.clock_offset)
-            for r in self.book.take_exits(msg):
-                self._rank_ended(r)  # its exit was unknown when it was seen gone
+            protocol.launcher.hear(msg, heard)
         if node in self.nodes:
             self._unheard -= 1
             if self._unheard <= 0:
@@ -519,6 +511,34 @@ class RankGroup(GroupHooks, GroupPrompts):
 
     async def _flush(self) -> None:
         await self.report.flush(self.attempt, self.tailer)
+
+
+class _Heard(protocol.launcher.Listener):
+    """What a group does with each kind of its launchers' news, `node`'s."""
+
+    def __init__(self, group: RankGroup, node: Node) -> None:
+        self.g, self.node = group, node
+
+    def ready(self, msg: protocol.launcher.Ready) -> None:
+        self.g._on_ready()
+
+    def rendezvous(self, msg: protocol.launcher.Rendezvous) -> None:
+        self.g.placement.rendezvous(msg["attempt"], msg["seconds"])
+
+    def started(self, msg: protocol.launcher.Start) -> None:
+        self.g._on_start(self.node, msg["attempt"], msg["rank"], msg["pid"])
+
+    def agent_failed(self, msg: protocol.launcher.AgentFailed) -> None:
+        self.g._agent_failed(self.node, msg["error"], msg["t"] + self.node.clock_offset)
+
+    def exited(self, msg: protocol.launcher.Exit) -> None:
+        # Its watcher, waiting for it (RankBook.wait_exit), judges the rank.
+        self.g.book.report_exit(msg["attempt"], msg["rank"], msg["code"])
+
+    def exits(self, msg: protocol.launcher.Exits) -> None:
+        codes = {int(r): c for r, c in msg["codes"].items() if c is not None}
+        for r in self.g.book.record_exits(msg["attempt"], codes):
+            self.g._rank_ended(r)  # its exit was unknown when it was seen gone
 
 
 # What carries out each action of the decision core (Diagnose: the kind's own, `_diagnose`).

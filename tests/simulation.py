@@ -75,6 +75,7 @@ class Sim:
         self.ended_rounds: set[int] = set()  # attempts a new round replaces
         self.closed: set[int] = set()  # attempts whose RoundEnded the core has heard
         self.last_seen = 0.0  # when the node saw its latest death
+        self.pinned: dict[int, tuple[int, str]] = {}  # attempt -> the rank its failure names
 
     # ---- the clock -------------------------------------------------------------------------
 
@@ -192,7 +193,9 @@ class Sim:
                 f"the machine of ranks {sorted(lost)} is lost",
                 lambda: self.lose(a, [ranks[x] for x in sorted(lost)]),
             )
-            self.peers_see([r for r in ranks if r.rank not in lost], T + rng.uniform(0.01, 0.5))
+            # Its peers' errors may be read before the loss is known (the agent's channel
+            # closes at once, or a heartbeat later).
+            self.peers_see([r for r in ranks if r.rank not in lost], T + rng.uniform(0.0, 0.1))
 
     def alive(self, r: RankState) -> bool:
         return (r.attempt, r.rank) not in self.gone
@@ -270,7 +273,7 @@ class Sim:
             if self.alive(r):
                 r.lost, r.died_at = "node 1 left: connection lost", self.now
                 self.gone.add((r.attempt, r.rank))
-                self.deliver(self.rng.uniform(0, 0.05), lambda r=r: d.RankExited(self.t(), r))
+                self.deliver(self.rng.uniform(0, 0.3), lambda r=r: d.RankExited(self.t(), r))
 
     # ---- torch's agent, where it restarts in place (one machine) or ends its round ----------
 
@@ -345,6 +348,10 @@ class Sim:
 
         self.deliver(self.rng.uniform(0.01, 0.5), found, "evidence taken")
 
+    def record(self, action: d.Record) -> None:
+        if action.name == "attempt.failed":
+            self.pinned[action.fields["attempt"]] = (action.fields["rank"], action.fields["kind"])
+
     def wait(self, action: d.Wait) -> None:
         self.deliver(action.seconds, lambda: d.Waited(self.t(), action.attempt, action.what))
 
@@ -380,6 +387,15 @@ class Sim:
 
     def check_step(self) -> None:
         core = self.core
+        for a, (rank, kind) in self.pinned.items():
+            # Across machines a peer's error waits for the evidence: the attempt's failure (the
+            # restart's words, the round's "why") names who failed on its own once it is known.
+            culprits = self.truths[a].culprits
+            if self.rounds and culprits and kind == "peer" and rank not in culprits:
+                raise Broken(
+                    f"attempt {a} failed as rank {rank}'s peer error; rank(s) {sorted(culprits)}"
+                    " failed on their own"
+                )
         if core.restarts > self.max_restarts:
             raise Broken(f"{core.restarts} restarts spent, the budget is {self.max_restarts}")
         for a in self.restarted:
@@ -436,7 +452,7 @@ _CARRY: dict[type[d.Action], Callable[[Sim, Any], None]] = {
     d.Diagnose: Sim.diagnose,
     d.Wait: Sim.wait,
     d.Restart: Sim.restart,
-    d.Record: lambda sim, action: None,
+    d.Record: Sim.record,
 }
 
 

@@ -206,3 +206,17 @@ def test_a_session_starts_no_teardown_clock_at_its_decision() -> None:
     core.handle(d.TeardownBegan(1.4))
     core.handle(d.TeardownBegan(1.6))
     assert core.teardown_at == 1.4
+
+
+def test_a_peers_error_read_before_its_machines_loss_pins_the_failure_on_the_lost_rank() -> None:
+    """Across machines a survivor's gloo error can be read before the lost machine's loss is
+    told: once the evidence is in, the attempt fails as the lost rank's, not the survivor's."""
+    core = in_rounds(max_restarts=1)
+    r0, r1 = start(core)
+    core.handle(d.RankFailed(1.0, raised(r0, 1.0, "RuntimeError", "Connection closed by peer")))
+    r1.lost = "node 1 (b) left: connection lost"
+    assert of(core.handle(d.RankExited(1.1, died(r1, 0.99, -signal.SIGKILL))), d.Diagnose)
+    actions = core.handle(d.Diagnosed(1.3, 0, "peer", r0))
+    assert of(actions, d.Record)[0].fields == {"attempt": 0, "rank": 1, "kind": "lost"}
+    (restart,) = of(actions, d.Restart)
+    assert restart.r is r1 and "left: connection lost" in restart.why

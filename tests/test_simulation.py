@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from elastic_nb.supervisor.forensics.verdict import Verdict
 from elastic_nb.supervisor.ranks.rank_state import RankState
 from elastic_nb.supervisor.runs import decider
 from elastic_nb.supervisor.runs.decider import Decider, RoundEnded, Show
@@ -151,3 +152,14 @@ def test_a_rank_whose_status_is_untold_at_its_rounds_end_is_found_running(
     monkeypatch.setattr(Decider, "_round_ended", as_the_book_had_it)
     found = first_broken()
     assert found is not None and "still shown running" in found[1], found
+
+
+def test_a_peers_error_read_before_the_failure_it_reports_is_found_pinned_on_the_peer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found this stop (test_multinode, under load): across machines a survivor's peer error was
+    read before its lost machine's loss, and the round's "why" named the survivor. Without the
+    verdict's look at what the ranks show once the evidence is in, the simulation finds it."""
+    monkeypatch.setattr(decider, "analyze", lambda *args, **kwargs: Verdict(None, None, []))
+    found = first_broken()
+    assert found is not None and "peer error" in found[1], found

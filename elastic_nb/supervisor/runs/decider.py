@@ -27,7 +27,7 @@ import signal
 from dataclasses import dataclass, field
 from typing import Any
 
-from elastic_nb.supervisor.forensics.verdict import FAILED
+from elastic_nb.supervisor.forensics.verdict import FAILED, analyze
 from elastic_nb.supervisor.ranks.rank_state import RankState
 
 __all__ = [
@@ -411,7 +411,15 @@ class Decider:
         elif e.what == "timeout" and e.r is not None:
             self._fail_attempt(e.t, e.r, "collective_timeout")
         elif e.what == "peer" and e.r is not None:
-            self._fail_attempt(e.t, e.r, "peer")
+            # No desync: the attempt's failure is the first of its own the ranks show by now (a
+            # lost machine's ranks, told while the evidence was taken), not the peer's error
+            # that was read first.
+            root = analyze(self.of(e.attempt), self.teardown_at).root
+            kind = root.kind(self.teardown_at) if root is not None else None
+            if root is not None and kind in FAILED and kind not in ("peer", "collective_timeout"):
+                self._fail_attempt(e.t, root, kind)
+            else:
+                self._fail_attempt(e.t, e.r, "peer")
         self._after_diagnosis(e.t)
 
     def _waited(self, e: Waited) -> None:
@@ -493,6 +501,8 @@ class Decider:
         if attempt in self.failed:
             return
         self.failed.add(attempt)
+        if self.decided:
+            return  # the group is ending: its teardown's consequences restart nothing
         self.last_failure = (r.failed_at or t, r.name, r.lost is not None)
         self._out.append(
             Record("attempt.failed", {"attempt": attempt, "rank": r.rank, "kind": kind})
@@ -500,8 +510,10 @@ class Decider:
         why = reason or f"{r.name} {r.failure_summary()}"
         # An exit(0) without finishing leaves torchelastic waiting forever for a return value
         # (multiprocessing/api.py, _poll): where torch restarts, no restart would come.
-        if not self.restarts_left(attempt) or kind in self.final:
+        if kind in self.final:
             self._decide(t, "failed", why)
+        elif not self.restarts_left(attempt):
+            self._decide(t, "failed", self._spent(why))
         else:
             self._out.append(Restart(attempt, why, r, kind))
 
@@ -517,11 +529,15 @@ class Decider:
         elif attempt in self.failed:
             return  # its restart is under way: one restart an attempt
         elif not self.restarts_left(attempt):
-            m = self.max_restarts
-            self._decide(t, "failed", f"{why}; no restarts are left ({m}/{m})")
+            self._decide(t, "failed", self._spent(why))
         else:
             self.failed.add(attempt)
             self._out.append(Restart(attempt, why))
+
+    def _spent(self, why: str) -> str:
+        """A failure's words when the budget is why it ends the group."""
+        m = self.max_restarts
+        return f"{why}; no restarts are left ({m}/{m})" if m else why
 
     def _diagnosis_ended(self, t: float, attempt: int) -> None:
         self.under_way.discard(attempt)

@@ -12,6 +12,7 @@ from anyio.abc import TaskGroup
 from elastic_nb import protocol
 from elastic_nb.supervisor.processes.node import Node
 from elastic_nb.supervisor.ranks.rank_state import RankState
+from elastic_nb.supervisor.runs import decider
 from elastic_nb.supervisor.runs.reporter import Reporter
 
 __all__ = ["GroupHooks"]
@@ -53,6 +54,10 @@ class GroupHooks:
     async def _relayed_rank(self, stream: Any, peer: int | None, node: Node) -> None:
         """A session's rank on another machine connects (relayed by its agent)."""
         await stream.aclose()
+
+    def _on_restart(self, action: decider.Restart) -> None:
+        """An attempt failed within the budget (decider.Restart): before the placement restarts
+        its ranks."""
 
     def _diagnose(self, what: str, r: RankState) -> None:
         """Take the evidence the decision core asks for (decider.Diagnose), then tell it

@@ -169,13 +169,15 @@ class OneMachine(Placement):
         return self.g.attempt
 
     def restart(self, action: decider.Restart) -> None:
-        if action.kind == "desync":
+        live = [x for x in self.g.book.of(action.attempt) if x.died_at is None]
+        if action.kind == "exit0":
+            # torchelastic waits forever for the return value of a rank that exited 0
+            # (multiprocessing/api.py, _poll): the others' deaths make it restart the group.
+            self.g.signal(live, signal.SIGKILL)
+        elif action.kind == "desync":
             # In torch's eyes nothing has failed: the waiting ranks would sit in their
             # collective until its timeout. Ending them makes the agent restart the group now.
-            ranks = self.g.book.of(action.attempt)
-            self.g.signal(
-                [x for x in ranks if x.died_at is None and x.done is None], signal.SIGTERM
-            )
+            self.g.signal([x for x in live if x.done is None], signal.SIGTERM)
 
 
 class InRounds(Placement):

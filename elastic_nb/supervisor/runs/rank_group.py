@@ -69,6 +69,9 @@ class RankGroup(GroupHooks, GroupPrompts):
     kind = "job"  # what the logs and errors call it
     # The outcomes whose decision is the moment the group begins to end its ranks (Decider)
     stops_ranks = frozenset({"failed", "timeout", "interrupted", "stopped"})
+    # Failures this kind restarts from though its placement would end on them (a session ends
+    # the others of an exit(0), and torch restarts the group)
+    restarts_from: frozenset[str] = frozenset()
 
     def __init__(
         self,
@@ -94,7 +97,10 @@ class RankGroup(GroupHooks, GroupPrompts):
             self.rd = RunDir.of(spec.log_dir, group_id)
             self.placement = InRounds(self, machines)
         self.core = Decider(
-            spec.max_restarts, self.placement.final, self.placement.awaited, self.stops_ranks
+            spec.max_restarts,
+            self.placement.final - self.restarts_from,
+            self.placement.awaited,
+            self.stops_ranks,
         )
         # SIGTERM -> SIGKILL: --stop-grace for the teardown, max(1, round(it)) for torch's agent,
         # 1 s for a join agent's; half the shortest, for an agent that began before the teardown.
@@ -329,6 +335,7 @@ class RankGroup(GroupHooks, GroupPrompts):
 
     def _restart(self, action: decider.Restart) -> None:
         self.report.set_state("restarting")
+        self._on_restart(action)
         self.placement.restart(action)
 
     def _record(self, action: decider.Record) -> None:

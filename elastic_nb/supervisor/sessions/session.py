@@ -20,7 +20,6 @@ import contextlib
 import functools
 import math
 import os
-import signal
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -59,6 +58,7 @@ SESSION_PRELOAD = ("torch._dynamo",)
 
 class Session(RankGroup):
     kind = "session"
+    restarts_from = frozenset({"exit0"})  # its others ended: torch restarts the group
 
     def __init__(
         self,
@@ -247,43 +247,37 @@ class Session(RankGroup):
         self.notify()
 
     def _rank_ended(self, r: RankState) -> None:
+        """A rank of the current attempt died: the decision core says restart (within the
+        budget, as a job's) or fail (`_on_restart`, `_on_decided`)."""
         self._ranks.drop(r)
-        book = self.book
         if self._state not in LIVE or r.attempt != self.attempt or r.attempt in self.core.failed:
             self.notify()
             return
         if r.attempt in self.core.replaced:  # a new round ends the attempt: no failure of its own
             self._restarting()
             return
-        self.core.failed.add(r.attempt)
-        if self.current is not None:
-            self.current.poke()  # it ran on this attempt: its end is decided now
-        why = f"{r.name} {r.failure_summary()}"
-        failed_at = r.failed_at or time.time()
-        self.core.last_failure = (failed_at, r.name, r.lost is not None)
         self.poll_checkpoints()  # a save committed just before the failure counts
-        cost = cost_words(self.checkpoints, failed_at, r.name, r.lost is not None)
-        self.restart_why = f"{why}; {cost}" if cost else why
-        if not self.restarts_left(r.attempt):
-            m = self.spec.max_restarts
-            self._decide("failed", f"{why}; no restarts are left ({m}/{m})")
+        self.hear(decider.RankExited(time.time(), r))
+        if r.attempt in self.core.failed and self.current is not None:
+            self.current.poke()  # it ran on this attempt: its end is decided now
+
+    def _on_restart(self, action: decider.Restart) -> None:
+        if action.r is None:  # its round failed: the round's alert says why (placement.InRounds)
+            self._restarting()
             return
+        why = action.why
+        cost = cost_words(self.checkpoints, *self.last_failure) if self.last_failure else None
+        self.restart_why = f"{why}; {cost}" if cost else why
         replays = len(self.journal.to_replay())
         self.alert(
             "restart",
             "warning",
-            f"{why}: the session restarts its ranks as attempt {r.attempt + 1} "
+            f"{why}: the session restarts its ranks as attempt {action.attempt + 1} "
             f"(restart {self.restarts + 1}/{self.spec.max_restarts}), then replays "
             f"{cells(replays)}" + (f"; {cost}" if cost else ""),
-            rank=r.rank,
-            ends=r.attempt,
+            rank=action.r.rank,
+            ends=action.attempt,
         )
-        if self.multi_node:
-            self.placement.restart(decider.Restart(r.attempt, why, r))  # the nodes there are now
-        elif r.kind(None) == "exit0":
-            # torchelastic waits forever for the return value of a rank that exited 0
-            # (multiprocessing/api.py, _poll): the others' deaths make it restart the group.
-            self.signal([x for x in book.of(r.attempt) if x.died_at is None], signal.SIGKILL)
         self._restarting()
 
     def _on_watchdog_line(self, attempt: int, rank: int, line: str) -> None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ from elastic_nb.common.rundir import RunDir
 from elastic_nb.common.submission import Submission
 from elastic_nb.kernel.flags import job_spec
 from elastic_nb.supervisor.ranks.rank_links import Link
+from elastic_nb.supervisor.runs import decider
 from elastic_nb.supervisor.runs.rank_group import RankGroup
 from elastic_nb.supervisor.sessions.session_cell import SessionCell
 from tests.fake_node import FakeNode
@@ -77,3 +79,51 @@ def test_an_answer_that_lands_while_the_watch_looks_ends_the_cell_at_once(tmp_pa
     decision, took = anyio.run(main)
     assert decision[0] == "succeeded"
     assert took < 0.2, f"decided {took:.2f} s after the look ended"
+
+
+def test_a_rank_death_ends_the_cell_as_the_groups_decision_core_judges_it(tmp_path: Path) -> None:
+    """Rank 1 dies of a SIGTERM nobody here sent, mid-cell: the core waits for torch's agent to
+    say it failed (decider.AGENT_WORD_S) before it pins the attempt's failure, and the cell waits
+    with it (it failed at the first death, where a job waits for the evidence). The agent says
+    nothing: the cell fails as rank 1's once the wait is over, and its restart follows."""
+    spec = job_spec(
+        {"nproc": "2", "max_restarts": "1", "log_dir": str(tmp_path)}, cwd=str(tmp_path)
+    )
+    node = FakeNode(RunDir.of(spec.log_dir, "5e5510a2"))
+    group = RankGroup("5e5510a2", spec, node, _nothing)
+    group.core.handle(decider.AttemptOpened(time.time(), 0, 2, counted=False))
+    ranks = [
+        group.book.add(0, rank, pid=100 + rank, started_at=time.time(), node=node)
+        for rank in (0, 1)
+    ]
+    for r in ranks:
+        group.core.handle(decider.RankStarted(time.time(), r))
+    links = [Link(r, _Stream()) for r in ranks]  # type: ignore[arg-type]
+    cell = SessionCell(Submission("ce11ce12", spec, "a = a + 1\n", {}, None, "5e5510a2"), _nothing)
+    cell.rd.attempt(0).mkdir(parents=True)
+
+    async def main() -> Any:
+        async with anyio.create_task_group() as tg:
+            decided: list[Any] = []
+
+            async def decide() -> None:
+                decided.append(await cell.decide(links, group))
+
+            tg.start_soon(decide)
+            await anyio.wait_all_tasks_blocked()
+            ranks[1].died_at, ranks[1].exit_code = time.time(), -signal.SIGTERM
+            waits = group.core.handle(decider.RankExited(time.time(), ranks[1]))
+            assert [type(a).__name__ for a in waits] == ["Show", "Wait"]
+            cell.poke()
+            await anyio.wait_all_tasks_blocked()
+            assert decided == []  # a death alone does not end the cell
+            group.core.handle(decider.Waited(time.time(), 0, "agent"))
+            cell.poke()
+            with anyio.fail_after(5):
+                await anyio.wait_all_tasks_blocked()
+                while not decided:
+                    await anyio.sleep(0.01)
+            return decided[0]
+
+    outcome, why, _, restarts = anyio.run(main)
+    assert (outcome, why, restarts) == ("failed", "rank 1 killed by SIGTERM", True)

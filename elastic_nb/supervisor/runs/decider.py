@@ -281,6 +281,7 @@ class Decider:
         self.restarts = 0  # spent
         self.restarts_at: dict[int, int] = {0: 0}  # attempt -> restarts spent when it began
         self.failed: set[int] = set()  # attempts a failure ended
+        self.pinned: dict[int, RankState] = {}  # attempt -> the rank its failure is pinned on
         self.replaced: set[int] = set()  # attempts a new round ended (no failure of theirs)
         self.agent_failed_in: set[int] = set()  # attempts whose torch agent failed
         self.under_way: set[int] = set()  # attempts being diagnosed
@@ -503,6 +504,7 @@ class Decider:
         self.failed.add(attempt)
         if self.decided:
             return  # the group is ending: its teardown's consequences restart nothing
+        self.pinned[attempt] = r
         self.last_failure = (r.failed_at or t, r.name, r.lost is not None)
         self._out.append(
             Record("attempt.failed", {"attempt": attempt, "rank": r.rank, "kind": kind})

@@ -258,10 +258,10 @@ class Session(RankGroup):
             return
         self.poll_checkpoints()  # a save committed just before the failure counts
         self.hear(decider.RankExited(time.time(), r))
-        if r.attempt in self.core.failed and self.current is not None:
-            self.current.poke()  # it ran on this attempt: its end is decided now
 
     def _on_restart(self, action: decider.Restart) -> None:
+        if self.current is not None:
+            self.current.poke()  # it ran on this attempt: its end is decided now
         if action.r is None:  # its round failed: the round's alert says why (placement.InRounds)
             self._restarting()
             return
@@ -307,6 +307,8 @@ class Session(RankGroup):
 
     def _on_decided(self, outcome: str) -> None:
         self._move(State.ENDING)
+        if self.current is not None:
+            self.current.poke()
 
     async def _before_teardown(self, outcome: str) -> None:
         if outcome == "ended":

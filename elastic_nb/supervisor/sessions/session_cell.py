@@ -141,13 +141,14 @@ class SessionCell:
             # the cell's end then waited for the next look, 0.25-1 s, about one cell in six.
             changed = self.changed
             now = time.monotonic()
-            dead = [link.r for link in links if link.r.died_at is not None]
             ended = group.ended()
             if ended is not None:
                 return "failed", f"the session ended: {ended}", interrupted, False
-            if dead or group.attempt_failed(self.attempt):
-                r = min(dead, key=lambda x: x.died_at or 0.0) if dead else None
-                why = f"rank {r.rank} {r.failure_summary()}" if r else "a rank died"
+            # A rank's death is the group's decision core's to judge, with the evidence a job's
+            # waits for (torch's agent's word, a lost machine's): the cell ends as it decides.
+            if group.attempt_failed(self.attempt):
+                r = group.core.pinned.get(self.attempt)
+                why = f"rank {r.rank} {r.failure_summary()}" if r else "its attempt failed"
                 return "failed", why, interrupted or time.time(), True
             if self.watchdog is not None and not watchdog_seen:
                 watchdog_seen = True

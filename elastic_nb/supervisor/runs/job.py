@@ -128,8 +128,7 @@ class Job(RankGroup):
         )
 
     def _on_rank_started(self, r: RankState) -> None:
-        self.show(r)
-        self.report.set_state("running")
+        self.report.set_state("running")  # its chip: the decision core's (decider.Show)
         # Every rank runs: a moment for each node to ready its next launcher (a multi-node job's
         # next round takes one on every node).
         if (r.attempt == 0 or self.multi_node) and len(self.book.of(r.attempt)) == self.world_size:

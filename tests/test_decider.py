@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from elastic_nb.supervisor.ranks.rank_state import RankState
+from elastic_nb.supervisor.runs import cell_rules as c
 from elastic_nb.supervisor.runs import decider as d
 from elastic_nb.supervisor.runs.placement import InRounds, OneMachine
 
@@ -220,3 +221,104 @@ def test_a_peers_error_read_before_its_machines_loss_pins_the_failure_on_the_los
     assert of(actions, d.Record)[0].fields == {"attempt": 0, "rank": 1, "kind": "lost"}
     (restart,) = of(actions, d.Restart)
     assert restart.r is r1 and "left: connection lost" in restart.why
+
+
+# ---- a session's cell (cell_rules) --------------------------------------------------------
+
+
+def session(max_restarts: int = 1, nproc: int = 2) -> d.Decider:
+    core = d.Decider(max_restarts, OneMachine.final - {"exit0"})
+    core.handle(d.AttemptOpened(0.0, 0, nproc, counted=False))
+    return core
+
+
+def cell_began(core: d.Decider, t: float = 0.2, **options: Any) -> list[Any]:
+    return core.handle(c.CellBegan(t, "ce11", 0, (0, 1), **options))
+
+
+def test_a_cells_raise_settles_then_its_first_raise_is_named_though_its_answer_came_second() -> (
+    None
+):
+    """Rank 1 raised at 1.00 and rank 0 at 1.02; rank 0's answer comes first. The others get
+    SETTLE_S to answer with their own errors before anyone is interrupted, and the words name
+    the rank that raised first, whatever order the answers came in."""
+    core = session(nproc=3)
+    start(core, n=3)
+    core.handle(c.CellBegan(0.2, "ce11", 0, (0, 1, 2)))
+    first = core.handle(c.Answered(1.03, "ce11", 0, False, 1.02, "rank 0: ValueError: late"))
+    assert of(first, c.Interrupt) == []
+    assert [w.t for w in of(first, c.WakeAt)] == [pytest.approx(1.03 + c.SETTLE_S)]
+    assert of(first, c.TellOom) == [c.TellOom("ce11", (0,))]
+    second = core.handle(c.Answered(1.05, "ce11", 1, False, 1.00, "rank 1: ValueError: first"))
+    assert of(second, c.Interrupt) == []
+    settled = core.handle(c.Tick(1.03 + c.SETTLE_S, "ce11"))
+    assert of(settled, c.Interrupt) == [c.Interrupt("ce11", (2,))]
+    (done,) = of(core.handle(c.Answered(1.2, "ce11", 2, False, 1.19, "rank 2: Keyb")), c.CellDone)
+    assert done == c.CellDone(
+        "ce11",
+        "failed",
+        "rank 1: ValueError: first; the session keeps its ranks and state",
+        1.03 + c.SETTLE_S,
+        False,
+    )
+
+
+def test_a_rank_stuck_after_its_interrupt_is_killed_and_the_attempt_fails_as_the_cells_doing() -> (
+    None
+):
+    """A stop interrupts both ranks; rank 1 sits inside a collective and does not answer within
+    the grace: it is killed, the cell ends with the stop's outcome, and the attempt restarts as
+    the cell's doing (no rank blamed: its death, seen later, changes nothing)."""
+    core = session()
+    _, r1 = start(core)
+    cell_began(core, grace=2.0)
+    stop = core.handle(c.StopAsked(1.0, "ce11", "interrupt"))
+    assert of(stop, c.Interrupt) == [c.Interrupt("ce11", (0, 1))]
+    core.handle(c.Answered(1.01, "ce11", 0, False, 1.01, "rank 0: KeyboardInterrupt"))
+    assert of(core.handle(c.Tick(2.9, "ce11")), c.KillRanks) == []  # within the grace
+    ended = core.handle(c.Tick(3.0, "ce11"))
+    (kill,) = of(ended, c.KillRanks)
+    assert kill.ranks == (1,) and "rank 1 could not be interrupted within 2 s" in (kill.note or "")
+    (done,) = of(ended, c.CellDone)
+    assert done.outcome == "interrupted" and done.restarts
+    assert done.reason.startswith("interrupted from the kernel; rank 1 could not be interrupted")
+    (restart,) = of(ended, d.Restart)
+    assert restart.r is None and restart.kind == d.CELL_ENDED
+    seen = core.handle(d.RankExited(3.1, died(r1, 3.1, -signal.SIGKILL)))
+    assert of(seen, d.Restart) == [] and of(seen, d.Record) == [] and 0 not in core.pinned
+
+
+def test_a_death_the_group_judges_ends_the_cell_and_a_stop_before_it_keeps_its_outcome() -> None:
+    """The cell ends as the core judges rank 1's death (a restart, its words). Where a stop
+    had come first, the stop's outcome stands and the death is said after it; where the budget
+    is spent, the session ends and so does the cell."""
+    core = session()
+    _, r1 = start(core)
+    cell_began(core)
+    ended = core.handle(d.RankExited(1.0, died(r1, 1.0, -signal.SIGKILL)))
+    (done,) = of(ended, c.CellDone)
+    assert (done.outcome, done.reason, done.restarts) == (
+        "failed",
+        "rank 1 killed by SIGKILL",
+        True,
+    )
+
+    core = session(max_restarts=0)
+    _, r1 = start(core)
+    cell_began(core, deadline=0.5, timeout=0.3)
+    assert of(core.handle(c.Tick(0.5, "ce11")), c.StopCell) == [c.StopCell("ce11", "timeout")]
+    (done,) = of(core.handle(d.RankExited(0.6, died(r1, 0.6, -signal.SIGKILL))), c.CellDone)
+    assert done.outcome == "timeout" and not done.restarts
+    assert done.reason == (
+        "the --timeout of 0.3 s passed; then the session ended: rank 1 killed by SIGKILL"
+    )
+
+
+def test_a_cell_begun_on_an_attempt_already_failed_ends_at_once() -> None:
+    """A rank died between the cell's sending and its rules' start: the cell does not wait
+    for answers that will not come."""
+    core = session()
+    _, r1 = start(core)
+    core.handle(d.RankExited(0.15, died(r1, 0.15, -signal.SIGKILL)))
+    (done,) = of(cell_began(core), c.CellDone)
+    assert done.reason == "rank 1 killed by SIGKILL" and done.restarts

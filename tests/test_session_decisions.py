@@ -15,7 +15,7 @@ from elastic_nb.common.rundir import RunDir
 from elastic_nb.common.submission import Submission
 from elastic_nb.kernel.flags import job_spec
 from elastic_nb.supervisor.ranks.rank_links import Link
-from elastic_nb.supervisor.runs import decider
+from elastic_nb.supervisor.runs import cell_rules, decider
 from elastic_nb.supervisor.runs.rank_group import RankGroup
 from elastic_nb.supervisor.sessions.session_cell import SessionCell
 from tests.fake_node import FakeNode
@@ -37,6 +37,16 @@ async def _nothing(msg: Any) -> None:
     return None
 
 
+class _Group(RankGroup):
+    """The session's part the cell needs: what the decision core decides for the cell reaches
+    it (Session._cell_act)."""
+
+    cell: SessionCell
+
+    def _cell_act(self, action: cell_rules.CellAction) -> None:
+        self.cell.act(action)
+
+
 @pytest.mark.alone
 def test_an_answer_that_lands_while_the_watch_looks_ends_the_cell_at_once(tmp_path: Path) -> None:
     """The last rank answers while the desync watch's look waits for a slow probe (the test
@@ -44,13 +54,14 @@ def test_an_answer_that_lands_while_the_watch_looks_ends_the_cell_at_once(tmp_pa
     not at the next look (a lost wake-up held about one trivial cell in six for 0.25-1 s)."""
     spec = job_spec({"nproc": "2", "log_dir": str(tmp_path)}, cwd=str(tmp_path))
     node = FakeNode(RunDir.of(spec.log_dir, "5e5510a1"))
-    group = RankGroup("5e5510a1", spec, node, _nothing)
+    group = _Group("5e5510a1", spec, node, _nothing)
     ranks = [
         group.book.add(0, rank, pid=100 + rank, started_at=time.time(), node=node)
         for rank in (0, 1)
     ]
     links = [Link(r, _Stream()) for r in ranks]  # type: ignore[arg-type]
     cell = SessionCell(Submission("ce11ce11", spec, "a = a + 1\n", {}, None, "5e5510a1"), _nothing)
+    group.cell = cell
     cell.rd.attempt(0).mkdir(parents=True)
     node.probe_gate = anyio.Event()
 
@@ -117,8 +128,9 @@ def test_a_rank_death_ends_the_cell_as_the_groups_decision_core_judges_it(tmp_pa
             cell.poke()
             await anyio.wait_all_tasks_blocked()
             assert decided == []  # a death alone does not end the cell
-            group.core.handle(decider.Waited(time.time(), 0, "agent"))
-            cell.poke()
+            for action in group.core.handle(decider.Waited(time.time(), 0, "agent")):
+                if isinstance(action, cell_rules.CellAction):
+                    cell.act(action)  # the session's part (Session._cell_act)
             with anyio.fail_after(5):
                 await anyio.wait_all_tasks_blocked()
                 while not decided:

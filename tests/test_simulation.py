@@ -15,7 +15,9 @@ import pytest
 from elastic_nb.supervisor.forensics.verdict import Verdict
 from elastic_nb.supervisor.ranks.rank_state import RankState
 from elastic_nb.supervisor.runs import decider
+from elastic_nb.supervisor.runs.cell_rules import CellRules
 from elastic_nb.supervisor.runs.decider import Decider, RoundEnded, Show
+from tests.cell_simulation import FATES, CellSim
 from tests.simulation import Sim
 
 pytestmark = pytest.mark.unit
@@ -163,3 +165,90 @@ def test_a_peers_error_read_before_the_failure_it_reports_is_found_pinned_on_the
     monkeypatch.setattr(decider, "analyze", lambda *args, **kwargs: Verdict(None, None, []))
     found = first_broken()
     assert found is not None and "peer error" in found[1], found
+
+
+# ---- a session's cell ---------------------------------------------------------------------------
+
+
+def first_broken_cell(seeds: range = range(SEEDS)) -> tuple[int, str, list[str]] | None:
+    for seed in seeds:
+        story, broken = CellSim(seed).run()
+        if broken is not None:
+            return seed, broken, story
+    return None
+
+
+def test_thousands_of_cell_orderings_keep_every_invariant() -> None:
+    found = first_broken_cell()
+    if found is not None:
+        seed, broken, story = found
+        pytest.fail(f"seed {seed}: {broken}\n" + "\n".join(story), pytrace=False)
+
+
+def test_a_cell_seed_replays_exactly() -> None:
+    for seed in (0, 3, 99, 2024):
+        assert CellSim(seed).run() == CellSim(seed).run()
+
+
+def test_the_cell_worlds_cover_every_fate_and_every_end() -> None:
+    """Every fate plays, and the cells end in every way: succeeded, failed with the session
+    kept, failed with a restart, stuck ranks killed, stopped, timed out (a prompt open)."""
+    fates: set[str] = set()
+    ends: set[str] = set()
+    for seed in range(SEEDS // 4):
+        sim = CellSim(seed)
+        sim.run()
+        fates |= set(sim.fates.values())
+        (done,) = sim.done
+        ends.add(done.outcome)
+        if "could not be interrupted" in done.reason:
+            ends.add("stuck")
+        if done.restarts:
+            ends.add("restarts")
+        if done.outcome == "timeout" and "prompt" in sim.fates.values():
+            ends.add("timeout at a prompt")
+    assert fates == set(FATES)
+    assert ends >= {
+        "succeeded",
+        "failed",
+        "restarts",
+        "stuck",
+        "interrupted",
+        "stopped",
+        "timeout",
+        "timeout at a prompt",
+    }
+
+
+def test_a_rank_the_cell_killed_blamed_for_its_death_is_found(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found this stop, reading the cell's rules: a rank killed because it did not come back
+    from an interrupt was judged by the core, when its death came, as killed by SIGKILL on its
+    own (the restart's alert named it). The core now ends the attempt as the cell's doing."""
+
+    def as_before(self: Decider, e: Any) -> None:
+        assert self.cell is not None
+        self._out += self.cell.handle(e)
+
+    monkeypatch.setattr(Decider, "_cell_decides", as_before)
+    found = first_broken_cell()
+    assert found is not None and "the cell killed were blamed" in found[1], found
+
+
+def test_a_death_after_a_stop_ending_the_cell_as_failed_is_found(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found this stop by the simulation (seed 684, at once): the --timeout had passed and its
+    interrupts were out when a rank died, and the cell said "failed" (the death's words), not
+    "timeout". The first cause gives the outcome; the death is said after it."""
+
+    def always_failed(self: CellRules, t: float, reason: str, restarts: bool) -> list[Any]:
+        self._out = []
+        if self.done is None:
+            self._end("failed", reason, self.interrupted or t, restarts)
+        return self._out
+
+    monkeypatch.setattr(CellRules, "end", always_failed)
+    found = first_broken_cell()
+    assert found is not None and "the --timeout passed while the cell ran" in found[1], found

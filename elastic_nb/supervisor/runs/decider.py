@@ -15,6 +15,10 @@ What it decides, first come first served:
 * torch's agent failed, a round failed, a launcher exited                -> failed, or a restart
 * a cause from outside the ranks (a stop, --timeout, the zombie watchdog) -> its outcome
 
+A session's running cell is decided here too (`cell_rules.CellRules`: its own events and
+actions): its ranks' answers, stops and findings by its rules, and the group's judgment of a
+death or its end as soon as the group decides it.
+
 Who failed first is judged with evidence, not by arrival: a collective timeout waits for every
 live rank's stack (`Diagnose`), a peer's error across machines for the rank that went and the
 flight recorders, a SIGTERM elastic_nb did not send for torch's agent's word (`Wait`). A failure
@@ -29,13 +33,19 @@ from typing import Any
 
 from elastic_nb.supervisor.forensics.verdict import FAILED, analyze
 from elastic_nb.supervisor.ranks.rank_state import RankState
+from elastic_nb.supervisor.runs import cell_rules
+from elastic_nb.supervisor.runs.cell_rules import CellAction, CellEvent, CellRules
 
 __all__ = [
     "AGENT_WORD_S",
+    "CELL_ENDED",
     "PEER_GONE_WAIT_S",
     "Action",
     "AgentFailed",
+    "AnyAction",
+    "AnyEvent",
     "AttemptOpened",
+    "AttemptOver",
     "Decide",
     "Decider",
     "Diagnose",
@@ -66,6 +76,7 @@ __all__ = [
 AGENT_WORD_S = 3.0
 PEER_GONE_WAIT_S = 1.0  # for the rank whose going a peer error reports to be seen gone
 STOPPED_FOR_ROUND = "stopped for the next round"
+CELL_ENDED = "cell"  # a Restart's kind when a session's cell ended its ranks (cell_rules.KillRanks)
 
 # ---- events: what the shell heard, once ----------------------------------------------------
 
@@ -134,6 +145,14 @@ class RoundFailed(Event):
 
     attempt: int
     why: str
+
+
+@dataclass(frozen=True)
+class AttemptOver(Event):
+    """torch restarted the group's ranks before their deaths were judged (its monitor can see
+    a death first): `attempt` is over, failed."""
+
+    attempt: int
 
 
 @dataclass(frozen=True)
@@ -255,6 +274,10 @@ class Record(Action):
     fields: dict[str, Any] = field(default_factory=dict)
 
 
+# What the core hears and decides: a group's, and its running cell's (cell_rules)
+AnyEvent = Event | CellEvent
+AnyAction = Action | CellAction
+
 # ---- the decider -------------------------------------------------------------------------------
 
 
@@ -292,7 +315,8 @@ class Decider:
         self._deferred: list[tuple[RankState, str]] = []  # failures that came mid-diagnosis
         self._waits: dict[tuple[int, str], RankState] = {}  # open Waits, with their rank
         self._launcher: tuple[str, str] | None = None  # a launcher's end, held for a diagnosis
-        self._out: list[Action] = []
+        self.cell: CellRules | None = None  # a session's running cell
+        self._out: list[AnyAction] = []
 
     # ---- reading ---------------------------------------------------------------------------
 
@@ -317,7 +341,7 @@ class Decider:
 
     # ---- the one entry ---------------------------------------------------------------------
 
-    def handle(self, event: Event) -> list[Action]:
+    def handle(self, event: AnyEvent) -> list[AnyAction]:
         self._out = []
         getattr(self, _HANDLERS[type(event)])(event)
         return self._out
@@ -383,6 +407,11 @@ class Decider:
             self._out.append(Record("round.failed", {"why": e.why}))
             self._round_failed(e.t, "round", e.why)
 
+    def _attempt_over(self, e: AttemptOver) -> None:
+        if e.attempt not in self.failed:
+            self.failed.add(e.attempt)
+            self._end_cell(e.t, e.attempt, "torchelastic restarted its ranks")
+
     def _round_ending(self, e: RoundEnding) -> None:
         self.replaced.add(e.attempt)
 
@@ -440,6 +469,39 @@ class Decider:
     def _teardown_began(self, e: TeardownBegan) -> None:
         if self.teardown_at is None:
             self.teardown_at = e.t
+
+    def _cell_began(self, e: cell_rules.CellBegan) -> None:
+        """A session's cell runs on `e.attempt`: decided by its rules from now on, and at once
+        if the group has already ended or failed that attempt."""
+        self.cell = CellRules(e)
+        if self.outcome is not None:
+            self._out += self.cell.end(e.t, f"the session ended: {self.outcome[1]}", False)
+        elif e.attempt in self.failed:
+            r = self.pinned.get(e.attempt)
+            self._end_cell(e.t, e.attempt, f"rank {r.rank} {r.failure_summary()}" if r else None)
+        else:
+            self._cell_decides(e)
+
+    def _cell_event(self, e: CellEvent) -> None:
+        if self.cell is not None and self.cell.id == e.cell:
+            self._cell_decides(e)
+
+    def _cell_decides(self, e: CellEvent) -> None:
+        """The cell's rules on `e`; a kill of its ranks (stuck after an interrupt, or NCCL's
+        watchdog ending them) ends its attempt as elastic_nb's doing: the ranks it ends are
+        not blamed for their deaths."""
+        assert self.cell is not None
+        actions = self.cell.handle(e)
+        self._out += actions
+        done = self.cell.done
+        if done is not None and any(isinstance(a, cell_rules.KillRanks) for a in actions):
+            attempt = self.cell.attempt
+            if attempt not in self.failed and not self.decided:
+                self.failed.add(attempt)
+                if self.restarts_left(attempt):
+                    self._out.append(Restart(attempt, done.reason, None, CELL_ENDED))
+                else:
+                    self._decide(e.t, "failed", self._spent(done.reason))
 
     # ---- deciding --------------------------------------------------------------------------
 
@@ -518,6 +580,7 @@ class Decider:
             self._decide(t, "failed", self._spent(why))
         else:
             self._out.append(Restart(attempt, why, r, kind))
+            self._end_cell(t, attempt, f"rank {r.rank} {r.failure_summary()}")
 
     def _of_now(self, attempt: int) -> bool:
         """News of `attempt` is of the attempt that runs now, not of a closed round."""
@@ -535,6 +598,7 @@ class Decider:
         else:
             self.failed.add(attempt)
             self._out.append(Restart(attempt, why))
+            self._end_cell(t, attempt, why)
 
     def _spent(self, why: str) -> str:
         """A failure's words when the budget is why it ends the group."""
@@ -560,10 +624,18 @@ class Decider:
         if outcome in self.stops_ranks and self.teardown_at is None:
             self.teardown_at = t
         self._out.append(Decide(outcome, reason))
+        if self.cell is not None:
+            self._out += self.cell.end(t, f"the session ended: {reason}", False)
+
+    def _end_cell(self, t: float, attempt: int, why: str | None) -> None:
+        """The attempt the running cell runs on failed: the cell with it (the session
+        restarts)."""
+        if self.cell is not None and self.cell.attempt == attempt:
+            self._out += self.cell.end(t, why or "its attempt failed", True)
 
 
 # Each event's handler, by name (a test may stand in for one: tests/test_simulation.py)
-_HANDLERS: dict[type[Event], str] = {
+_HANDLERS: dict[type[AnyEvent], str] = {
     AttemptOpened: "_opened",
     RankStarted: "_started",
     RankFailed: "_failed",
@@ -572,6 +644,7 @@ _HANDLERS: dict[type[Event], str] = {
     AgentFailed: "_agent_failed",
     LauncherExited: "_launcher_exited",
     RoundFailed: "_round_failed_event",
+    AttemptOver: "_attempt_over",
     RoundEnding: "_round_ending",
     RoundEnded: "_round_ended",
     LookBegan: "_look_began",
@@ -579,4 +652,10 @@ _HANDLERS: dict[type[Event], str] = {
     Waited: "_waited",
     Ended: "_ended",
     TeardownBegan: "_teardown_began",
+    cell_rules.CellBegan: "_cell_began",
+    cell_rules.Answered: "_cell_event",
+    cell_rules.StopAsked: "_cell_event",
+    cell_rules.Found: "_cell_event",
+    cell_rules.Standing: "_cell_event",
+    cell_rules.Tick: "_cell_event",
 }

@@ -12,7 +12,7 @@ from anyio.abc import TaskGroup
 from elastic_nb import protocol
 from elastic_nb.supervisor.processes.node import Node
 from elastic_nb.supervisor.ranks.rank_state import RankState
-from elastic_nb.supervisor.runs import decider
+from elastic_nb.supervisor.runs import cell_rules, decider
 from elastic_nb.supervisor.runs.reporter import Reporter
 
 __all__ = ["GroupHooks"]
@@ -62,6 +62,11 @@ class GroupHooks:
     def _diagnose(self, what: str, r: RankState) -> None:
         """Take the evidence the decision core asks for (decider.Diagnose), then tell it
         (decider.Diagnosed). Only a kind whose ranks' ends the core judges is asked."""
+        raise NotImplementedError
+
+    def _cell_act(self, action: cell_rules.CellAction) -> None:
+        """What the decision core decides for a session's running cell (cell_rules): only a
+        session runs cells."""
         raise NotImplementedError
 
     async def _launcher_ended(self, outcome: tuple[str, str]) -> tuple[str, str]:

@@ -43,7 +43,7 @@ from elastic_nb.supervisor.ranks.log_tailer import LogTailer
 from elastic_nb.supervisor.ranks.memory_watch import SAMPLE_S, MemoryWatch
 from elastic_nb.supervisor.ranks.rank_book import RankBook
 from elastic_nb.supervisor.ranks.rank_state import NCCL_TIMEOUT_MARKS, TORCH_LOG_NOISE, RankState
-from elastic_nb.supervisor.runs import checkpoint_news, decider, diagnosis, summary
+from elastic_nb.supervisor.runs import cell_rules, checkpoint_news, decider, diagnosis, summary
 from elastic_nb.supervisor.runs.decider import Decider
 from elastic_nb.supervisor.runs.group_hooks import GroupHooks
 from elastic_nb.supervisor.runs.group_memory import memory_figures, read_memory
@@ -292,11 +292,11 @@ class RankGroup(GroupHooks, GroupPrompts):
 
     # ---- the decision core's events and actions ------------------------------------------------
 
-    def hear(self, event: decider.Event) -> None:
+    def hear(self, event: decider.AnyEvent) -> None:
         """An event for the decision core, and what it decides carried out."""
         self.act(self.core.handle(event))
 
-    def act(self, actions: list[decider.Action]) -> None:
+    def act(self, actions: list[decider.AnyAction]) -> None:
         for action in actions:
             _ACTIONS[type(action)](self, action)
 
@@ -548,8 +548,9 @@ class _Heard(protocol.launcher.Listener):
             self.g._rank_ended(r)  # its exit was unknown when it was seen gone
 
 
-# What carries out each action of the decision core (Diagnose: the kind's own, `_diagnose`).
-_ACTIONS: dict[type[decider.Action], Any] = {
+# What carries out each action of the decision core (Diagnose: the kind's own, `_diagnose`; a
+# cell's: the session's, `_cell_act`).
+_ACTIONS: dict[type[decider.AnyAction], Any] = {
     decider.Decide: RankGroup._decided_as,
     decider.Show: RankGroup._show_action,
     decider.OomAlert: RankGroup._oom_alert,
@@ -557,4 +558,5 @@ _ACTIONS: dict[type[decider.Action], Any] = {
     decider.Wait: RankGroup._wait,
     decider.Restart: RankGroup._restart,
     decider.Record: RankGroup._record,
+    **{kind: lambda g, action: g._cell_act(action) for kind in cell_rules.ACTIONS},
 }

@@ -12,6 +12,7 @@ from collections.abc import Callable
 import anyio
 
 from elastic_nb.supervisor.ranks.evidence import EvidenceCollector
+from elastic_nb.supervisor.runs.cell_rules import Standing
 from elastic_nb.supervisor.runs.diagnosis import where_finding
 from elastic_nb.supervisor.runs.rank_group import RankGroup
 from elastic_nb.supervisor.sessions.session_cell import SessionCell
@@ -42,6 +43,7 @@ async def _hang_alert(group: RankGroup, cell: SessionCell) -> None:
     title = f"no output from any rank for {cell.spec.hang_after:g} s (--hang-after)"
     found = where_finding(title, ev, group.held_memory())
     cell.standing = found  # a stop while it stands ends the cell with it
+    cell.hear(Standing(time.time(), cell.id, found.title))
     cell.report.alert("hang", "warning", found.title, rank=found.culprit, text=found.stacks)
     if cell.running:
         cell.places = (group.places(ev.places), group.tailer.activity_total())

@@ -37,7 +37,7 @@ from elastic_nb.supervisor.ranks.checkpoint_log import cost_words
 from elastic_nb.supervisor.ranks.evidence import EvidenceCollector
 from elastic_nb.supervisor.ranks.rank_links import Link, RankLinks
 from elastic_nb.supervisor.ranks.rank_state import RankState
-from elastic_nb.supervisor.runs import decider, summary
+from elastic_nb.supervisor.runs import cell_rules, decider, summary
 from elastic_nb.supervisor.runs.rank_group import RankGroup
 from elastic_nb.supervisor.runs.reporter import Reporter, Send
 from elastic_nb.supervisor.runs.rounds import Machines
@@ -240,7 +240,7 @@ class Session(RankGroup):
 
     def _new_attempt(self, attempt: int) -> None:
         # torchelastic restarted the group (its monitor can see a death before we do).
-        self.core.failed.add(self.attempt)
+        self.hear(decider.AttemptOver(time.time(), self.attempt))
         self._restarting()
 
     def _on_rank_started(self, r: RankState) -> None:
@@ -259,10 +259,15 @@ class Session(RankGroup):
         self.poll_checkpoints()  # a save committed just before the failure counts
         self.hear(decider.RankExited(time.time(), r))
 
+    def _cell_act(self, action: cell_rules.CellAction) -> None:
+        cell = self.cells.get(action.cell)
+        if cell is not None:
+            cell.act(action)
+
     def _on_restart(self, action: decider.Restart) -> None:
-        if self.current is not None:
-            self.current.poke()  # it ran on this attempt: its end is decided now
-        if action.r is None:  # its round failed: the round's alert says why (placement.InRounds)
+        if action.r is None and action.kind != decider.CELL_ENDED:
+            # Its round failed: the round's alert says why (placement.InRounds).
+            self.restart_why = action.why
             self._restarting()
             return
         why = action.why
@@ -275,7 +280,7 @@ class Session(RankGroup):
             f"{why}: the session restarts its ranks as attempt {action.attempt + 1} "
             f"(restart {self.restarts + 1}/{self.spec.max_restarts}), then replays "
             f"{cells(replays)}" + (f"; {cost}" if cost else ""),
-            rank=action.r.rank,
+            rank=action.r.rank if action.r is not None else None,
             ends=action.attempt,
         )
         self._restarting()
@@ -307,8 +312,6 @@ class Session(RankGroup):
 
     def _on_decided(self, outcome: str) -> None:
         self._move(State.ENDING)
-        if self.current is not None:
-            self.current.poke()
 
     async def _before_teardown(self, outcome: str) -> None:
         if outcome == "ended":
@@ -382,7 +385,7 @@ class Session(RankGroup):
         return dirs
 
     async def _send(self, cell: SessionCell, dirs: dict[int, str]) -> list[Link]:
-        cell.answers = {}
+        cell.sent()
         self.current = cell
         links = self._ranks.of(self.attempt)
         for link in links:

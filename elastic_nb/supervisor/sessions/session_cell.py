@@ -2,21 +2,11 @@
 run directory with its source, its records and its summary), whose ranks are the session's.
 
 The cell is sent to every rank over the session's private channel; each rank answers ``ran``
-once its records are in the cell's run directory. What decides the cell, first come first
-served:
-
-* every rank finished it                                        -> succeeded
-* every rank answered and one raised                            -> failed, the session stays
-* a rank raised while others still run it                       -> the others are interrupted
-                                                                   (KeyboardInterrupt); failed
-* a rank finished while another waits in a later collective     -> a desync: the waiting ones
-  (the desync watch, as a job's)                                   are interrupted; failed
-* a rank of the session died                                    -> failed; the session restarts
-* `stop` from the kernel (interrupt, %elastic stop), --timeout  -> the ranks are interrupted;
-                                                                   interrupted / timeout
-
-A rank that does not come back from an interrupt within the grace (stuck inside a collective,
-where no Python runs) is killed: torchelastic then restarts the group and the session replays.
+once its records are in the cell's run directory. What decides the cell is the group's decision
+core (`runs.cell_rules`: its rules, and the group's judgment of a death as it makes it); this is
+its shell: what the cell hears becomes the core's events (`inbox`), what the core decides for
+the cell is carried out here (interrupts, kills, alerts), and the desync watch and NCCL's
+watchdog take their evidence while it runs.
 """
 
 from __future__ import annotations
@@ -25,7 +15,7 @@ import contextlib
 import math
 import signal
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import anyio
 
@@ -38,7 +28,7 @@ from elastic_nb.supervisor.ranks.checkpoint_log import CheckpointLog
 from elastic_nb.supervisor.ranks.evidence import EvidenceCollector
 from elastic_nb.supervisor.ranks.memory_watch import Peaks
 from elastic_nb.supervisor.ranks.rank_state import RankState
-from elastic_nb.supervisor.runs import diagnosis, summary
+from elastic_nb.supervisor.runs import cell_rules, diagnosis, summary
 from elastic_nb.supervisor.runs.diagnosis import DesyncWatch, Finding
 from elastic_nb.supervisor.runs.rank_group import RankGroup
 from elastic_nb.supervisor.runs.reporter import Reporter, Send
@@ -85,6 +75,12 @@ class SessionCell:
         self.checkpoints = CheckpointLog(self.rd.checkpoints)  # its session's, once submitted
         self.watchdog: tuple[int, str, float] | None = None  # NCCL's timeout line: rank, line, when
         self._oom_told: set[int] = set()  # ranks whose CUDA OOM has had its alert
+        # The decision core's side (`decide`): what the cell heard, for the core; what the core
+        # decided, to carry out; when it asked to look again; its end.
+        self.inbox: list[cell_rules.CellEvent] = []
+        self.todo: list[cell_rules.CellAction] = []
+        self.wake = math.inf
+        self.done: cell_rules.CellDone | None = None
 
     @property
     def running(self) -> bool:
@@ -105,11 +101,16 @@ class SessionCell:
         self.changed.set()
         self.changed = anyio.Event()
 
+    def hear(self, event: cell_rules.CellEvent) -> None:
+        """An event for the decision core, heard at `decide`'s next pass."""
+        self.inbox.append(event)
+        self.poke()
+
     def request_stop(self, reason: str) -> None:
         if self.stop_reason is None:
             self.stop_reason = reason
             self.report.event("stop", reason=reason)
-            self.poke()
+            self.hear(cell_rules.StopAsked(time.time(), self.id, reason))
 
     def on_watchdog(self, rank: int, line: str) -> None:
         """NCCL's watchdog says this rank's collective timed out (its first such line)."""
@@ -118,84 +119,95 @@ class SessionCell:
             self.report.event("rank.watchdog", rank=rank, line=line)
             self.poke()
 
+    def sent(self) -> None:
+        """The cell was sent to the ranks (to run, or to replay): their answers come anew."""
+        self.answers, self.inbox = {}, []
+
     def answer(self, rank: int, ok: bool) -> None:
         self.answers[rank] = ok
-        self.poke()
+        if self.running:  # not a replay's: the core decides it
+            said = None if ok else raised(self, self.attempt, rank)
+            at, words = said if said is not None else (None, None)
+            self.hear(cell_rules.Answered(time.time(), self.id, rank, ok, at, words))
+        else:
+            self.poke()
 
     # ---- deciding -----------------------------------------------------------------------------
 
     async def decide(self, links: list[Link], group: RankGroup) -> Decision:
-        """Wait for the ranks' answers, interrupting them on a failure, a stop or --timeout."""
-        grace = group.spec.stop_grace
-        deadline = self.created + self.spec.timeout if self.spec.timeout else math.inf
-        first_failure: float | None = None
-        interrupted: float | None = None
+        """Run the core's rules for the cell until they say it is done: its ranks' answers,
+        stops and deadlines heard as they come, the core's interrupts and kills carried out."""
+        self.done, self.todo, self.wake = None, [], math.inf
+        deadline = self.created + self.spec.timeout if self.spec.timeout else None
+        ranks = tuple(link.r.rank for link in links)
+        self.inbox[:0] = [
+            cell_rules.CellBegan(
+                time.time(),
+                self.id,
+                self.attempt,
+                ranks,
+                deadline,
+                self.spec.timeout,
+                group.spec.stop_grace,
+            )
+        ]
         collector = EvidenceCollector(group.rd, group.book.node, self.source, self.rd.cell)
         watch = DesyncWatch(collector) if len(links) > 1 else None
+        look_at = math.inf
         watchdog_seen = False
-        told: set[int] = set()  # failed ranks whose records were read for an OOM alert
         while True:
-            # Taken before anything below awaits: a rank's answer (or a death, a stop) that
-            # lands while this pass looks or sends sets the event waited on at its end, not a
-            # successor (poke replaces it). Waiting on self.changed there lost such a wake-up:
-            # the cell's end then waited for the next look, 0.25-1 s, about one cell in six.
+            # Taken before anything below awaits: what lands while this pass hears or sends
+            # sets the event waited on at its end, not a successor (poke replaces it).
             changed = self.changed
-            now = time.monotonic()
-            ended = group.ended()
-            if ended is not None:
-                return "failed", f"the session ended: {ended}", interrupted, False
-            # A rank's death is the group's decision core's to judge, with the evidence a job's
-            # waits for (torch's agent's word, a lost machine's): the cell ends as it decides.
-            if group.attempt_failed(self.attempt):
-                r = group.core.pinned.get(self.attempt)
-                why = f"rank {r.rank} {r.failure_summary()}" if r else "its attempt failed"
-                return "failed", why, interrupted or time.time(), True
+            inbox, self.inbox = self.inbox, []
+            for event in inbox:
+                group.hear(event)
+            if time.time() >= self.wake:
+                self.wake = math.inf
+                group.hear(cell_rules.Tick(time.time(), self.id))
+            await self._carry_out(links, group)
+            if self.done is not None:
+                d = self.done
+                return d.outcome, d.reason, d.interrupted_at, d.restarts
             if self.watchdog is not None and not watchdog_seen:
                 watchdog_seen = True
-                decision = await self._watchdog(links, collector, group)
-                if decision is not None:
-                    return decision
-            failed = sorted(rank for rank, ok in self.answers.items() if not ok)
-            missing = [link for link in links if link.r.rank not in self.answers]
-            if not missing:
-                if not failed:
-                    return "succeeded", "every rank finished the cell", None, False
-                if self.stop_reason is not None:
-                    return (*self.stopped(), interrupted, False)
-                return "failed", self._failed(failed), interrupted, False
-            if time.time() >= deadline:
-                self.request_stop("timeout")
-            if failed and first_failure is None:
-                first_failure = now
-            new = set(failed) - told
-            if new:
-                # A CUDA OOM is told as it happens, not after the restart and replay it brings.
-                self.oom_alerts(self.ranks([x.r for x in links if x.r.rank in new]))
-                told |= new
-            wake = now + (deadline - time.time())
-            if interrupted is None and not failed and not self.stop_reason and watch:
-                wake = min(wake, await self._look(watch, links))
-            if interrupted is None and (self.stop_reason or failed or self.finding):
-                settled = first_failure is not None and now >= first_failure + SETTLE_S
-                if self.stop_reason or self.finding or settled:
-                    interrupted = time.time()
-                    self.report.event("interrupt", ranks=[x.r.rank for x in missing])
-                    for link in missing:
-                        await link.send(
-                            protocol.sessions.Interrupt(
-                                kind=protocol.sessions.INTERRUPT, cell=self.id
-                            )
-                        )
-                    wake = now + grace
-                else:
-                    assert first_failure is not None
-                    wake = first_failure + SETTLE_S
-            elif interrupted is not None:
-                if time.time() >= interrupted + grace:
-                    return self._stuck(missing, failed, interrupted, group)
-                wake = now + (interrupted + grace - time.time())
-            with anyio.move_on_after(max(0.0, min(wake - now, 1.0))):
+                await self._watchdog(links, collector, group)
+                continue
+            rules = group.core.cell
+            if watch is not None and rules is not None and rules.watching:
+                look_at = await self._look(watch, links)
+            wait = min(self.wake - time.time(), look_at - time.monotonic(), 1.0)
+            with anyio.move_on_after(max(0.0, wait)):
                 await changed.wait()
+
+    def act(self, action: cell_rules.CellAction) -> None:
+        """The core decided for this cell: carried out at the next pass of `decide`."""
+        self.todo.append(action)
+        self.poke()
+
+    async def _carry_out(self, links: list[Link], group: RankGroup) -> None:
+        todo, self.todo = self.todo, []
+        by_rank = {link.r.rank: link for link in links}
+        for action in todo:
+            if isinstance(action, cell_rules.Interrupt):
+                self.report.event("interrupt", ranks=list(action.ranks))
+                for rank in action.ranks:
+                    await by_rank[rank].send(
+                        protocol.sessions.Interrupt(kind=protocol.sessions.INTERRUPT, cell=self.id)
+                    )
+            elif isinstance(action, cell_rules.KillRanks):
+                if action.note is not None:
+                    group.alert("stuck", "error", action.note)
+                live = [by_rank[x].r for x in action.ranks if by_rank[x].r.died_at is None]
+                group.signal(live, signal.SIGKILL)
+            elif isinstance(action, cell_rules.TellOom):
+                self.oom_alerts(self.ranks([by_rank[x].r for x in action.ranks]))
+            elif isinstance(action, cell_rules.StopCell):
+                self.request_stop(action.reason)
+            elif isinstance(action, cell_rules.WakeAt):
+                self.wake = action.t
+            elif isinstance(action, cell_rules.CellDone):
+                self.done = action
 
     async def _look(self, watch: DesyncWatch, links: list[Link]) -> float:
         """The desync watch while ranks run the cell (`diagnosis.DesyncWatch`, as a job's);
@@ -211,11 +223,12 @@ class SessionCell:
             self.report.alert(
                 "desync", "error", self.finding.title, rank=self.finding.culprit, text=ev.stacks
             )
+            self.hear(cell_rules.Found(time.time(), self.id, self.finding.title))
         return watch.next_look(left)
 
     async def _watchdog(
         self, links: list[Link], collector: EvidenceCollector, group: RankGroup
-    ) -> Decision | None:
+    ) -> None:
         """A NCCL collective timed out: where every rank is, while all still live. Where NCCL
         ends the rank after its dump (--async-error-handling 1, 3), the session restarts now
         (the rank would abort within a minute anyway); otherwise an alert, and the cell goes on
@@ -233,7 +246,7 @@ class SessionCell:
             self.report.alert(
                 "collective_timeout", "warning", found.title, rank=found.culprit, text=ev.stacks
             )
-            return None
+            return
         timed_out = next(r for r in views if r.rank == rank)
         paused = group.prompts.lines(timed_out.attempt)
         self.finding = diagnosis.timeout_finding(timed_out, ev, group.spec, paused)
@@ -244,44 +257,11 @@ class SessionCell:
             rank=self.finding.culprit,
             text=ev.stacks,
         )
-        group.signal([link.r for link in links if link.r.died_at is None], signal.SIGKILL)
-        return "failed", self.finding.title, time.time(), True
-
-    def _stuck(
-        self, missing: list[Link], failed: list[int], interrupted: float, group: RankGroup
-    ) -> Decision:
-        """Ranks that did not come back from an interrupt: end them; torchelastic restarts."""
-        stuck = [link.r.rank for link in missing]
-        many = len(stuck) > 1
-        note = (
-            f"rank{'s' if many else ''} {', '.join(map(str, stuck))} could not be interrupted "
-            f"within {group.spec.stop_grace:g} s (inside a collective?) and "
-            f"{'were' if many else 'was'} ended"
-        )
-        group.alert("stuck", "error", note)
-        group.signal([link.r for link in missing], signal.SIGKILL)
-        if self.stop_reason:
-            outcome, reason = self.stopped()
-        elif self.finding:
-            outcome, reason = "failed", self.finding.title
-        else:
-            outcome, reason = "failed", failure_words(self, self.attempt, failed)
-        return outcome, f"{reason}; {note}", interrupted, True
+        self.hear(cell_rules.Found(time.time(), self.id, self.finding.title, ends=True))
 
     def stopped(self) -> tuple[str, str]:
-        """The outcome a stop request gives: interrupted, stopped or timeout."""
-        reason = self.stop_reason or "user"
-        if reason == "timeout":
-            outcome, said = "timeout", f"the --timeout of {self.spec.timeout:g} s passed"
-        else:
-            outcome, said = summary.STOPS.get(reason, ("stopped", reason))
-        if self.standing is not None:
-            said += f"; before that: {self.standing.title}"
-        return outcome, said
-
-    def _failed(self, failed: list[int]) -> str:
-        words = self.finding.title if self.finding else failure_words(self, self.attempt, failed)
-        return f"{words}; the session keeps its ranks and state"
+        """The outcome a stop request gives a cell that never ran: interrupted or stopped."""
+        return cell_rules.stop_words(self.stop_reason or "user", self.spec.timeout)
 
     # ---- the verdict -------------------------------------------------------------------------
 
@@ -371,14 +351,16 @@ class SessionCell:
         return result
 
 
+def raised(cell: SessionCell, attempt: int, rank: int) -> tuple[float, str] | None:
+    """When the rank raised in the cell, and its error and line in words (its failure record's)."""
+    f = read_json(cell.rd.failure(attempt, rank))
+    if f is None:
+        return None
+    line = f" (cell line {f['cell_line']})" if f.get("cell_line") else ""
+    return f["time"], f"rank {rank}: {f['type']}: {f['message']}".rstrip(": ") + line
+
+
 def failure_words(cell: SessionCell, attempt: int, failed: list[int]) -> str:
     """The first of the `failed` ranks to raise in the cell: its error and its line."""
-    records: list[tuple[int, dict[str, Any]]] = []
-    for rank in failed:
-        if f := read_json(cell.rd.failure(attempt, rank)):
-            records.append((rank, f))
-    if not records:
-        return f"rank {failed[0]}"
-    rank, f = min(records, key=lambda x: x[1]["time"])
-    line = f" (cell line {f['cell_line']})" if f.get("cell_line") else ""
-    return f"rank {rank}: {f['type']}: {f['message']}".rstrip(": ") + line
+    records = [said for rank in failed if (said := raised(cell, attempt, rank)) is not None]
+    return min(records)[1] if records else f"rank {failed[0]}"

@@ -1,6 +1,7 @@
 """A node with no processes, for unit tests of what a rank group decides: the test plays the
 launcher (what it says) and the ranks (when each goes, how it ended, what its stack and flight
-recorder show), and reads what the group did to them (signals, the teardown)."""
+recorder show), waits until the group has taken in what the launcher said (`heard`), and reads
+what the group did to them (signals, the teardown)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,9 @@ class FakeNode(Node):
     def __init__(self, rd: RunDir) -> None:
         super().__init__(rd)
         self._say, self._heard = anyio.create_memory_object_stream[Any](math.inf)
+        self._said = 0  # messages the launcher said
+        self._taken = 0  # ... and the group took in
+        self._took = anyio.Event()  # set (and replaced) as the group takes one in
         self._launcher_exited = anyio.Event()
         self._gone: dict[tuple[int, int], anyio.Event] = {}
         self._codes: dict[tuple[int, int], int] = {}
@@ -53,7 +57,15 @@ class FakeNode(Node):
 
     def say(self, kind: str, **fields: Any) -> None:
         """The launcher says something."""
+        self._said += 1
         self._say.send_nowait({"kind": kind, **fields})
+
+    async def heard(self) -> None:
+        """Until the group has taken in everything the launcher said so far (a rank's start:
+        the rank is in its book, its watcher started)."""
+        said = self._said
+        while self._taken < said:
+            await self._took.wait()
 
     def start_ranks(self, attempt: int, pids: dict[int, int]) -> None:
         self.say(protocol.launcher.RENDEZVOUS, attempt=attempt, seconds=0.01)
@@ -81,6 +93,10 @@ class FakeNode(Node):
     async def messages(self) -> AsyncIterator[protocol.launcher.LauncherNews]:
         async for msg in self._heard:
             yield msg
+            # The group's reader asks for the next message once it has taken this one in.
+            self._taken += 1
+            self._took.set()
+            self._took = anyio.Event()
 
     @property
     def launcher_pid(self) -> int | None:

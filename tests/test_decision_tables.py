@@ -37,6 +37,7 @@ from elastic_nb.kernel.magic import ElasticMagics
 from elastic_nb.kernel.options import OPTIONS, Option
 from elastic_nb.kernel.session_handle import SessionHandle, up_options
 from elastic_nb.supervisor.forensics.verdict import analyze
+from elastic_nb.supervisor.nodes.channel import Dialer, Keys
 from elastic_nb.supervisor.nodes.cluster import Cluster
 from elastic_nb.supervisor.processes import launcher_pool
 from elastic_nb.supervisor.processes.launcher_pool import LauncherPool
@@ -525,70 +526,113 @@ class NoAgents:
         return []
 
 
-def multi_node_job(
-    tmp_path: Path, **options: Any
-) -> tuple[Job, list[FakeNode], list[dict[str, Any]]]:
-    """A job across machines (`options`: its flags) with no agent joined: this machine's nodes
-    are FakeNodes (one a round, as they are made), and what the job sends the kernel."""
-    spec = a_spec(tmp_path, **options)
-    sent: list[dict[str, Any]] = []
-    nodes: list[FakeNode] = []
+class Kernel:
+    """The kernel a job sends its messages to: what it was sent, and a wait for a message."""
 
-    async def send(msg: Any) -> None:
-        sent.append(dict(msg))
+    def __init__(self) -> None:
+        self.sent: list[dict[str, Any]] = []
+        self._more = anyio.Event()  # set (and replaced) at every message
+
+    async def send(self, msg: Any) -> None:
+        self.sent.append(dict(msg))
+        self._more.set()
+        self._more = anyio.Event()
+
+    async def until(self, said: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
+        """The first message sent that `said` holds of, once one is."""
+        seen = 0
+        while True:
+            for msg in self.sent[seen:]:
+                if said(msg):
+                    return msg
+            seen = len(self.sent)
+            await self._more.wait()
+
+    def chips(self, attempt: int) -> dict[str, dict[str, Any]]:
+        """Each rank's chip of `attempt` as the dashboard shows it now (the latest wins)."""
+        chips: dict[str, dict[str, Any]] = {}
+        for m in self.sent:
+            if m["kind"] == protocol.kernel.UPDATE:
+                chips.update(
+                    {r: c for r, c in m.get("ranks", {}).items() if c["attempt"] == attempt}
+                )
+        return chips
+
+
+class LocalNodes:
+    """This machine's nodes of a multi-node job: FakeNodes, one a round, made as the job asks."""
+
+    def __init__(self) -> None:
+        self.made: list[FakeNode] = []
+        self.rd: RunDir | None = None
+        self._more = anyio.Event()  # set (and replaced) at every node made
+
+    def __call__(self) -> FakeNode:
+        assert self.rd is not None
+        self.made.append(FakeNode(self.rd))
+        self._more.set()
+        self._more = anyio.Event()
+        return self.made[-1]
+
+    async def nth(self, n: int) -> FakeNode:
+        """The `n`th node made (from 1), once the job has made it."""
+        while len(self.made) < n:
+            await self._more.wait()
+        return self.made[n - 1]
+
+
+def multi_node_job(tmp_path: Path, **options: Any) -> tuple[Job, LocalNodes, Kernel]:
+    """A job across machines (`options`: its flags) with no agent joined: this machine's nodes
+    (FakeNodes, one a round, as they are made), and the kernel the job tells."""
+    spec = a_spec(tmp_path, **options)
+    kernel, nodes = Kernel(), LocalNodes()
 
     async def store() -> tuple[Any, int]:
         return None, 0
 
-    def local() -> FakeNode:
-        nodes.append(FakeNode(job.rd))
-        return nodes[-1]
-
     machines = Machines(
         cluster=NoAgents(),  # type: ignore[arg-type]
-        local=local,
+        local=nodes,
         store=store,
         end_store=lambda _: None,
     )
     meta = {"display": True, "modules": {}, "objects": [], "pull": []}
-    job = Job(Submission("cafe0001", spec, "x = 1\n", meta, None), {}, None, send, machines)
+    job = Job(Submission("cafe0001", spec, "x = 1\n", meta, None), {}, None, kernel.send, machines)
+    nodes.rd = job.rd
     job.prepare()
-    return job, nodes, sent
+    return job, nodes, kernel
 
 
-async def until(predicate: Callable[[], bool]) -> None:
-    """Until `predicate` holds (the caller's bound says how long at most)."""
-    while not predicate():
-        await anyio.sleep(0.01)
-
-
-def play(job: Job, nodes: list[FakeNode], scene: Callable[[FakeNode], Awaitable[None]]) -> None:
+def play(job: Job, nodes: LocalNodes, scene: Callable[[FakeNode], Awaitable[None]]) -> None:
     """Run `job` while `scene` plays its first node's launcher and ranks (20 s at most); a job
-    still running when the scene ends is stopped."""
+    still running when the scene ends is stopped (cancelled, as the supervisor's end does)."""
 
     async def main() -> None:
         with anyio.fail_after(20):
             async with anyio.create_task_group() as tg:
                 tg.start_soon(job.run)
-                await until(lambda: bool(nodes))
-                await scene(nodes[0])
+                await scene(await nodes.nth(1))
                 tg.cancel_scope.cancel()
 
     anyio.run(main)
+
+
+def ended(msg: dict[str, Any]) -> bool:
+    return msg["kind"] == protocol.kernel.END
 
 
 @pytest.mark.unit
 def test_a_job_whose_nodes_never_came_ends_with_cause_nodes(tmp_path: Path) -> None:
     """--nnodes 2 with no agent joined: the job waits `join_timeout` (1 s here), then fails with
     cause `nodes` and its hint (not the launcher's: none ever started)."""
-    job, _, sent = multi_node_job(tmp_path, nnodes="2", rdzv_conf=["join_timeout=1"])
+    job, _, kernel = multi_node_job(tmp_path, nnodes="2", rdzv_conf=["join_timeout=1"])
 
     async def main() -> None:
         with anyio.fail_after(20):
             await job.run()
 
     anyio.run(main)
-    (end,) = [m for m in sent if m["kind"] == protocol.kernel.END]
+    (end,) = [m for m in kernel.sent if ended(m)]
     s = end["summary"]
     assert (s["outcome"], s["cause"]) == ("failed", "nodes"), s
     assert "only 1 of the 2 nodes it needs were there within 1.0 s" in s["reason"]
@@ -598,23 +642,25 @@ def test_a_job_whose_nodes_never_came_ends_with_cause_nodes(tmp_path: Path) -> N
 @pytest.mark.unit
 def test_across_machines_the_ranks_a_failed_agent_ended_were_stopped(tmp_path: Path) -> None:
     """torch's agent on the notebook's machine failed (its rendezvous refused a forged state)
-    and SIGTERMed its rank; a loaded supervisor saw the rank's death before the agent's word.
-    The round failed because the agent did: the rank it ended was stopped, not the root (as on
-    one machine)."""
-    job, nodes, sent = multi_node_job(tmp_path, nnodes="1:2")
+    and SIGTERMed its rank; a loaded supervisor saw the rank's death (its chip says it failed)
+    before the agent's word. The round failed because the agent did: the rank it ended was
+    stopped, not the root (as on one machine)."""
+    job, nodes, kernel = multi_node_job(tmp_path, nnodes="1:2")
 
     async def scene(node: FakeNode) -> None:
         node.start_ranks(0, {0: 100})
-        await until(lambda: len(job.book.of(0)) == 1)
+        await node.heard()
+        assert [r.rank for r in job.book.of(0)] == [0]
         failed_at = time.time()
         node.rank_dies(0, 0, -SIGTERM)
-        await until(lambda: job.book.of(0)[0].died_at is not None)
+        await kernel.until(lambda _: kernel.chips(0).get("0", {}).get("state") == "failed")
+        assert job.book.of(0)[0].died_at is not None
         error = "RendezvousStateError: the rendezvous state was not written by this job"
         node.say(protocol.launcher.AGENT_FAILED, error=error, t=failed_at)
-        await until(lambda: job.summary is not None)
+        await kernel.until(ended)
 
     play(job, nodes, scene)
-    (end,) = [m for m in sent if m["kind"] == protocol.kernel.END]
+    (end,) = [m for m in kernel.sent if ended(m)]
     s = end["summary"]
     assert s["outcome"] == "failed" and s["failure"] is None, s
     assert "torchelastic's agent failed on node 0" in s["reason"], s["reason"]
@@ -626,23 +672,20 @@ def test_the_ranks_a_round_change_stopped_show_so_though_a_status_is_untold(tmp_
     say "stopped for the next round", also the one whose exit status its node had not told yet
     when the stop ended (a forked rank's comes from its launcher, which went with the round).
     None stays "running" in an attempt that is over (test_multinode, once in a full run)."""
-    job, nodes, sent = multi_node_job(tmp_path, nnodes="1:2", start_method="forkserver")
-    seen: list[dict[str, Any]] = []
+    job, nodes, kernel = multi_node_job(tmp_path, nnodes="1:2", start_method="forkserver")
+    chips: dict[str, dict[str, Any]] = {}
 
     async def scene(node: FakeNode) -> None:
         node.start_ranks(0, {0: 100, 1: 101})
-        await until(lambda: len(job.book.of(0)) == 2)
+        await node.heard()
+        assert [r.rank for r in job.book.of(0)] == [0, 1]
         node.untold_at_stop = {1}  # rank 0's status told at once, rank 1's late
         assert isinstance(job.placement, InRounds)
         job.placement.new_round("node-2 left", counted=False)
-        await until(lambda: len(nodes) == 2)  # the next round has begun
-        seen.extend(sent)
+        await nodes.nth(2)  # the next round has begun
+        chips.update(kernel.chips(0))
 
     play(job, nodes, scene)
-    chips: dict[str, dict[str, Any]] = {}
-    for m in seen:
-        if m["kind"] == protocol.kernel.UPDATE:
-            chips.update({r: c for r, c in m.get("ranks", {}).items() if c["attempt"] == 0})
     assert {r: (c["state"], c["label"]) for r, c in chips.items()} == {
         r: ("stopped", "stopped for the next round") for r in ("0", "1")
     }, chips
@@ -792,44 +835,57 @@ def test_a_machine_whose_version_differs_is_refused_with_both_named(check: str) 
 
 @pytest.mark.unit
 def test_an_agent_speaking_another_protocol_is_refused_and_one_that_matches_joins() -> None:
-    """The supervisor's side of a join: a hello in another protocol version (another
-    elastic_nb) is answered with a refusal naming both; one that matches is welcomed."""
-    sent: list[tuple[bytes, dict[str, Any]]] = []
+    """The supervisor's side of a join, over the agents' channel as a join agent reaches it (its
+    token, the handshake, its hello): a hello in another protocol version (another elastic_nb)
+    is answered with a refusal naming both; one that matches is welcomed, and `%elastic nodes`
+    lists the one and the other."""
+    answers: dict[str, dict[str, Any]] = {}
+    listed: dict[str, Any] = {}
 
     async def main() -> None:
         async with anyio.create_task_group() as tg:
             cluster = Cluster(tg)
+            await cluster.serve("127.0.0.1", 0)
+            assert cluster.listener is not None
+            token, port = cluster.listener.keys.token(), cluster.listener.port
+            dialers: list[Dialer] = []
 
-            async def send(peer: bytes, msg: Any, blob: bytes | None = None) -> bool:
-                sent.append((peer, dict(msg)))
-                return True
+            async def join(name: str, version: int) -> dict[str, Any]:
+                """A join agent on `name` says hello in protocol `version`: the answer."""
+                dialer = Dialer(Keys.from_token(token), "127.0.0.1", port)
+                dialers.append(dialer)
+                await dialer.handshake()
+                hello = protocol.agents.NodeHello(
+                    kind=protocol.agents.NODE_HELLO,
+                    version=version,
+                    info={**cluster.info, "name": name},
+                )
+                await dialer.send(hello)
+                frame, _ = await dialer.receive()
+                return dict(protocol.agents.node_order(frame))
 
-            cluster.listener_send = send  # type: ignore[method-assign]
-            info: Any = {**cluster.info, "name": "gpu-b"}
-            old = protocol.agents.NodeHello(
-                kind=protocol.agents.NODE_HELLO, version=protocol.wire.VERSION - 1, info=info
-            )
-            await cluster._hello(b"old", old, None, "10.0.0.6")
-            same = protocol.agents.NodeHello(
-                kind=protocol.agents.NODE_HELLO, version=protocol.wire.VERSION, info=info
-            )
-            await cluster._hello(b"same", same, None, "10.0.0.7")
-            assert list(cluster.agents) == [b"same"]
-            assert [r["addr"] for r in cluster.refused] == ["10.0.0.6"]
-            tg.cancel_scope.cancel()
+            try:
+                with anyio.fail_after(10):
+                    answers["old"] = await join("gpu-a", protocol.wire.VERSION - 1)
+                    answers["same"] = await join("gpu-b", protocol.wire.VERSION)
+                listed.update(cluster.describe())  # with both agents still connected
+            finally:
+                for dialer in dialers:
+                    dialer.close()
+                tg.cancel_scope.cancel()
 
     anyio.run(main)
-    (peer, refused), (peer2, welcome) = sent
-    assert (peer, refused["kind"], peer2, welcome["kind"]) == (
-        b"old",
-        protocol.agents.REFUSED,
-        b"same",
-        protocol.agents.WELCOME,
-    )
+    refused, welcome = answers["old"], answers["same"]
+    assert (refused["kind"], welcome["kind"]) == (protocol.agents.REFUSED, protocol.agents.WELCOME)
     assert (
         f"speaks protocol {protocol.wire.VERSION - 1}, the notebook's {protocol.wire.VERSION}"
         in (refused["error"])
     )
+    assert [(a["name"], a["state"]) for a in listed["agents"]] == [("gpu-b", "ready")]
+    assert welcome["node"] == listed["agents"][0]["node"]
+    assert [(r["name"], r["addr"].split(":")[0]) for r in listed["refused"]] == [
+        ("gpu-a", "127.0.0.1")
+    ]
 
 
 # ---- what --rdzv-conf takes --------------------------------------------------------------------

@@ -1,5 +1,8 @@
 """What a job decides from what its node shows, without a process: the test plays the launcher
-and the ranks on a fake node (tests/fake_node.py) and reads the job's end as the kernel would."""
+and the ranks on a fake node (tests/fake_node.py), waits for what the job takes in (the fake
+node says when the ranks' starts are in; the job's `run` returns at its end), and reads the
+job's end as the kernel would. Where a story's decision is the decision core's, the same story
+is told to the core alone as typed events (decider.Decider, as tests/test_decider.py does)."""
 
 from __future__ import annotations
 
@@ -16,7 +19,11 @@ from elastic_nb import protocol
 from elastic_nb.common.rundir import RunDir, write_json
 from elastic_nb.common.submission import Submission
 from elastic_nb.kernel.flags import job_spec
+from elastic_nb.supervisor.forensics.verdict import analyze
+from elastic_nb.supervisor.ranks.rank_state import RankState
+from elastic_nb.supervisor.runs import decider as d
 from elastic_nb.supervisor.runs.job import Job
+from elastic_nb.supervisor.runs.placement import OneMachine
 from tests.fake_node import FakeNode
 
 pytestmark = pytest.mark.unit
@@ -55,23 +62,20 @@ def _end(sent: list[dict[str, Any]]) -> dict[str, Any]:
     return ends[0]["summary"]
 
 
-async def _until(predicate: Any, timeout: float = 10) -> None:
-    with anyio.fail_after(timeout):
-        while not predicate():
-            await anyio.sleep(0.01)
-
-
 def _play(job: Job, node: FakeNode, story: Callable[[], None]) -> None:
     """The job on its fake node: ranks 0 and 1 of attempt 0 start, `story()` plays what
-    happens to them, and the job runs to its end."""
+    happens to them once the job has taken their starts in, and the job runs to its end (its
+    `run` returns: 20 s at most)."""
 
     async def main() -> None:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(job.run)
-            node.start_ranks(0, {0: 100, 1: 101})
-            await _until(lambda: len(job.book.of(0)) == 2)
-            story()
-            await _until(lambda: job.summary is not None)
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(job.run)
+                node.start_ranks(0, {0: 100, 1: 101})
+                await node.heard()
+                assert [r.rank for r in job.book.of(0)] == [0, 1]
+                story()
+        assert job.summary is not None
 
     anyio.run(main)
 
@@ -107,6 +111,49 @@ def test_rank_1_dies_while_rank_0_waits_in_all_reduce(tmp_path: Path) -> None:
     )
     assert node.stopped and node.closed
     assert (0, signal.SIGTERM) not in node.signals  # the teardown ended it, not a rank signal
+
+
+def _core() -> tuple[d.Decider, RankState, RankState]:
+    """A job's decision core on one machine, no restart left, ranks 0 and 1 of attempt 0 up."""
+    core = d.Decider(0, OneMachine.final, OneMachine.awaited)
+    core.handle(d.AttemptOpened(0.0, 0, 2, counted=False))
+    ranks = RankState(0, 0, pid=100, started_at=0.1), RankState(0, 1, pid=101, started_at=0.1)
+    for r in ranks:
+        core.handle(d.RankStarted(0.1, r))
+    return core, *ranks
+
+
+def test_rank_1s_record_decides_at_once_and_rank_0_dies_of_the_teardown() -> None:
+    """The first story, as the decision core hears it: rank 1's failure record (ValueError at
+    cell line 3), then its death. The job fails at rank 1's record, naming it, and its teardown
+    begins there: rank 0's SIGTERM after it is elastic_nb's stop, no failure of rank 0's, and
+    the verdict says so."""
+    core, r0, r1 = _core()
+    r1.failure = {
+        "rank": 1,
+        "attempt": 0,
+        "time": 1.0,
+        "type": "ValueError",
+        "message": "rank 1 ran out of patience",
+        "cell_line": 3,
+    }
+    actions = core.handle(d.RankFailed(1.0, r1))
+    assert [type(a).__name__ for a in actions] == ["Show", "Record", "Decide"]
+    (decided,) = [a for a in actions if isinstance(a, d.Decide)]
+    assert decided == d.Decide(
+        "failed", "rank 1 ValueError: rank 1 ran out of patience (cell line 3)"
+    )
+    assert core.teardown_at == 1.0 and core.pinned[0] is r1
+    r1.died_at, r1.exit_code = 1.01, 1
+    r0.died_at, r0.exit_code = 1.2, -signal.SIGTERM
+    for r in (r1, r0):  # decided already: a death changes nothing, and waits for no word
+        assert [type(a).__name__ for a in core.handle(d.RankExited(r.died_at, r))] == ["Show"]
+    assert r0.kind(core.teardown_at) == "terminated"
+    verdict = analyze(core.of(0), core.teardown_at)
+    assert verdict.root is r1 and verdict.cause == "exception"
+    assert [o["text"] for o in verdict.others] == [
+        "stopped by elastic_nb (SIGTERM) after rank 1 failed"
+    ]
 
 
 def test_a_peer_error_read_before_the_rank_it_names_is_seen_gone(tmp_path: Path) -> None:
@@ -199,6 +246,24 @@ def test_rank_1_left_the_cell_after_3_collectives_while_rank_0_waits_in_the_4th(
     assert "rank 0 waits in all_reduce #4" in text
     alerts = [a for m in sent if m["kind"] == protocol.kernel.UPDATE for a in m.get("alerts", [])]
     assert any(a["kind"] == "desync" and a["rank"] == 1 for a in alerts)
+
+
+def test_the_desync_watchs_look_holds_the_decision_and_its_words_end_the_attempt() -> None:
+    """The desync story, as the decision core hears it: rank 1 finished the cell while rank 0
+    waits in all_reduce #4, and the desync watch begins a full look. The look holds what comes
+    meanwhile (a launcher's end); once it confirms the desync, the attempt fails as rank 1's
+    with the look's words, and the launcher's end, held, decides nothing more."""
+    core, _, r1 = _core()
+    r1.done = {"rank": 1, "attempt": 0, "time": 1.0}
+    assert core.handle(d.LookBegan(1.5, 0)) == []
+    assert core.handle(d.LauncherExited(1.6, ("failed", "torchelastic gave up"))) == []
+    words = "rank 1 left the cell after 3 collectives; rank 0 waits in all_reduce #4"
+    actions = core.handle(d.Diagnosed(1.8, 0, "look", None, r1, words))
+    assert [a for a in actions if isinstance(a, d.Record)] == [
+        d.Record("attempt.failed", {"attempt": 0, "rank": 1, "kind": "desync"})
+    ]
+    assert [a for a in actions if isinstance(a, d.Decide)] == [d.Decide("failed", words)]
+    assert core.outcome == ("failed", words) and core.pinned[0] is r1
 
 
 @pytest.mark.parametrize("stop", ["interrupt", "panel"])

@@ -88,9 +88,7 @@ def test_nested_records_are_checked_whole_and_the_field_named() -> None:
     }
     beat = {"kind": "beat", "t": 1.0, "groups": {"cafe0001": group}}
     assert protocol.agents.node_news(beat) == beat
-    with pytest.raises(
-        protocol.wire.ProtocolError, match=r"beat: groups\['g'\]\.round is missing"
-    ):
+    with pytest.raises(protocol.wire.ProtocolError, match=r"beat: groups\['g'\]\.round is missing"):
         protocol.agents.node_news({**beat, "groups": {"g": {"bogus": 1}}})
     with pytest.raises(
         protocol.wire.ProtocolError, match=r"beat: groups\['g'\]\.zombies\[0\]\[1\] "

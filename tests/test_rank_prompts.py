@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
 from elastic_nb import protocol
@@ -75,11 +76,12 @@ def test_a_waiting_rank_that_stops_at_a_prompt_of_its_own_keeps_its_paused_chip(
     """Rank 0 waited in a collective for rank 1 (its chip said so); rank 1 went on, and rank 0
     is now at a prompt of its own: the next look finds it waiting for nobody, but its chip
     stays 'paused', not the book's 'running'. A rank that simply stops waiting gets the book's
-    chip back."""
+    chip back. The chips are read as the dashboard gets them: in the next update."""
     rd = RunDir(tmp_path)
+    sent: list[dict[str, Any]] = []
 
-    async def send(msg: Any) -> None:  # nothing is flushed here: the chips are read as kept
-        raise AssertionError(msg)
+    async def send(msg: Any) -> None:
+        sent.append(dict(msg))
 
     report = Reporter("cafe0001", send)
 
@@ -88,20 +90,37 @@ def test_a_waiting_rank_that_stops_at_a_prompt_of_its_own_keeps_its_paused_chip(
 
         def __init__(self) -> None:
             self.book, self.prompts = RankBook(rd), Prompts(rd)
-            self._asker = lambda: report
+            self._asker = lambda: report  # the hook that names who follows the group's ranks
 
-    g = Group()
-    node: Any = None
-    r0, r1 = g.book.add(0, 0, 100, 0.0, node), g.book.add(0, 1, 101, 0.0, node)
-    wait = protocol.records.Waiting(rank=0, op="all_reduce #1", expires=None)
-    g._show_waits(0, {0: (wait, [1])})
-    assert report._ranks[0]["state"] == "waiting"
-    g.prompts.paused[(0, 0)] = protocol.rank_probes.InputAsked(
-        ask=1, prompt="(Pdb) ", out=0, err=0, t=0.0, post_mortem=False, line=8
-    )
-    report._ranks[0] = {**g.book.chip(r0, None), "state": "paused", "label": "paused at line 8"}
-    g._show_waits(0, {})
-    assert report._ranks[0]["state"] == "paused" and g.prompts.waits == {}
-    g._show_waits(0, {1: (protocol.records.Waiting(rank=1, op="barrier #2", expires=None), [0])})
-    g._show_waits(0, {})
-    assert report._ranks[1] == g.book.chip(r1, None)  # waiting for nobody: the book's again
+    async def shown() -> dict[int, protocol.records.Chip]:
+        """Each rank's chip on the dashboard: the latest of every update, this one flushed."""
+        await report.flush(0, None)
+        chips: dict[int, protocol.records.Chip] = {}
+        for m in sent:
+            chips.update({int(rank): chip for rank, chip in m.get("ranks", {}).items()})
+        return chips
+
+    async def main() -> None:
+        g = Group()
+        node: Any = None
+        r0, r1 = g.book.add(0, 0, 100, 0.0, node), g.book.add(0, 1, 101, 0.0, node)
+        wait = protocol.records.Waiting(rank=0, op="all_reduce #1", expires=None)
+        g.show_waits(0, {0: (wait, [1])})
+        assert (await shown())[0]["state"] == "waiting"
+        # Rank 0 at a prompt of its own: paused, and its chip says so (GroupPrompts' prompt)
+        g.prompts.paused[(0, 0)] = protocol.rank_probes.InputAsked(
+            ask=1, prompt="(Pdb) ", out=0, err=0, t=0.0, post_mortem=False, line=8
+        )
+        paused = g.book.chip(r0, None)
+        paused["state"], paused["label"] = "paused", "paused at line 8"
+        report.chip(0, paused)
+        g.show_waits(0, {})
+        assert (await shown())[0] == paused and g.prompts.waits == {}
+        barrier = protocol.records.Waiting(rank=1, op="barrier #2", expires=None)
+        g.show_waits(0, {1: (barrier, [0])})
+        g.show_waits(0, {})
+        chips = await shown()
+        assert chips[1] == g.book.chip(r1, None)  # waiting for nobody: the book's again
+        assert chips[0] == paused
+
+    anyio.run(main)

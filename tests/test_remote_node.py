@@ -13,47 +13,84 @@ from typing import Any
 import anyio
 import psutil
 import pytest
+from anyio.abc import ByteStream
 
 from elastic_nb import protocol
 from elastic_nb.common import machine
 from elastic_nb.common.rundir import RunDir
+from elastic_nb.kernel.flags import job_spec
 from elastic_nb.supervisor.nodes import remote_node
 from elastic_nb.supervisor.nodes.agent_link import JoinAgentLink
 from elastic_nb.supervisor.nodes.cluster import Cluster
 from elastic_nb.supervisor.nodes.remote_node import RemoteNode
+from elastic_nb.supervisor.processes.node import Work
+from elastic_nb.supervisor.ranks.rank_state import RankState
 
 pytestmark = pytest.mark.unit
 
 
-def _node(tmp_path: Path, sent: list[Any]) -> RemoteNode:
-    """A round's node on an agent that takes every order and answers none."""
+async def _node(tmp_path: Path, sent: list[Any], attempt: int = 0) -> RemoteNode:
+    """Round `attempt` of group g1 started on an agent that opens the round it is ordered to
+    and answers no other order (`sent`: every order it took)."""
 
     async def send(peer: bytes, msg: protocol.Message, blob: bytes | None) -> bool:
         sent.append(msg)
+        if msg["kind"] == protocol.agents.OPEN:
+            opened = {"warm": False, "launcher": 4242}
+            answer = protocol.agents.Answer(
+                kind=protocol.agents.ANSWER, req=msg["req"], ok=True, data=opened
+            )
+            link.dispatch(answer, None)
         return True
 
     link = JoinAgentLink(send, lambda *a: None, b"peer", 1, machine.describe("10.0.0.2", ""), "x:1")
     node = RemoteNode(RunDir(str(tmp_path)), link, 0, None, {})
-    node._group, node.round = "g1", 0  # as start() leaves it
-    link.nodes["g1"] = node
+    spec = job_spec({"nproc": "2", "nnodes": "1:2", "log_dir": str(tmp_path)}, cwd=str(tmp_path))
+    plan = protocol.launcher.LaunchRound(
+        attempt=attempt,
+        nnodes=2,
+        run_id="g1",
+        endpoint="127.0.0.1:29400",
+        addr="10.0.0.2",
+        ifname="eth0",
+        key="00",
+    )
+    with anyio.fail_after(10):
+        assert await node.start(Work("g1", spec, {}, plan)) is False  # a cold launcher took it
+    assert node.launcher_pid == 4242 and node.launcher_alive()
     return node
+
+
+def _said(node: RemoteNode, msg: dict[str, Any], round: int = 0) -> None:
+    """The agent tells what the node's launcher said in `round`."""
+    said = protocol.agents.LauncherSaid(
+        kind=protocol.agents.LAUNCHER, group="g1", round=round, msg=msg
+    )
+    node.link.dispatch(said, None)
+
+
+def _started(rank: int, attempt: int = 0) -> dict[str, Any]:
+    return {"kind": "start", "attempt": attempt, "rank": rank, "pid": 100 + rank}
 
 
 def test_a_rounds_news_that_nobody_reads_any_more_is_dropped(tmp_path: Path) -> None:
     """The group's reader ended (its tasks cancelled by a bug of ours): the agent's news for it
-    must not raise in the cluster's receive loop, which every agent's messages go through."""
+    must not raise in the cluster's receive loop, which every agent's messages go through; and
+    what it said is still known: the rank it started goes with its node."""
 
     async def main() -> None:
-        node = _node(tmp_path, [])
-        node._said.close()
-        said = protocol.agents.LauncherSaid(
-            kind=protocol.agents.LAUNCHER,
-            group="g1",
-            round=0,
-            msg={"kind": "start", "attempt": 0, "rank": 0, "pid": 123},
-        )
-        node.link.dispatch(said, None)  # raised BrokenResourceError
-        assert (0, 0) in node._gone  # what it said is still known
+        node = await _node(tmp_path, [])
+        reader = node.messages()
+        _said(node, _started(1))
+        assert await reader.__anext__() == _started(1)  # the group's reader took it
+        await reader.aclose()  # the group's reader ended
+        _said(node, _started(0))  # raised BrokenResourceError
+        node.link.gone("lost", "connection lost")
+        r = RankState(0, 0, pid=100)
+        with anyio.fail_after(5):
+            gone_at, _ = await node.wait_gone(r)
+        assert gone_at == node.link.last_heard_wall and not node.alive(r)
+        assert r.lost == "its node left: connection lost"
 
     anyio.run(main)
 
@@ -67,15 +104,12 @@ def test_a_closed_rounds_late_news_is_not_taken_as_the_next_rounds(tmp_path: Pat
     round's is dropped, the node's own is taken."""
 
     async def main() -> None:
-        node = _node(tmp_path, [])
-        node.round = 2  # the round after a join: the agent still tells of round 1
+        # the round after a join: the agent still tells of round 1
+        node = await _node(tmp_path, [], attempt=2)
         link, group = node.link, "g1"
         late: list[protocol.agents.NodeNews] = [
             protocol.agents.LauncherSaid(
-                kind=protocol.agents.LAUNCHER,
-                group=group,
-                round=1,
-                msg={"kind": "start", "attempt": 1, "rank": 1, "pid": 100},
+                kind=protocol.agents.LAUNCHER, group=group, round=1, msg=_started(1, attempt=1)
             ),
             protocol.agents.RankGone(
                 kind=protocol.agents.RANK_GONE,
@@ -113,15 +147,20 @@ def test_a_closed_rounds_late_news_is_not_taken_as_the_next_rounds(tmp_path: Pat
             tick_age=None,
             running=False,
             zombies=[[1, 1]],
-            oom_kills=None,
+            oom_kills=3,
         )
         link.dispatch(
             protocol.agents.Beat(kind=protocol.agents.BEAT, t=0.0, groups={group: beat}), None
         )
-        assert not node._exited.is_set() and node._outcome[0] == "failed"
-        assert "never reported" in node._outcome[1], node._outcome
-        assert not node._gone and not node._seen_gone and node._beat is None
-        assert node._reading.rss == {}
+        log = tmp_path / "launcher.log"
+        outcome = node.launcher_outcome(log)
+        assert node.launcher_alive() and outcome[0] == "failed"
+        assert "never reported" in outcome[1], outcome
+        r = RankState(1, 1, pid=100)
+        assert node.alive(r)  # its going, told late, is none of this round's
+        # No beat of round 1 taken: no zombie, no OOM count, the launcher as the open left it
+        assert not node.unreaped(r) and node.oom_kills() is None and node.running()
+        assert node.read_memory([r]).rss == {}
 
         own = protocol.agents.LauncherExit(
             kind=protocol.agents.LAUNCHER_EXIT,
@@ -131,7 +170,11 @@ def test_a_closed_rounds_late_news_is_not_taken_as_the_next_rounds(tmp_path: Pat
             reason="every rank finished",
         )
         link.dispatch(own, None)
-        assert node._exited.is_set() and node._outcome == (
+        with anyio.fail_after(5):
+            await node.launcher_exited()
+            told = [msg async for msg in node.messages()]
+        assert told == []  # nothing of round 1 reached the group's reader, its start neither
+        assert not node.launcher_alive() and node.launcher_outcome(log) == (
             "succeeded",
             f"{node.label}: every rank finished",
         )
@@ -148,12 +191,12 @@ def test_a_stop_the_agent_never_answers_is_bounded(
 
     async def main() -> None:
         sent: list[Any] = []
-        node = _node(tmp_path, sent)
+        node = await _node(tmp_path, sent)
         started = time.monotonic()
         with anyio.fail_after(10, shield=True):  # as a teardown's; failing, not hanging
             survivors = await node.stop(0.1, lambda sig, pids: None)
         assert survivors == []
-        assert [m["kind"] for m in sent] == [protocol.kernel.STOP]
+        assert [m["kind"] for m in sent] == [protocol.agents.OPEN, protocol.agents.STOP]
         assert time.monotonic() - started < 5
 
     anyio.run(main)
@@ -163,12 +206,14 @@ def test_a_task_for_an_agent_that_fails_ends_alone(caplog: pytest.LogCaptureFixt
     """Cluster.spawn runs in the supervisor's own task group: a failing task is logged and
     every other task of the supervisor runs on."""
     ran = []
+    failing = anyio.Event()
 
     async def broken() -> None:
+        failing.set()
         raise RuntimeError("a bug of ours")
 
     async def fine() -> None:
-        await anyio.sleep(0.05)
+        await failing.wait()  # runs on once the other has failed
         ran.append("fine")
 
     async def main() -> None:
@@ -287,9 +332,8 @@ def test_a_node_writes_only_the_files_of_the_ranks_its_launcher_started(tmp_path
     their own files are taken, and rank 0's once that node says its launcher started it."""
 
     async def main() -> None:
-        node = _node(tmp_path, [])
+        node = await _node(tmp_path, [])  # its run directory is the group's, as the open left it
         link = node.link
-        link.dirs[("g1", "")] = tmp_path
 
         def file(rel: str, data: bytes = b"x") -> None:
             chunk = protocol.agents.FileChunk(
@@ -298,13 +342,7 @@ def test_a_node_writes_only_the_files_of_the_ranks_its_launcher_started(tmp_path
             link.dispatch(chunk, data)
 
         def started(rank: int) -> None:
-            msg = {"kind": "start", "attempt": 0, "rank": rank, "pid": 100 + rank}
-            link.dispatch(
-                protocol.agents.LauncherSaid(
-                    kind=protocol.agents.LAUNCHER, group="g1", round=0, msg=msg
-                ),
-                None,
-            )
+            _said(node, _started(rank))
 
         started(2)
         started(3)
@@ -357,30 +395,52 @@ def test_a_relayed_rank_hello_is_taken_only_for_a_rank_of_that_machine(
     from elastic_nb.supervisor.ranks.rank_book import RankBook
     from elastic_nb.supervisor.ranks.rank_links import RankLinks
 
+    class Hello(ByteStream):
+        """A rank's connection that says its hello and ends."""
+
+        def __init__(self, rank: int) -> None:
+            hello = protocol.sessions.RankHello(
+                kind=protocol.sessions.RANK_HELLO, attempt=0, rank=rank, pid=4242
+            )
+            self.unread = protocol.wire.encode(hello)
+
+        async def receive(self, max_bytes: int = 65536) -> bytes:
+            if not self.unread:
+                raise anyio.EndOfStream
+            data, self.unread = self.unread, b""
+            return data
+
+        async def send(self, item: bytes) -> None:
+            raise AssertionError("the session says nothing to a rank at its hello")
+
+        async def send_eof(self) -> None:
+            pass
+
+        async def aclose(self) -> None:
+            pass
+
     async def main() -> None:
-        there = _node(tmp_path, [])
+        there = await _node(tmp_path, [])
         here: Any = SimpleNamespace(number=0, label="this machine")  # what the check reads
         book = RankBook(RunDir(str(tmp_path)))
-        book.add(0, 0, 4242, time.time(), here)
-        book.add(0, 2, 4242, time.time(), there)
+        r0 = book.add(0, 0, 4242, time.time(), here)
+        r2 = book.add(0, 2, 4242, time.time(), there)
 
         async def until(predicate: Any, timeout: float) -> bool:
             return bool(predicate())
 
-        links = RankLinks("s1", book, until, lambda: None, lambda *a: None)
-
-        def hello(rank: int) -> Any:
-            return protocol.sessions.RankHello(
-                kind=protocol.sessions.RANK_HELLO, attempt=0, rank=rank
-            )
-
-        stream: Any = None
-        assert await links._hello(stream, hello(0), 4242, there) is None
-        assert await links._hello(stream, hello(2), 4242, None) is None
-        assert "as rank 0 of attempt 0: that rank runs on this machine" in caplog.text
-        assert f"as rank 2 of attempt 0: that rank runs on {there.label}" in caplog.text
-        assert (await links._hello(stream, hello(2), 4242, there)) is not None
-        assert (await links._hello(stream, hello(0), 4242, None)) is not None
+        changed: list[None] = []
+        links = RankLinks("s1", book, until, lambda: changed.append(None), lambda *a: None)
+        with anyio.fail_after(5):  # each connection, relayed (its node) or here (None)
+            await links.serve(Hello(0), 4242, there)
+            await links.serve(Hello(2), 4242, None)
+            assert not links.linked(r0) and not links.linked(r2) and changed == []
+            assert "as rank 0 of attempt 0: that rank runs on this machine" in caplog.text
+            assert f"as rank 2 of attempt 0: that rank runs on {there.label}" in caplog.text
+            await links.serve(Hello(2), 4242, there)
+            assert links.linked(r2) and not links.linked(r0)
+            await links.serve(Hello(0), 4242, None)
+            assert links.linked(r0) and len(changed) == 2
 
     with caplog.at_level(logging.WARNING):
         anyio.run(main)

@@ -253,13 +253,13 @@ class GroupPrompts:
                     for r in self.book.of(attempt)
                     if r.died_at is None and r.rank not in paused and id(r) not in held
                 ]
-                self._show_waits(attempt, await waiting_for(others, paused, self.book.node))
+                self.show_waits(attempt, await waiting_for(others, paused, self.book.node))
                 await anyio.sleep(WAITS_LOOK_S)
         finally:
-            self._show_waits(attempt, {})
+            self.show_waits(attempt, {})
             self.prompts.watching.discard(attempt)
 
-    def _show_waits(
+    def show_waits(
         self, attempt: int, found: dict[int, tuple[protocol.records.Waiting, list[int]]]
     ) -> None:
         """Chips for the ranks that wait now (a wait already shown keeps its first expiry: the

@@ -296,11 +296,12 @@ class Sim:
                 self.at(0.01, f"round {a}'s launcher exits", lambda: self.launcher_gone(a))
             elif self.torch_restarts < self.max_restarts:
                 self.torch_restarts += 1
-                self.at(
-                    self.rng.uniform(0.05, 0.3),
-                    "torch restarts",
-                    lambda: self.open_attempt(counted=True),
-                )
+
+                def restart() -> None:
+                    if not self.core.decided:  # else the teardown has ended torch's agent
+                        self.open_attempt(counted=True)
+
+                self.at(self.rng.uniform(0.05, 0.3), "torch restarts", restart)
             else:
                 self.deliver(
                     0.01, lambda: d.LauncherExited(self.t(), ("failed", "torchelastic gave up"))
@@ -388,10 +389,11 @@ class Sim:
     def check_step(self) -> None:
         core = self.core
         for a, (rank, kind) in self.pinned.items():
-            # Across machines a peer's error waits for the evidence: the attempt's failure (the
-            # restart's words, the round's "why") names who failed on its own once it is known.
+            # A peer's error waits for the rank that went (across machines, for the evidence):
+            # the attempt's failure (the restart's words, the round's "why", the job's reason)
+            # names who failed on its own once it is known.
             culprits = self.truths[a].culprits
-            if self.rounds and culprits and kind == "peer" and rank not in culprits:
+            if culprits and kind == "peer" and rank not in culprits:
                 raise Broken(
                     f"attempt {a} failed as rank {rank}'s peer error; rank(s) {sorted(culprits)}"
                     " failed on their own"

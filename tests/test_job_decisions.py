@@ -160,7 +160,8 @@ def test_a_peer_error_read_before_the_rank_it_names_is_seen_gone(tmp_path: Path)
     """Rank 1 SIGKILLed itself; rank 0's gloo error ("connection reset by peer") is read before
     rank 1's node has seen it go (a loaded machine: CI saw it so), and the teardown begins
     first. A SIGKILL sent before anyone stopping the group would send one is no teardown's:
-    rank 1 failed first, killed by SIGKILL, and rank 0 is its peer, not the other way round."""
+    rank 1 failed first, killed by SIGKILL, and rank 0 is its peer, not the other way round;
+    the job's reason says so too (it named rank 0's error, which decided it)."""
     job, node, sent = _job(tmp_path)
     rd = job.rd
 
@@ -174,6 +175,7 @@ def test_a_peer_error_read_before_the_rank_it_names_is_seen_gone(tmp_path: Path)
     assert (summary["cause"], summary["failure"]["rank"]) == ("signal", 1), summary
     assert summary["failure"]["summary"] == "killed by SIGKILL"
     assert [(o["rank"], o["kind"]) for o in summary["others"]] == [(0, "peer")]
+    assert summary["reason"] == "rank 1 killed by SIGKILL", summary  # as the failure says
 
 
 def test_a_rank_whose_collective_timed_out_is_released_once_the_evidence_is_taken(

@@ -248,7 +248,9 @@ class Diagnose(Action):
 
 @dataclass(frozen=True)
 class Wait(Action):
-    """Answer Waited(attempt, what) after `seconds`, unless the word waited for comes first."""
+    """Answer Waited(attempt, what) after `seconds`, unless the word waited for comes first:
+    "agent" (torch's agent's), "peer" (the rank that went seen gone, then Diagnose), "gone" (the
+    same, on one machine: no diagnosis)."""
 
     attempt: int
     what: str
@@ -375,6 +377,11 @@ class Decider:
         if peer is not None and peer is not r:
             del self._waits[(r.attempt, "peer")]
             self._out.append(Diagnose("peer", peer))  # the rank that went is seen gone
+        peer = self._waits.get((r.attempt, "gone"))
+        if peer is not None and peer is not r:
+            del self._waits[(r.attempt, "gone")]
+            self._peer_failed(e.t, peer)  # the rank that went is seen gone
+            self._diagnosis_ended(e.t, r.attempt)
         self._judge(e.t, r)
 
     def _agent_failed(self, e: AgentFailed) -> None:
@@ -441,15 +448,7 @@ class Decider:
         elif e.what == "timeout" and e.r is not None:
             self._fail_attempt(e.t, e.r, "collective_timeout")
         elif e.what == "peer" and e.r is not None:
-            # No desync: the attempt's failure is the first of its own the ranks show by now (a
-            # lost machine's ranks, told while the evidence was taken), not the peer's error
-            # that was read first.
-            root = analyze(self.of(e.attempt), self.teardown_at).root
-            kind = root.kind(self.teardown_at) if root is not None else None
-            if root is not None and kind in FAILED and kind not in ("peer", "collective_timeout"):
-                self._fail_attempt(e.t, root, kind)
-            else:
-                self._fail_attempt(e.t, e.r, "peer")
+            self._peer_failed(e.t, e.r)  # no desync
         self._after_diagnosis(e.t)
 
     def _waited(self, e: Waited) -> None:
@@ -458,6 +457,9 @@ class Decider:
             return  # its word came first
         if e.what == "peer":
             self._out.append(Diagnose("peer", r))
+        elif e.what == "gone":
+            self._peer_failed(e.t, r)  # the rank that went was not seen go: the peer's word
+            self._diagnosis_ended(e.t, e.attempt)
         elif e.what == "agent":
             if not self.decided:
                 self._fail_attempt(e.t, r, "signal")
@@ -549,6 +551,8 @@ class Decider:
             else:
                 self._waits[(attempt, "peer")] = r
                 self._out.append(Wait(attempt, "peer", PEER_GONE_WAIT_S))
+        elif kind == "peer" and current:
+            self._await_gone(t, r)
         elif kind == "signal" and r.exit_code == -signal.SIGTERM and current:
             # torch's agent ends its ranks with SIGTERM when it fails itself, and says so first:
             # its word may still be on its way through the launcher's pipe.
@@ -573,14 +577,36 @@ class Decider:
         )
         why = reason or f"{r.name} {r.failure_summary()}"
         # An exit(0) without finishing leaves torchelastic waiting forever for a return value
-        # (multiprocessing/api.py, _poll): where torch restarts, no restart would come.
-        if kind in self.final:
+        # (multiprocessing/api.py, _poll): where torch restarts, no restart would come (unless
+        # another rank's failure made it restart already: the attempt is no longer current).
+        if kind in self.final and attempt == self.current:
             self._decide(t, "failed", why)
         elif not self.restarts_left(attempt):
             self._decide(t, "failed", self._spent(why))
         else:
             self._out.append(Restart(attempt, why, r, kind))
             self._end_cell(t, attempt, f"rank {r.rank} {r.failure_summary()}")
+
+    def _await_gone(self, t: float, r: RankState) -> None:
+        """A peer's error read before the death it reports was seen (the poll found its record
+        first): the attempt fails as the rank that went, once it is seen gone."""
+        if any(x.died_at is not None for x in self.of(r.attempt) if x is not r):
+            self._peer_failed(t, r)
+        else:
+            self.under_way.add(r.attempt)
+            self._waits[(r.attempt, "gone")] = r
+            self._out.append(Wait(r.attempt, "gone", PEER_GONE_WAIT_S))
+
+    def _peer_failed(self, t: float, r: RankState) -> None:
+        """`r`'s peer error ends its attempt: as the first failure of its own the ranks show by
+        now (the rank that went, once seen gone; a lost machine's ranks, told while the evidence
+        was taken), not as the peer's error that was read first."""
+        root = analyze(self.of(r.attempt), self.teardown_at).root
+        kind = root.kind(self.teardown_at) if root is not None else None
+        if root is not None and kind in FAILED and kind not in ("peer", "collective_timeout"):
+            self._fail_attempt(t, root, kind)
+        else:
+            self._fail_attempt(t, r, "peer")
 
     def _of_now(self, attempt: int) -> bool:
         """News of `attempt` is of the attempt that runs now, not of a closed round."""

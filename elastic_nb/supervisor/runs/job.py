@@ -390,6 +390,7 @@ class Job(RankGroup):
         current = self.book.of(self.attempt)
         behind = self.book.behind.get(self.attempt)
         verdict = analyze(current, self.teardown_at, behind, self.world_size)
+        reason = self._as_the_verdict_says(outcome, reason, verdict)
         standing = self._places if self._places and self._places[0] == self.attempt else None
         for r in current:
             chip = self.book.chip(r, self.teardown_at, verdict.root)
@@ -403,6 +404,19 @@ class Job(RankGroup):
         self.report.set_state(outcome)
         await self.report.flush(self.attempt, self.tailer)
         return result
+
+    def _as_the_verdict_says(self, outcome: str, reason: str, verdict: Verdict) -> str:
+        """A peer's error decided the job before the death it reports was seen (a node that sees
+        it only at the teardown): the reason names the rank the verdict, with every end in hand,
+        found failed first, as the failure does."""
+        pinned, root = self.core.pinned.get(self.attempt), verdict.root
+        if outcome != "failed" or pinned is None or root is None or root is pinned:
+            return reason
+        if pinned.kind(self.teardown_at) != "peer":
+            return reason
+        return reason.replace(
+            f"{pinned.name} {pinned.failure_summary()}", f"{root.name} {root.failure_summary()}"
+        )
 
     def _plain_summary(self, outcome: str, reason: str) -> protocol.records.Summary:
         return self._verdict_summary(outcome, reason, Verdict(None, None, []))

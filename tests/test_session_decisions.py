@@ -66,25 +66,23 @@ def test_an_answer_that_lands_while_the_watch_looks_ends_the_cell_at_once(tmp_pa
     node.probe_gate = anyio.Event()
 
     async def main() -> tuple[Any, float]:
-        async with anyio.create_task_group() as tg:
-            decided: list[Any] = []
+        decided: list[Any] = []
 
-            async def decide() -> None:
-                decided.append(await cell.decide(links, group))
-                decided.append(time.monotonic())
+        async def decide() -> None:
+            decided.append(await cell.decide(links, group))
+            decided.append(time.monotonic())
 
-            tg.start_soon(decide)
-            # Inside the watch's look: its first is due a second after the watch starts
-            # (diagnosis.DesyncWatch), and decide waits on its event until then.
-            with anyio.fail_after(10):
+        with anyio.fail_after(15):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(decide)
+                # Inside the watch's look: its first is due a second after the watch starts
+                # (diagnosis.DesyncWatch), and decide waits on its event until then.
                 await node.probing.wait()
-            cell.answer(0, True)
-            cell.answer(1, True)
-            opened = time.monotonic()
-            node.probe_gate.set()
-            with anyio.fail_after(5):
-                while len(decided) < 2:
-                    await anyio.sleep(0.005)
+                cell.answer(0, True)
+                cell.answer(1, True)
+                opened = time.monotonic()
+                node.probe_gate.set()
+            # the task group waits for decide's end
         return decided[0], decided[1] - opened
 
     decision, took = anyio.run(main)
@@ -114,12 +112,12 @@ def test_a_rank_death_ends_the_cell_as_the_groups_decision_core_judges_it(tmp_pa
     cell.rd.attempt(0).mkdir(parents=True)
 
     async def main() -> Any:
+        decided: list[Any] = []
+
+        async def decide() -> None:
+            decided.append(await cell.decide(links, group))
+
         async with anyio.create_task_group() as tg:
-            decided: list[Any] = []
-
-            async def decide() -> None:
-                decided.append(await cell.decide(links, group))
-
             tg.start_soon(decide)
             await anyio.wait_all_tasks_blocked()
             ranks[1].died_at, ranks[1].exit_code = time.time(), -signal.SIGTERM
@@ -131,11 +129,9 @@ def test_a_rank_death_ends_the_cell_as_the_groups_decision_core_judges_it(tmp_pa
             for action in group.core.handle(decider.Waited(time.time(), 0, "agent")):
                 if isinstance(action, cell_rules.CellAction):
                     cell.act(action)  # the session's part (Session._cell_act)
-            with anyio.fail_after(5):
-                await anyio.wait_all_tasks_blocked()
-                while not decided:
-                    await anyio.sleep(0.01)
-            return decided[0]
+            tg.cancel_scope.deadline = anyio.current_time() + 5  # decide ends within
+        assert decided, "the cell was not decided within 5 s"
+        return decided[0]
 
     outcome, why, _, restarts = anyio.run(main)
     assert (outcome, why, restarts) == ("failed", "rank 1 killed by SIGTERM", True)

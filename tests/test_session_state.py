@@ -5,6 +5,7 @@ fed a fake run of each cell."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -18,7 +19,7 @@ from elastic_nb.supervisor.sessions.journal import Journal
 from elastic_nb.supervisor.sessions.replay import RunCell, replay
 from elastic_nb.supervisor.sessions.session import Session
 from elastic_nb.supervisor.sessions.session_cell import SessionCell
-from elastic_nb.supervisor.sessions.session_state import LIVE, MOVES, REPLAYED, State
+from elastic_nb.supervisor.sessions.session_state import LIVE, MOVES, REPLAYED, State, move
 from tests.fake_node import FakeNode
 
 pytestmark = pytest.mark.unit
@@ -73,28 +74,33 @@ def _session(tmp_path: Path) -> Session:
     return Session(SESSION, spec, {}, node, _nothing, tmp_path)
 
 
-def test_a_session_moves_only_as_the_table_allows(tmp_path: Path) -> None:
+def test_a_move_the_table_does_not_allow_is_refused_naming_both_states() -> None:
+    path = [State.STARTING, State.REPLAYING, State.READY, State.RUNNING, State.READY]
+    path += [State.RESTARTING, State.RESTARTING, State.REPLAYING, State.ENDING, State.ENDED]
+    for now, to in itertools.pairwise(path):
+        assert move(now, to, "session x") is to
+    for now, to in [(State.STARTING, State.RUNNING), (State.ENDING, State.READY)]:
+        with pytest.raises(AssertionError, match=f"session x: {now.name} -> {to.name}"):
+            move(now, to, "session x")
+
+
+def test_a_session_moves_as_its_life_goes_and_the_kernel_hears_each_move(tmp_path: Path) -> None:
+    """A new session starts; a stop decides its outcome (ending), whatever comes after; its
+    state, once ended, is the outcome, which says more than "ended"."""
+
     async def main() -> None:
         s = _session(tmp_path)
-        assert s.state == s.report.state == "starting"
-        with pytest.raises(AssertionError, match="STARTING -> RUNNING"):
-            s._move(State.RUNNING)
-        s._ranks_changed()  # no rank is up yet: still starting
-        assert s.state == "starting" and not s.ready()
-        path = [State.REPLAYING, State.READY, State.RUNNING, State.READY, State.RESTARTING]
-        for to in [*path, State.RESTARTING, State.REPLAYING, State.READY]:
-            s._move(to)
-            assert s.state == s.report.state == to.value  # the kernel hears each move
-        s._restarting()
-        assert s.state == "restarting"
-        s.request_stop("interrupt")  # its outcome decided
-        assert s.state == "ending"
-        s._restarting()  # a rank that goes in the teardown moves nothing
-        assert s.state == "ending"
-        with pytest.raises(AssertionError, match="ENDING -> READY"):
-            s._move(State.READY)
-        s._move(State.ENDED)
-        assert s.state == s.report.state == "interrupted"  # the outcome says more than "ended"
+        s.prepare()
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(s.run)
+                await anyio.wait_all_tasks_blocked()
+                assert s.state == s.report.state == "starting" and not s.ready()
+                s.request_stop("interrupt")  # its outcome decided
+                assert s.state == s.report.state == "ending"
+                s.down()  # a second decision changes nothing
+                assert s.state == "ending"
+        assert s.state == s.report.state == "interrupted"  # ended: the outcome says more
 
     anyio.run(main)
 

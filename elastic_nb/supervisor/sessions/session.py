@@ -46,7 +46,7 @@ from elastic_nb.supervisor.sessions.hang_watch import watch_hangs
 from elastic_nb.supervisor.sessions.journal import Journal, cells
 from elastic_nb.supervisor.sessions.replay import replay
 from elastic_nb.supervisor.sessions.session_cell import SessionCell
-from elastic_nb.supervisor.sessions.session_state import LIVE, MOVES, REPLAYED, State
+from elastic_nb.supervisor.sessions.session_state import LIVE, REPLAYED, State, move
 
 __all__ = ["Session"]
 
@@ -180,8 +180,7 @@ class Session(RankGroup):
 
     def _move(self, to: State) -> None:
         """Every change of state, and only this, moves the session (session_state.MOVES)."""
-        assert to in MOVES[self._state], f"session {self.id}: {self._state.name} -> {to.name}"
-        self._state = to
+        self._state = move(self._state, to, f"session {self.id}")
         self.notify()
 
     def _ranks_changed(self) -> None:

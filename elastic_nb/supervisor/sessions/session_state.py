@@ -1,5 +1,5 @@
 """A session's state, and the moves between states that its life allows (`session.Session`
-makes every move in one place, `_move`, which asserts it is one of these).
+makes every move in one place, `_move`, through `move`, which asserts it is one of these).
 
     STARTING ──> REPLAYING ──> READY <──> RUNNING
        │           ^   v         │           │
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["LIVE", "MOVES", "REPLAYED", "State"]
+__all__ = ["LIVE", "MOVES", "REPLAYED", "State", "move"]
 
 
 class State(enum.Enum):
@@ -44,3 +44,9 @@ MOVES: dict[State, frozenset[State]] = {
 }
 LIVE = frozenset(s for s in State if State.ENDING in MOVES[s])  # its outcome not decided yet
 REPLAYED = frozenset({State.READY, State.RUNNING})  # the attempt's ranks hold the cells' state
+
+
+def move(now: State, to: State, who: str) -> State:
+    """`to`, if the table allows the move from `now` (a move it does not is a bug of ours)."""
+    assert to in MOVES[now], f"{who}: {now.name} -> {to.name}"
+    return to

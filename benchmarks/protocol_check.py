@@ -64,7 +64,7 @@ MESSAGES: list[tuple[str, Callable[[Any], Any], dict[str, Any]]] = [
     ("kernel: reply to stop (its data checked too)", _reply(protocol.kernel.kernel_news, protocol.kernel.REPLIES, "stop"), {"kind": "reply", "req": 7, "ok": True, "data": {"stopping": ["cafe0001"]}}),
     ("launcher: start", protocol.launcher.launcher_news, {"kind": "start", "attempt": 0, "rank": 1, "pid": 4242}),
     ("launcher: tick", protocol.launcher.launcher_news, {"kind": "tick", "t": 1.7e9}),
-    ("session rank: ran", protocol.sessions.rank_news, {"kind": "ran", "cell": "cafe0002", "ok": True}),
+    ("session rank: ran", protocol.sessions.rank_news, {"kind": "ran", "cell": "cafe0002", "ok": True, "out": 812, "err": 0}),
     ("join agent: beat (1 group)", protocol.agents.node_news, {"kind": "beat", "t": 1.7e9, "groups": {"cafe0001": _GROUP}}),
     ("join agent: answer to stacks (2 ranks; data checked)", _reply(protocol.agents.node_news, protocol.agents.ANSWERS, "stacks"), {"kind": "answer", "req": 7, "ok": True, "data": {"dumps": {"0": _DUMP, "1": _DUMP}}}),
 ]  # fmt: skip

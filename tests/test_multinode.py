@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -32,6 +33,8 @@ from tests.kernel import (
     ask_supervisor,
     dashboard_of,
     run_dir,
+    run_events,
+    run_summary,
     supervisor_of,
     supervisor_registration,
     wait_for,
@@ -1015,3 +1018,275 @@ def test_a_breakpoint_on_a_joined_nodes_rank_asks_in_the_notebook(
     ), ex.prompts
     assert re.search(r"\[rank 2\] \('node-\d', 2\)", ex.stdout), ex.stdout
     _nothing_left(ex.job_id, lab)
+
+
+# ---- chaos across machines --------------------------------------------------------------------
+
+CHAOS_SEED = int(os.environ.get("ELASTIC_NB_CHAOS_SEED", "20261129"))
+# Each rank says who it is as its attempt starts (its pid as this host sees it, where it runs
+# here), then steps in lockstep with the others until the test's flag file exists on this host
+# (an all_reduce MAX of each rank's look: the other machines cannot see it; this one's ranks
+# tell them).
+_CHAOS_STEPS = """
+import os, socket, time, torch, torch.distributed as dist
+dist.init_process_group()
+attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+print(f"pid {os.getpid()} attempt {attempt} world {dist.get_world_size()} on {socket.gethostname()}", flush=True)
+x = torch.zeros(1)
+while x.item() == 0:
+    x = torch.tensor([float(os.path.exists(FLAG))])
+    dist.all_reduce(x, op=dist.ReduceOp.MAX)
+    time.sleep(0.05)
+"""
+_SAID = re.compile(r"\[rank (\d+)\] pid (\d+) attempt (\d+) world (\d+) on ([\w.-]+)")
+
+
+def _said(stdout: str, attempt: int) -> dict[int, tuple[int, int, str]]:
+    """rank -> (pid, world size, host) of the attempt's ranks that have said so."""
+    return {
+        int(r): (int(p), int(w), h) for r, p, a, w, h in _SAID.findall(stdout) if int(a) == attempt
+    }
+
+
+def _chaos_schedule(rng: random.Random) -> list[str]:
+    """Four faults in a seeded order: a rank on this machine SIGKILLed, a machine lost, a lost
+    machine back; never an arrival with none lost, never a loss of the last other machine
+    twice running."""
+    out: list[str] = []
+    lost = 0
+    while len(out) < 4:
+        choices = ["kill"] + (["lose"] if lost < 2 else []) + (["arrive"] if lost else [])
+        fault = rng.choice(choices)
+        lost += {"lose": 1, "arrive": -1}.get(fault, 0)
+        out.append(fault)
+    return out
+
+
+@pytest.mark.alone
+def test_faults_thrown_at_a_real_job_across_machines_keep_every_invariant(
+    mn_kernel: Kernel, lab: machines.Lab, tmp_path: Path
+) -> None:
+    """A job over this machine and two others (--nnodes 1:3), and a seeded schedule of faults
+    thrown at it while it runs: a rank SIGKILLed, a machine lost (SIGKILL to its namespace), a
+    lost machine joining again; after each, the next round must be running before the next
+    fault. The budget is the restarts the faults spend, or one short of it. Read from the
+    records at the end: each kill and loss spent exactly one restart and an arrival none, no
+    attempt failed twice, no rank is left "running", the outcome is the one the faults make and
+    a failure names the rank that was killed; no process of the job is left on any machine.
+    The seed is printed with every failure (ELASTIC_NB_CHAOS_SEED replays a schedule)."""
+    k, rng = mn_kernel, random.Random(CHAOS_SEED)
+    _ensure_agents(k, lab, 2)
+    schedule = _chaos_schedule(rng)
+    spending = sum(f in ("kill", "lose") for f in schedule)
+    budget = spending - rng.randint(0, 1)
+    where = f"seed {CHAOS_SEED}: {schedule}, --max-restarts {budget}"
+    flag = tmp_path / "enough"
+    steps = _CHAOS_STEPS.replace("FLAG", repr(str(flag)))
+    cell = f"%%elastic --nnodes 1:3 --nproc 1 --max-restarts {budget}" + steps
+    msg_id, ex = k.start(cell)
+    attempt, nodes, spent = 0, 3, 0
+    killed: dict[int, int] = {}  # attempt -> the rank killed in it
+    others = list(lab.machines[:2])
+    lost: list[machines.Machine] = []
+    for fault in schedule:
+        k.collect(
+            msg_id,
+            ex,
+            timeout=90,
+            until=lambda e, a=attempt, n=nodes: len(_said(e.stdout, a)) == n,
+        )
+        ranks = _said(ex.stdout, attempt)
+        assert {w for _, w, _ in ranks.values()} == {nodes}, f"{where}: {ranks}"
+        if fault == "kill":
+            mine = sorted(r for r, (_, _, host) in ranks.items() if host == _here())
+            rank = rng.choice(mine)
+            os.kill(ranks[rank][0], signal.SIGKILL)
+            killed[attempt] = rank
+        elif fault == "lose":
+            gone = rng.choice(others)
+            others.remove(gone)
+            lost.append(gone)
+            gone.kill()
+            nodes -= 1
+        else:
+            back = lost.pop(rng.randrange(len(lost)))
+            back.stop()
+            back.join(k.join_line)  # type: ignore[attr-defined]
+            others.append(back)
+            nodes += 1
+        attempt += 1
+        if fault != "arrive":
+            spent += 1
+            if spent > budget:
+                break
+    if spent <= budget:
+        k.collect(
+            msg_id,
+            ex,
+            timeout=90,
+            until=lambda e, a=attempt, n=nodes: len(_said(e.stdout, a)) == n,
+        )
+        flag.touch()
+    k.collect(msg_id, ex, timeout=120)
+    summary = run_summary(k.cache_home, ex.job_id)  # type: ignore[attr-defined]
+    events = run_events(k.cache_home, ex.job_id)  # type: ignore[attr-defined]
+    said = f"{where}: {summary['outcome']} ({summary['reason']})\n{ex.stdout[-3000:]}"
+    failed = [e["attempt"] for e in events if e["event"] == "attempt.failed"]
+    assert len(failed) == len(set(failed)), f"{said}: an attempt failed twice: {failed}"
+    assert not [o for o in summary.get("others", []) if o["kind"] == "running"], said
+    if spent <= budget:
+        assert summary["outcome"] == "succeeded", said
+        assert summary["restarts"] == spending, said
+    else:
+        assert summary["outcome"] == "failed" and summary["restarts"] == budget, said
+        if killed and max(killed) == attempt - 1:  # the last fault was a kill
+            assert summary["failure"]["rank"] == killed[attempt - 1], said
+            assert "SIGKILL" in summary["failure"]["summary"], said
+        else:
+            assert "lost" in summary["reason"] or "left" in summary["reason"], said
+    _nothing_left(ex.job_id, lab)
+    _ensure_agents(k, lab, 2)
+
+
+_SESSION_UP = re.compile(r"\[elastic_nb\] session ([0-9a-f]{8}): (\d+) ranks? up")
+_WHO = re.compile(r"\[rank (\d+)\] pid (\d+) on ([\w.-]+)")
+# A cell that steps in lockstep until it is interrupted, or a rank of it killed.
+_LOCKSTEP = (
+    "%%elastic\nimport time\nprint('stepping', flush=True)\n"
+    "while True:\n    dist.all_reduce(torch.ones(1))\n    time.sleep(0.05)\n"
+)
+
+
+def _count(k: Kernel, counter: int, nodes: int, where: str) -> None:
+    """The cell that counts, once the session has `nodes` nodes (a joined machine's round may
+    still be on its way): the state the cells before built is there, on every node."""
+
+    last: list[Any] = []
+
+    def counted() -> str | None:
+        ex = k.run(
+            "%%elastic\nx = torch.ones(1); dist.all_reduce(x)\n(counter, int(x.item()))\n",
+            timeout=120,
+        )
+        last[:] = [ex]
+        return ex.result
+
+    assert wait_for(lambda: counted() == f"({counter}, {nodes})", 60, interval=0.5), (
+        f"{where}: {last[0].result}, want ({counter}, {nodes})\n{last[0].traceback}\n{_nodes(k)}"
+    )
+
+
+@pytest.mark.alone
+def test_faults_thrown_at_a_real_session_across_machines_keep_every_invariant(
+    mn_kernel: Kernel, lab: machines.Lab
+) -> None:
+    """A session over this machine and two others, and a seeded schedule of faults thrown at
+    it between its cells and during them: a rank SIGKILLed between cells or while a cell
+    steps, a cell interrupted, a machine lost, a lost machine joining again. After each, a
+    cell finds the state the successful cells built on as many nodes as there are (the
+    restarts replayed the journal); a cell a kill ended names the rank killed; an interrupted
+    cell restarts nothing; each kill and loss spent one restart and an arrival none; after
+    %elastic down no process of the session is left on any machine."""
+    k, rng = mn_kernel, random.Random(CHAOS_SEED + 1)
+    _ensure_agents(k, lab, 2)
+    schedule = [rng.choice(["kill", "kill mid-cell", "interrupt"]) for _ in range(2)]
+    schedule += ["lose", rng.choice(["kill", "interrupt"]), "arrive"]
+    rng.shuffle(schedule)
+    while schedule.index("arrive") < schedule.index("lose"):
+        rng.shuffle(schedule)
+    spending = sum(f in ("kill", "kill mid-cell", "lose") for f in schedule)
+    where = f"seed {CHAOS_SEED + 1}: {schedule}"
+    up = k.ok(f"%elastic up --nnodes 1:3 --nproc 1 --max-restarts {spending}", timeout=120)
+    m = _SESSION_UP.search(up.stdout)
+    assert m, up.stdout
+    session = m.group(1)
+    nodes, counter, spent = 3, 0, 0
+    others = list(lab.machines[:2])
+    lost: list[machines.Machine] = []
+    try:
+        k.ok(
+            "%%elastic\nimport torch, torch.distributed as dist\n"
+            "dist.init_process_group()\ncounter = 0\n",
+            timeout=120,
+        )
+        for fault in schedule:
+            counter += 1
+            k.ok("%%elastic\ncounter += 1\n", timeout=120)
+            _count(k, counter, nodes, where)
+            if fault in ("kill", "kill mid-cell"):
+                who = k.ok(
+                    "%%elastic\nimport os, socket\n"
+                    "print(f'pid {os.getpid()} on {socket.gethostname()}', flush=True)\n"
+                ).stdout
+                mine = [(int(r), int(p)) for r, p, h in _WHO.findall(who) if h == _here()]
+                assert mine, f"{where}: no rank on {_here()} said so:\n{who}"
+                rank, pid = rng.choice(mine)
+                if fault == "kill":
+                    os.kill(pid, signal.SIGKILL)
+                else:
+                    msg_id, ex = k.start(_LOCKSTEP)
+                    k.collect(
+                        msg_id,
+                        ex,
+                        timeout=60,
+                        until=lambda e, n=nodes: e.stdout.count("stepping") == n,
+                    )
+                    os.kill(pid, signal.SIGKILL)
+                    k.collect(msg_id, ex, timeout=60)
+                    assert ex.ename == "JobFailed", f"{where}: {ex.ename}\n{ex.traceback}"
+                    assert f"rank {rank} killed by SIGKILL" in ex.traceback, (
+                        f"{where}: rank {rank}\n{ex.traceback}"
+                    )
+                spent += 1
+            elif fault == "interrupt":
+                msg_id, ex = k.start(_LOCKSTEP)
+                k.collect(
+                    msg_id, ex, timeout=60, until=lambda e, n=nodes: e.stdout.count("stepping") == n
+                )
+                k.interrupt()
+                k.collect(msg_id, ex, timeout=60)
+                assert ex.ename == "KeyboardInterrupt", f"{where}: {ex.ename}\n{ex.traceback}"
+            elif fault == "lose":
+                gone = rng.choice(others)
+                others.remove(gone)
+                lost.append(gone)
+                gone.kill()
+                nodes -= 1
+                spent += 1
+            else:
+                back = lost.pop()
+                back.stop()
+                back.join(k.join_line)  # type: ignore[attr-defined]
+                others.append(back)
+                nodes += 1
+            _count(k, counter, nodes, where)
+        info = k.ok("%elastic session").stdout
+        assert f"restarts {spent}/{spending}" in info, f"{where}\n{info}"
+    finally:
+        k.ok("%elastic down", timeout=60)
+    _nothing_left(session, lab)
+    _ensure_agents(k, lab, 2)
+
+
+def test_what_a_session_cells_ranks_print_on_every_machine_comes_before_its_end(
+    mn_kernel: Kernel, lab: machines.Lab
+) -> None:
+    """A session over three machines: each cell's ranks print a line, and every line is in the
+    cell's own output, every time. A rank on another machine answers over one stream and its
+    output comes over another; and the group's next flush, with no cell running, took the
+    lines of the cell that had just ended: one cell in three lacked a rank's line (found by the
+    chaos run)."""
+    k = mn_kernel
+    _ensure_agents(k, lab, 2)
+    k.ok("%elastic up --nnodes 3 --nproc 1", timeout=120)
+    try:
+        k.ok("%%elastic\nimport os, socket, torch.distributed as dist\ndist.init_process_group()\n")
+        for n in range(15):
+            ex = k.ok(f"%%elastic\nprint(f'cell {n} on {{socket.gethostname()}}', flush=True)\n")
+            hosts = re.findall(rf"\[rank \d\] cell {n} on ([\w.-]+)", ex.stdout)
+            assert sorted(hosts) == sorted([_here(), *(m.hostname for m in lab.machines[:2])]), (
+                n,
+                ex.stdout,
+            )
+    finally:
+        k.ok("%elastic down", timeout=60)

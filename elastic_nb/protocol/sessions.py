@@ -57,6 +57,10 @@ class Ran(TypedDict):
     kind: Literal["ran"]
     cell: str
     ok: bool
+    # Bytes the rank had written to its stdout and stderr by then (its log files'): what its
+    # cell printed reaches the kernel before the cell's end, from any machine.
+    out: int
+    err: int
 
 
 class Interrupt(TypedDict):

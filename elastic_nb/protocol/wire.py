@@ -36,8 +36,9 @@ __all__ = [
 # agents); 7: a module a channel, nested records checked, memory samples with their limit; 8:
 # replies typed per request (a stop's answer from an agent: records, not pairs); 9: a rank's
 # prompt and the notebook's input; 10: the ranks waiting for a paused one (a prompt's, a chip's);
-# 11: a join agent's news of a group names its round.
-VERSION = 11
+# 11: a join agent's news of a group names its round; 12: a session rank's answer says how much
+# it had written (its output reaches the notebook before its cell's end).
+VERSION = 12
 
 # A header line longer than this is a corrupt stream, not a message.
 _MAX_HEADER = 16 * 1024 * 1024

@@ -36,6 +36,7 @@ __all__ = [
     "failed",
     "install",
     "post_mortem",
+    "written",
 ]
 
 
@@ -170,8 +171,8 @@ def _input(prompt: object = "") -> str:
             InputAsked(
                 ask=ask,
                 prompt=str(prompt),
-                out=_written(1),
-                err=_written(2),
+                out=written(1),
+                err=written(2),
                 t=time.time(),
                 post_mortem=_post_mortem,
                 line=_cell_line(),
@@ -203,7 +204,7 @@ def _cell_line() -> int | None:
     return None
 
 
-def _written(fd: int) -> int:
+def written(fd: int) -> int:
     """Bytes written to an output (a log file, where torchelastic redirects it) so far."""
     try:
         return os.fstat(fd).st_size

@@ -35,6 +35,7 @@ from elastic_nb import protocol
 from elastic_nb.common.rundir import RunDir
 from elastic_nb.common.spec import JobSpec
 from elastic_nb.rank import bootstrap
+from elastic_nb.rank.notebook_input import written
 
 __all__ = ["serve"]
 
@@ -55,7 +56,13 @@ def serve(run_dir: str, env: dict[str, str], start_env: dict[str, str]) -> bool:
             return True  # bye, or the supervisor is gone
         cell = msg["cell"]
         ok = _run_one(channel, RunDir(msg["run_dir"]), cell, me)
-        channel.send(protocol.sessions.Ran(kind=protocol.sessions.RAN, cell=cell, ok=ok))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        channel.send(
+            protocol.sessions.Ran(
+                kind=protocol.sessions.RAN, cell=cell, ok=ok, out=written(1), err=written(2)
+            )
+        )
 
 
 def _run_one(channel: _Channel, crd: RunDir, cell: str, me: bootstrap.Rank) -> bool:

@@ -45,7 +45,7 @@ class RankLinks:
         book: RankBook,
         until: Callable[[Callable[[], bool], float], Awaitable[bool]],
         changed: Callable[[], None],
-        ran: Callable[[Link, str, bool], None],
+        ran: Callable[[Link, protocol.sessions.Ran], None],
     ) -> None:
         """`until`: the session's wait for a condition; `changed`: tell the session;
         `ran`: a rank's answer for a cell."""
@@ -85,7 +85,7 @@ class RankLinks:
                     if link is None:
                         return
                 elif msg["kind"] == protocol.sessions.RAN:
-                    self._ran(link, msg["cell"], msg["ok"])
+                    self._ran(link, msg)
         except protocol.wire.ProtocolError as e:
             log.warning("session %s: dropped a rank's connection: %s", self._session, e)
         finally:

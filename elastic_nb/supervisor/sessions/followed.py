@@ -20,10 +20,14 @@ from elastic_nb.supervisor.sessions.session_cell import SessionCell
 
 __all__ = ["Followed"]
 
+LOGS_WAIT_S = 2.0  # for a rank's output to reach the notebook after its answer did
+LOGS_POLL_S = 0.02
+
 
 class Followed:
     def __init__(self, tailer: LogTailer, memory: MemoryWatch) -> None:
         self.cells: list[SessionCell] = []  # oldest first
+        self.ending: list[SessionCell] = []  # concluded, their last lines and END on their way
         self._tailer = tailer
         self._memory = memory
 
@@ -41,13 +45,17 @@ class Followed:
             cell.report.alert(kind, severity, title, **about)
 
     def logs_target(self, current: SessionCell | None) -> SessionCell | None:
-        return current if current in self.cells else next(iter(self.cells), None)
+        """Whose the ranks' new lines are: the cell they run; else, unless a cell that ended
+        waits for its last lines (its END takes them), the oldest one open."""
+        if current in self.cells:
+            return current
+        return None if self.ending else next(iter(self.cells), None)
 
     async def flush(self, attempt: int, current: SessionCell | None) -> None:
         target = self.logs_target(current)
         for c in self.cells:
             await c.report.flush(attempt, self._tailer if c is target else None)
-        if target is None:
+        if target is None and not self.ending:
             self._tailer.take()  # nobody follows: the files keep them
 
     def conclude(
@@ -65,21 +73,41 @@ class Followed:
         logs = cell is self.logs_target(current)
         with contextlib.suppress(ValueError):
             self.cells.remove(cell)
+        if logs:
+            self.ending.append(cell)  # the ranks' lines wait for it (end)
         cell.summary = cell.conclude(
             outcome, reason, ranks, teardown_at, self._tailer.lines_total()
         )
         return logs
 
     async def end(self, cell: SessionCell, logs: bool, attempt: int) -> None:
-        """Its last lines and alerts, then its END."""
+        """Its last lines (once what each rank had written when it answered has been read: a
+        rank on another machine answers over one stream, its output comes over another), its
+        alerts, then its END."""
         with anyio.CancelScope(shield=True):
             if logs:
-                self._tailer.poll()
+                await self._read_to(cell)
                 await cell.report.flush(attempt, self._tailer)
             await cell.report.flush(attempt, None)
             cell.report.close()
             assert cell.summary is not None
             await cell.report.end(cell.summary)
+            with contextlib.suppress(ValueError):
+                self.ending.remove(cell)
+            cell.ended.set()
+
+    async def _read_to(self, cell: SessionCell) -> None:
+        """Until the tailer has read each rank's output up to its answer (LOGS_WAIT_S at most: a
+        machine lost meanwhile)."""
+        with anyio.move_on_after(LOGS_WAIT_S):
+            while True:
+                self._tailer.poll()
+                if all(
+                    self._tailer.read_to(cell.attempt, rank, written)
+                    for rank, written in cell.written.items()
+                ):
+                    return
+                await anyio.sleep(LOGS_POLL_S)
 
     async def end_all(
         self, reason: str, book: RankBook, attempt: int, current: SessionCell | None

@@ -438,6 +438,8 @@ class Session(RankGroup):
             self.task_group.start_soon(self._end_after_restart, cell, outcome, reason, teardown_at)
         else:
             self._end_cell(cell, outcome, reason, teardown_at, restarts=False)
+            # Its ranks' last lines are its own: the next cell runs once they are out.
+            await cell.ended.wait()
 
     async def _end_after_restart(
         self, cell: SessionCell, outcome: str, reason: str, teardown_at: float | None
@@ -518,8 +520,8 @@ class Session(RankGroup):
         self.current = None
         return len(cell.answers) == len(links)
 
-    def _on_ran(self, link: Link, cell_id: str, ok: bool) -> None:
+    def _on_ran(self, link: Link, msg: protocol.sessions.Ran) -> None:
         cell = self.current
-        if cell is not None and cell.id == cell_id:
-            cell.answer(link.r.rank, ok)
+        if cell is not None and cell.id == msg["cell"]:
+            cell.answer(link.r.rank, msg["ok"], {"out": msg["out"], "err": msg["err"]})
             self.notify()  # a replay waits on the session

@@ -63,7 +63,10 @@ class SessionCell:
         self.no: int | None = None  # its number in the session, once it runs
         self.stop_reason: str | None = None  # a stop request's key (summary.STOPS), or timeout
         self.changed = anyio.Event()  # an answer, a death or a stop: look again
+        self.ended = anyio.Event()  # its END is sent (Followed.end)
         self.answers: dict[int, bool] = {}  # rank -> finished (True) or raised (False)
+        # rank -> its output's bytes when it answered ("out", "err"): the cell ends after them
+        self.written: dict[int, dict[str, int]] = {}
         self.attempt = 0
         self.finding: Finding | None = None  # a desync found while it ran
         self.standing: Finding | None = None  # its last hang alert's finding (`stopped` says it)
@@ -121,10 +124,13 @@ class SessionCell:
 
     def sent(self) -> None:
         """The cell was sent to the ranks (to run, or to replay): their answers come anew."""
-        self.answers, self.inbox = {}, []
+        self.answers, self.written, self.inbox = {}, {}, []
 
-    def answer(self, rank: int, ok: bool) -> None:
+    def answer(self, rank: int, ok: bool, written: dict[str, int] | None = None) -> None:
+        """A rank ran the cell (`written`: the bytes of its stdout and stderr by then)."""
         self.answers[rank] = ok
+        if written is not None:
+            self.written[rank] = written
         if self.running:  # not a replay's: the core decides it
             said = None if ok else raised(self, self.attempt, rank)
             at, words = said if said is not None else (None, None)

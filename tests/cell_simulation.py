@@ -22,7 +22,7 @@ import signal
 from collections.abc import Callable
 from typing import Any
 
-from elastic_nb.supervisor.ranks.rank_state import RankState
+from elastic_nb.common.rank_state import RankState
 from elastic_nb.supervisor.runs import cell_rules as c
 from elastic_nb.supervisor.runs import decider as d
 from elastic_nb.supervisor.runs.placement import OneMachine

@@ -15,10 +15,10 @@ from typing import Any
 import anyio
 
 from elastic_nb import protocol
+from elastic_nb.common.rank_state import RankState
 from elastic_nb.common.rundir import RunDir
 from elastic_nb.supervisor.forensics.watchdogs import TorchAgent
 from elastic_nb.supervisor.processes.node import MemoryReading, Node, StackDump, Survivor, Work
-from elastic_nb.supervisor.ranks.rank_state import RankState
 
 LAUNCHER_PID = 4242
 

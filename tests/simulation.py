@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from elastic_nb.common.rank_state import RankState
 from elastic_nb.common.rundir import RunDir
 from elastic_nb.supervisor.forensics.verdict import analyze
 from elastic_nb.supervisor.ranks.rank_book import RankBook
-from elastic_nb.supervisor.ranks.rank_state import RankState
 from elastic_nb.supervisor.runs import decider as d
 from elastic_nb.supervisor.runs.placement import InRounds, OneMachine
 

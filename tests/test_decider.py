@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from elastic_nb.supervisor.ranks.rank_state import RankState
+from elastic_nb.common.rank_state import RankState
 from elastic_nb.supervisor.runs import cell_rules as c
 from elastic_nb.supervisor.runs import decider as d
 from elastic_nb.supervisor.runs.placement import InRounds, OneMachine

@@ -29,6 +29,7 @@ from elastic_nb import protocol
 from elastic_nb.checkpoint.commit import Commit
 from elastic_nb.checkpoint.directory import Directory, Layout, step_name
 from elastic_nb.common import machine, report
+from elastic_nb.common.rank_state import RankState
 from elastic_nb.common.rundir import RUN_DIR_ENV, RunDir
 from elastic_nb.common.spec import JobSpec
 from elastic_nb.common.submission import Submission
@@ -43,7 +44,6 @@ from elastic_nb.supervisor.processes import launcher_pool
 from elastic_nb.supervisor.processes.launcher_pool import LauncherPool
 from elastic_nb.supervisor.processes.zygote_process import ZygoteFailed
 from elastic_nb.supervisor.ranks.checkpoint_log import CheckpointLog
-from elastic_nb.supervisor.ranks.rank_state import RankState
 from elastic_nb.supervisor.runs.job import Job
 from elastic_nb.supervisor.runs.placement import InRounds
 from elastic_nb.supervisor.runs.rounds import Machines

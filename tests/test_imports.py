@@ -120,13 +120,13 @@ WALLS = {
 # Inside the supervisor: pure judgements import no part that does I/O; the parts that own
 # processes and learn from ranks do not know jobs or sessions; the service knows everything.
 SUPERVISOR_WALLS = {
-    "forensics": {"ranks.rank_state"},
+    "forensics": set(),
     # a rank's node; and the pid at the other end of a session rank's connection
     "ranks": {"forensics", "processes.node", "processes.peers"},
     # a node reports the agent as the zombie watchdog judges it
-    "processes": {"ranks.rank_state", "forensics.watchdogs"},
+    "processes": {"forensics.watchdogs"},
     # other machines: a remote node (a second Node), the cluster of agents
-    "nodes": {"processes", "ranks.rank_state", "forensics.watchdogs"},
+    "nodes": {"processes", "forensics.watchdogs"},
     "runs": {"forensics", "ranks", "processes", "nodes"},
     "sessions": {"forensics", "ranks", "processes", "runs"},
     # the kernel's jobs and sessions: where each runs, started, stopped, listed
@@ -146,8 +146,8 @@ SUPERVISOR_WALLS = {
 }
 # What a join agent's process shares with the notebook's supervisor: the channel between them,
 # the files they exchange, the ownership of its machine's processes (a LocalNode, the launcher
-# pool) and the rank record the nodes keep.
-JOIN_AGENT_SHARES = ("nodes.channel", "nodes.files", "processes", "ranks.rank_state")
+# pool). The rank record the nodes keep is below both (common/rank_state.py).
+JOIN_AGENT_SHARES = ("nodes.channel", "nodes.files", "processes")
 
 
 def _folder(mod: str) -> str:

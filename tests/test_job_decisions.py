@@ -16,11 +16,11 @@ import anyio
 import pytest
 
 from elastic_nb import protocol
+from elastic_nb.common.rank_state import RankState
 from elastic_nb.common.rundir import RunDir, write_json
 from elastic_nb.common.submission import Submission
 from elastic_nb.kernel.flags import job_spec
 from elastic_nb.supervisor.forensics.verdict import analyze
-from elastic_nb.supervisor.ranks.rank_state import RankState
 from elastic_nb.supervisor.runs import decider as d
 from elastic_nb.supervisor.runs.job import Job
 from elastic_nb.supervisor.runs.placement import OneMachine

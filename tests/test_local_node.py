@@ -15,12 +15,12 @@ import pytest
 
 from elastic_nb import protocol
 from elastic_nb.common import procs
+from elastic_nb.common.rank_state import RankState
 from elastic_nb.common.rundir import RunDir
 from elastic_nb.supervisor.processes.launcher_pool import LauncherPool
 from elastic_nb.supervisor.processes.local_node import LocalNode
 from elastic_nb.supervisor.processes.process_tree import ProcessTree
 from elastic_nb.supervisor.ranks.evidence import EvidenceCollector
-from elastic_nb.supervisor.ranks.rank_state import RankState
 
 pytestmark = pytest.mark.unit
 

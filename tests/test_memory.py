@@ -520,7 +520,7 @@ def test_with_the_flag_on_a_failed_snapshot_is_said_not_the_flag(
 def test_the_oom_alert_shows_what_filled_the_gpu_with_the_stacks(tmp_path: Path) -> None:
     """The alert a CUDA OOM raises while the ranks still run (a job's, a session cell's) says
     what the report says: the groups, each one's stack, the snapshot; or what failed."""
-    from elastic_nb.supervisor.ranks.rank_state import RankState
+    from elastic_nb.common.rank_state import RankState
     from elastic_nb.supervisor.runs.diagnosis import oom_alert
 
     cell = tmp_path / "c0ffee01" / "cell.py"

@@ -15,12 +15,12 @@ from typing import Any
 import anyio
 import pytest
 
+from elastic_nb.common.rank_state import RankState
 from elastic_nb.common.rundir import RunDir, write_json
 from elastic_nb.supervisor.forensics.desync import Desync
 from elastic_nb.supervisor.processes.launcher_pool import LauncherPool
 from elastic_nb.supervisor.processes.local_node import LocalNode
 from elastic_nb.supervisor.ranks.rank_book import RankBook
-from elastic_nb.supervisor.ranks.rank_state import RankState
 from tests.fake_node import FakeNode
 
 pytestmark = pytest.mark.unit

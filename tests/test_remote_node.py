@@ -17,6 +17,7 @@ from anyio.abc import ByteStream
 
 from elastic_nb import protocol
 from elastic_nb.common import machine
+from elastic_nb.common.rank_state import RankState
 from elastic_nb.common.rundir import RunDir
 from elastic_nb.kernel.flags import job_spec
 from elastic_nb.supervisor.nodes import remote_node
@@ -24,7 +25,6 @@ from elastic_nb.supervisor.nodes.agent_link import JoinAgentLink
 from elastic_nb.supervisor.nodes.cluster import Cluster
 from elastic_nb.supervisor.nodes.remote_node import RemoteNode
 from elastic_nb.supervisor.processes.node import Work
-from elastic_nb.supervisor.ranks.rank_state import RankState
 
 pytestmark = pytest.mark.unit
 

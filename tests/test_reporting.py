@@ -61,7 +61,7 @@ def test_every_cause_class(outcome: str, failure: Any, zombie: bool, expected: A
 
 
 def test_closing_alerts_name_leftovers_and_a_rank_that_broke_after_finishing() -> None:
-    from elastic_nb.supervisor.ranks.rank_state import RankState
+    from elastic_nb.common.rank_state import RankState
 
     ok, bad = RankState(0, 0, exit_code=-signal.SIGTERM), RankState(0, 1, exit_code=-11)
     summary = {"outcome": "succeeded", "failure": None}

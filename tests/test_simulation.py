@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
+from elastic_nb.common.rank_state import RankState
 from elastic_nb.supervisor.forensics.verdict import Verdict
-from elastic_nb.supervisor.ranks.rank_state import RankState
 from elastic_nb.supervisor.runs import decider
 from elastic_nb.supervisor.runs.cell_rules import CellRules
 from elastic_nb.supervisor.runs.decider import Decider, RoundEnded, Show

@@ -6,11 +6,11 @@ import signal
 
 import pytest
 
+from elastic_nb.common.rank_state import RankState
 from elastic_nb.supervisor.forensics import stacks
 from elastic_nb.supervisor.forensics.collectives import History, Op
 from elastic_nb.supervisor.forensics.desync import desync_verdict
 from elastic_nb.supervisor.forensics.verdict import analyze
-from elastic_nb.supervisor.ranks.rank_state import RankState
 from tests.nccl import watchdog_line
 
 pytestmark = pytest.mark.unit

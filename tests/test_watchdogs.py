@@ -8,6 +8,7 @@ import time
 import pytest
 
 from elastic_nb import protocol
+from elastic_nb.common.rank_state import RankState
 from elastic_nb.kernel.flags import job_spec
 from elastic_nb.supervisor.forensics.watchdogs import (
     TorchAgent,
@@ -15,7 +16,6 @@ from elastic_nb.supervisor.forensics.watchdogs import (
     stuck_agent,
     zombie_bound,
 )
-from elastic_nb.supervisor.ranks.rank_state import RankState
 
 pytestmark = pytest.mark.unit
 

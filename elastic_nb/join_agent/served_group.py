@@ -22,6 +22,7 @@ from anyio.abc import SocketListener, TaskGroup
 
 from elastic_nb import protocol
 from elastic_nb.common import machine
+from elastic_nb.common.rank_state import RankState
 from elastic_nb.common.rundir import CHECKPOINTS, RunDir
 from elastic_nb.common.spec import JobSpec
 from elastic_nb.join_agent.relay import Relay
@@ -29,7 +30,6 @@ from elastic_nb.supervisor.nodes.files import Mirror, owner, unpack
 from elastic_nb.supervisor.processes.launcher_pool import LauncherPool
 from elastic_nb.supervisor.processes.local_node import LocalNode
 from elastic_nb.supervisor.processes.node import Work
-from elastic_nb.supervisor.ranks.rank_state import RankState
 
 __all__ = ["STOP_GRACE_S", "Hands", "ServedGroup"]
 

@@ -14,8 +14,8 @@ import signal
 from dataclasses import dataclass
 from typing import Any
 
+from elastic_nb.common.rank_state import RankState
 from elastic_nb.common.report import signal_name
-from elastic_nb.supervisor.ranks.rank_state import RankState
 
 __all__ = ["FAILED", "Verdict", "analyze"]
 

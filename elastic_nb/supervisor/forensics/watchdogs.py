@@ -18,8 +18,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from elastic_nb import protocol
+from elastic_nb.common.rank_state import RankState
 from elastic_nb.common.spec import JobSpec
-from elastic_nb.supervisor.ranks.rank_state import RankState
 
 __all__ = [
     "Silence",

@@ -29,13 +29,13 @@ from anyio.abc import ByteStream
 
 from elastic_nb import protocol
 from elastic_nb.common.host_memory import MemoryLimit
+from elastic_nb.common.rank_state import RankState
 from elastic_nb.common.rundir import RunDir
 from elastic_nb.common.spec import JobSpec
 from elastic_nb.supervisor.forensics.watchdogs import TorchAgent
 from elastic_nb.supervisor.nodes.agent_link import ANSWER_S, JoinAgentLink, NodeLost
 from elastic_nb.supervisor.nodes.files import INPUTS, pack
 from elastic_nb.supervisor.processes.node import MemoryReading, Node, StackDump, Survivor, Work
-from elastic_nb.supervisor.ranks.rank_state import RankState
 
 __all__ = ["RemoteNode"]
 

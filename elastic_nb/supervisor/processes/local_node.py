@@ -20,6 +20,7 @@ import psutil
 
 from elastic_nb import protocol
 from elastic_nb.common import host_memory, nvml, procs
+from elastic_nb.common.rank_state import RankState
 from elastic_nb.common.rundir import RunDir, read_json
 from elastic_nb.common.spec import JobSpec
 from elastic_nb.supervisor.forensics.watchdogs import TorchAgent
@@ -27,7 +28,6 @@ from elastic_nb.supervisor.processes.launcher_pool import LauncherPool
 from elastic_nb.supervisor.processes.launcher_process import Launcher
 from elastic_nb.supervisor.processes.node import MemoryReading, Node, StackDump, Survivor, Work
 from elastic_nb.supervisor.processes.process_tree import ProcessTree
-from elastic_nb.supervisor.ranks.rank_state import RankState
 
 __all__ = ["LocalNode"]
 

@@ -26,11 +26,11 @@ import anyio
 
 from elastic_nb import protocol
 from elastic_nb.common.host_memory import MemoryLimit
+from elastic_nb.common.rank_state import RankState
 from elastic_nb.common.rundir import RunDir
 from elastic_nb.common.spec import JobSpec
 from elastic_nb.protocol.records import Survivor
 from elastic_nb.supervisor.forensics.watchdogs import TorchAgent
-from elastic_nb.supervisor.ranks.rank_state import RankState
 
 __all__ = ["MemoryReading", "Node", "StackDump", "Survivor", "Work", "stacks_of"]
 

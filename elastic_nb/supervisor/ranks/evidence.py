@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import anyio
 
+from elastic_nb.common.rank_state import RankState
 from elastic_nb.common.rundir import RunDir
 from elastic_nb.supervisor.forensics.collectives import (
     CertainDesync,
@@ -31,7 +32,6 @@ from elastic_nb.supervisor.forensics.stacks import (
 )
 from elastic_nb.supervisor.processes.node import Node, stacks_of
 from elastic_nb.supervisor.ranks.probes import Probes
-from elastic_nb.supervisor.ranks.rank_state import RankState
 
 __all__ = ["Evidence", "EvidenceCollector"]
 

@@ -13,11 +13,11 @@ from collections.abc import Callable
 
 import anyio
 
+from elastic_nb.common.rank_state import RankState
 from elastic_nb.common.rundir import RunDir, read_json
 from elastic_nb.protocol.rank_probes import PROBE_FULL, PROBE_STATUS
 from elastic_nb.supervisor.forensics.collectives import History, history, read_nccl_dump
 from elastic_nb.supervisor.processes.node import Node
-from elastic_nb.supervisor.ranks.rank_state import RankState
 
 __all__ = ["Probes"]
 

@@ -13,11 +13,11 @@ from typing import Any
 
 import anyio
 
+from elastic_nb.common.rank_state import RankState
 from elastic_nb.common.rundir import RunDir, read_json
 from elastic_nb.protocol.records import Chip
 from elastic_nb.supervisor.forensics.desync import Desync
 from elastic_nb.supervisor.processes.node import Node
-from elastic_nb.supervisor.ranks.rank_state import RankState
 
 __all__ = ["RankBook"]
 

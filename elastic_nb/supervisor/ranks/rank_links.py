@@ -12,10 +12,10 @@ import anyio
 from anyio.abc import ByteStream
 
 from elastic_nb import protocol
+from elastic_nb.common.rank_state import RankState
 from elastic_nb.supervisor.processes.node import Node
 from elastic_nb.supervisor.processes.peers import peer_pid
 from elastic_nb.supervisor.ranks.rank_book import RankBook
-from elastic_nb.supervisor.ranks.rank_state import RankState
 
 __all__ = ["Link", "RankLinks"]
 

@@ -31,8 +31,8 @@ import signal
 from dataclasses import dataclass, field
 from typing import Any
 
+from elastic_nb.common.rank_state import RankState
 from elastic_nb.supervisor.forensics.verdict import FAILED, analyze
-from elastic_nb.supervisor.ranks.rank_state import RankState
 from elastic_nb.supervisor.runs import cell_rules
 from elastic_nb.supervisor.runs.cell_rules import CellAction, CellEvent, CellRules
 

@@ -16,12 +16,12 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from elastic_nb.common.rank_state import RankState, watchdog_op, watchdog_summary
 from elastic_nb.common.report import oom_lines, size
 from elastic_nb.common.spec import JobSpec
 from elastic_nb.supervisor.forensics.collectives import CertainDesync, History
 from elastic_nb.supervisor.forensics.desync import Desync
 from elastic_nb.supervisor.ranks.evidence import Evidence, EvidenceCollector
-from elastic_nb.supervisor.ranks.rank_state import RankState, watchdog_op, watchdog_summary
 
 __all__ = [
     "LOOK_IDLE_S",

@@ -10,8 +10,8 @@ from typing import Any
 from anyio.abc import TaskGroup
 
 from elastic_nb import protocol
+from elastic_nb.common.rank_state import RankState
 from elastic_nb.supervisor.processes.node import Node
-from elastic_nb.supervisor.ranks.rank_state import RankState
 from elastic_nb.supervisor.runs import cell_rules, decider
 from elastic_nb.supervisor.runs.reporter import Reporter
 

@@ -11,9 +11,9 @@ import anyio
 
 from elastic_nb import protocol
 from elastic_nb.common.host_memory import MemoryLimit
+from elastic_nb.common.rank_state import RankState
 from elastic_nb.supervisor.processes.node import Node
 from elastic_nb.supervisor.ranks.memory_watch import MemoryWatch
-from elastic_nb.supervisor.ranks.rank_state import RankState
 
 __all__ = ["memory_figures", "read_memory"]
 

@@ -34,6 +34,7 @@ import anyio
 from anyio.abc import TaskGroup
 
 from elastic_nb import protocol
+from elastic_nb.common.rank_state import RankState
 from elastic_nb.common.spec import TEARS_DOWN
 from elastic_nb.common.submission import Submission
 from elastic_nb.supervisor.forensics.desync import Desync
@@ -41,7 +42,6 @@ from elastic_nb.supervisor.forensics.verdict import Verdict, analyze
 from elastic_nb.supervisor.forensics.watchdogs import agent_stuck
 from elastic_nb.supervisor.processes.node import Node
 from elastic_nb.supervisor.ranks.evidence import Evidence, EvidenceCollector
-from elastic_nb.supervisor.ranks.rank_state import RankState
 from elastic_nb.supervisor.runs import decider, diagnosis, summary
 from elastic_nb.supervisor.runs.diagnosis import DesyncWatch, Finding
 from elastic_nb.supervisor.runs.rank_group import RankGroup

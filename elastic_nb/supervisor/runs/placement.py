@@ -24,6 +24,7 @@ import anyio
 from anyio.abc import TaskGroup
 
 from elastic_nb import protocol
+from elastic_nb.common.rank_state import RankState
 from elastic_nb.common.rundir import RunDir
 from elastic_nb.common.spec import JobSpec
 from elastic_nb.supervisor.nodes.agent_link import JoinAgentLink
@@ -32,7 +33,6 @@ from elastic_nb.supervisor.nodes.remote_node import RemoteNode
 from elastic_nb.supervisor.processes.node import Node, Survivor
 from elastic_nb.supervisor.ranks.checkpoint_log import CheckpointLog, cost_words
 from elastic_nb.supervisor.ranks.rank_book import RankBook
-from elastic_nb.supervisor.ranks.rank_state import RankState
 from elastic_nb.supervisor.runs import decider
 from elastic_nb.supervisor.runs.reporter import Reporter
 from elastic_nb.supervisor.runs.rounds import Machines, Rounds

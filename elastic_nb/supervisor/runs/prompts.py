@@ -25,13 +25,13 @@ import anyio
 from anyio.abc import TaskGroup
 
 from elastic_nb import protocol
+from elastic_nb.common.rank_state import RankState
 from elastic_nb.common.rundir import RunDir, read_json
 from elastic_nb.common.spec import JobSpec
 from elastic_nb.supervisor.forensics.collectives import base, history
 from elastic_nb.supervisor.processes.node import Node
 from elastic_nb.supervisor.ranks.log_tailer import LogTailer
 from elastic_nb.supervisor.ranks.rank_book import RankBook
-from elastic_nb.supervisor.ranks.rank_state import RankState
 from elastic_nb.supervisor.runs.reporter import Reporter
 
 __all__ = ["ANSWER_WAIT_S", "GroupPrompts", "Prompts"]

@@ -34,6 +34,7 @@ import anyio
 from anyio.abc import TaskGroup
 
 from elastic_nb import protocol
+from elastic_nb.common.rank_state import NCCL_TIMEOUT_MARKS, TORCH_LOG_NOISE, RankState
 from elastic_nb.common.rundir import RunDir, write_json
 from elastic_nb.common.spec import JobSpec
 from elastic_nb.supervisor.forensics.watchdogs import Silence
@@ -42,7 +43,6 @@ from elastic_nb.supervisor.ranks.checkpoint_log import CheckpointLog
 from elastic_nb.supervisor.ranks.log_tailer import LogTailer
 from elastic_nb.supervisor.ranks.memory_watch import SAMPLE_S, MemoryWatch
 from elastic_nb.supervisor.ranks.rank_book import RankBook
-from elastic_nb.supervisor.ranks.rank_state import NCCL_TIMEOUT_MARKS, TORCH_LOG_NOISE, RankState
 from elastic_nb.supervisor.runs import cell_rules, checkpoint_news, decider, diagnosis, summary
 from elastic_nb.supervisor.runs.decider import Decider
 from elastic_nb.supervisor.runs.group_hooks import GroupHooks

@@ -14,13 +14,13 @@ from typing import Any
 
 from elastic_nb import protocol
 from elastic_nb.common import report
+from elastic_nb.common.rank_state import RankState
 from elastic_nb.common.rundir import RunDir
 from elastic_nb.common.spec import JobSpec
 from elastic_nb.supervisor.forensics.verdict import Verdict, analyze
 from elastic_nb.supervisor.processes.node import Survivor
 from elastic_nb.supervisor.ranks.checkpoint_log import CheckpointLog, cost_words
 from elastic_nb.supervisor.ranks.rank_book import RankBook
-from elastic_nb.supervisor.ranks.rank_state import RankState
 
 __all__ = [
     "DOWNS",

@@ -12,10 +12,10 @@ from typing import Any
 
 import anyio
 
+from elastic_nb.common.rank_state import RankState
 from elastic_nb.supervisor.ranks.log_tailer import LogTailer
 from elastic_nb.supervisor.ranks.memory_watch import MemoryWatch
 from elastic_nb.supervisor.ranks.rank_book import RankBook
-from elastic_nb.supervisor.ranks.rank_state import RankState
 from elastic_nb.supervisor.sessions.session_cell import SessionCell
 
 __all__ = ["Followed"]

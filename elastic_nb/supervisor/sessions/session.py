@@ -30,13 +30,13 @@ import anyio
 from anyio.abc import SocketListener, TaskGroup
 
 from elastic_nb import protocol
+from elastic_nb.common.rank_state import RankState
 from elastic_nb.common.spec import JobSpec
 from elastic_nb.supervisor.forensics.watchdogs import Silence
 from elastic_nb.supervisor.processes.node import Node
 from elastic_nb.supervisor.ranks.checkpoint_log import cost_words
 from elastic_nb.supervisor.ranks.evidence import EvidenceCollector
 from elastic_nb.supervisor.ranks.rank_links import Link, RankLinks
-from elastic_nb.supervisor.ranks.rank_state import RankState
 from elastic_nb.supervisor.runs import cell_rules, decider, summary
 from elastic_nb.supervisor.runs.rank_group import RankGroup
 from elastic_nb.supervisor.runs.reporter import Reporter, Send

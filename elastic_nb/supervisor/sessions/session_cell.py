@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import anyio
 
 from elastic_nb import protocol
+from elastic_nb.common.rank_state import RankState
 from elastic_nb.common.rundir import RunDir, read_json, write_json
 from elastic_nb.common.spec import TEARS_DOWN
 from elastic_nb.common.submission import Submission
@@ -27,7 +28,6 @@ from elastic_nb.supervisor.forensics.verdict import Verdict, analyze
 from elastic_nb.supervisor.ranks.checkpoint_log import CheckpointLog
 from elastic_nb.supervisor.ranks.evidence import EvidenceCollector
 from elastic_nb.supervisor.ranks.memory_watch import Peaks
-from elastic_nb.supervisor.ranks.rank_state import RankState
 from elastic_nb.supervisor.runs import cell_rules, diagnosis, summary
 from elastic_nb.supervisor.runs.diagnosis import DesyncWatch, Finding
 from elastic_nb.supervisor.runs.rank_group import RankGroup

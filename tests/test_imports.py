@@ -130,7 +130,7 @@ SUPERVISOR_WALLS = {
     "runs": {"forensics", "ranks", "processes", "nodes"},
     "sessions": {"forensics", "ranks", "processes", "runs"},
     # the kernel's jobs and sessions: where each runs, started, stopped, listed
-    "groups": {"processes", "runs", "sessions", "nodes"},
+    "roster": {"processes", "runs", "sessions", "nodes"},
     "service": {
         "forensics",
         "ranks",
@@ -139,7 +139,7 @@ SUPERVISOR_WALLS = {
         "sessions",
         "overview",
         "nodes",
-        "groups",
+        "roster",
     },
     "overview": {"ranks", "runs", "sessions"},
     "__main__": {"service"},

@@ -46,7 +46,7 @@ def test_run_directory_keeps_everything(kernel: Kernel) -> None:
     assert '"outcome": "succeeded"' in rd.summary.read_text()
     assert "[rank 0] to stderr" in ex.stderr
     # No process group, no collective to time out: the dashboard says nothing of one.
-    assert not rd.group(0, 0).exists()
+    assert not rd.process_group(0, 0).exists()
     dash, events = dashboard_of(kernel, ex.job_id, {"nproc": 2})
     assert not dash.header["collectives"] and not any(e.get("groups") for e in events)
 
@@ -73,7 +73,10 @@ def test_collective_timeout_is_the_default_of_every_process_group(kernel: Kernel
     )
     assert "[rank 0] timeout 7.0" in ex.stdout and "[rank 1] timeout 7.0" in ex.stdout
     # The ranks made a process group: the dashboard says what a stuck collective will do.
-    assert RunDir(ex.run_dir).group(0, 0).exists() and RunDir(ex.run_dir).group(0, 1).exists()
+    assert (
+        RunDir(ex.run_dir).process_group(0, 0).exists()
+        and RunDir(ex.run_dir).process_group(0, 1).exists()
+    )
     dash, _ = dashboard_of(kernel, ex.job_id, {"nproc": 2, "collective_timeout": "7"})
     assert dash.header["collectives"] and dash.header["worst_case_s"] is not None
 

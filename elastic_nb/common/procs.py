@@ -28,7 +28,7 @@ __all__ = [
     "pidfd_open",
     "reap_orphans",
     "set_child_subreaper",
-    "signal_group",
+    "signal_pgid",
     "zombie_exit_code",
 ]
 
@@ -148,7 +148,8 @@ def kill_job(job_ids: Iterable[str], sig: int = signal.SIGKILL, wait_s: float = 
         time.sleep(_KILL_POLL_S)
 
 
-def signal_group(pgid: int, sig: int) -> bool:
+def signal_pgid(pgid: int, sig: int) -> bool:
+    """Signal an OS process group (a launcher's session: its pid is its group's id)."""
     try:
         os.killpg(pgid, sig)
         return True

@@ -119,7 +119,7 @@ class RunDir:
     stacks = _RankFile("stacks")
     collectives = _RankFile("collectives.json")
     # Written when the rank makes its first process group: from then a collective can time out.
-    group = _RankFile("group.json")
+    process_group = _RankFile("group.json")
     probe = _RankFile("probe")
     probe_answer = _RankFile("probe.json")
     input_asked = _RankFile("input.json")

@@ -86,7 +86,7 @@ def prepare(run_dir: str, env: dict[str, str], start_env: dict[str, str]) -> Ran
     spec = JobSpec.from_json(rd.spec.read_text())
     _prepare_process(spec, rd)
     if spec.collective_timeout is not None:
-        _note_the_first_group(rd.group(attempt, rank))
+        _note_the_first_process_group(rd.process_group(attempt, rank))
     _arm_forensics(rd, attempt, rank)
     return Rank(rd, rank, attempt, spec, _fresh_main().__dict__)
 
@@ -335,7 +335,7 @@ def _patch_default_timeouts(seconds: float) -> None:
     c10d.default_pg_nccl_timeout = td
 
 
-def _note_the_first_group(path: Path) -> None:
+def _note_the_first_process_group(path: Path) -> None:
     """Leave `path` when the rank makes its first process group (init_process_group, new_group
     and DeviceMesh all make theirs in c10d's `_new_process_group_helper`): from then on a
     collective can time out, and the dashboard says what --collective-timeout will do."""

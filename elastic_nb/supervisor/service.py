@@ -2,7 +2,7 @@
 
 It listens on a Unix socket the kernel created in an owner-only directory (the kernel hands the
 listening descriptor over, so there is no race to connect), answers the kernel's requests (the
-kernel channel's handler table, `_REQUESTS`) with its jobs and sessions (groups.py), and lives
+kernel channel's handler table, `_REQUESTS`) with its jobs and sessions (roster.py), and lives
 exactly as long as its kernel: when the kernel's connection closes or the kernel's pid exits
 (SIGKILL included), every job is torn down and the supervisor exits.
 """
@@ -26,9 +26,9 @@ from anyio.abc import SocketListener, SocketStream, TaskGroup
 from elastic_nb import protocol
 from elastic_nb.common import machine, procs, registry
 from elastic_nb.supervisor import overview
-from elastic_nb.supervisor.groups import Groups
 from elastic_nb.supervisor.nodes.cluster import Cluster
 from elastic_nb.supervisor.processes.launcher_pool import LauncherPool
+from elastic_nb.supervisor.roster import Roster
 
 __all__ = ["Supervisor"]
 
@@ -52,7 +52,7 @@ class Supervisor:
         self._launchers = LauncherPool(log_path.removesuffix(".log"))
         self._started = time.time()
         self._tg: TaskGroup | None = None
-        self._groups: Groups | None = None  # its jobs and sessions, once it runs
+        self._roster: Roster | None = None  # its jobs and sessions, once it runs
 
     async def run(self) -> None:
         procs.set_child_subreaper()
@@ -69,7 +69,7 @@ class Supervisor:
             async with anyio.create_task_group() as tg:
                 self._tg = tg
                 # owner-only, the socket's directory: sessions' sockets go there too
-                self._groups = Groups(
+                self._roster = Roster(
                     self._launchers, tg, Path(path).parent, self.orphans, self.reap
                 )
                 self._launchers.attach(tg, dict(os.environ))
@@ -112,30 +112,30 @@ class Supervisor:
             self.reap()
 
     def reap(self) -> None:
-        procs.reap_orphans(keep=self.groups.launcher_pids())
+        procs.reap_orphans(keep=self.roster.launcher_pids())
 
     def orphans(self) -> list[psutil.Process]:
         """What we inherited as a subreaper: left behind by some job's processes."""
-        return procs.orphans(keep=self.groups.launcher_pids())
+        return procs.orphans(keep=self.roster.launcher_pids())
 
     @property
-    def groups(self) -> Groups:
-        assert self._groups is not None, "the supervisor runs"
-        return self._groups
+    def roster(self) -> Roster:
+        assert self._roster is not None, "the supervisor runs"
+        return self._roster
 
     def _shutdown(self) -> None:
         """Stop every job; the task group ends when the last one has torn down."""
         self._launchers.close()
-        for job in self.groups.owners():
+        for job in self.roster.owners():
             job.request_stop("shutdown")
         assert self._tg is not None
         self._tg.start_soon(self._cancel_when_jobs_end)
 
     async def _cancel_when_jobs_end(self) -> None:
-        while any(j.running for j in self.groups.owners()):
+        while any(j.running for j in self.roster.owners()):
             await anyio.sleep(0.05)
-        if self.groups.cluster is not None:
-            await self.groups.cluster.close()  # the agents hear it now, not from our silence
+        if self.roster.cluster is not None:
+            await self.roster.cluster.close()  # the agents hear it now, not from our silence
         assert self._tg is not None
         self._tg.cancel_scope.cancel()
 
@@ -207,17 +207,17 @@ class Supervisor:
     async def _on_submit(
         self, conn: KernelConnection, msg: protocol.kernel.Submit, blob: Blob
     ) -> protocol.kernel.Submitted:
-        return await self.groups.submit(msg, blob, conn.send)
+        return await self.roster.submit(msg, blob, conn.send)
 
     async def _on_stop(
         self, _c: KernelConnection, msg: protocol.kernel.Stop, _b: Blob
     ) -> protocol.kernel.Stopping:
-        return self.groups.stop(msg["job"], msg["reason"])
+        return self.roster.stop(msg["job"], msg["reason"])
 
     async def _on_stacks(
         self, _c: KernelConnection, msg: protocol.kernel.Stacks, _b: Blob
     ) -> protocol.kernel.StackText:
-        text, owner = await self.groups.stacks(msg["job"])
+        text, owner = await self.roster.stacks(msg["job"])
         return protocol.kernel.StackText(text=text, pids=overview.rank_pids(owner))
 
     async def _on_warm(
@@ -229,55 +229,55 @@ class Supervisor:
     async def _on_jobs(
         self, _c: KernelConnection, _m: protocol.kernel.Jobs, _b: Blob
     ) -> protocol.kernel.JobList:
-        return protocol.kernel.JobList(jobs=self.groups.rows())
+        return protocol.kernel.JobList(jobs=self.roster.rows())
 
     async def _on_status(
         self, _c: KernelConnection, _m: protocol.kernel.Status, _b: Blob
     ) -> protocol.kernel.SupervisorStatus:
-        groups = self.groups
+        roster = self.roster
         return protocol.kernel.SupervisorStatus(
             pid=os.getpid(),
             uptime_s=time.time() - self._started,
-            running=[j.id for j in groups.jobs.values() if j.running],
-            sessions=[s.info() for s in groups.sessions.values() if s.running],
+            running=[j.id for j in roster.jobs.values() if j.running],
+            sessions=[s.info() for s in roster.sessions.values() if s.running],
             warm=self._launchers.describe(),
-            memory={g.id: g.memory_now() for g in groups.owners() if g.running},
+            memory={g.id: g.memory_now() for g in roster.owners() if g.running},
         )
 
     async def _on_up(
         self, conn: KernelConnection, msg: protocol.kernel.Up, _b: Blob
     ) -> protocol.kernel.SessionUp:
-        return await self.groups.up(msg, conn.send)
+        return await self.roster.up(msg, conn.send)
 
     async def _on_down(
         self, _c: KernelConnection, msg: protocol.kernel.Down, _b: Blob
     ) -> protocol.kernel.Done:
-        self.groups.session(msg["session"]).down(msg.get("reason", "user"))
+        self.roster.session(msg["session"]).down(msg.get("reason", "user"))
         return protocol.kernel.Done()
 
     async def _on_session(
         self, _c: KernelConnection, msg: protocol.kernel.SessionInfo, _b: Blob
     ) -> protocol.kernel.SessionState:
-        return self.groups.session(msg["session"]).info()
+        return self.roster.session(msg["session"]).info()
 
     async def _on_overview(
         self, _c: KernelConnection, _m: protocol.kernel.Overview, _b: Blob
     ) -> protocol.kernel.PanelList:
-        groups = self.groups
+        roster = self.roster
         return protocol.kernel.PanelList(
-            jobs=overview.entries(groups.jobs.values(), groups.sessions.values())
+            jobs=overview.entries(roster.jobs.values(), roster.sessions.values())
         )
 
     async def _on_events(
         self, _c: KernelConnection, msg: protocol.kernel.Events, _b: Blob
     ) -> protocol.kernel.EventList:
-        report = overview.reporter_of(msg["job"], self.groups.jobs, self.groups.sessions)
+        report = overview.reporter_of(msg["job"], self.roster.jobs, self.roster.sessions)
         return protocol.kernel.EventList(events=report.events_since(msg["since"]), seq=report.seq)
 
     async def _on_input(
         self, _c: KernelConnection, msg: protocol.kernel.Input, _b: Blob
     ) -> protocol.kernel.Done:
-        ranks = self.groups.ranks_of(msg["job"])
+        ranks = self.roster.ranks_of(msg["job"])
         await ranks.answer_input(msg["attempt"], msg["rank"], msg["ask"], msg["text"], msg["why"])
         return protocol.kernel.Done()
 
@@ -295,22 +295,22 @@ class Supervisor:
 
     def _nodes(self) -> protocol.kernel.MachineList:
         """This machine and the join agents (%elastic nodes, the panel)."""
-        if self.groups.cluster is None:
+        if self.roster.cluster is None:
             here = machine.describe(machine.primary_address(), "")
             return protocol.kernel.MachineList(
                 listening=None,
                 here=protocol.kernel.Machine(**here, node=0, state="here"),
                 agents=[],
             )
-        return self.groups.cluster.describe()
+        return self.roster.cluster.describe()
 
     async def _join(self, msg: protocol.kernel.Join) -> protocol.kernel.JoinLine:
         """The join command (the agents' channel opened at the first ask); a new token drops
         the agents holding the old one."""
         assert self._tg is not None
-        cluster = self.groups.cluster
+        cluster = self.roster.cluster
         if cluster is None:
-            cluster = self.groups.cluster = Cluster(self._tg)
+            cluster = self.roster.cluster = Cluster(self._tg)
         if cluster.listener is None:
             await cluster.serve(msg["host"], msg["port"])
         elif msg["port"] and msg["port"] != cluster.listener.port:

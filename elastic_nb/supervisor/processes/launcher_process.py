@@ -137,7 +137,7 @@ class Launcher(Child):
         """End an idle launcher and its fork server (one process group), and reap it. Its pipe
         is `read`'s to close, at the EOF this brings."""
         self.discarded = True
-        procs.signal_group(self.pid, signal.SIGKILL)
+        procs.signal_pgid(self.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=5)
         if self.proc.stdin is not None:

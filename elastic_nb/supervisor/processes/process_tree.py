@@ -73,7 +73,7 @@ class ProcessTree:
         left = [_describe(p) for p in self.leftovers()]
         # What remains in the launcher's group is its helpers on their way out, or a child of
         # the cell that dropped the marker but kept the group: end them all now.
-        procs.signal_group(self.launcher.pid, signal.SIGTERM)
+        procs.signal_pgid(self.launcher.pid, signal.SIGTERM)
         return left
 
     async def stop(self, grace: float, on_signal: Callable[[str, list[int]], None]) -> list[int]:
@@ -88,9 +88,9 @@ class ProcessTree:
                 # when the launcher does. SIGKILL, if it comes to that, takes the whole group.
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, sig)
-                procs.signal_group(pid, signal.SIGCONT)  # a stopped one too
+                procs.signal_pgid(pid, signal.SIGCONT)  # a stopped one too
             else:
-                procs.signal_group(pid, sig)
+                procs.signal_pgid(pid, sig)
             stray = []
             for p in self.leftovers():
                 with contextlib.suppress(psutil.Error):
@@ -98,7 +98,7 @@ class ProcessTree:
                     stray.append(p.pid)
             on_signal(signal.Signals(sig).name, stray)
             await self.wait_gone(wait)
-        if self.launcher.poll() is not None and procs.signal_group(pid, signal.SIGKILL):
+        if self.launcher.poll() is not None and procs.signal_pgid(pid, signal.SIGKILL):
             # Left in the launcher's group: its helpers, or a child of the cell that dropped
             # the marker but kept the group. Nothing of the job needs them any more.
             on_signal(signal.SIGKILL.name, [])

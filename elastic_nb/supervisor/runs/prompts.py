@@ -147,7 +147,7 @@ class GroupPrompts:
     tailer: LogTailer
     report: Reporter
     prompts: Prompts
-    groups_made: int | None
+    process_group_made: int | None
     _held: dict[tuple[int, int], list[RankState]]  # --pdb: held ranks, by the rank debugged
     _collectives_warned: set[int]  # attempts told a paused rank's cost
     _asker: Callable[[], Reporter | None]  # group_hooks.GroupHooks's
@@ -223,7 +223,7 @@ class GroupPrompts:
         """Once an attempt, at the first prompt where ranks made a process group and are not
         held: those waiting for the paused rank in a collective still time out."""
         timeout = self.spec.collective_timeout
-        if held or timeout is None or self.groups_made != r.attempt:
+        if held or timeout is None or self.process_group_made != r.attempt:
             return
         if r.attempt in self._collectives_warned:
             return

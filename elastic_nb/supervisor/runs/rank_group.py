@@ -62,7 +62,7 @@ FLUSH_S = 0.1  # one update per group per flush: at most 10 messages a second
 # torch's agent (max(1, round(--stop-grace))) and a join agent (served_group.STOP_GRACE_S).
 KILL_AFTER_S = 1.0
 IDLE_STOP_GRACE_S = 0.2  # SIGTERM -> SIGKILL for a node of a multi-node group with no live rank
-GROUPS_LOOK_S = 1.0  # a look for the ranks' first process group (a few stats)
+PROCESS_GROUP_LOOK_S = 1.0  # a look for the ranks' first process group (a few stats)
 
 
 class RankGroup(GroupHooks, GroupPrompts):
@@ -114,10 +114,10 @@ class RankGroup(GroupHooks, GroupPrompts):
         self._collectives_warned: set[int] = set()  # attempts told a paused rank's cost
         self.memory = MemoryWatch()
         self.checkpoints = CheckpointLog(self.rd.checkpoints)
-        # The latest attempt a rank of which made a process group (its collectives can time
+        # The latest attempt a rank of which made torch's process group (its collectives can time
         # out: the dashboards say what --collective-timeout will do), and the next look for one.
-        self.groups_made: int | None = None
-        self._groups_look = 0.0
+        self.process_group_made: int | None = None
+        self._process_group_look = 0.0
         self.nodes_missing = False  # a multi-node group's nodes did not come (cause: nodes)
         self._decided = anyio.Event()
         self._heard = anyio.Event()  # every message of the launchers taken in (book.hear_out)
@@ -396,7 +396,7 @@ class RankGroup(GroupHooks, GroupPrompts):
                 self._on_watchdog_line(attempt, rank, line)
             self.poll_checkpoints()
             self._poll()
-            self._watch_groups()
+            self._watch_process_group()
             now = time.monotonic()
             asks = self.prompts.ready(self.book.of(self.attempt), self.tailer, now)
             if now >= next_flush or asks:
@@ -417,19 +417,19 @@ class RankGroup(GroupHooks, GroupPrompts):
                 out[rank] = f"silent {silent:.0f} s · {place}"
         return out
 
-    def _watch_groups(self, last: bool = False) -> None:
+    def _watch_process_group(self, last: bool = False) -> None:
         """Once a rank of the attempt has made a process group (rank/bootstrap.py leaves a
         record), its followers say what a stuck collective will do. `last`: the look at the
         end, whenever the one before it was (a job of a second made one after it)."""
         now = time.monotonic()
-        if self.groups_made == self.attempt or (now < self._groups_look and not last):
+        if self.process_group_made == self.attempt or (now < self._process_group_look and not last):
             return
-        self._groups_look = now + GROUPS_LOOK_S
+        self._process_group_look = now + PROCESS_GROUP_LOOK_S
         attempt = self.attempt
-        if any(self.rd.group(attempt, r.rank).exists() for r in self.book.of(attempt)):
-            self.groups_made = attempt
+        if any(self.rd.process_group(attempt, r.rank).exists() for r in self.book.of(attempt)):
+            self.process_group_made = attempt
             for report in self._followers():
-                report.groups_made()
+                report.process_group_made()
 
     def poll_checkpoints(self) -> None:
         """What the cells' checkpoints did since the last poll, said (checkpoint_news)."""
@@ -474,7 +474,7 @@ class RankGroup(GroupHooks, GroupPrompts):
     async def _finish(self) -> None:
         assert self.core.outcome is not None
         outcome, reason = self.core.outcome
-        self._watch_groups(last=True)
+        self._watch_process_group(last=True)
         try:
             self.summary = await self._summarize(outcome, reason)
         except Exception as e:  # the kernel must hear the end whatever broke here

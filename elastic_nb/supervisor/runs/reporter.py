@@ -40,7 +40,7 @@ class Reporter:
         self._memory: list[protocol.records.MemorySample] = []
         self._checkpoints: list[dict[str, Any]] = []
         self._rounds: list[protocol.records.Round] | None = None
-        self._groups = False  # a rank made a process group: for the next update
+        self._process_group = False  # a rank made a process group: for the next update
         self._state_dirty = True
         self.seq = 0  # of the latest message in `history`
         self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY)
@@ -106,9 +106,9 @@ class Reporter:
         """A rank's memory sample, for the next update."""
         self._memory.append(sample)
 
-    def groups_made(self) -> None:
+    def process_group_made(self) -> None:
         """A rank of the job has made a process group: its collectives can time out."""
-        self._groups = True
+        self._process_group = True
 
     def rounds(self, rounds: list[protocol.records.Round]) -> None:
         """A multi-node job's timeline changed: the whole of it, for the next update."""
@@ -131,8 +131,8 @@ class Reporter:
             update["checkpoints"], self._checkpoints = self._checkpoints, []
         if self._rounds is not None:
             update["rounds"], self._rounds = self._rounds, None
-        if self._groups:
-            update["groups"], self._groups = True, False
+        if self._process_group:
+            update["groups"], self._process_group = True, False
         logs = [b.record() for b in tailer.take()] if tailer is not None else []
         if logs:
             update["logs"] = logs

@@ -402,8 +402,8 @@ class Session(RankGroup):
             self._move(State.RUNNING)
         cell.report.event("run", no=cell.no, attempt=self.attempt)
         cell.report.set_state("running")
-        if self.groups_made == self.attempt:
-            cell.report.groups_made()  # an earlier cell made the ranks' process group
+        if self.process_group_made == self.attempt:
+            cell.report.process_group_made()  # an earlier cell made the ranks' process group
         self.silence = Silence(last_activity=time.monotonic())
         if self.attempt > self._shown_attempt:
             # Whether or not it waited for them, the cell runs on new ranks: say why.

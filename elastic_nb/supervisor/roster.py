@@ -29,12 +29,12 @@ from elastic_nb.supervisor.runs.rounds import Machines
 from elastic_nb.supervisor.sessions.session import Session
 from elastic_nb.supervisor.sessions.session_cell import SessionCell
 
-__all__ = ["KEEP_FINISHED", "Groups"]
+__all__ = ["KEEP_FINISHED", "Roster"]
 
 KEEP_FINISHED = 200  # finished jobs `%elastic jobs` lists; older ones live on disk only
 
 
-class Groups:
+class Roster:
     def __init__(
         self,
         launchers: LauncherPool,

@@ -321,12 +321,22 @@ class Sim:
     # ---- carrying the core's actions out ------------------------------------------------------
 
     def decide(self, action: d.Decide) -> None:
-        """The teardown: every live rank SIGTERMed now, gone within moments."""
+        """The teardown: every live rank SIGTERMed now, gone within moments; across machines
+        a machine may be lost meanwhile (a node lost mid-stop)."""
+        self.lost_mid_stop(self.core.attempt)
         for r in list(self.book.ranks.values()):
             if self.alive(r):
                 self.at(
                     self.rng.uniform(0.001, 0.05), "", lambda r=r: self.dies(r, -signal.SIGTERM)
                 )
+
+    def lost_mid_stop(self, a: int) -> None:
+        """Across machines, sometimes: one of `a`'s live ranks is on a machine lost while its
+        round stops (its loss told at once, before the stop's SIGTERM reaches it)."""
+        live = [r for r in self.book.of(a) if self.alive(r)]
+        if self.rounds and live and self.rng.random() < 0.3:
+            r = self.rng.choice(live)
+            self.at(0.0005, f"rank {r.rank}'s machine is lost mid-stop", lambda: self.lose(a, [r]))
 
     def show(self, action: d.Show) -> None:
         chip = self.book.chip(action.r, self.core.teardown_at)
@@ -367,6 +377,7 @@ class Sim:
         a, started = action.attempt, self.now
         self.ended_rounds.add(a)
         self.hear(d.RoundEnding(self.t(), a))
+        self.lost_mid_stop(a)
         for r in list(self.book.ranks.values()):
             if r.attempt == a and self.alive(r):
                 self.dies(r, -signal.SIGTERM, told=self.rng.random() < 0.7)

@@ -260,3 +260,21 @@ def test_a_death_after_a_stop_ending_the_cell_as_failed_is_found(
     monkeypatch.setattr(CellRules, "end", always_failed)
     found = first_broken_cell()
     assert found is not None and "the --timeout passed while the cell ran" in found[1], found
+
+
+def test_a_machine_lost_mid_stop_blamed_is_found(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found this stop, once the simulation lost machines while a round or the job stopped:
+    a machine lost after the stop had begun (a user's stop, torch's agent's failure) was the
+    verdict's root, "lost with its node", where nothing of its own had failed. Its loss is now
+    judged by when it came, as a death is."""
+    kind = RankState.kind
+
+    def as_before(self: RankState, teardown_at: float | None) -> str:
+        if self.lost is not None and self.failure is None and self.watchdog is None:
+            return "lost"
+        return kind(self, teardown_at)
+
+    monkeypatch.setattr(RankState, "kind", as_before)
+    found = first_broken()
+    assert found is not None and "(node_lost)" in found[1], found
+    assert "lost mid-stop" in "\n".join(found[2]), found[1]

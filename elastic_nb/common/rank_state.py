@@ -113,6 +113,8 @@ class RankState:
         if self.watchdog is not None:
             return "collective_timeout"  # whatever signal NCCL's abort then ends it with
         if self.lost is not None:
+            if teardown_at is not None and self.died_at is not None and self.died_at >= teardown_at:
+                return "terminated"  # its machine was lost once the stop was under way
             return "lost"
         if self.died_at is None:
             return "running"
@@ -168,7 +170,7 @@ class RankState:
             return str(self.failure["type"]).rsplit(".", 1)[-1]
         if self.watchdog is not None:
             return "collective timeout (NCCL)"
-        if kind == "lost":
+        if self.lost is not None:
             return "lost with its node"
         if kind == "exit0":
             return "exited 0 early"

@@ -1,10 +1,10 @@
 """A deterministic simulation of a rank group around its decision core (`decider.Decider`).
 
-A seeded world plays what real ranks, torch's agent, the launchers and the nodes do, on a
+A seeded world plays what real ranks, torch's agent, the launchers and the sites do, on a
 virtual clock: each attempt has a story (every rank finishes; a rank raises, runs out of CUDA
 memory, exits 0 early, SIGKILLs itself, hangs while the others time out in a collective; torch's
 agent fails; a machine is lost; the user stops the job), and the world's reactions to it come at
-the delays the real world allows (a death seen late by a loaded node, a peer's error before the
+the delays the real world allows (a death seen late on a loaded machine, a peer's error before the
 death it reports, torch's agent's word a second or two after its SIGTERMs, a closed round's news
 arriving after the next round opened, an exit status told after its round's stop). The core
 gets the events in the order they fall; what it decides is carried out as the group's shell
@@ -32,7 +32,7 @@ from elastic_nb.supervisor.runs import decider as d
 from elastic_nb.supervisor.runs.placement import InRounds, OneMachine
 
 KILL_WINDOW_S = 0.5  # RankBook's kill_window for the default --stop-grace (2 s): min(2, 1) / 2
-SEEN_LATE_S = 0.4  # a loaded node sees a death up to this late (within the kill window)
+SEEN_LATE_S = 0.4  # a loaded machine's site sees a death up to this late (within the kill window)
 AGENT_WORD_LATE_S = 2.5  # torch's agent's word comes up to this late (within AGENT_WORD_S)
 STORIES = ("succeeds", "raises", "oom", "exit0", "own_kill", "hang", "agent", "lost", "stop")
 
@@ -74,7 +74,7 @@ class Sim:
         self.torch_ended: set[int] = set()  # attempts torch's agent has ended
         self.ended_rounds: set[int] = set()  # attempts a new round replaces
         self.closed: set[int] = set()  # attempts whose RoundEnded the core has heard
-        self.last_seen = 0.0  # when the node saw its latest death
+        self.last_seen = 0.0  # when the site saw its latest death
         self.pinned: dict[int, tuple[int, str]] = {}  # attempt -> the rank its failure names
 
     # ---- the clock -------------------------------------------------------------------------
@@ -106,7 +106,7 @@ class Sim:
 
     def t(self) -> float:
         """When the shell hears what happens now: a moment later (a decision made on a
-        rank's death is never at the very instant its node saw it)."""
+        rank's death is never at the very instant its site saw it)."""
         return self.now + 1e-6
 
     def say(self, line: str) -> None:
@@ -213,7 +213,7 @@ class Sim:
         self.deliver(self.rng.uniform(0, 0.05), lambda: d.RankFailed(self.t(), r))  # the poll
 
     def dies(self, r: RankState, code: int, told: bool = True) -> None:
-        """The rank's process ends now; its node sees it go a little later (a loaded one up to
+        """The rank's process ends now; its site sees it go a little later (a loaded one up to
         SEEN_LATE_S), with its status (`told`) or before it."""
         if not self.alive(r):
             return
@@ -225,7 +225,7 @@ class Sim:
             r.died_at, r.exit_code = self.now, (code if told else None)
             return d.RankExited(self.t(), r)
 
-        # One node sees its ranks go in the order they went (its pidfds' readiness comes in
+        # One site sees its ranks go in the order they went (its pidfds' readiness comes in
         # one loop turn, in order), each up to SEEN_LATE_S late.
         self.last_seen = max(self.now + self.rng.uniform(0, SEEN_LATE_S), self.last_seen + 1e-4)
         self.deliver(self.last_seen - self.now, seen)

@@ -51,7 +51,7 @@ from elastic_nb.supervisor.runs.summary import closing_alerts as summary_alerts
 from elastic_nb.supervisor.runs.summary import summarize
 from tests import test_checkpoint as checkpoint_tests
 from tests.docs_pages import between, every_page
-from tests.fake_node import FakeNode
+from tests.fake_site import FakeSite
 
 # ---- the zygote: which variables need one of a job's own -------------------------------------
 
@@ -559,51 +559,51 @@ class Kernel:
         return chips
 
 
-class LocalNodes:
-    """This machine's nodes of a multi-node job: FakeNodes, one a round, made as the job asks."""
+class LocalSites:
+    """This machine's sites of a multi-node job: FakeSites, one a round, made as the job asks."""
 
     def __init__(self) -> None:
-        self.made: list[FakeNode] = []
+        self.made: list[FakeSite] = []
         self.rd: RunDir | None = None
-        self._more = anyio.Event()  # set (and replaced) at every node made
+        self._more = anyio.Event()  # set (and replaced) at every site made
 
-    def __call__(self) -> FakeNode:
+    def __call__(self) -> FakeSite:
         assert self.rd is not None
-        self.made.append(FakeNode(self.rd))
+        self.made.append(FakeSite(self.rd))
         self._more.set()
         self._more = anyio.Event()
         return self.made[-1]
 
-    async def nth(self, n: int) -> FakeNode:
-        """The `n`th node made (from 1), once the job has made it."""
+    async def nth(self, n: int) -> FakeSite:
+        """The `n`th site made (from 1), once the job has made it."""
         while len(self.made) < n:
             await self._more.wait()
         return self.made[n - 1]
 
 
-def multi_node_job(tmp_path: Path, **options: Any) -> tuple[Job, LocalNodes, Kernel]:
-    """A job across machines (`options`: its flags) with no agent joined: this machine's nodes
-    (FakeNodes, one a round, as they are made), and the kernel the job tells."""
+def multi_node_job(tmp_path: Path, **options: Any) -> tuple[Job, LocalSites, Kernel]:
+    """A job across machines (`options`: its flags) with no agent joined: this machine's sites
+    (FakeSites, one a round, as they are made), and the kernel the job tells."""
     spec = a_spec(tmp_path, **options)
-    kernel, nodes = Kernel(), LocalNodes()
+    kernel, sites = Kernel(), LocalSites()
 
     async def store() -> tuple[Any, int]:
         return None, 0
 
     machines = Machines(
         cluster=NoAgents(),  # type: ignore[arg-type]
-        local=nodes,
+        local=sites,
         store=store,
         end_store=lambda _: None,
     )
     meta = {"display": True, "modules": {}, "objects": [], "pull": []}
     job = Job(Submission("cafe0001", spec, "x = 1\n", meta, None), {}, None, kernel.send, machines)
-    nodes.rd = job.rd
+    sites.rd = job.rd
     job.prepare()
-    return job, nodes, kernel
+    return job, sites, kernel
 
 
-def play(job: Job, nodes: LocalNodes, scene: Callable[[FakeNode], Awaitable[None]]) -> None:
+def play(job: Job, sites: LocalSites, scene: Callable[[FakeSite], Awaitable[None]]) -> None:
     """Run `job` while `scene` plays its first node's launcher and ranks (20 s at most); a job
     still running when the scene ends is stopped (cancelled, as the supervisor's end does)."""
 
@@ -611,7 +611,7 @@ def play(job: Job, nodes: LocalNodes, scene: Callable[[FakeNode], Awaitable[None
         with anyio.fail_after(20):
             async with anyio.create_task_group() as tg:
                 tg.start_soon(job.run)
-                await scene(await nodes.nth(1))
+                await scene(await sites.nth(1))
                 tg.cancel_scope.cancel()
 
     anyio.run(main)
@@ -645,21 +645,21 @@ def test_across_machines_the_ranks_a_failed_agent_ended_were_stopped(tmp_path: P
     and SIGTERMed its rank; a loaded supervisor saw the rank's death (its chip says it failed)
     before the agent's word. The round failed because the agent did: the rank it ended was
     stopped, not the root (as on one machine)."""
-    job, nodes, kernel = multi_node_job(tmp_path, nnodes="1:2")
+    job, sites, kernel = multi_node_job(tmp_path, nnodes="1:2")
 
-    async def scene(node: FakeNode) -> None:
-        node.start_ranks(0, {0: 100})
-        await node.heard()
+    async def scene(site: FakeSite) -> None:
+        site.start_ranks(0, {0: 100})
+        await site.heard()
         assert [r.rank for r in job.book.of(0)] == [0]
         failed_at = time.time()
-        node.rank_dies(0, 0, -SIGTERM)
+        site.rank_dies(0, 0, -SIGTERM)
         await kernel.until(lambda _: kernel.chips(0).get("0", {}).get("state") == "failed")
         assert job.book.of(0)[0].died_at is not None
         error = "RendezvousStateError: the rendezvous state was not written by this job"
-        node.say(protocol.launcher.AGENT_FAILED, error=error, t=failed_at)
+        site.say(protocol.launcher.AGENT_FAILED, error=error, t=failed_at)
         await kernel.until(ended)
 
-    play(job, nodes, scene)
+    play(job, sites, scene)
     (end,) = [m for m in kernel.sent if ended(m)]
     s = end["summary"]
     assert s["outcome"] == "failed" and s["failure"] is None, s
@@ -672,20 +672,20 @@ def test_the_ranks_a_round_change_stopped_show_so_though_a_status_is_untold(tmp_
     say "stopped for the next round", also the one whose exit status its node had not told yet
     when the stop ended (a forked rank's comes from its launcher, which went with the round).
     None stays "running" in an attempt that is over (test_multinode, once in a full run)."""
-    job, nodes, kernel = multi_node_job(tmp_path, nnodes="1:2", start_method="forkserver")
+    job, sites, kernel = multi_node_job(tmp_path, nnodes="1:2", start_method="forkserver")
     chips: dict[str, dict[str, Any]] = {}
 
-    async def scene(node: FakeNode) -> None:
-        node.start_ranks(0, {0: 100, 1: 101})
-        await node.heard()
+    async def scene(site: FakeSite) -> None:
+        site.start_ranks(0, {0: 100, 1: 101})
+        await site.heard()
         assert [r.rank for r in job.book.of(0)] == [0, 1]
-        node.untold_at_stop = {1}  # rank 0's status told at once, rank 1's late
+        site.untold_at_stop = {1}  # rank 0's status told at once, rank 1's late
         assert isinstance(job.placement, InRounds)
         job.placement.new_round("node-2 left", counted=False)
-        await nodes.nth(2)  # the next round has begun
+        await sites.nth(2)  # the next round has begun
         chips.update(kernel.chips(0))
 
-    play(job, nodes, scene)
+    play(job, sites, scene)
     assert {r: (c["state"], c["label"]) for r, c in chips.items()} == {
         r: ("stopped", "stopped for the next round") for r in ("0", "1")
     }, chips

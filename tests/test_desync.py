@@ -439,7 +439,7 @@ def _holder(tmp_path: Path, error: str) -> subprocess.Popen[str]:
 
 def test_a_rank_whose_collective_timed_out_holds_its_exit_until_released(tmp_path: Path) -> None:
     p = _holder(tmp_path, TIMED_OUT_ERROR)
-    # The supervisor's release, as LocalNode sends a probe (the FIFO's write end; opening it
+    # The supervisor's release, as LocalSite sends a probe (the FIFO's write end; opening it
     # waits for the probe thread's read end).
     fifo = tmp_path / "rank-0.probe"
     assert wait_for(fifo.exists, timeout=30)

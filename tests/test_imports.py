@@ -121,11 +121,11 @@ WALLS = {
 # processes and learn from ranks do not know jobs or sessions; the service knows everything.
 SUPERVISOR_WALLS = {
     "forensics": set(),
-    # a rank's node; and the pid at the other end of a session rank's connection
-    "ranks": {"forensics", "processes.node", "processes.peers"},
-    # a node reports the agent as the zombie watchdog judges it
+    # a rank's site; and the pid at the other end of a session rank's connection
+    "ranks": {"forensics", "processes.site", "processes.peers"},
+    # a site reports the agent as the zombie watchdog judges it
     "processes": {"forensics.watchdogs"},
-    # other machines: a remote node (a second Node), the cluster of agents
+    # other machines: a remote site (a second Site), the cluster of agents
     "nodes": {"processes", "forensics.watchdogs"},
     "runs": {"forensics", "ranks", "processes", "nodes"},
     "sessions": {"forensics", "ranks", "processes", "runs"},
@@ -145,8 +145,8 @@ SUPERVISOR_WALLS = {
     "__main__": {"service"},
 }
 # What a join agent's process shares with the notebook's supervisor: the channel between them,
-# the files they exchange, the ownership of its machine's processes (a LocalNode, the launcher
-# pool). The rank record the nodes keep is below both (common/rank_state.py).
+# the files they exchange, the ownership of its machine's processes (a LocalSite, the launcher
+# pool). The rank record the sites keep is below both (common/rank_state.py).
 JOIN_AGENT_SHARES = ("nodes.channel", "nodes.files", "processes")
 
 
@@ -216,7 +216,7 @@ PROCESS_EXCEPTIONS = {
         "(its lifeline) and reaps the orphans it inherits"
     ),
     ("elastic_nb.supervisor.service", "psutil"): (
-        "the orphans it inherits as a subreaper, as psutil processes, handed to each LocalNode"
+        "the orphans it inherits as a subreaper, as psutil processes, handed to each LocalSite"
     ),
     ("elastic_nb.supervisor.service", "pidfd"): "its kernel's pidfd: the lifeline it waits on",
     ("elastic_nb.supervisor.service", "os.kill"): (
@@ -301,7 +301,7 @@ def process_crossings(mod: str, source: str, is_package: bool = False) -> list[s
 
 
 def test_only_the_process_parts_of_the_supervisor_touch_processes() -> None:
-    """Every per-rank OS operation goes through a node (supervisor/processes/node.py): no other
+    """Every per-rank OS operation goes through a site (supervisor/processes/site.py): no other
     part of the supervisor imports process ownership (common.procs, psutil), signals a pid,
     opens a pidfd, reads /proc or a peer's credentials, but for the exceptions listed, each
     with its reason."""
@@ -334,7 +334,7 @@ def test_the_process_guard_catches_a_crossing() -> None:
         found = process_crossings(job, source)
         assert len(found) == 1 and found[0].startswith(f"{job}: {what}"), (source, found)
     # Where it is allowed: the process parts; a docstring that only speaks of /proc.
-    assert not process_crossings("elastic_nb.supervisor.processes.node", "import psutil")
+    assert not process_crossings("elastic_nb.supervisor.processes.site", "import psutil")
     assert not process_crossings(job, '"""Reads nothing from /proc."""\n')
     # An exception is for its module and its touch only.
     assert not process_crossings("elastic_nb.supervisor.service", "import psutil")

@@ -1,6 +1,6 @@
-"""What a job decides from what its node shows, without a process: the test plays the launcher
-and the ranks on a fake node (tests/fake_node.py), waits for what the job takes in (the fake
-node says when the ranks' starts are in; the job's `run` returns at its end), and reads the
+"""What a job decides from what its site shows, without a process: the test plays the launcher
+and the ranks on a fake site (tests/fake_site.py), waits for what the job takes in (the fake
+site says when the ranks' starts are in; the job's `run` returns at its end), and reads the
 job's end as the kernel would. Where a story's decision is the decision core's, the same story
 is told to the core alone as typed events (decider.Decider, as tests/test_decider.py does)."""
 
@@ -24,7 +24,7 @@ from elastic_nb.supervisor.forensics.verdict import analyze
 from elastic_nb.supervisor.runs import decider as d
 from elastic_nb.supervisor.runs.job import Job
 from elastic_nb.supervisor.runs.placement import OneMachine
-from tests.fake_node import FakeNode
+from tests.fake_site import FakeSite
 
 pytestmark = pytest.mark.unit
 
@@ -40,17 +40,17 @@ SLEEPING = """Current thread 0x00007f0000000002 (most recent call first):
 """
 
 
-def _job(tmp_path: Path, **options: Any) -> tuple[Job, FakeNode, list[dict[str, Any]]]:
+def _job(tmp_path: Path, **options: Any) -> tuple[Job, FakeSite, list[dict[str, Any]]]:
     spec = job_spec({"nproc": "2", "log_dir": str(tmp_path), **options}, cwd=str(tmp_path))
     sent: list[dict[str, Any]] = []
 
     async def send(msg: Any) -> None:
         sent.append(dict(msg))
 
-    node = FakeNode(RunDir.of(spec.log_dir, "cafe0001"))
-    job = Job(Submission("cafe0001", spec, "x = 1\n" * CELL_LINES, _META, None), {}, node, send)
+    site = FakeSite(RunDir.of(spec.log_dir, "cafe0001"))
+    job = Job(Submission("cafe0001", spec, "x = 1\n" * CELL_LINES, _META, None), {}, site, send)
     job.prepare()
-    return job, node, sent
+    return job, site, sent
 
 
 _META = {"display": True, "modules": {}, "objects": [], "pull": []}
@@ -62,8 +62,8 @@ def _end(sent: list[dict[str, Any]]) -> dict[str, Any]:
     return ends[0]["summary"]
 
 
-def _play(job: Job, node: FakeNode, story: Callable[[], None]) -> None:
-    """The job on its fake node: ranks 0 and 1 of attempt 0 start, `story()` plays what
+def _play(job: Job, site: FakeSite, story: Callable[[], None]) -> None:
+    """The job on its fake site: ranks 0 and 1 of attempt 0 start, `story()` plays what
     happens to them once the job has taken their starts in, and the job runs to its end (its
     `run` returns: 20 s at most)."""
 
@@ -71,8 +71,8 @@ def _play(job: Job, node: FakeNode, story: Callable[[], None]) -> None:
         with anyio.fail_after(20):
             async with anyio.create_task_group() as tg:
                 tg.start_soon(job.run)
-                node.start_ranks(0, {0: 100, 1: 101})
-                await node.heard()
+                site.start_ranks(0, {0: 100, 1: 101})
+                await site.heard()
                 assert [r.rank for r in job.book.of(0)] == [0, 1]
                 story()
         assert job.summary is not None
@@ -89,17 +89,17 @@ def _raised(rd: RunDir, rank: int, at: float, kind: str, message: str, line: int
 
 def test_rank_1_dies_while_rank_0_waits_in_all_reduce(tmp_path: Path) -> None:
     """Rank 1 raised (its record says ValueError at cell line 3) and died; rank 0 sits in an
-    all_reduce. The job fails at once naming rank 1, stops rank 0 (SIGTERM through its node)
+    all_reduce. The job fails at once naming rank 1, stops rank 0 (SIGTERM through its site)
     and says rank 0 was stopped because rank 1 failed."""
-    job, node, sent = _job(tmp_path)
+    job, site, sent = _job(tmp_path)
     rd = job.rd
 
     def story() -> None:
-        node.dumps[0] = WAITING.format(cell=rd.cell)
+        site.dumps[0] = WAITING.format(cell=rd.cell)
         _raised(rd, 1, 1e10, "ValueError", "rank 1 ran out of patience", 3)
-        node.rank_dies(0, 1, 1)
+        site.rank_dies(0, 1, 1)
 
-    _play(job, node, story)
+    _play(job, site, story)
     summary = _end(sent)
     assert summary["outcome"] == "failed" and summary["cause"] == "exception"
     assert summary["failure"]["rank"] == 1
@@ -109,8 +109,8 @@ def test_rank_1_dies_while_rank_0_waits_in_all_reduce(tmp_path: Path) -> None:
         other["rank"] == 0
         and "stopped by elastic_nb (SIGTERM) after rank 1 failed" in other["text"]
     )
-    assert node.stopped and node.closed
-    assert (0, signal.SIGTERM) not in node.signals  # the teardown ended it, not a rank signal
+    assert site.stopped and site.closed
+    assert (0, signal.SIGTERM) not in site.signals  # the teardown ended it, not a rank signal
 
 
 def _core() -> tuple[d.Decider, RankState, RankState]:
@@ -158,19 +158,19 @@ def test_rank_1s_record_decides_at_once_and_rank_0_dies_of_the_teardown() -> Non
 
 def test_a_peer_error_read_before_the_rank_it_names_is_seen_gone(tmp_path: Path) -> None:
     """Rank 1 SIGKILLed itself; rank 0's gloo error ("connection reset by peer") is read before
-    rank 1's node has seen it go (a loaded machine: CI saw it so), and the teardown begins
+    rank 1's site has seen it go (a loaded machine: CI saw it so), and the teardown begins
     first. A SIGKILL sent before anyone stopping the group would send one is no teardown's:
     rank 1 failed first, killed by SIGKILL, and rank 0 is its peer, not the other way round;
     the job's reason says so too (it named rank 0's error, which decided it)."""
-    job, node, sent = _job(tmp_path)
+    job, site, sent = _job(tmp_path)
     rd = job.rd
 
     def story() -> None:
-        node.rank_died_unseen(0, 1, -signal.SIGKILL)
+        site.rank_died_unseen(0, 1, -signal.SIGKILL)
         reset = "[pair.cc:534] Read error [127.0.0.1]:4000: Connection reset by peer"
         _raised(rd, 0, time.time(), "RuntimeError", reset, 4)
 
-    _play(job, node, story)
+    _play(job, site, story)
     summary = _end(sent)
     assert (summary["cause"], summary["failure"]["rank"]) == ("signal", 1), summary
     assert summary["failure"]["summary"] == "killed by SIGKILL"
@@ -185,24 +185,24 @@ def test_a_rank_whose_collective_timed_out_is_released_once_the_evidence_is_take
     holds its exit for the evidence (rank/recorder.hold_for_evidence): once torch's agent sees
     it go, it ends rank 1, and where rank 1 was with it. The job takes every live rank's stack
     and flight recorder first, then releases rank 0."""
-    job, node, sent = _job(tmp_path, collective_timeout="3")
+    job, site, sent = _job(tmp_path, collective_timeout="3")
     rd = job.rd
 
     def story() -> None:
-        node.dumps[0] = WAITING.format(cell=rd.cell)
-        node.dumps[1] = SLEEPING.format(cell=rd.cell)
+        site.dumps[0] = WAITING.format(cell=rd.cell)
+        site.dumps[1] = SLEEPING.format(cell=rd.cell)
         timed_out = "[unbound_buffer.cc:78] Timed out waiting 3000ms for recv operation to complete"
         _raised(rd, 0, time.time(), "RuntimeError", timed_out, 4)
 
-    _play(job, node, story)
+    _play(job, site, story)
     summary = _end(sent)
     assert (summary["cause"], summary["failure"]["rank"]) == ("collective_timeout", 0), summary
     alerts = [a for m in sent if m["kind"] == protocol.kernel.UPDATE for a in m.get("alerts", [])]
     (timeout,) = [a for a in alerts if a["kind"] == "collective_timeout"]
     assert "rank 1 · cell line 3" in timeout["text"], timeout  # where rank 1 was
-    released = node.asked.index((0, protocol.rank_probes.PROBE_RELEASE))
-    assert node.asked.index((1, "stacks")) < released
-    assert [what for rank, what in node.asked if rank == 0].count("release") == 1
+    released = site.asked.index((0, protocol.rank_probes.PROBE_RELEASE))
+    assert site.asked.index((1, "stacks")) < released
+    assert [what for rank, what in site.asked if rank == 0].count("release") == 1
 
 
 def _history(seq: int, *, pending: bool) -> dict[str, Any]:
@@ -226,20 +226,20 @@ def _history(seq: int, *, pending: bool) -> dict[str, Any]:
 def test_rank_1_left_the_cell_after_3_collectives_while_rank_0_waits_in_the_4th(
     tmp_path: Path,
 ) -> None:
-    """The desync watch on a fake node: rank 1 finished the cell (its done record, its flight
+    """The desync watch on a fake site: rank 1 finished the cell (its done record, its flight
     recorder's last word: 3 all_reduces); rank 0 answers probes from inside all_reduce #4. The
     job names rank 1 as the culprit within a few looks, long before any collective timeout."""
-    job, node, sent = _job(tmp_path, collective_timeout="600")
+    job, site, sent = _job(tmp_path, collective_timeout="600")
     rd = job.rd
 
     def story() -> None:
-        node.dumps[0] = WAITING.format(cell=rd.cell)
-        node.recorders[0] = _history(4, pending=True)
+        site.dumps[0] = WAITING.format(cell=rd.cell)
+        site.recorders[0] = _history(4, pending=True)
         rd.attempt(0).mkdir(parents=True, exist_ok=True)
         write_json(rd.collectives(0, 1), {**_history(3, pending=False), "final": True})
         write_json(rd.done(0, 1), {"rank": 1, "attempt": 0, "time": 1.0})
 
-    _play(job, node, story)
+    _play(job, site, story)
     summary = _end(sent)
     assert summary["outcome"] == "failed" and summary["cause"] == "desync"
     assert summary["failure"]["rank"] == 1
@@ -270,13 +270,13 @@ def test_the_desync_watchs_look_holds_the_decision_and_its_words_end_the_attempt
 
 @pytest.mark.parametrize("stop", ["interrupt", "panel"])
 def test_a_stop_ends_every_rank_and_says_who_asked(tmp_path: Path, stop: str) -> None:
-    job, node, sent = _job(tmp_path)
+    job, site, sent = _job(tmp_path)
 
     def story() -> None:
         job.request_stop(stop)
 
-    _play(job, node, story)
+    _play(job, site, story)
     summary = _end(sent)
     expected = {"interrupt": "interrupted", "panel": "stopped"}[stop]
     assert summary["outcome"] == expected and summary["cause"] == "interrupted"
-    assert node.stopped
+    assert site.stopped

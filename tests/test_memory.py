@@ -1,7 +1,7 @@
 """Memory per rank: sampled each second, alerts before a limit, the peaks a job leaves, what
 filled the GPU at a CUDA OOM, the words of a host OOM.
 
-The supervisor's side is played on a fake node (the test sets what each reading finds); the host
+The supervisor's side is played on a fake site (the test sets what each reading finds); the host
 side runs real ranks: one that grows in steps (seen in the dashboard's samples and in
 `%elastic status`), and one that grows in a memory cgroup the test limits, until the OOM killer
 ends it (root only). What needs a GPU (the allocator's figures, the snapshot) is in
@@ -28,12 +28,12 @@ from elastic_nb.common.submission import Submission
 from elastic_nb.kernel.dashboard.model import DashboardState
 from elastic_nb.kernel.flags import job_spec
 from elastic_nb.rank.memory import largest
-from elastic_nb.supervisor.processes.node import MemoryReading
+from elastic_nb.supervisor.processes.site import MemoryReading
 from elastic_nb.supervisor.ranks.memory_watch import MemoryWatch
 from elastic_nb.supervisor.runs import rank_group
 from elastic_nb.supervisor.runs.job import Job
 from tests import cgroups
-from tests.fake_node import FakeNode
+from tests.fake_site import FakeSite
 from tests.kernel import (
     Kernel,
     ask_supervisor,
@@ -50,20 +50,20 @@ FIVE_MINUTES_OF_SAMPLES = 5 * 60
 _META = {"display": True, "modules": {}, "objects": [], "pull": []}
 
 
-# ---- the supervisor's side, on a fake node -------------------------------------------------------
+# ---- the supervisor's side, on a fake site -------------------------------------------------------
 
 
-def _job(tmp_path: Path) -> tuple[Job, FakeNode, list[dict[str, Any]]]:
+def _job(tmp_path: Path) -> tuple[Job, FakeSite, list[dict[str, Any]]]:
     spec = job_spec({"nproc": "2", "log_dir": str(tmp_path)}, cwd=str(tmp_path))
     sent: list[dict[str, Any]] = []
 
     async def send(msg: Any) -> None:
         sent.append(dict(msg))
 
-    node = FakeNode(RunDir.of(spec.log_dir, "cafe0001"))
-    job = Job(Submission("cafe0001", spec, "x = 1\n", _META, None), {}, node, send)
+    site = FakeSite(RunDir.of(spec.log_dir, "cafe0001"))
+    job = Job(Submission("cafe0001", spec, "x = 1\n", _META, None), {}, site, send)
     job.prepare()
-    return job, node, sent
+    return job, site, sent
 
 
 def _reading(used: int, rss: dict[int, int], gpu_used: int = 10 * GiB) -> MemoryReading:
@@ -83,14 +83,14 @@ def _cuda(reserved: int) -> protocol.records.CudaMemory:
 def test_samples_alerts_once_per_crossing_and_a_host_ooms_peak(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Samples reach the kernel in the updates (host from the node, CUDA from the ranks where
-    the node has GPUs); the host limit's alert fires once at 90%, again only after falling below
+    """Samples reach the kernel in the updates (host from the site, CUDA from the ranks where
+    its machine has GPUs); the host limit's alert fires once at 90%, again only after falling below
     85%; a GPU's alert names the rank and its GPU; a rank the OOM killer ends is reported with
     its sampled peak; the summary keeps every rank's peaks."""
     monkeypatch.setattr(rank_group, "SAMPLE_S", 0.01)
-    job, node, sent = _job(tmp_path)
-    node.kills = 0
-    node.cuda = {0: _cuda(12 * GiB)}
+    job, site, sent = _job(tmp_path)
+    site.kills = 0
+    site.cuda = {0: _cuda(12 * GiB)}
 
     def samples() -> list[protocol.records.MemorySample]:
         return [s for m in sent if m["kind"] == protocol.kernel.UPDATE for s in m.get("memory", ())]
@@ -112,32 +112,32 @@ def test_samples_alerts_once_per_crossing_and_a_host_ooms_peak(
     async def main() -> None:
         async with anyio.create_task_group() as tg:
             tg.start_soon(job.run)
-            node.memory = _reading(5 * GiB, {0: 300 * MiB, 1: 2 * GiB})
-            node.start_ranks(0, {0: 100, 1: 101})
+            site.memory = _reading(5 * GiB, {0: 300 * MiB, 1: 2 * GiB})
+            site.start_ranks(0, {0: 100, 1: 101})
             await settle()
             assert memory_alerts() == []
-            node.memory = _reading(int(9.3 * GiB), {0: 300 * MiB, 1: 3 * GiB})
+            site.memory = _reading(int(9.3 * GiB), {0: 300 * MiB, 1: 3 * GiB})
             await settle()
-            node.memory = _reading(int(9.5 * GiB), {0: 300 * MiB, 1: 3 * GiB})  # still near
-            await settle()
-            assert len(memory_alerts()) == 1
-            node.memory = _reading(int(8.6 * GiB), {0: 300 * MiB, 1: 3 * GiB})  # not below 85%
-            await settle()
-            node.memory = _reading(int(9.2 * GiB), {0: 300 * MiB, 1: 3 * GiB})
+            site.memory = _reading(int(9.5 * GiB), {0: 300 * MiB, 1: 3 * GiB})  # still near
             await settle()
             assert len(memory_alerts()) == 1
-            node.memory = _reading(8 * GiB, {0: 300 * MiB, 1: 3 * GiB})  # below 85%: armed
+            site.memory = _reading(int(8.6 * GiB), {0: 300 * MiB, 1: 3 * GiB})  # not below 85%
             await settle()
-            node.memory = _reading(int(9.1 * GiB), {0: 300 * MiB, 1: int(3.5 * GiB)})
+            site.memory = _reading(int(9.2 * GiB), {0: 300 * MiB, 1: 3 * GiB})
+            await settle()
+            assert len(memory_alerts()) == 1
+            site.memory = _reading(8 * GiB, {0: 300 * MiB, 1: 3 * GiB})  # below 85%: armed
+            await settle()
+            site.memory = _reading(int(9.1 * GiB), {0: 300 * MiB, 1: int(3.5 * GiB)})
             await settle()
             assert len(memory_alerts()) == 2
-            node.memory = _reading(
+            site.memory = _reading(
                 8 * GiB, {0: 300 * MiB, 1: int(3.5 * GiB)}, gpu_used=int(74.4 * GiB)
             )
             await settle()
             assert len(memory_alerts()) == 3
-            node.kills = 1
-            node.rank_dies(0, 1, -signal.SIGKILL)
+            site.kills = 1
+            site.rank_dies(0, 1, -signal.SIGKILL)
             await _until(lambda: job.summary is not None)
 
     anyio.run(main)
@@ -173,28 +173,28 @@ def test_samples_alerts_once_per_crossing_and_a_host_ooms_peak(
 
 @pytest.mark.unit
 def test_no_gpus_no_questions_to_the_ranks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where the node has no GPUs, the ranks are never asked (a CPU rank pays nothing)."""
+    """Where the site's machine has no GPUs, the ranks are never asked (a CPU rank pays nothing)."""
     monkeypatch.setattr(rank_group, "SAMPLE_S", 0.01)
-    job, node, sent = _job(tmp_path)
+    job, site, sent = _job(tmp_path)
     asked: list[str] = []
-    probe = node.probe
+    probe = site.probe
 
     async def counting_probe(r: Any, what: str, wait_s: float) -> Any:
         asked.append(what)
         return await probe(r, what, wait_s)
 
-    node.probe = counting_probe  # type: ignore[method-assign]
-    node.memory = MemoryReading({0: 100 * MiB, 1: 100 * MiB}, {}, None, gpus=False)
+    site.probe = counting_probe  # type: ignore[method-assign]
+    site.memory = MemoryReading({0: 100 * MiB, 1: 100 * MiB}, {}, None, gpus=False)
 
     async def main() -> None:
         async with anyio.create_task_group() as tg:
             tg.start_soon(job.run)
-            node.start_ranks(0, {0: 100, 1: 101})
+            site.start_ranks(0, {0: 100, 1: 101})
             await _until(
                 lambda: sum(len(m.get("memory", ())) for m in sent if m["kind"] == "update") >= 10
             )
-            node.rank_dies(0, 0, 0)
-            node.rank_dies(0, 1, 0)
+            site.rank_dies(0, 0, 0)
+            site.rank_dies(0, 1, 0)
             await _until(lambda: job.summary is not None)
 
     anyio.run(main)

@@ -1,4 +1,4 @@
-"""The rank book, below the job that uses it: where a rank's records, its exit (seen by its node,
+"""The rank book, below the job that uses it: where a rank's records, its exit (seen by its site,
 said by its launcher) and a desync verdict's blame meet."""
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from elastic_nb.common.rank_state import RankState
 from elastic_nb.common.rundir import RunDir, write_json
 from elastic_nb.supervisor.forensics.desync import Desync
 from elastic_nb.supervisor.processes.launcher_pool import LauncherPool
-from elastic_nb.supervisor.processes.local_node import LocalNode
+from elastic_nb.supervisor.processes.local_site import LocalSite
 from elastic_nb.supervisor.ranks.rank_book import RankBook
-from tests.fake_node import FakeNode
+from tests.fake_site import FakeSite
 
 pytestmark = pytest.mark.unit
 
@@ -30,9 +30,9 @@ def test_new_failures_come_in_the_order_they_happened(tmp_path: Path) -> None:
     """Rank 1 timed out, and its peer error then reached rank 0: one poll reads both, and the
     job must act on rank 1's timeout first (its diagnosis takes the stacks)."""
     rd = RunDir(str(tmp_path))
-    book, node = RankBook(rd), FakeNode(rd)
-    r0 = book.add(0, 0, pid=101, started_at=1.0, node=node)
-    r1 = book.add(0, 1, pid=102, started_at=1.0, node=node)
+    book, site = RankBook(rd), FakeSite(rd)
+    r0 = book.add(0, 0, pid=101, started_at=1.0, site=site)
+    r1 = book.add(0, 1, pid=102, started_at=1.0, site=site)
     rd.attempt(0).mkdir(parents=True)
     write_json(rd.failure(0, 0), {"rank": 0, "time": 5.2, "type": "RuntimeError", "message": "x"})
     write_json(rd.failure(0, 1), {"rank": 1, "time": 5.0, "type": "RuntimeError", "message": "y"})
@@ -42,9 +42,9 @@ def test_new_failures_come_in_the_order_they_happened(tmp_path: Path) -> None:
 
 def test_the_rank_book_meets_records_exits_and_blame(tmp_path: Path) -> None:
     rd = RunDir(str(tmp_path))
-    book, node = RankBook(rd), FakeNode(rd)
-    r0 = book.add(0, 0, pid=101, started_at=1.0, node=node)
-    r1 = book.add(0, 1, pid=102, started_at=1.0, node=node)
+    book, site = RankBook(rd), FakeSite(rd)
+    r0 = book.add(0, 0, pid=101, started_at=1.0, site=site)
+    r1 = book.add(0, 1, pid=102, started_at=1.0, site=site)
     assert book.of(0) == [r0, r1] and book.of(1) == []
     assert book.chip(r1, None)["state"] == "running"
     # Seen gone before the launcher said how rank 1 ended: EXITS makes it judgeable.
@@ -68,7 +68,7 @@ def test_the_rank_book_meets_records_exits_and_blame(tmp_path: Path) -> None:
     assert book.chip(r1, None)["state"] == "zombie"
 
 
-class _SeenGone(LocalNode):
+class _SeenGone(LocalSite):
     """This machine, which says when it has seen a rank gone (its pidfd readable): the test's
     launcher speaks only after that, whatever the scheduler does meanwhile."""
 
@@ -87,7 +87,7 @@ def test_the_end_waits_for_the_launchers_last_word_on_how_its_ranks_ended(tmp_pa
     status) is still in its pipe: hear_out holds the end until that is taken in and every rank
     watcher has seen its rank gone; without it the verdict said "its exit status never came"."""
     rd = RunDir(str(tmp_path))
-    node = _SeenGone(rd, LauncherPool(str(tmp_path / "pool")), list, lambda: None)
+    site = _SeenGone(rd, LauncherPool(str(tmp_path / "pool")), list, lambda: None)
     book = RankBook(rd)
     # A fork server stand-in: it reaps its child at once, so only its word says how it ended.
     server = subprocess.Popen(
@@ -103,7 +103,7 @@ def test_the_end_waits_for_the_launchers_last_word_on_how_its_ranks_ended(tmp_pa
     )
     assert server.stdout is not None
     pid = int(server.stdout.readline())
-    r = book.add(0, 0, pid=pid, started_at=time.time(), node=node)
+    r = book.add(0, 0, pid=pid, started_at=time.time(), site=site)
     heard = anyio.Event()
 
     async def main() -> None:
@@ -112,7 +112,7 @@ def test_the_end_waits_for_the_launchers_last_word_on_how_its_ranks_ended(tmp_pa
 
         async def launcher_speaks_late() -> None:
             os.kill(pid, signal.SIGKILL)
-            await node.seen_gone.wait()  # the word arrives after the rank is seen gone
+            await site.seen_gone.wait()  # the word arrives after the rank is seen gone
             book.report_exit(0, 0, -signal.SIGKILL)
             heard.set()
 

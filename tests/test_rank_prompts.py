@@ -102,8 +102,8 @@ def test_a_waiting_rank_that_stops_at_a_prompt_of_its_own_keeps_its_paused_chip(
 
     async def main() -> None:
         g = Group()
-        node: Any = None
-        r0, r1 = g.book.add(0, 0, 100, 0.0, node), g.book.add(0, 1, 101, 0.0, node)
+        site: Any = None
+        r0, r1 = g.book.add(0, 0, 100, 0.0, site), g.book.add(0, 1, 101, 0.0, site)
         wait = protocol.records.Waiting(rank=0, op="all_reduce #1", expires=None)
         g.show_waits(0, {0: (wait, [1])})
         assert (await shown())[0]["state"] == "waiting"

@@ -1,5 +1,5 @@
 """What decides a session's cell, without a process: the ranks' answers, fed to
-`SessionCell.decide` on a fake node (tests/fake_node.py) while the desync watch looks."""
+`SessionCell.decide` on a fake site (tests/fake_site.py) while the desync watch looks."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from elastic_nb.supervisor.ranks.rank_links import Link
 from elastic_nb.supervisor.runs import cell_rules, decider
 from elastic_nb.supervisor.runs.rank_group import RankGroup
 from elastic_nb.supervisor.sessions.session_cell import SessionCell
-from tests.fake_node import FakeNode
+from tests.fake_site import FakeSite
 
 pytestmark = pytest.mark.unit
 
@@ -53,17 +53,17 @@ def test_an_answer_that_lands_while_the_watch_looks_ends_the_cell_at_once(tmp_pa
     answers once a probe waits at the gate): the cell is decided as soon as the look returns,
     not at the next look (a lost wake-up held about one trivial cell in six for 0.25-1 s)."""
     spec = job_spec({"nproc": "2", "log_dir": str(tmp_path)}, cwd=str(tmp_path))
-    node = FakeNode(RunDir.of(spec.log_dir, "5e5510a1"))
-    group = _Group("5e5510a1", spec, node, _nothing)
+    site = FakeSite(RunDir.of(spec.log_dir, "5e5510a1"))
+    group = _Group("5e5510a1", spec, site, _nothing)
     ranks = [
-        group.book.add(0, rank, pid=100 + rank, started_at=time.time(), node=node)
+        group.book.add(0, rank, pid=100 + rank, started_at=time.time(), site=site)
         for rank in (0, 1)
     ]
     links = [Link(r, _Stream()) for r in ranks]  # type: ignore[arg-type]
     cell = SessionCell(Submission("ce11ce11", spec, "a = a + 1\n", {}, None, "5e5510a1"), _nothing)
     group.cell = cell
     cell.rd.attempt(0).mkdir(parents=True)
-    node.probe_gate = anyio.Event()
+    site.probe_gate = anyio.Event()
 
     async def main() -> tuple[Any, float]:
         decided: list[Any] = []
@@ -77,11 +77,11 @@ def test_an_answer_that_lands_while_the_watch_looks_ends_the_cell_at_once(tmp_pa
                 tg.start_soon(decide)
                 # Inside the watch's look: its first is due a second after the watch starts
                 # (diagnosis.DesyncWatch), and decide waits on its event until then.
-                await node.probing.wait()
+                await site.probing.wait()
                 cell.answer(0, True)
                 cell.answer(1, True)
                 opened = time.monotonic()
-                node.probe_gate.set()
+                site.probe_gate.set()
             # the task group waits for decide's end
         return decided[0], decided[1] - opened
 
@@ -98,11 +98,11 @@ def test_a_rank_death_ends_the_cell_as_the_groups_decision_core_judges_it(tmp_pa
     spec = job_spec(
         {"nproc": "2", "max_restarts": "1", "log_dir": str(tmp_path)}, cwd=str(tmp_path)
     )
-    node = FakeNode(RunDir.of(spec.log_dir, "5e5510a2"))
-    group = RankGroup("5e5510a2", spec, node, _nothing)
+    site = FakeSite(RunDir.of(spec.log_dir, "5e5510a2"))
+    group = RankGroup("5e5510a2", spec, site, _nothing)
     group.core.handle(decider.AttemptOpened(time.time(), 0, 2, counted=False))
     ranks = [
-        group.book.add(0, rank, pid=100 + rank, started_at=time.time(), node=node)
+        group.book.add(0, rank, pid=100 + rank, started_at=time.time(), site=site)
         for rank in (0, 1)
     ]
     for r in ranks:

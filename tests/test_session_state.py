@@ -20,7 +20,7 @@ from elastic_nb.supervisor.sessions.replay import RunCell, replay
 from elastic_nb.supervisor.sessions.session import Session
 from elastic_nb.supervisor.sessions.session_cell import SessionCell
 from elastic_nb.supervisor.sessions.session_state import LIVE, MOVES, REPLAYED, State, move
-from tests.fake_node import FakeNode
+from tests.fake_site import FakeSite
 
 pytestmark = pytest.mark.unit
 
@@ -70,8 +70,8 @@ def test_the_words_are_the_ones_the_kernel_waits_for() -> None:
 
 def _session(tmp_path: Path) -> Session:
     spec = job_spec({"nproc": "2", "log_dir": str(tmp_path)}, cwd=str(tmp_path))
-    node = FakeNode(RunDir.of(spec.log_dir, SESSION))
-    return Session(SESSION, spec, {}, node, _nothing, tmp_path)
+    site = FakeSite(RunDir.of(spec.log_dir, SESSION))
+    return Session(SESSION, spec, {}, site, _nothing, tmp_path)
 
 
 def test_a_move_the_table_does_not_allow_is_refused_naming_both_states() -> None:

@@ -220,14 +220,13 @@ def test_a_rank_that_crashes_after_finishing_is_reported(
 def test_a_long_session_keeps_a_bounded_history_of_finished_jobs(tmp_path: Path) -> None:
     from types import SimpleNamespace
 
-    from elastic_nb.supervisor.roster import KEEP_FINISHED, Roster
+    from elastic_nb.supervisor.roster import KEEP_FINISHED, forget_old_jobs
 
-    roster = Roster.__new__(Roster)  # the table alone: no pool, task group or socket
-    roster.jobs = {f"j{i}": SimpleNamespace(running=False) for i in range(KEEP_FINISHED + 5)}  # type: ignore[misc]
-    roster.jobs["live"] = SimpleNamespace(running=True)  # type: ignore[assignment]
-    roster._forget_old_jobs()
-    assert "live" in roster.jobs and "j0" not in roster.jobs and "j4" not in roster.jobs
-    assert len(roster.jobs) == KEEP_FINISHED + 1 and f"j{KEEP_FINISHED + 4}" in roster.jobs
+    jobs = {f"j{i}": SimpleNamespace(running=False) for i in range(KEEP_FINISHED + 5)}
+    jobs["live"] = SimpleNamespace(running=True)
+    forget_old_jobs(jobs)
+    assert "live" in jobs and "j0" not in jobs and "j4" not in jobs
+    assert len(jobs) == KEEP_FINISHED + 1 and f"j{KEEP_FINISHED + 4}" in jobs
 
 
 def test_an_unreadable_frame_drops_the_connection_and_says_why(tmp_path: Path) -> None:

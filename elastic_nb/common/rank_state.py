@@ -1,7 +1,7 @@
 """What the supervisor knows of one rank in one attempt (`RankState`), and what it means: how
 the rank ended (`kind`: done, an exception, a CUDA OOM, a collective timeout, a dead peer, a
 signal, ...), the few words of its chip, and its failure in words. The record is filled in from
-the rank's own records (its failure or done record), its node (when it was seen gone, its exit
+the rank's own records (its failure or done record), its site (when it was seen gone, its exit
 code) and its logs (NCCL's watchdog line).
 """
 
@@ -63,7 +63,7 @@ class RankState:
     started_at: float | None = None
     done: dict[str, Any] | None = None  # the worker's done record
     failure: dict[str, Any] | None = None  # the worker's failure record
-    died_at: float | None = None  # our clock, when its node saw it go (ordered with ranks' stamps)
+    died_at: float | None = None  # our clock, when its site saw it go (ordered with ranks' stamps)
     gone_at: float | None = None  # the same moment on the monotonic clock, for intervals
     exit_code: int | None = None  # N, or -SIG
     oom_killed: bool = False  # the kernel's OOM killer fired while it died

@@ -3,7 +3,7 @@ jobs, for as long as the notebook's supervisor lives.
 
 It is a supervisor of its own machine's processes, the notebook's supervisor's hands there: a
 zygote and a warm launcher of its own (remote cells start warm), and, for each group (a job or a
-session) the supervisor opens on it, a `LocalNode` that starts that group's launcher for each
+session) the supervisor opens on it, a `LocalSite` that starts that group's launcher for each
 round, watches its ranks, signals them, asks for their stacks and flight recorders, and ends
 their processes, exactly as on the notebook's machine. What its ranks leave in their run
 directory is mirrored to the notebook's (files.Mirror); their connections to the rendezvous store
@@ -203,9 +203,9 @@ class JoinAgent:
         groups = list(self._groups.values())
         count = 0
         for g in groups:
-            if g.node is not None and g.node.running():
+            if g.site is not None and g.site.running():
                 count += 1
-                await g.node.stop(STOP_GRACE_S, lambda sig, pids: None)
+                await g.site.stop(STOP_GRACE_S, lambda sig, pids: None)
             await g.forget()
         self._groups.clear()
         return f"the processes of {count} job(s)" if count else ""
@@ -218,7 +218,7 @@ class JoinAgent:
 
     async def _beat(self) -> None:
         while True:
-            groups = {g.id: g.beat() for g in self._groups.values() if g.node}
+            groups = {g.id: g.beat() for g in self._groups.values() if g.site}
             await self._send(
                 protocol.agents.Beat(kind=protocol.agents.BEAT, t=time.time(), groups=groups)
             )
@@ -308,13 +308,13 @@ class JoinAgent:
     async def _on_signal(self, msg: protocol.agents.Signal, _b: Blob) -> None:
         g = self._group(msg["group"])
         r = g.ranks.get((msg["attempt"], msg["rank"]))
-        if g.node is not None and r is not None:
-            g.node.signal(r, msg["sig"])
+        if g.site is not None and r is not None:
+            g.site.signal(r, msg["sig"])
 
     async def _on_ranks_up(self, msg: protocol.agents.RanksUp, _b: Blob) -> None:
         g = self._group(msg["group"])
-        if g.node is not None and g.spec is not None:
-            g.node.ranks_up(g.spec)
+        if g.site is not None and g.spec is not None:
+            g.site.ranks_up(g.spec)
 
     async def _on_close(self, msg: protocol.agents.Close, _b: Blob) -> None:
         g = self._group(msg["group"])
@@ -326,9 +326,9 @@ class JoinAgent:
 
     async def _on_stacks(self, msg: protocol.agents.NodeStacks, _b: Blob) -> protocol.agents.Dumps:
         g = self._group(msg["group"])
-        node = g.round()
+        site = g.round()
         ranks = [g.ranks[(a, r)] for a, r in msg["ranks"] if (a, r) in g.ranks]
-        dumps = await node.stacks(ranks, msg["wait_s"])
+        dumps = await site.stacks(ranks, msg["wait_s"])
         # The answer is one frame of the channel: each rank's dump keeps its last lines (the
         # main thread's, which faulthandler writes last) within an even share of it.
         share = MAX_FRAME // 2 // max(1, len(dumps))
@@ -345,28 +345,28 @@ class JoinAgent:
 
     async def _on_probe(self, msg: protocol.agents.Probe, _b: Blob) -> protocol.agents.ProbeAnswer:
         g = self._group(msg["group"])
-        node = g.round()
+        site = g.round()
         r = g.ranks.get((msg["attempt"], msg["rank"]))
-        record = await node.probe(r, msg["what"], msg["wait_s"]) if r else None
+        record = await site.probe(r, msg["what"], msg["wait_s"]) if r else None
         return protocol.agents.ProbeAnswer(record=record)
 
     async def _on_leftovers(
         self, msg: protocol.agents.Leftovers, _b: Blob
     ) -> protocol.agents.LeftoverList:
-        node = self._group(msg["group"]).round()
+        site = self._group(msg["group"]).round()
         stuck = msg["stuck"]
-        left = await node.leftovers_after_success(msg["grace"], lambda: stuck)
+        left = await site.leftovers_after_success(msg["grace"], lambda: stuck)
         return protocol.agents.LeftoverList(leftovers=left)
 
     async def _on_stop(self, msg: protocol.agents.NodeStop, _b: Blob) -> protocol.agents.Stopped:
         g = self._group(msg["group"])
-        node = g.round()
+        site = g.round()
         signals: list[protocol.agents.SignalSent] = []
 
         def sent(sig: str, pids: list[int]) -> None:
             signals.append(protocol.agents.SignalSent(sig=sig, pids=pids))
 
-        survivors = await node.stop(msg["grace"], sent)
+        survivors = await site.stop(msg["grace"], sent)
         await self._mirror.sweep(g.id)  # everything the ranks left, before the answer
         return protocol.agents.Stopped(
             survivors=survivors,
@@ -413,7 +413,7 @@ class JoinAgent:
 
     def _keep(self) -> set[int]:
         assert self._pool is not None
-        live = {g.node.launcher_pid for g in self._groups.values() if g.node}
+        live = {g.site.launcher_pid for g in self._groups.values() if g.site}
         return {p for p in live if p} | self._pool.pids()
 
     def _reap(self) -> None:

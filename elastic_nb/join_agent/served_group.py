@@ -1,6 +1,6 @@
 """A group (a job or a session) that the notebook's supervisor runs on a join agent's machine:
 its run directory and per-job working directory there, its relayed listeners, each round's
-`LocalNode` (the launcher it starts, the ranks it watches), and what it tells the supervisor of
+`LocalSite` (the launcher it starts, the ranks it watches), and what it tells the supervisor of
 them. The join agent (join_agent.py) holds the groups and serves the supervisor's orders about
 them; what every group shares of the agent is its `Hands`.
 """
@@ -28,8 +28,8 @@ from elastic_nb.common.spec import JobSpec
 from elastic_nb.join_agent.relay import Relay
 from elastic_nb.supervisor.nodes.files import Mirror, owner, unpack
 from elastic_nb.supervisor.processes.launcher_pool import LauncherPool
-from elastic_nb.supervisor.processes.local_node import LocalNode
-from elastic_nb.supervisor.processes.node import Work
+from elastic_nb.supervisor.processes.local_site import LocalSite
+from elastic_nb.supervisor.processes.site import Work
 
 __all__ = ["STOP_GRACE_S", "Hands", "ServedGroup"]
 
@@ -58,7 +58,7 @@ class ServedGroup:
         self.cwd = hands.workdir / "jobs" / group_id
         self.session = session
         self.spec: JobSpec | None = None
-        self.node: LocalNode | None = None  # the current round's
+        self.site: LocalSite | None = None  # the current round's
         self.attempt = 0  # the current (or last) round's: its news names it
         self.ranks: dict[tuple[int, int], RankState] = {}
         # (attempt, rank) the supervisor has been told the launcher started: their files may go
@@ -85,7 +85,7 @@ class ServedGroup:
         hands.mirror.roots[g.rd.path] = (g.id, "")
         hands.mirror.renames["launcher.log"] = f"nodes/{node_dir}/launcher.log"
         g.store, g.store_port = await hands.relay.store(
-            g.id, lambda: g.node.launcher_pid if g.node is not None else None, hands.tg
+            g.id, lambda: g.site.launcher_pid if g.site is not None else None, hands.tg
         )
         if g.session:
             g.socket_path = hands.workdir / "sockets" / f"session-{g.id}.sock"
@@ -94,16 +94,16 @@ class ServedGroup:
 
     # ---- a round ---------------------------------------------------------------------------
 
-    def round(self) -> LocalNode:
-        """The round's node here (an order about ranks needs one)."""
-        if self.node is None:
+    def round(self) -> LocalSite:
+        """The round's site here (an order about ranks needs one)."""
+        if self.site is None:
             raise RuntimeError(f"group {self.id} has no round running here")
-        return self.node
+        return self.site
 
     async def open_round(self, msg: protocol.agents.Open, addr: str) -> protocol.agents.Opened:
         """Start the round's launcher (`addr`: where the other nodes reach this machine)."""
         assert self.spec is not None
-        if self.node is not None:
+        if self.site is not None:
             raise RuntimeError(f"group {self.id}'s last round here has not been closed")
         plan = msg["round"]
         launch = protocol.launcher.LaunchRound(
@@ -116,26 +116,26 @@ class ServedGroup:
             key=str(plan["key"]),
         )
         hands = self._hands
-        node = self.node = LocalNode(self.rd, hands.pool, hands.orphans, hands.reap)
+        site = self.site = LocalSite(self.rd, hands.pool, hands.orphans, hands.reap)
         self.attempt = launch["attempt"]
-        self.oom_base = node.oom_kills()
+        self.oom_base = site.oom_kills()
         env = dict(os.environ)
         if self.socket_path is not None:
             env[protocol.sessions.SESSION_SOCKET_ENV] = str(self.socket_path)
         env.update(msg["env"])
-        warm = await node.start(Work(self.id, self.spec, env, launch))
-        hands.tg.start_soon(self._read_launcher, node, self.attempt)
-        return protocol.agents.Opened(warm=warm, launcher=node.launcher_pid)
+        warm = await site.start(Work(self.id, self.spec, env, launch))
+        hands.tg.start_soon(self._read_launcher, site, self.attempt)
+        return protocol.agents.Opened(warm=warm, launcher=site.launcher_pid)
 
     async def close_round(self) -> None:
-        if self.node is not None:
+        if self.site is not None:
             # Closed with its launcher still running (the supervisor's teardown came first):
             # stopped now. Only the launcher counts: the group's processes are found by its
             # marker, which on a machine shared with other nodes of the job marks theirs too.
-            if self.node.running(leftovers_too=False):
-                await self.node.stop(STOP_GRACE_S, lambda sig, pids: None)
-            self.node.close()  # its launcher's log into the run directory, the pool warmed
-            self.node = None
+            if self.site.running(leftovers_too=False):
+                await self.site.stop(STOP_GRACE_S, lambda sig, pids: None)
+            self.site.close()  # its launcher's log into the run directory, the pool warmed
+            self.site = None
         await self._hands.mirror.sweep(self.id)
 
     async def cell(self, cell_id: str, files: bytes) -> protocol.agents.CellUnpacked:
@@ -159,23 +159,23 @@ class ServedGroup:
         rd.spec.write_text(spec.to_json())
         return spec
 
-    async def _read_launcher(self, node: LocalNode, round_: int) -> None:
+    async def _read_launcher(self, site: LocalSite, round_: int) -> None:
         """The round's launcher: what it says, to the supervisor; a watcher per rank it starts."""
         send = self._hands.send
         starts = _RankStarts()
-        async for msg in node.messages():
+        async for msg in site.messages():
             protocol.launcher.hear(msg, starts)
             for r in starts.ranks:
                 self.ranks[(r.attempt, r.rank)] = r
-                self._hands.tg.start_soon(self._watch_rank, node, r)
+                self._hands.tg.start_soon(self._watch_rank, site, r)
             said = protocol.agents.LauncherSaid(
                 kind=protocol.agents.LAUNCHER, group=self.id, round=round_, msg=dict(msg)
             )
             await send(said, None)
             self.told.update((r.attempt, r.rank) for r in starts.ranks)  # its start said first
             starts.ranks.clear()
-        await node.launcher_exited()
-        outcome, reason = node.launcher_outcome(self.rd.launcher_log)
+        await site.launcher_exited()
+        outcome, reason = site.launcher_outcome(self.rd.launcher_log)
         await self._hands.mirror.sweep(self.id)
         exited = protocol.agents.LauncherExit(
             kind=protocol.agents.LAUNCHER_EXIT,
@@ -186,8 +186,8 @@ class ServedGroup:
         )
         await send(exited, None)
 
-    async def _watch_rank(self, node: LocalNode, r: RankState) -> None:
-        seen, _ = await node.wait_gone(r)
+    async def _watch_rank(self, site: LocalSite, r: RankState) -> None:
+        seen, _ = await site.wait_gone(r)
         r.died_at = seen
         # What it left (its last lines, its record), before the supervisor hears it went.
         prefix = f"rank-{r.rank}."
@@ -207,26 +207,26 @@ class ServedGroup:
 
     def beat(self) -> protocol.agents.GroupBeat:
         """The round's state, for the agent's heartbeat (the zombie watchdog's evidence)."""
-        node = self.round()
-        agent = node.torch_agent() if node.launcher_pid else None
-        kills = node.oom_kills()
+        site = self.round()
+        agent = site.torch_agent() if site.launcher_pid else None
+        kills = site.oom_kills()
         return protocol.agents.GroupBeat(
             round=self.attempt,
-            launcher=node.launcher_pid,
-            launcher_alive=node.launcher_alive(),
+            launcher=site.launcher_pid,
+            launcher_alive=site.launcher_alive(),
             state=list(agent.state) if agent and agent.state else None,
             tick_age=time.monotonic() - agent.last_tick if agent and agent.last_tick else None,
-            running=node.running(),
-            zombies=[[r.attempt, r.rank] for r in self.ranks.values() if node.unreaped(r)],
+            running=site.running(),
+            zombies=[[r.attempt, r.rank] for r in self.ranks.values() if site.unreaped(r)],
             oom_kills=None if kills is None or self.oom_base is None else kills - self.oom_base,
         )
 
     def memory(self) -> protocol.agents.MemoryRead | None:
         """Its live ranks' memory now; None while none runs."""
         live = [r for r in self.ranks.values() if r.died_at is None and r.pid is not None]
-        if self.node is None or not live:
+        if self.site is None or not live:
             return None
-        reading = self.node.read_memory(live)
+        reading = self.site.read_memory(live)
         return protocol.agents.MemoryRead(
             kind=protocol.agents.MEMORY,
             group=self.id,

@@ -127,7 +127,7 @@ LOST_AFTER_S = 1.75
 
 
 class GroupBeat(TypedDict):
-    """A group's processes on an agent's machine, as its LocalNode sees them now."""
+    """A group's processes on an agent's machine, as its LocalSite sees them now."""
 
     round: int  # its round's attempt: the supervisor drops a closed round's news
     launcher: int | None

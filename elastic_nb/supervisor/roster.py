@@ -22,14 +22,14 @@ from elastic_nb.common.spec import JobSpec
 from elastic_nb.common.submission import Submission
 from elastic_nb.supervisor.nodes.cluster import Cluster
 from elastic_nb.supervisor.processes.launcher_pool import LauncherPool
-from elastic_nb.supervisor.processes.local_node import LocalNode
+from elastic_nb.supervisor.processes.local_site import LocalSite
 from elastic_nb.supervisor.runs.job import Job
 from elastic_nb.supervisor.runs.reporter import Send
 from elastic_nb.supervisor.runs.rounds import Machines
 from elastic_nb.supervisor.sessions.session import Session
 from elastic_nb.supervisor.sessions.session_cell import SessionCell
 
-__all__ = ["KEEP_FINISHED", "Roster"]
+__all__ = ["KEEP_FINISHED", "Roster", "forget_old_jobs"]
 
 KEEP_FINISHED = 200  # finished jobs `%elastic jobs` lists; older ones live on disk only
 
@@ -44,7 +44,7 @@ class Roster:
         reap: Callable[[], None],
     ) -> None:
         """`socket_dir`: owner-only, where sessions' sockets go; `orphans`, `reap`: what this
-        machine's nodes do with the processes the supervisor inherits as a subreaper."""
+        machine's sites do with the processes the supervisor inherits as a subreaper."""
         self.jobs: dict[str, Job] = {}
         self.sessions: dict[str, Session] = {}
         self.cluster: Cluster | None = None  # the join agents, once a join command is asked
@@ -78,7 +78,7 @@ class Roster:
             return protocol.kernel.Submitted(job=job_id)
         env = msg["env"] or dict(os.environ)
         job = Job(submitted, env=env, send=send, **self._place(submitted.spec, job_id, env))
-        self._forget_old_jobs()
+        forget_old_jobs(self.jobs)
         self.jobs[job_id] = job  # the id is taken from here on, even while prepare runs
         try:
             await anyio.to_thread.run_sync(job.prepare)  # payloads can be large: off the loop
@@ -112,17 +112,18 @@ class Roster:
         self._tg.start_soon(session.run)
         return protocol.kernel.SessionUp(session=session_id, run_dir=str(session.rd))
 
-    def _local_node(self, spec: JobSpec, group_id: str) -> LocalNode:
+    def _local_site(self, spec: JobSpec, group_id: str) -> LocalSite:
         """This machine, for one job or session (its run directory)."""
-        return LocalNode(
+        return LocalSite(
             RunDir.of(spec.log_dir, group_id), self._launchers, self._orphans, self._reap
         )
 
     def _place(self, spec: JobSpec, group_id: str, env: dict[str, str]) -> dict[str, Any]:
-        """Where a group runs: this machine's node, or, across machines, the cluster's nodes
-        a round at a time (its rendezvous store a process of this machine's pool)."""
+        """Where a group runs: this machine's site, or, across machines, a site on each of the
+        cluster's nodes a round at a time (its rendezvous store a process of this machine's
+        pool)."""
         if not spec.multi_node:
-            return {"node": self._local_node(spec, group_id), "machines": None}
+            return {"site": self._local_site(spec, group_id), "machines": None}
         if self.cluster is None or self.cluster.listener is None:
             raise RuntimeError(
                 f"--nnodes {spec.nnodes_min}:{spec.nnodes_max} needs joined nodes, and none can "
@@ -131,21 +132,14 @@ class Roster:
             )
         port = int(spec.rdzv_endpoint.rsplit(":", 1)[1])
         return {
-            "node": None,
+            "site": None,
             "machines": Machines(
                 cluster=self.cluster,
-                local=lambda: self._local_node(spec, group_id),
+                local=lambda: self._local_site(spec, group_id),
                 store=lambda: self._launchers.store(env, port),
                 end_store=self._launchers.end_store,
             ),
         }
-
-    def _forget_old_jobs(self) -> None:
-        """A kernel may run thousands of cells: keep the latest finished jobs only (their run
-        directories stay on disk)."""
-        done = [j for j in self.jobs if not self.jobs[j].running]
-        for job_id in done[: max(0, len(done) - KEEP_FINISHED)]:
-            del self.jobs[job_id]
 
     # ---- find, ask, stop ---------------------------------------------------------------------
 
@@ -219,3 +213,11 @@ def _row(job: Job) -> protocol.kernel.JobRow:
         outcome=s["outcome"] if s else None,
         wall_s=s["wall_s"] if s else time.time() - job.created,
     )
+
+
+def forget_old_jobs(jobs: dict[str, Any]) -> None:
+    """A kernel may run thousands of cells: keep the latest finished jobs only (their run
+    directories stay on disk), and every running one."""
+    done = [j for j in jobs if not jobs[j].running]
+    for job_id in done[: max(0, len(done) - KEEP_FINISHED)]:
+        del jobs[job_id]

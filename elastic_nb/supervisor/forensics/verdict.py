@@ -3,7 +3,7 @@
 torchelastic names as root cause the failure with the smallest whole-second timestamp, ties to the
 lowest rank, so it often blames a victim (elastic/multiprocessing/errors/__init__.py). Here every
 rank's failure carries a sub-second time of our own: the worker stamps the exception it raised,
-the supervisor stamps the moment a rank's node saw it die. The root is the earliest failure
+the supervisor stamps the moment a rank's site saw it die. The root is the earliest failure
 that is not itself a consequence; "connection closed by peer" errors and SIGTERMs sent while the
 group is being torn down are consequences.
 """

@@ -34,12 +34,12 @@ __all__ = [
 
 @dataclass(frozen=True)
 class TorchAgent:
-    """torchelastic's agent (the launcher process) as its node sees it now."""
+    """torchelastic's agent (the launcher process) as its site sees it now."""
 
     pid: int
     state: tuple[str, str] | None  # its process state (letter, words); None once it is gone
     last_tick: float | None  # its monitor loop, last heard (monotonic clock)
-    # What its node's news may lag by, on top of the bound: another machine's agent is heard
+    # What its site's news may lag by, on top of the bound: another machine's agent is heard
     # through its join agent's beats, and each of its monitor passes reads the rendezvous
     # store through the channel.
     slack: float = 0.0
@@ -127,7 +127,7 @@ def agent_stuck(
     unreaped: Callable[[RankState], bool],
     exit_barrier: bool = False,
 ) -> TorchAgentStuck | None:
-    """`stuck_agent` on what the node shows now (the agent's state, zombies), worded;
+    """`stuck_agent` on what the site shows now (the agent's state, zombies), worded;
     `exit_barrier`: the agent waits for other nodes' agents once its ranks have finished."""
     nproc = spec.nproc
     stuck = stuck_agent(

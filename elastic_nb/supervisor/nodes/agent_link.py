@@ -1,6 +1,6 @@
 """A join agent as the supervisor sees it (`JoinAgentLink`): the orders it is sent, each answer
-matched to its order, and its news routed to the group each concerns (its round's node there,
-remote_node.RemoteNode, as a `GroupRound`);
+matched to its order, and its news routed to the group each concerns (its round's site there,
+remote_site.RemoteSite, as a `LinkedSite`);
 and the connections on its machine it relays (`RelayedStream`), as byte streams here.
 """
 
@@ -20,19 +20,20 @@ from anyio.abc import ByteStream
 from elastic_nb import protocol
 from elastic_nb.supervisor.nodes.files import NodeFiles, write_chunk
 
-__all__ = ["ANSWER_S", "GroupRound", "JoinAgentLink", "NodeLost", "RelayedStream"]
+__all__ = ["ANSWER_S", "JoinAgentLink", "LinkedSite", "NodeLost", "RelayedStream"]
 
 R = TypeVar("R")  # an answer's data
 
 # How long an order waits for its agent's answer past the order's own time (a stop's grace,
-# a probe's wait): what a node's machine may take to act and send its files; a teardown never
+# a probe's wait): what an agent's machine may take to act and send its files; a teardown never
 # waits longer on a machine.
 ANSWER_S = 20.0
 ORDER_S = 60.0  # an order with no time of its own (an open: a launcher taken; a cell's files)
 
 
-class GroupRound(Protocol):
-    """What hears a group's news from the agent: its round's node there."""
+class LinkedSite(Protocol):
+    """What hears a group's news from the agent: its round's site there (remote_site.RemoteSite,
+    as the link sees it)."""
 
     round: int | None  # the round's attempt
 
@@ -118,7 +119,7 @@ class JoinAgentLink:
         self.state = "ready"  # ready, lost, left
         self.why: str | None = None  # why it is no longer ready
         self.clock_offset: float | None = None  # ours - its wall clock (the least one seen)
-        self.nodes: dict[str, GroupRound] = {}  # group -> its current round's node there
+        self.sites: dict[str, LinkedSite] = {}  # group -> its current round's site there
         self.dirs: dict[tuple[str, str], Path] = {}  # (group, root) -> the run directory here
         self.streams: dict[tuple[str, int], RelayedStream] = {}
         self.files = NodeFiles(f"{number}-{info['name']}")  # what it may write here
@@ -189,9 +190,9 @@ class JoinAgentLink:
 
     def _on_beat(self, msg: protocol.agents.Beat, _b: bytes | None) -> None:
         for group, beat in msg["groups"].items():
-            node = self.nodes.get(group)
-            if node is not None and node.round == beat["round"]:
-                node.on_beat(beat)
+            site = self.sites.get(group)
+            if site is not None and site.round == beat["round"]:
+                site.on_beat(beat)
 
     def _on_answer(self, msg: protocol.agents.Answer, _b: bytes | None) -> None:
         self._requests.reply(msg["req"], msg)
@@ -210,12 +211,12 @@ class JoinAgentLink:
                 raise ValueError(f"{self.label()} sent {e}") from None
 
     def _on_stream_open(self, msg: protocol.agents.StreamOpen, _b: bytes | None) -> None:
-        node = self.nodes.get(msg["group"])
-        if node is None:
+        site = self.sites.get(msg["group"])
+        if site is None:
             raise protocol.wire.ProtocolError(f"a stream of an unknown group: {msg['group']}")
         stream = RelayedStream(self, msg["group"], msg["stream"])
         self.streams[(msg["group"], msg["stream"])] = stream
-        self.spawn(node.on_stream, stream, msg["to"], msg["peer"])
+        self.spawn(site.on_stream, stream, msg["to"], msg["peer"])
 
     def _on_stream_data(self, msg: protocol.agents.StreamData, blob: bytes | None) -> None:
         relayed = self.streams.get((msg["group"], msg["stream"]))
@@ -228,7 +229,7 @@ class JoinAgentLink:
             relayed.ended()
 
     def _on_launcher(self, msg: protocol.agents.LauncherSaid, blob: bytes | None) -> None:
-        # Checked before anything is taken from it (its node reads it again, checked).
+        # Checked before anything is taken from it (its site reads it again, checked).
         said = protocol.launcher.launcher_news(msg["msg"])
         protocol.launcher.hear(said, _Starts(self.files, msg["group"]))
         self._on_group_news(msg, blob)
@@ -243,13 +244,13 @@ class JoinAgentLink:
         ),
         _b: bytes | None,
     ) -> None:
-        """A group's news (its launcher's word and exit, a rank gone, memory), to its node: the
-        node of its round (protocol.agents: a closed round's news can come after the next round
+        """A group's news (its launcher's word and exit, a rank gone, memory), to its site: the
+        site of its round (protocol.agents: a closed round's news can come after the next round
         has opened there; nobody listens to it any more)."""
-        node = self.nodes.get(msg["group"])
-        if node is None or node.round != msg["round"]:
+        site = self.sites.get(msg["group"])
+        if site is None or site.round != msg["round"]:
             return
-        node.on_news(msg)
+        site.on_news(msg)
 
     def gone(self, state: str, why: str) -> None:
         """It left (`left`: it said bye) or was lost: everything waiting on it learns so."""
@@ -261,8 +262,8 @@ class JoinAgentLink:
         for stream in self.streams.values():
             stream.ended()
         self.streams.clear()
-        for node in list(self.nodes.values()):
-            node.on_lost(why, self.last_heard_wall)
+        for site in list(self.sites.values()):
+            site.on_lost(why, self.last_heard_wall)
 
     def describe(self) -> protocol.kernel.JoinedMachine:
         return protocol.kernel.JoinedMachine(
@@ -272,7 +273,7 @@ class JoinAgentLink:
             why=self.why,
             joined=self.joined,
             last_heard_s=time.monotonic() - self.last_heard,
-            groups=sorted(self.nodes),
+            groups=sorted(self.sites),
         )
 
 

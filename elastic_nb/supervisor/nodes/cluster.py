@@ -5,7 +5,7 @@ now (`%elastic nodes`).
 for: it admits an agent whose versions match the notebook's (refusing one that differs, naming
 both), numbers it, hears its heartbeat, and knows within `protocol.agents.LOST_AFTER_S` that it left (at
 once when its connection drops). `JoinAgentLink` is one agent: the orders sent to it, the answers
-awaited, and its news routed to the group each concerns (`remote_node.RemoteNode`, one per group
+awaited, and its news routed to the group each concerns (`remote_site.RemoteSite`, one per group
 and round on that agent). Rank groups learn of a change of members through `changed`.
 """
 

@@ -17,7 +17,7 @@ import anyio
 
 from elastic_nb import protocol
 from elastic_nb.common import procs, report
-from elastic_nb.supervisor.processes.node import Work
+from elastic_nb.supervisor.processes.site import Work
 from elastic_nb.supervisor.processes.zygote_process import Child, ForkedProcess, Zygote
 
 __all__ = ["Launcher"]

@@ -1,6 +1,6 @@
 """Asking a job's ranks where they are and what they ran: the evidence every diagnosis uses.
 
-Stacks come on request (the node signals the rank, which answers with faulthandler even inside
+Stacks come on request (the site signals the rank, which answers with faulthandler even inside
 a collective), flight recorders through probes (`probes.Probes`); a diagnosis asks both at once
 and awaits them together. The desync watch's cheaper look asks only for each group's last
 collective number. The job decides what to make of the answers; nothing here ends anything.
@@ -30,7 +30,7 @@ from elastic_nb.supervisor.forensics.stacks import (
     where_from_dump,
     where_from_record,
 )
-from elastic_nb.supervisor.processes.node import Node, stacks_of
+from elastic_nb.supervisor.processes.site import Site, stacks_of
 from elastic_nb.supervisor.ranks.probes import Probes
 
 __all__ = ["Evidence", "EvidenceCollector"]
@@ -51,7 +51,7 @@ class EvidenceCollector:
     def __init__(
         self,
         rd: RunDir,
-        node_of: Callable[[RankState], Node],
+        site_of: Callable[[RankState], Site],
         source: str,
         cell: os.PathLike[str] | None = None,
     ) -> None:
@@ -61,8 +61,8 @@ class EvidenceCollector:
         cell)."""
         self._cell = str(cell or rd.cell)
         self._lines = source.splitlines()
-        self._node_of = node_of
-        self._probes = Probes(rd, node_of, live_done=cell is not None)
+        self._site_of = site_of
+        self._probes = Probes(rd, site_of, live_done=cell is not None)
 
     async def collect(self, ranks: list[RankState]) -> Evidence:
         """Every rank's stack and flight recorder, now. `ranks` (one attempt's) carry their
@@ -119,7 +119,7 @@ class EvidenceCollector:
                 where[r.rank] = RankWhere(r.rank, "exited", note=r.failure_summary())
             else:
                 live.append(r)
-        for rank, dump in (await stacks_of(live, self._node_of, STACKS_WAIT_S)).items():
+        for rank, dump in (await stacks_of(live, self._site_of, STACKS_WAIT_S)).items():
             if not dump.asked:
                 note = "not yet running the cell" if dump.state else "gone"
                 where[rank] = RankWhere(rank, "unknown", note=note)

@@ -1,4 +1,4 @@
-"""Each rank's memory over time: what its node reads once a second (the host memory it holds,
+"""Each rank's memory over time: what its site reads once a second (the host memory it holds,
 NVML's figure for its GPU) and what its CUDA allocator answers. The samples the dashboard draws,
 each rank's peaks, how fast it grows, and an alert when the ranks near a limit: their host memory
 against their cgroup's limit (or the machine's), a GPU's against its total.

@@ -1,6 +1,6 @@
 """The supervisor's side of the ranks' flight-recorder probes (`elastic_nb.rank.recorder` is the rank's).
 
-A probe is one line the rank's node hands the live rank (today: written into its FIFO); the rank's
+A probe is one line the rank's site hands the live rank (today: written into its FIFO); the rank's
 probe thread answers into a file, tagged with the probe's number. A rank that has ended is read from the record it left (and from
 NCCL's own dump, when a timeout made one). A rank that does not answer within `PROBE_WAIT_S` (its
 probe thread starved of the GIL by a C call that holds it, or the rank going away) is left out:
@@ -17,7 +17,7 @@ from elastic_nb.common.rank_state import RankState
 from elastic_nb.common.rundir import RunDir, read_json
 from elastic_nb.protocol.rank_probes import PROBE_FULL, PROBE_STATUS
 from elastic_nb.supervisor.forensics.collectives import History, history, read_nccl_dump
-from elastic_nb.supervisor.processes.node import Node
+from elastic_nb.supervisor.processes.site import Site
 
 __all__ = ["Probes"]
 
@@ -26,12 +26,12 @@ PROBE_WAIT_S = 1.0  # a rank answers in milliseconds; a full dump of 2,000 entri
 
 class Probes:
     def __init__(
-        self, rd: RunDir, node_of: Callable[[RankState], Node], live_done: bool = False
+        self, rd: RunDir, site_of: Callable[[RankState], Site], live_done: bool = False
     ) -> None:
         """`live_done`: a rank that finished the cell lives on and answers probes (a session's
         rank, back in its loop); a job's rank has left its final record instead."""
         self._rd = rd
-        self._node_of = node_of
+        self._site_of = site_of
         self._live_done = live_done
         self._cell = str(rd.cell)
         # Group members a rank reported earlier: a group it destroyed before leaving the cell
@@ -82,5 +82,5 @@ class Probes:
         return h
 
     async def _ask(self, r: RankState, full: bool) -> dict | None:
-        node = self._node_of(r)
-        return await node.probe(r, PROBE_FULL if full else PROBE_STATUS, PROBE_WAIT_S)
+        site = self._site_of(r)
+        return await site.probe(r, PROBE_FULL if full else PROBE_STATUS, PROBE_WAIT_S)

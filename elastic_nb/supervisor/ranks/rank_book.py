@@ -1,7 +1,7 @@
 """The rank book: every rank of every attempt of a job, what each left on disk, how it ended,
 and the few words a dashboard chip shows for it.
 
-The supervisor learns a rank's end from several places (its node, which sees it go; its failure
+The supervisor learns a rank's end from several places (its site, which sees it go; its failure
 or done record; the launcher's EXIT and EXITS messages); the book is where they meet.
 """
 
@@ -17,7 +17,7 @@ from elastic_nb.common.rank_state import RankState
 from elastic_nb.common.rundir import RunDir, read_json
 from elastic_nb.protocol.records import Chip
 from elastic_nb.supervisor.forensics.desync import Desync
-from elastic_nb.supervisor.processes.node import Node
+from elastic_nb.supervisor.processes.site import Site
 
 __all__ = ["RankBook"]
 
@@ -32,7 +32,7 @@ class RankBook:
     def __init__(self, rd: RunDir, kill_window: float = 0.0) -> None:
         self.rd = rd
         self.kill_window = kill_window
-        self._nodes: dict[tuple[int, int], Node] = {}  # where each rank runs
+        self._sites: dict[tuple[int, int], Site] = {}  # where each rank runs
         self.ranks: dict[tuple[int, int], RankState] = {}
         self.failed_attempts: set[int] = set()
         self.zombies: set[tuple[int, int]] = set()  # (attempt, rank) dead and left unreaped
@@ -41,15 +41,15 @@ class RankBook:
         self._exits: dict[tuple[int, int], anyio.Event] = {}  # forked ranks' reported ends
         self._records: dict[tuple[int, int], tuple[Path, Path]] = {}  # done, failure
 
-    def add(self, attempt: int, rank: int, pid: int, started_at: float, node: Node) -> RankState:
+    def add(self, attempt: int, rank: int, pid: int, started_at: float, site: Site) -> RankState:
         r = RankState(attempt, rank, pid=pid, started_at=started_at, kill_window=self.kill_window)
         self.ranks[(attempt, rank)] = r
-        self._nodes[(attempt, rank)] = node
+        self._sites[(attempt, rank)] = site
         return r
 
-    def node(self, r: RankState) -> Node:
-        """The node the rank runs on: everything done to it goes through its node."""
-        return self._nodes[(r.attempt, r.rank)]
+    def site(self, r: RankState) -> Site:
+        """The site the rank runs at: everything done to it goes through its site."""
+        return self._sites[(r.attempt, r.rank)]
 
     def get(self, attempt: int, rank: int) -> RankState | None:
         return self.ranks.get((attempt, rank))
@@ -89,7 +89,7 @@ class RankBook:
 
         A forked rank is its fork server's, reaped at once: the launcher says how it ended
         (protocol.launcher.EXIT), within milliseconds, or up to `wait_s` on a loaded machine."""
-        gone = await self.node(r).wait_gone(r)
+        gone = await self.site(r).wait_gone(r)
         if r.exit_code is None and forked and r.lost is None:
             with anyio.move_on_after(wait_s):
                 await self.exit_reported(r).wait()
@@ -111,7 +111,7 @@ class RankBook:
         live = [r for r in self.of(attempt) if r.died_at is None]
         for r in live:
             if not r.armed:
-                r.armed = self.node(r).armed(r)
+                r.armed = self.site(r).armed(r)
                 if not r.armed:
                     return False
         return any(r.done is None and r.failure is None for r in live)
@@ -147,8 +147,8 @@ class RankBook:
                 self.rd.done(r.attempt, r.rank),
                 self.rd.failure(r.attempt, r.rank),
             )
-        node = self._nodes.get(key)
-        shift = node.clock_offset if node is not None else 0.0
+        site = self._sites.get(key)
+        shift = site.clock_offset if site is not None else 0.0
         if r.done is None:
             r.done = _on_our_clock(read_json(paths[0]), shift)
         if r.failure is None and r.done is None:

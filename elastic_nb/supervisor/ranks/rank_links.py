@@ -13,8 +13,8 @@ from anyio.abc import ByteStream
 
 from elastic_nb import protocol
 from elastic_nb.common.rank_state import RankState
-from elastic_nb.supervisor.processes.node import Node
 from elastic_nb.supervisor.processes.peers import peer_pid
+from elastic_nb.supervisor.processes.site import Site
 from elastic_nb.supervisor.ranks.rank_book import RankBook
 
 __all__ = ["Link", "RankLinks"]
@@ -66,13 +66,13 @@ class RankLinks:
         """Every rank of the attempt is connected and alive."""
         links = self.of(attempt)
         # alive, even if its watcher has not run yet: a cell sent now would meet a dead rank
-        return len(links) == nproc and all(self._book.node(link.r).alive(link.r) for link in links)
+        return len(links) == nproc and all(self._book.site(link.r).alive(link.r) for link in links)
 
     async def serve(
-        self, stream: ByteStream, peer: int | None = None, node: Node | None = None
+        self, stream: ByteStream, peer: int | None = None, site: Site | None = None
     ) -> None:
         """One connection (the listener's handler, or a rank on another machine whose agent
-        relays it, `peer` its pid as the agent saw it, `node` that machine): a hello, then the
+        relays it, `peer` its pid as the agent saw it, `site` the group's there): a hello, then the
         rank's answers."""
         conn = RankConnection(stream, protocol.sessions.rank_news)
         link: Link | None = None
@@ -81,7 +81,7 @@ class RankLinks:
                 if link is None:
                     if msg["kind"] != protocol.sessions.RANK_HELLO:
                         raise protocol.wire.ProtocolError(f"{msg['kind']!r} before rank_hello")
-                    link = await self._hello(conn, msg, peer, node)
+                    link = await self._hello(conn, msg, peer, site)
                     if link is None:
                         return
                 elif msg["kind"] == protocol.sessions.RAN:
@@ -96,7 +96,7 @@ class RankLinks:
         conn: RankConnection,
         msg: protocol.sessions.RankHello,
         peer: int | None,
-        node: Node | None,
+        site: Site | None,
     ) -> Link | None:
         """A rank of ours, by its machine and its pid there (the kernel's word on the peer, not
         the message's; on another machine, its kernel's word as its agent heard it): a pid is
@@ -110,8 +110,8 @@ class RankLinks:
             why = "no such rank"
         elif r.died_at is not None:
             why = "that rank has ended"
-        elif self._book.node(r).number != (node.number if node else 0):
-            why = f"that rank runs on {self._book.node(r).label}"
+        elif self._book.site(r).number != (site.number if site else 0):
+            why = f"that rank runs on {self._book.site(r).label}"
         elif r.pid != peer:
             why = f"torchelastic started pid {r.pid} as that rank"
         else:

@@ -2,7 +2,7 @@
 
 `Decider.handle(event)` takes one typed event and returns the actions it decides. It owns no
 task, no process, no file and no clock but the events' times (`t`, our clock): the group's shell
-(`rank_group.RankGroup`, `job.Job`, the placements) turns what its nodes, timers and clients
+(`rank_group.RankGroup`, `job.Job`, the placements) turns what its sites, timers and clients
 say into events, once, and carries the actions out; tests/simulation.py feeds it the orderings
 the real world allows and checks what it decided after every step.
 
@@ -429,7 +429,7 @@ class Decider:
         rank), so a rank still counted running is gone all the same: the stop ended every
         process of the round, and its exit status (a forked rank's, from the launcher the
         round's end took too) may come seconds later, or never. A lost node's ranks are not
-        among them: its loss tells their ends at once (RemoteNode.on_lost)."""
+        among them: its loss tells their ends at once (RemoteSite.on_lost)."""
         self.replaced.add(e.attempt)
         for r in self.of(e.attempt):
             kind = r.kind(e.t)

@@ -11,7 +11,7 @@ from anyio.abc import TaskGroup
 
 from elastic_nb import protocol
 from elastic_nb.common.rank_state import RankState
-from elastic_nb.supervisor.processes.node import Node
+from elastic_nb.supervisor.processes.site import Site
 from elastic_nb.supervisor.runs import cell_rules, decider
 from elastic_nb.supervisor.runs.reporter import Reporter
 
@@ -51,7 +51,7 @@ class GroupHooks:
         nobody follows it)."""
         raise NotImplementedError
 
-    async def _relayed_rank(self, stream: Any, peer: int | None, node: Node) -> None:
+    async def _relayed_rank(self, stream: Any, peer: int | None, site: Site) -> None:
         """A session's rank on another machine connects (relayed by its agent)."""
         await stream.aclose()
 

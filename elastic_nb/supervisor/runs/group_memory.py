@@ -1,6 +1,6 @@
 """A rank group's memory readings (rank_group.RankGroup samples them once a second): each live
-rank's host memory and GPU share as the node it runs on reads them, without asking the rank, and
-its CUDA allocator's figures, asked of the rank only where its node has GPUs (a CPU rank pays
+rank's host memory and GPU share as the site it runs at reads them, without asking the rank, and
+its CUDA allocator's figures, asked of the rank only where its machine has GPUs (a CPU rank pays
 nothing); and what %elastic status prints of them."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import anyio
 from elastic_nb import protocol
 from elastic_nb.common.host_memory import MemoryLimit
 from elastic_nb.common.rank_state import RankState
-from elastic_nb.supervisor.processes.node import Node
+from elastic_nb.supervisor.processes.site import Site
 from elastic_nb.supervisor.ranks.memory_watch import MemoryWatch
 
 __all__ = ["memory_figures", "read_memory"]
@@ -21,11 +21,11 @@ CUDA_WAIT_S = 0.5  # for a rank's allocator figures (its probe thread answers in
 
 
 async def read_memory(
-    node: Node, attempt: int, ranks: list[RankState]
+    site: Site, attempt: int, ranks: list[RankState]
 ) -> tuple[list[protocol.records.MemorySample], MemoryLimit | None]:
-    """A sample of each of `ranks`, live on `node`, and the limit their host memory is under."""
-    reading = node.read_memory(ranks)
-    cuda = await _cuda_memory(node, ranks) if reading.gpus else {}
+    """A sample of each of `ranks`, live at `site`, and the limit their host memory is under."""
+    reading = site.read_memory(ranks)
+    cuda = await _cuda_memory(site, ranks) if reading.gpus else {}
     t = time.time()
     samples = [
         protocol.records.MemorySample(
@@ -43,13 +43,13 @@ async def read_memory(
 
 
 async def _cuda_memory(
-    node: Node, ranks: list[RankState]
+    site: Site, ranks: list[RankState]
 ) -> dict[int, protocol.records.CudaMemory | None]:
     """Each rank's CUDA allocator figures, asked all at once (None: no CUDA in it yet)."""
     out: dict[int, protocol.records.CudaMemory | None] = {}
 
     async def ask(r: RankState) -> None:
-        answer = await node.probe(r, protocol.rank_probes.PROBE_MEMORY, CUDA_WAIT_S)
+        answer = await site.probe(r, protocol.rank_probes.PROBE_MEMORY, CUDA_WAIT_S)
         out[r.rank] = (answer or {}).get("cuda")
 
     async with anyio.create_task_group() as tg:

@@ -40,7 +40,7 @@ from elastic_nb.common.submission import Submission
 from elastic_nb.supervisor.forensics.desync import Desync
 from elastic_nb.supervisor.forensics.verdict import Verdict, analyze
 from elastic_nb.supervisor.forensics.watchdogs import agent_stuck
-from elastic_nb.supervisor.processes.node import Node
+from elastic_nb.supervisor.processes.site import Site
 from elastic_nb.supervisor.ranks.evidence import Evidence, EvidenceCollector
 from elastic_nb.supervisor.runs import decider, diagnosis, summary
 from elastic_nb.supervisor.runs.diagnosis import DesyncWatch, Finding
@@ -60,17 +60,17 @@ class Job(RankGroup):
         self,
         cell: Submission,
         env: dict[str, str],
-        node: Node | None,
+        site: Site | None,
         send: Send,
         machines: Machines | None = None,
     ) -> None:
-        super().__init__(cell.id, cell.spec, node, send, machines)
+        super().__init__(cell.id, cell.spec, site, send, machines)
         self._cell, self._env = cell, env
         self._created_mono = time.monotonic()
         self._leftovers: list[protocol.records.Leftover] = []
         self._watchdog_fired = False  # the zombie watchdog stopped the agent
         self._next_watch = 0.0  # monotonic: the watchdogs' next look
-        self._collector = EvidenceCollector(self.rd, self.book.node, cell.source)
+        self._collector = EvidenceCollector(self.rd, self.book.site, cell.source)
         self.finding: Finding | None = None  # what the summary says about a timeout or desync
         # The last hang or kept-alive watchdog alert's finding, by attempt: a job stopped while it
         # stood (--timeout, an interrupt, Stop) ends with it, not with "stopped" on every rank.
@@ -129,11 +129,11 @@ class Job(RankGroup):
 
     def _on_rank_started(self, r: RankState) -> None:
         self.report.set_state("running")  # its chip: the decision core's (decider.Show)
-        # Every rank runs: a moment for each node to ready its next launcher (a multi-node job's
+        # Every rank runs: a moment for each site to ready its next launcher (a multi-node job's
         # next round takes one on every node).
         if (r.attempt == 0 or self.multi_node) and len(self.book.of(r.attempt)) == self.world_size:
-            for node in self.nodes:
-                node.ranks_up(self.spec)
+            for site in self.sites:
+                site.ranks_up(self.spec)
 
     def _rank_ended(self, r: RankState) -> None:
         self.hear(decider.RankExited(time.time(), r))
@@ -163,8 +163,8 @@ class Job(RankGroup):
     async def _before_teardown(self, outcome: str) -> None:
         # After a success, name what the cell left running before the teardown ends it.
         if outcome == "succeeded":
-            for node in self.nodes:
-                self._leftovers += await node.leftovers_after_success(
+            for site in self.sites:
+                self._leftovers += await site.leftovers_after_success(
                     self.spec.stop_grace, lambda: self._watchdog_fired
                 )
 
@@ -184,24 +184,24 @@ class Job(RankGroup):
     # ---- watchdogs ----------------------------------------------------------------------------
 
     def _watch_agent(self) -> None:
-        """The zombie watchdog (`watchdogs.agent_stuck` judges), for each node's agent: say so,
+        """The zombie watchdog (`watchdogs.agent_stuck` judges), for each site's agent: say so,
         and stop the launcher, SIGTERM breaks the agent's stuck wait."""
         if self.decided and self.multi_node:
             # Across machines the teardown ends every node's processes by order of their agents:
             # a launcher waits there for its last word, not stuck. On one machine an agent stuck
             # after every result was read is still one to name (and stop).
             return
-        for node in self.nodes:
-            if self._watchdog_fired or not node.launcher_alive():
+        for site in self.sites:
+            if self._watchdog_fired or not site.launcher_alive():
                 continue
             stuck = agent_stuck(
-                [r for r in self.book.all() if self.book.node(r) is node],
-                [r for r in self.book.of(self.attempt) if self.book.node(r) is node],
+                [r for r in self.book.all() if self.book.site(r) is site],
+                [r for r in self.book.of(self.attempt) if self.book.site(r) is site],
                 self.spec,
-                node.torch_agent(),
+                site.torch_agent(),
                 self.teardown_at,
                 ticking=not self.decided and self.state == "running",
-                unreaped=node.unreaped,
+                unreaped=site.unreaped,
                 exit_barrier=self.multi_node,
             )
             if stuck is not None:
@@ -301,9 +301,9 @@ class Job(RankGroup):
         group as it would have."""
         for x in self.book.of(attempt):
             if x.died_at is None and x.kind(None) == "collective_timeout" and x.failure:
-                node = self.book.node(x)
+                site = self.book.site(x)
                 release = protocol.rank_probes.PROBE_RELEASE
-                self.task_group.start_soon(node.probe, x, release, RELEASE_WAIT_S)
+                self.task_group.start_soon(site.probe, x, release, RELEASE_WAIT_S)
 
     async def _diagnose_peer(self, r: RankState) -> None:
         """A peer of `r` went while `r` waited in a collective (the core waited for it to be
@@ -406,7 +406,7 @@ class Job(RankGroup):
         return result
 
     def _as_the_verdict_says(self, outcome: str, reason: str, verdict: Verdict) -> str:
-        """A peer's error decided the job before the death it reports was seen (a node that sees
+        """A peer's error decided the job before the death it reports was seen (a site that sees
         it only at the teardown): the reason names the rank the verdict, with every end in hand,
         found failed first, as the failure does."""
         pinned, root = self.core.pinned.get(self.attempt), verdict.root

@@ -1,7 +1,7 @@
 """Where a rank group's ranks run, and what that changes in its life: the two lifecycles of
 `rank_group.RankGroup`, behind the one small interface the group calls (`Placement`).
 
-* `OneMachine`: this machine's node for the group's whole life; torch restarts the ranks in
+* `OneMachine`: this machine's site for the group's whole life; torch restarts the ranks in
   place, and every new attempt is a restart; the launcher's end is the group's.
 * `InRounds`: machines a round at a time (`rounds.Rounds`): a round ends when a node joins or
   leaves or a rank fails, the next begins with the nodes there are (a failure or a departure
@@ -9,7 +9,7 @@
 
 What differs for the decision core (`decider.Decider`) is what a placement supplies: the
 failures no restart follows (`final`), those judged only with evidence (`awaited`), whether a
-node's news is of the current round (`hears`), and how a restart is carried out (`restart`).
+site's news is of the current round (`hears`), and how a restart is carried out (`restart`).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from elastic_nb.common.rundir import RunDir
 from elastic_nb.common.spec import JobSpec
 from elastic_nb.supervisor.nodes.agent_link import JoinAgentLink
 from elastic_nb.supervisor.nodes.files import INPUTS
-from elastic_nb.supervisor.nodes.remote_node import RemoteNode
-from elastic_nb.supervisor.processes.node import Node, Survivor
+from elastic_nb.supervisor.nodes.remote_site import RemoteSite
+from elastic_nb.supervisor.processes.site import Site, Survivor
 from elastic_nb.supervisor.ranks.checkpoint_log import CheckpointLog, cost_words
 from elastic_nb.supervisor.ranks.rank_book import RankBook
 from elastic_nb.supervisor.runs import decider
@@ -47,7 +47,7 @@ class Group(Protocol):
     id: str
     spec: JobSpec
     rd: RunDir
-    nodes: list[Node]
+    sites: list[Site]
     book: RankBook
     report: Reporter
     checkpoints: CheckpointLog
@@ -68,19 +68,19 @@ class Group(Protocol):
     def signal(self, ranks: list[RankState], sig: int) -> None: ...
     def alert(self, kind: str, severity: str, title: str, **about: Any) -> None: ...
     def poll_checkpoints(self) -> None: ...
-    async def start_nodes(
-        self, nodes: list[Node], plan: protocol.launcher.LaunchRound | None
+    async def start_sites(
+        self, sites: list[Site], plan: protocol.launcher.LaunchRound | None
     ) -> None: ...
-    async def stop_nodes(self, ended: bool) -> list[Survivor]: ...
+    async def stop_sites(self, ended: bool) -> list[Survivor]: ...
     def _decide(self, outcome: str, reason: str) -> None: ...
     async def _flush(self) -> None: ...
     async def _launcher_ended(self, outcome: tuple[str, str]) -> tuple[str, str]: ...
-    async def _relayed_rank(self, stream: Any, peer: int | None, node: Node) -> None: ...
+    async def _relayed_rank(self, stream: Any, peer: int | None, site: Site) -> None: ...
 
 
 class Placement(ABC):
     """What the group asks of where its ranks run. The group's other half: it acts through the
-    group's own mechanics (its nodes, its report, its decision)."""
+    group's own mechanics (its sites, its report, its decision)."""
 
     multi_node: bool
     final: frozenset[str]  # failures no restart follows here (decider.Decider)
@@ -97,9 +97,9 @@ class Placement(ABC):
     async def begin(self, tg: TaskGroup) -> None:
         """The first launcher(s)."""
 
-    def node_label(self, node: Node) -> str | None:
-        """How the group's events and errors name a node (None: one machine, no need)."""
-        return node.label if self.multi_node else None
+    def node_label(self, site: Site) -> str | None:
+        """How the group's events and errors name a site's machine (None: one machine, no need)."""
+        return site.label if self.multi_node else None
 
     @abstractmethod
     def rendezvous(self, attempt: int, seconds: float) -> None:
@@ -110,16 +110,16 @@ class Placement(ABC):
         """A new attempt's first rank started."""
 
     @abstractmethod
-    def rank_started(self, node: Node, r: RankState) -> None:
-        """A rank of the current attempt started on `node`."""
+    def rank_started(self, site: Site, r: RankState) -> None:
+        """A rank of the current attempt started at `site`."""
 
     @abstractmethod
-    async def launcher_ended(self, node: Node, outcome: tuple[str, str]) -> None:
-        """`node`'s launcher exited, saying (or not) how: `outcome`."""
+    async def launcher_ended(self, site: Site, outcome: tuple[str, str]) -> None:
+        """`site`'s launcher exited, saying (or not) how: `outcome`."""
 
     @abstractmethod
-    def round_of(self, node: Node) -> int:
-        """The attempt `node`'s news is of (a closed round's news comes late)."""
+    def round_of(self, site: Site) -> int:
+        """The attempt `site`'s news is of (a closed round's news comes late)."""
 
     @abstractmethod
     def restart(self, action: decider.Restart) -> None:
@@ -137,16 +137,16 @@ class OneMachine(Placement):
     final = frozenset({"exit0", "agent"})
     awaited: frozenset[str] = frozenset()
 
-    def __init__(self, group: Group, node: Node) -> None:
+    def __init__(self, group: Group, site: Site) -> None:
         super().__init__(group)
-        self.node = node
+        self.site = site
 
     def world_size(self, attempt: int) -> int:
         return self.g.spec.nproc
 
     async def begin(self, tg: TaskGroup) -> None:
         self.g.hear(decider.AttemptOpened(time.time(), 0, self.g.spec.nproc, counted=False))
-        await self.g.start_nodes([self.node], None)
+        await self.g.start_sites([self.site], None)
 
     def rendezvous(self, attempt: int, seconds: float) -> None:
         pass  # the launcher's event says it; a round's timeline is a multi-node group's
@@ -155,17 +155,17 @@ class OneMachine(Placement):
         # torch restarted the group
         self.g.hear(decider.AttemptOpened(time.time(), attempt, self.g.spec.nproc, counted=True))
 
-    def rank_started(self, node: Node, r: RankState) -> None:
+    def rank_started(self, site: Site, r: RankState) -> None:
         pass  # every rank here: nothing to place
 
     def close(self) -> None:
-        pass  # the node closes with the group
+        pass  # the site closes with the group
 
-    async def launcher_ended(self, node: Node, outcome: tuple[str, str]) -> None:
+    async def launcher_ended(self, site: Site, outcome: tuple[str, str]) -> None:
         outcome = await self.g._launcher_ended(outcome)
         self.g.hear(decider.LauncherExited(time.time(), outcome))
 
-    def round_of(self, node: Node) -> int:
+    def round_of(self, site: Site) -> int:
         return self.g.attempt
 
     def restart(self, action: decider.Restart) -> None:
@@ -190,7 +190,7 @@ class InRounds(Placement):
         self.rounds = Rounds(group.spec, machines)
         self._lock = anyio.Lock()
         self._changing = False  # a round is ending or starting
-        self._rounds_of: dict[Node, int] = {}  # each node's latest round's attempt
+        self._rounds_of: dict[Site, int] = {}  # each site's round's attempt
 
     def world_size(self, attempt: int) -> int:
         return self.rounds.world_size(attempt)
@@ -205,16 +205,16 @@ class InRounds(Placement):
     def attempt_began(self, attempt: int) -> None:
         pass  # its round began it: the restarts it spent were counted as the round began
 
-    def rank_started(self, node: Node, r: RankState) -> None:
-        r.where = node.label
+    def rank_started(self, site: Site, r: RankState) -> None:
+        r.where = site.label
         if self.rounds.running(r.attempt, len(self.g.book.of(r.attempt))):
             self.g.report.rounds(self.rounds.timeline)
             entry = self.rounds.entry(r.attempt)
             assert entry is not None
             self.g.report.event("round.running", attempt=r.attempt, s=entry["running_s"])
 
-    def round_of(self, node: Node) -> int:
-        return self._rounds_of.get(node, -1)
+    def round_of(self, site: Site) -> int:
+        return self._rounds_of.get(site, -1)
 
     def restart(self, action: decider.Restart) -> None:
         # The next round, with the nodes there are (its own ranks' failure or departure
@@ -224,9 +224,9 @@ class InRounds(Placement):
     def close(self) -> None:
         self.rounds.close()
 
-    def remote_node(self, agent: JoinAgentLink, store_port: int) -> RemoteNode:
-        """A joined machine's node for the next round."""
-        return RemoteNode(self.g.rd, agent, store_port, self.g._relayed_rank, self._shipped_files())
+    def remote_site(self, agent: JoinAgentLink, store_port: int) -> RemoteSite:
+        """A joined machine's site for the next round."""
+        return RemoteSite(self.g.rd, agent, store_port, self.g._relayed_rank, self._shipped_files())
 
     def _shipped_files(self) -> dict[str, Path]:
         """What another machine's ranks read: the run directory's inputs, and the notebook's
@@ -258,8 +258,8 @@ class InRounds(Placement):
             await rounds.cluster.changed.wait()
             if self.g.decided or self._changing:
                 continue
-            current = self.g.nodes
-            lost = [n for n in current if isinstance(n, RemoteNode) and n.lost]
+            current = self.g.sites
+            lost = [s for s in current if isinstance(s, RemoteSite) and s.lost]
             if lost and not self.g.book.of(rounds.next_attempt - 1):
                 self.round_failed(f"{lost[0].label} left: {lost[0].lost}")
                 continue
@@ -275,18 +275,18 @@ class InRounds(Placement):
             if self.g.decided or (ending is not None and ending != rounds.next_attempt - 1):
                 return
             if why is None:
-                newcomers = rounds.newcomers(self.g.nodes)
-                if not newcomers or len(self.g.nodes) >= self.g.spec.nnodes_max:
+                newcomers = rounds.newcomers(self.g.sites)
+                if not newcomers or len(self.g.sites) >= self.g.spec.nnodes_max:
                     return
                 why = ", ".join(a.label() for a in newcomers) + " joined"
             self._changing = True
             try:
                 started, stop_s = time.time(), None
-                if self.g.nodes:
+                if self.g.sites:
                     ending = rounds.next_attempt - 1
                     self.g.hear(decider.RoundEnding(time.time(), ending))
                     self.g.report.set_state("restarting")
-                    await self.g.stop_nodes(ended=False)
+                    await self.g.stop_sites(ended=False)
                     stop_s = time.time() - started
                     self.g.hear(decider.RoundEnded(started, ending))
                     await self.g._flush()
@@ -295,16 +295,16 @@ class InRounds(Placement):
                     self.g.report.set_state("waiting")
                     self.g.alert("nodes", "info", words)
 
-                nodes = await rounds.gather(
-                    started, waiting, lambda agent: self.remote_node(agent, rounds.store_port)
+                sites = await rounds.gather(
+                    started, waiting, lambda agent: self.remote_site(agent, rounds.store_port)
                 )
-                if isinstance(nodes, str):
-                    self.g.report.event("round.failed", why=nodes)
+                if isinstance(sites, str):
+                    self.g.report.event("round.failed", why=sites)
                     self.g.nodes_missing = not self.g.decided
-                    self.g._decide("failed", nodes)
+                    self.g._decide("failed", sites)
                     return
                 spent = self.g.restarts + counted
-                entry = rounds.record(nodes, why, counted, spent, started, stop_s)
+                entry = rounds.record(sites, why, counted, spent, started, stop_s)
                 self.g.hear(
                     decider.AttemptOpened(
                         time.time(), entry["attempt"], entry["world_size"], counted
@@ -314,11 +314,11 @@ class InRounds(Placement):
                 self.g.report.event("round", **entry)
                 if entry["attempt"] > 0:
                     self._round_alert(entry)
-                plan = rounds.plan(entry["attempt"], len(nodes), self.g.id)
-                self._rounds_of.update((node, entry["attempt"]) for node in nodes)
+                plan = rounds.plan(entry["attempt"], len(sites), self.g.id)
+                self._rounds_of.update((site, entry["attempt"]) for site in sites)
             finally:
                 self._changing = False
-            await self.g.start_nodes(nodes, plan)
+            await self.g.start_sites(sites, plan)
 
     def _round_alert(self, entry: protocol.records.Round) -> None:
         counted = entry["counted"]
@@ -337,16 +337,16 @@ class InRounds(Placement):
             title += f"; {cost}" if cost else ""
         self.g.alert("restart" if counted else "round", "warning" if counted else "info", title)
 
-    async def launcher_ended(self, node: Node, outcome: tuple[str, str]) -> None:
-        """A node's launcher exited. Past its round, or a success (its exit barrier: every
-        node's ranks finished), that says nothing; otherwise the node failed under the round,
+    async def launcher_ended(self, site: Site, outcome: tuple[str, str]) -> None:
+        """A site's launcher exited. Past its round, or a success (its exit barrier: every
+        site's ranks finished), that says nothing; otherwise the site failed under the round,
         unless its ranks' ends explain it (judged first, 2 s at most)."""
-        if node not in self.g.nodes or self._changing or outcome[0] == "succeeded":
+        if site not in self.g.sites or self._changing or outcome[0] == "succeeded":
             return
         with anyio.move_on_after(2.0):
-            while not self.g.decided and node in self.g.nodes and not self._changing:
+            while not self.g.decided and site in self.g.sites and not self._changing:
                 if self.g.attempt_failed(self.g.attempt):
                     return
                 await anyio.sleep(0.05)
-        if node in self.g.nodes and not self.g.decided and not self._changing:
+        if site in self.g.sites and not self.g.decided and not self._changing:
             self.round_failed(outcome[1])

@@ -1,6 +1,6 @@
 """The ranks' asks for a line of input (a rank's input(): pdb's prompt, a cell's own input()):
 seen in the run directory (rank-R.input.json), shown in the notebook once what the rank printed
-before it has been sent, and answered back to the rank through its node (a probe). A rank that
+before it has been sent, and answered back to the rank through its site (a probe). A rank that
 waits for its answer is paused: the group's watch for silence (--hang-after) leaves it alone.
 
 While a rank is paused, the others that wait for it in a collective are looked for each second
@@ -29,7 +29,7 @@ from elastic_nb.common.rank_state import RankState
 from elastic_nb.common.rundir import RunDir, read_json
 from elastic_nb.common.spec import JobSpec
 from elastic_nb.supervisor.forensics.collectives import base, history
-from elastic_nb.supervisor.processes.node import Node
+from elastic_nb.supervisor.processes.site import Site
 from elastic_nb.supervisor.ranks.log_tailer import LogTailer
 from elastic_nb.supervisor.ranks.rank_book import RankBook
 from elastic_nb.supervisor.runs.reporter import Reporter
@@ -119,14 +119,14 @@ class Prompts:
             raise KeyError(f"rank {r.rank} does not wait for that answer")
 
     async def answer(
-        self, node: Node, r: RankState, ask: int, text: str | None, why: str | None
+        self, site: Site, r: RankState, ask: int, text: str | None, why: str | None
     ) -> None:
         """The notebook's answer, to the rank that asks; RuntimeError if it did not take it."""
         self.check(r, ask)
         self.paused.pop((r.attempt, r.rank), None)  # its next ask may come before the ack
         answer = protocol.rank_probes.InputAnswer(ask=ask, text=text, why=why)
         what = f"{protocol.rank_probes.PROBE_ANSWER} {json.dumps(answer)}"
-        record = await node.probe(r, what, ANSWER_WAIT_S)
+        record = await site.probe(r, what, ANSWER_WAIT_S)
         if record is None or not record.get("taken"):
             raise RuntimeError(f"rank {r.rank} did not take the answer (it is no longer waiting)")
 
@@ -253,7 +253,7 @@ class GroupPrompts:
                     for r in self.book.of(attempt)
                     if r.died_at is None and r.rank not in paused and id(r) not in held
                 ]
-                self.show_waits(attempt, await waiting_for(others, paused, self.book.node))
+                self.show_waits(attempt, await waiting_for(others, paused, self.book.site))
                 await anyio.sleep(WAITS_LOOK_S)
         finally:
             self.show_waits(attempt, {})
@@ -333,14 +333,14 @@ class GroupPrompts:
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._next_ask, r)
             try:
-                await self.prompts.answer(self.book.node(r), r, ask, text, why)
+                await self.prompts.answer(self.book.site(r), r, ask, text, why)
             except (KeyError, RuntimeError) as e:  # it ended meanwhile: its end says the rest
                 log.info("group %s: %s", self.id, e)
                 tg.cancel_scope.cancel()
 
 
 async def waiting_for(
-    ranks: list[RankState], paused: set[int], node_of: Callable[[RankState], Node]
+    ranks: list[RankState], paused: set[int], site_of: Callable[[RankState], Site]
 ) -> dict[int, tuple[protocol.records.Waiting, list[int]]]:
     """Of `ranks`, those in a collective of a group that holds a paused rank: the wait (its
     timeout's end on our clock: what the rank's record said was left, from when it came) and
@@ -348,7 +348,7 @@ async def waiting_for(
     found: dict[int, tuple[protocol.records.Waiting, list[int]]] = {}
 
     async def look(r: RankState) -> None:
-        record = await node_of(r).probe(r, protocol.rank_probes.PROBE_FULL, WAITS_PROBE_S)
+        record = await site_of(r).probe(r, protocol.rank_probes.PROBE_FULL, WAITS_PROBE_S)
         received = time.time()
         if record is None:
             return

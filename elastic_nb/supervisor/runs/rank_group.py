@@ -3,10 +3,10 @@ directory, on one node or several. A one-off job (`job.Job`: its ranks run one c
 session (`sessions.session.Session`: its ranks run cell after cell) are rank groups; this is what
 they share, from the launcher's start to the kernel hearing the end:
 
-* start: a launcher on each of its nodes, given the group's run directory, spec and environment
-  (a single-node group: this machine's node, for its whole life, torch restarting its ranks; a
+* start: a launcher at each of its sites, given the group's run directory, spec and environment
+  (a single-node group: this machine's site, for its whole life, torch restarting its ranks; a
   multi-node group: a round at a time; the two lifecycles apart, behind `placement.Placement`);
-* observe: the launchers' messages (each rank's start and exit), a watcher per rank (its node
+* observe: the launchers' messages (each rank's start and exit), a watcher per rank (its site
   says when it went, its records how), a poll loop that tails the ranks' logs and flushes the
   group's news to the kernel (at most every FLUSH_S) and follows the checkpoints its cells save
   and load (said as `checkpoint_news` words them), and each rank's memory once a second (read as
@@ -14,7 +14,7 @@ they share, from the launcher's start to the kernel hearing the end:
 * end: once the group's outcome is decided, the teardown of every process of it on every node, a
   wait for the launchers' last word, the summary, and the END message.
 
-Everything done to a rank goes through the node it runs on (`RankState.node`).
+Everything done to a rank goes through the site it runs at (`RankBook.site`).
 
 What the group decides is the decision core's (`decider.Decider`: events in, actions out); the
 group is its shell: it turns what it hears into the core's events and carries out the actions
@@ -38,7 +38,7 @@ from elastic_nb.common.rank_state import NCCL_TIMEOUT_MARKS, TORCH_LOG_NOISE, Ra
 from elastic_nb.common.rundir import RunDir, write_json
 from elastic_nb.common.spec import JobSpec
 from elastic_nb.supervisor.forensics.watchdogs import Silence
-from elastic_nb.supervisor.processes.node import Node, Survivor, Work
+from elastic_nb.supervisor.processes.site import Site, Survivor, Work
 from elastic_nb.supervisor.ranks.checkpoint_log import CheckpointLog
 from elastic_nb.supervisor.ranks.log_tailer import LogTailer
 from elastic_nb.supervisor.ranks.memory_watch import SAMPLE_S, MemoryWatch
@@ -61,7 +61,7 @@ FLUSH_S = 0.1  # one update per group per flush: at most 10 messages a second
 # The least SIGTERM -> SIGKILL of those who stop a group's ranks but the teardown (--stop-grace):
 # torch's agent (max(1, round(--stop-grace))) and a join agent (served_group.STOP_GRACE_S).
 KILL_AFTER_S = 1.0
-IDLE_STOP_GRACE_S = 0.2  # SIGTERM -> SIGKILL for a node of a multi-node group with no live rank
+IDLE_STOP_GRACE_S = 0.2  # SIGTERM -> SIGKILL for a site of a multi-node group with no live rank
 PROCESS_GROUP_LOOK_S = 1.0  # a look for the ranks' first process group (a few stats)
 
 
@@ -77,23 +77,23 @@ class RankGroup(GroupHooks, GroupPrompts):
         self,
         group_id: str,
         spec: JobSpec,
-        node: Node | None,
+        site: Site | None,
         send: Send,
         machines: Machines | None = None,
     ) -> None:
-        """`node`: a single-node group's (this machine's); `machines`: where a multi-node
-        group's nodes come from, a round at a time."""
+        """`site`: a single-node group's (this machine's); `machines`: where a multi-node
+        group's sites come from, a round at a time."""
         self.id = group_id
         self.spec = spec
         self.created = time.time()
         self.summary: protocol.records.Summary | None = None
-        self.nodes: list[Node] = []  # the current round's
+        self.sites: list[Site] = []  # the current round's
         self.placement: Placement
-        if node is not None:
-            self.rd = node.rd
-            self.placement = OneMachine(self, node)
+        if site is not None:
+            self.rd = site.rd
+            self.placement = OneMachine(self, site)
         else:
-            assert machines is not None, "a group runs on a node or on machines"
+            assert machines is not None, "a group runs at a site or on machines"
             self.rd = RunDir.of(spec.log_dir, group_id)
             self.placement = InRounds(self, machines)
         self.core = Decider(
@@ -158,7 +158,7 @@ class RankGroup(GroupHooks, GroupPrompts):
     @property
     def launcher_pid(self) -> int | None:
         """This machine's launcher of the group, if one runs (the service keeps it its own)."""
-        return next((n.launcher_pid for n in self.nodes if n.number == 0), None)
+        return next((s.launcher_pid for s in self.sites if s.number == 0), None)
 
     @property
     def world_size(self) -> int:
@@ -191,7 +191,7 @@ class RankGroup(GroupHooks, GroupPrompts):
     def signal(self, ranks: list[RankState], sig: int) -> None:
         for r in ranks:
             r.killed = r.killed or sig == signal.SIGKILL
-            self.book.node(r).signal(r, sig)
+            self.book.site(r).signal(r, sig)
 
     def restarts_left(self, attempt: int) -> bool:
         """A failure in `attempt` can still be restarted from."""
@@ -220,7 +220,7 @@ class RankGroup(GroupHooks, GroupPrompts):
                 # and until the launchers' last word is heard: they record how and when each
                 # ended.
                 await self._teardown()
-                if not any(n.launcher_alive() for n in self.nodes):
+                if not any(s.launcher_alive() for s in self.sites):
                     await self.book.hear_out(self._heard)
                 tg.cancel_scope.cancel()
         except Exception as e:  # a bug of ours must still end the group cleanly
@@ -230,65 +230,65 @@ class RankGroup(GroupHooks, GroupPrompts):
         finally:
             with anyio.CancelScope(shield=True):
                 self._decide(*summary.STOPS["shutdown"])
-                if any(n.running() for n in self.nodes):
+                if any(s.running() for s in self.sites):
                     await self._teardown()
                 self._close()
                 await self._finish()
 
-    # ---- its nodes ----------------------------------------------------------------------------
+    # ---- its sites ----------------------------------------------------------------------------
 
-    async def start_nodes(
-        self, nodes: list[Node], plan: protocol.launcher.LaunchRound | None
+    async def start_sites(
+        self, sites: list[Site], plan: protocol.launcher.LaunchRound | None
     ) -> None:
-        """A launcher on each node (all at once), and a reader of what each says."""
-        self.nodes = nodes
+        """A launcher at each site (all at once), and a reader of what each says."""
+        self.sites = sites
         self._heard = anyio.Event()
-        self._unheard = len(nodes)
+        self._unheard = len(sites)
         env = self._launch_env()
 
-        async def start(node: Node) -> None:
-            warm = await node.start(Work(self.id, self.spec, env, plan))
-            self.report.event("launcher", node=node.label, pid=node.launcher_pid, warm=warm)
+        async def start(site: Site) -> None:
+            warm = await site.start(Work(self.id, self.spec, env, plan))
+            self.report.event("launcher", node=site.label, pid=site.launcher_pid, warm=warm)
             if warm:
                 self._on_ready()
-            self.task_group.start_soon(self._read_launcher, node)
+            self.task_group.start_soon(self._read_launcher, site)
 
         async with anyio.create_task_group() as tg:
-            for node in nodes:
-                tg.start_soon(start, node)
+            for site in sites:
+                tg.start_soon(start, site)
 
-    async def stop_nodes(self, ended: bool) -> list[Survivor]:
-        """SIGTERM, grace, SIGKILL to every process of the group on every node of the round (at
-        once), then each node's round closed (`ended`: the group's end); what survived."""
+    async def stop_sites(self, ended: bool) -> list[Survivor]:
+        """SIGTERM, grace, SIGKILL to every process of the group at every site of the round (at
+        once), then each site closed (`ended`: the group's end); what survived."""
         survivors: list[Survivor] = []
 
-        async def stop(node: Node) -> None:
-            # A node with no live rank has nothing to let finish: its launcher may wait where a
+        async def stop(site: Site) -> None:
+            # A site with no live rank has nothing to let finish: its launcher may wait where a
             # SIGTERM cannot reach Python (torch's exit barrier, in a store's wait), and waits
             # out the whole grace there.
             live = any(
-                x.died_at is None and self.book.node(x) is node for x in self.book.of(self.attempt)
+                x.died_at is None and self.book.site(x) is site for x in self.book.of(self.attempt)
             )
             grace = self.spec.stop_grace if live or not self.multi_node else IDLE_STOP_GRACE_S
             survivors.extend(
-                await node.stop(grace, lambda sig, stray: self._stopping(node, sig, stray))
+                await site.stop(grace, lambda sig, stray: self._stopping(site, sig, stray))
             )
 
         async with anyio.create_task_group() as tg:
-            for node in self.nodes:
-                tg.start_soon(stop, node)
+            for site in self.sites:
+                tg.start_soon(stop, site)
         if not ended:
-            for node in self.nodes:
-                node.close(ended=False)
-            self.nodes = []
+            for site in self.sites:
+                site.close(ended=False)
+            self.sites = []
         return survivors
 
-    def _stopping(self, node: Node, sig: str, stray: list[int]) -> None:
-        """The teardown sent `sig` on `node`: a rank not yet seen gone may die of our SIGKILL."""
-        self.report.event("teardown", node=node.label, signal=sig, stray=stray)
+    def _stopping(self, site: Site, sig: str, stray: list[int]) -> None:
+        """The teardown sent `sig` at `site`: a rank not yet seen gone may die of our SIGKILL."""
+        self.report.event("teardown", node=site.label, signal=sig, stray=stray)
         if sig.startswith("SIGKILL"):
             for r in self.book.of(self.attempt):
-                r.killed = r.killed or (r.died_at is None and self.book.node(r) is node)
+                r.killed = r.killed or (r.died_at is None and self.book.site(r) is site)
 
     # ---- the decision core's events and actions ------------------------------------------------
 
@@ -300,12 +300,12 @@ class RankGroup(GroupHooks, GroupPrompts):
         for action in actions:
             _ACTIONS[type(action)](self, action)
 
-    def _agent_failed(self, node: Node, error: str, at: float) -> None:
-        """torch's agent on `node` raised at `at` (our clock): the ranks it ends from then on
+    def _agent_failed(self, site: Site, error: str, at: float) -> None:
+        """torch's agent at `site` raised at `at` (our clock): the ranks it ends from then on
         did not fail, it did."""
-        label = self.placement.node_label(node)
+        label = self.placement.node_label(site)
         why = f"torchelastic's agent failed{f' on {label}' if label else ''}: {error}"
-        self.hear(decider.AgentFailed(time.time(), self.placement.round_of(node), why, at))
+        self.hear(decider.AgentFailed(time.time(), self.placement.round_of(site), why, at))
 
     def _decide(self, outcome: str, reason: str) -> None:
         """The group's outcome from outside its ranks, first come first served."""
@@ -341,29 +341,29 @@ class RankGroup(GroupHooks, GroupPrompts):
     def _record(self, action: decider.Record) -> None:
         self.report.event(action.name, **action.fields)
 
-    async def _read_launcher(self, node: Node) -> None:
-        heard = _Heard(self, node)
-        async for msg in node.messages():
+    async def _read_launcher(self, site: Site) -> None:
+        heard = _Heard(self, site)
+        async for msg in site.messages():
             fields = {k: v for k, v in msg.items() if k != "kind"}
-            if label := self.placement.node_label(node):
+            if label := self.placement.node_label(site):
                 fields["node"] = label
             self.report.event(f"launcher.{msg['kind']}", **fields)
             protocol.launcher.hear(msg, heard)
-        if node in self.nodes:
+        if site in self.sites:
             self._unheard -= 1
             if self._unheard <= 0:
                 self._heard.set()
         # The pipe's write end lives only in the launcher: EOF means it is exiting.
-        await node.launcher_exited()
-        await self.placement.launcher_ended(node, node.launcher_outcome(self.rd.launcher_log))
+        await site.launcher_exited()
+        await self.placement.launcher_ended(site, site.launcher_outcome(self.rd.launcher_log))
 
-    def _on_start(self, node: Node, attempt: int, rank: int, pid: int) -> None:
+    def _on_start(self, site: Site, attempt: int, rank: int, pid: int) -> None:
         if attempt > self.attempt:
             self.memory.forget(self.attempt)
             self._new_attempt(attempt)
             self.placement.attempt_began(attempt)
-        r = self.book.add(attempt, rank, pid, time.time(), node)
-        self.placement.rank_started(node, r)
+        r = self.book.add(attempt, rank, pid, time.time(), site)
+        self.placement.rank_started(site, r)
         self.hear(decider.RankStarted(time.time(), r))
         self.silence.activity(time.monotonic())
         self.tailer.follow(
@@ -378,8 +378,8 @@ class RankGroup(GroupHooks, GroupPrompts):
         # unset): nothing judged it without it; it died when it was seen gone.
         r.died_at, r.gone_at = await self.book.wait_exit(r, forked)
         self.silence.activity(r.gone_at)
-        node = self.book.node(r)
-        kills, base = node.oom_kills(), node.oom_base  # None: no OOM count where it ran
+        site = self.book.site(r)
+        kills, base = site.oom_kills(), site.oom_base  # None: no OOM count where it ran
         r.oom_killed = kills is not None and base is not None and kills > base
         r.rss_peak = self.memory.rss_peak(r.attempt, r.rank)
         self.book.read_records(r)
@@ -443,14 +443,14 @@ class RankGroup(GroupHooks, GroupPrompts):
 
     async def _sample_memory(self) -> None:
         """Each live rank's memory once a second, to the dashboard (batched into the next
-        update) and against its limits. Read by the node, at no cost to the ranks; a rank's
-        CUDA allocator is asked only where the node has GPUs."""
+        update) and against its limits. Read by the site, at no cost to the ranks; a rank's
+        CUDA allocator is asked only where its machine has GPUs."""
         while True:
             attempt = self.attempt
             ranks = [r for r in self.book.of(attempt) if r.died_at is None and r.pid is not None]
-            for node in {id(self.book.node(r)): self.book.node(r) for r in ranks}.values():
-                here = [r for r in ranks if self.book.node(r) is node]
-                samples, limit = await read_memory(node, attempt, here)
+            for site in {id(self.book.site(r)): self.book.site(r) for r in ranks}.values():
+                here = [r for r in ranks if self.book.site(r) is site]
+                samples, limit = await read_memory(site, attempt, here)
                 for sample in samples:
                     self.memory.add(sample)
                     for report in self._followers():
@@ -461,12 +461,12 @@ class RankGroup(GroupHooks, GroupPrompts):
 
     async def _teardown(self) -> None:
         """Leave nothing behind: what the kind does first (`_before_teardown`), then SIGTERM,
-        grace, SIGKILL to every process of the group on its nodes, and what survived said."""
+        grace, SIGKILL to every process of the group at its sites, and what survived said."""
         assert self.core.outcome is not None
         await self._before_teardown(self.core.outcome[0])
-        if any(n.running() for n in self.nodes):
+        if any(s.running() for s in self.sites):
             self.hear(decider.TeardownBegan(time.time()))
-        survivors = await self.stop_nodes(ended=True)
+        survivors = await self.stop_sites(ended=True)
         if survivors:  # no process of a group may outlive it unsaid
             self.report.event("teardown_failed", pids=[s["pid"] for s in survivors])
             self.report.alert(**summary.unkillable(survivors))
@@ -485,8 +485,8 @@ class RankGroup(GroupHooks, GroupPrompts):
         with contextlib.suppress(OSError):
             write_json(self.rd.summary, self._summary_record(self.summary))
         self.report.event("end", outcome=outcome)
-        for node in self.nodes:
-            node.close()
+        for site in self.sites:
+            site.close()
         self.placement.close()
         self.tailer.close()
         self.report.close()
@@ -521,10 +521,10 @@ class RankGroup(GroupHooks, GroupPrompts):
 
 
 class _Heard(protocol.launcher.Listener):
-    """What a group does with each kind of its launchers' news, `node`'s."""
+    """What a group does with each kind of its launchers' news, `site`'s."""
 
-    def __init__(self, group: RankGroup, node: Node) -> None:
-        self.g, self.node = group, node
+    def __init__(self, group: RankGroup, site: Site) -> None:
+        self.g, self.site = group, site
 
     def ready(self, msg: protocol.launcher.Ready) -> None:
         self.g._on_ready()
@@ -533,10 +533,10 @@ class _Heard(protocol.launcher.Listener):
         self.g.placement.rendezvous(msg["attempt"], msg["seconds"])
 
     def started(self, msg: protocol.launcher.Start) -> None:
-        self.g._on_start(self.node, msg["attempt"], msg["rank"], msg["pid"])
+        self.g._on_start(self.site, msg["attempt"], msg["rank"], msg["pid"])
 
     def agent_failed(self, msg: protocol.launcher.AgentFailed) -> None:
-        self.g._agent_failed(self.node, msg["error"], msg["t"] + self.node.clock_offset)
+        self.g._agent_failed(self.site, msg["error"], msg["t"] + self.site.clock_offset)
 
     def exited(self, msg: protocol.launcher.Exit) -> None:
         # Its watcher, waiting for it (RankBook.wait_exit), judges the rank.

@@ -15,7 +15,7 @@ does not:
 
 So each round runs with exactly its nodes (min = max) and no restarts of torch's own; a failure,
 a departure or an arrival ends the round, and the next one begins with the nodes there are, at
-the next attempt number. `Rounds` gathers a round's nodes and keeps the timeline (each round:
+the next attempt number. `Rounds` gathers a round's sites and keeps the timeline (each round:
 its nodes, world size, why, what the change cost) that the dashboard draws.
 """
 
@@ -34,7 +34,7 @@ from elastic_nb.common.report import duration
 from elastic_nb.common.spec import JobSpec
 from elastic_nb.supervisor.nodes.agent_link import JoinAgentLink
 from elastic_nb.supervisor.nodes.cluster import Cluster
-from elastic_nb.supervisor.processes.node import Node
+from elastic_nb.supervisor.processes.site import Site
 
 __all__ = ["DEFAULT_JOIN_TIMEOUT_S", "Machines", "Rounds"]
 
@@ -45,11 +45,11 @@ DEFAULT_JOIN_TIMEOUT_S = 60.0
 
 @dataclass(frozen=True)
 class Machines:
-    """Where a multi-node group's nodes come from: the cluster's agents, this machine (a
-    `LocalNode` a round), and the group's rendezvous store on this machine."""
+    """Where a multi-node group's sites come from: the cluster's agents, this machine (a
+    `LocalSite` a round), and the group's rendezvous store on this machine."""
 
     cluster: Cluster
-    local: Callable[[], Node]
+    local: Callable[[], Site]
     store: Callable[[], Awaitable[tuple[Any, int]]]  # (its handle, its port)
     end_store: Callable[[Any], None]
 
@@ -105,11 +105,11 @@ class Rounds:
         self,
         since: float,
         waiting: Callable[[str], None],
-        remote: Callable[[JoinAgentLink], Node],
-    ) -> list[Node] | str:
-        """The round's nodes: this machine (unless --remote-only) and the agents ready now, up
-        to MAX; waiting for MIN of them (`waiting` says so, at most the join timeout), and for
-        `last_call` more on the first round. Why not, if they did not come."""
+        remote: Callable[[JoinAgentLink], Site],
+    ) -> list[Site] | str:
+        """The round's sites: this machine's (unless --remote-only) and those of the agents
+        ready now, up to MAX; waiting for MIN of them (`waiting` says so, at most the join
+        timeout), and for `last_call` more on the first round. Why not, if they did not come."""
         spec, cluster = self.spec, self.cluster
         deadline = since + self.join_timeout
         here = 0 if spec.remote_only else 1
@@ -135,11 +135,11 @@ class Rounds:
                 while here + len(cluster.ready()) < spec.nnodes_max:
                     await cluster.changed.wait()
         agents = await self._alive_since(since) if self.timeline else cluster.ready()
-        nodes: list[Node] = [self.machines.local()] if here else []
-        nodes.extend(remote(a) for a in agents[: spec.nnodes_max - here])
-        if len(nodes) < spec.nnodes_min:
-            return f"only {len(nodes)} of the {spec.nnodes_min} nodes it needs are left"
-        return nodes
+        sites: list[Site] = [self.machines.local()] if here else []
+        sites.extend(remote(a) for a in agents[: spec.nnodes_max - here])
+        if len(sites) < spec.nnodes_min:
+            return f"only {len(sites)} of the {spec.nnodes_min} nodes it needs are left"
+        return sites
 
     async def _alive_since(self, since: float) -> list[JoinAgentLink]:
         """The ready agents heard from since the change began (a heartbeat every BEAT_S): one
@@ -155,7 +155,7 @@ class Rounds:
 
     def record(
         self,
-        nodes: list[Node],
+        sites: list[Site],
         why: str,
         counted: bool,
         restarts: int,
@@ -165,8 +165,8 @@ class Rounds:
         """A new round in the timeline, at the next attempt number."""
         entry = protocol.records.Round(
             attempt=self.next_attempt,
-            nodes=[n.label for n in nodes],
-            world_size=self.spec.nproc * len(nodes),
+            nodes=[s.label for s in sites],
+            world_size=self.spec.nproc * len(sites),
             why=why,
             counted=counted,
             restarts=restarts,
@@ -193,7 +193,7 @@ class Rounds:
         if entry is not None:
             entry["rendezvous_s"] = max(entry["rendezvous_s"] or 0.0, seconds)
 
-    def newcomers(self, serving: list[Node]) -> list[JoinAgentLink]:
+    def newcomers(self, serving: list[Site]) -> list[JoinAgentLink]:
         """Agents ready now that the round does not run on."""
-        numbers = {n.number for n in serving}
+        numbers = {s.number for s in serving}
         return [a for a in self.cluster.ready() if a.number not in numbers]

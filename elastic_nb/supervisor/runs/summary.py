@@ -18,7 +18,7 @@ from elastic_nb.common.rank_state import RankState
 from elastic_nb.common.rundir import RunDir
 from elastic_nb.common.spec import JobSpec
 from elastic_nb.supervisor.forensics.verdict import Verdict, analyze
-from elastic_nb.supervisor.processes.node import Survivor
+from elastic_nb.supervisor.processes.site import Survivor
 from elastic_nb.supervisor.ranks.checkpoint_log import CheckpointLog, cost_words
 from elastic_nb.supervisor.ranks.rank_book import RankBook
 

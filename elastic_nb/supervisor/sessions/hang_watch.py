@@ -38,7 +38,7 @@ async def watch_hangs(group: RankGroup, current: Callable[[], SessionCell | None
 
 
 async def _hang_alert(group: RankGroup, cell: SessionCell) -> None:
-    collector = EvidenceCollector(group.rd, group.book.node, cell.source, cell.rd.cell)
+    collector = EvidenceCollector(group.rd, group.book.site, cell.source, cell.rd.cell)
     ev = await collector.collect(group.book.of(group.attempt))
     title = f"no output from any rank for {cell.spec.hang_after:g} s (--hang-after)"
     found = where_finding(title, ev, group.held_memory())

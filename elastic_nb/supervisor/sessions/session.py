@@ -33,7 +33,7 @@ from elastic_nb import protocol
 from elastic_nb.common.rank_state import RankState
 from elastic_nb.common.spec import JobSpec
 from elastic_nb.supervisor.forensics.watchdogs import Silence
-from elastic_nb.supervisor.processes.node import Node
+from elastic_nb.supervisor.processes.site import Site
 from elastic_nb.supervisor.ranks.checkpoint_log import cost_words
 from elastic_nb.supervisor.ranks.evidence import EvidenceCollector
 from elastic_nb.supervisor.ranks.rank_links import Link, RankLinks
@@ -65,14 +65,14 @@ class Session(RankGroup):
         session_id: str,
         spec: JobSpec,
         env: dict[str, str],
-        node: Node | None,
+        site: Site | None,
         send: Send,
         socket_dir: Path,
         machines: Machines | None = None,
     ) -> None:
         preload = tuple(dict.fromkeys((*spec.preload, *SESSION_PRELOAD)))
         spec = replace(spec, session=True, preload=preload)
-        super().__init__(session_id, spec, node, send, machines)
+        super().__init__(session_id, spec, site, send, machines)
         self.socket_path = socket_dir / f"session-{session_id}.sock"
         self._env = env
         self._listener: SocketListener | None = None
@@ -162,7 +162,7 @@ class Session(RankGroup):
         cell = self.current
         ranks = self.book.of(self.attempt)
         collector = EvidenceCollector(
-            self.rd, self.book.node, cell.source if cell else "", cell.rd.cell if cell else None
+            self.rd, self.book.site, cell.source if cell else "", cell.rd.cell if cell else None
         )
         ev = await collector.collect(ranks)
         title = f"stacks of every rank of session {self.id}, attempt {self.attempt}"
@@ -319,15 +319,15 @@ class Session(RankGroup):
                     protocol.sessions.Bye(kind=protocol.sessions.BYE)
                 )  # elastic_launch returns
             async with anyio.create_task_group() as tg:
-                for node in self.nodes:
-                    tg.start_soon(node.wait_stopped, self.spec.stop_grace, False)
+                for site in self.sites:
+                    tg.start_soon(site.wait_stopped, self.spec.stop_grace, False)
 
     def _close(self) -> None:
         with contextlib.suppress(OSError):
             self.socket_path.unlink()
 
-    async def _relayed_rank(self, stream: Any, peer: int | None, node: Node) -> None:
-        await self._ranks.serve(stream, peer, node)
+    async def _relayed_rank(self, stream: Any, peer: int | None, site: Site) -> None:
+        await self._ranks.serve(stream, peer, site)
 
     async def _summarize(self, outcome: str, reason: str) -> protocol.records.Summary:
         self.tailer.poll(final=True)
@@ -371,16 +371,16 @@ class Session(RankGroup):
         return self.attempt != attempt or not cell.running
 
     async def _cell_dirs(self, cell: SessionCell) -> dict[int, str] | None:
-        """The cell's run directory as each node's ranks see it (another machine's receives the
-        cell's files first), by node; None when a node has gone meanwhile."""
+        """The cell's run directory as each site's ranks see it (another machine's receives the
+        cell's files first), by site; None when a machine has gone meanwhile."""
         dirs: dict[int, str] = {}
         for link in self._ranks.of(self.attempt):
-            node = self.book.node(link.r)
-            if id(node) not in dirs:
-                where = await node.cell_dir(cell.id, cell.rd)
+            site = self.book.site(link.r)
+            if id(site) not in dirs:
+                where = await site.cell_dir(cell.id, cell.rd)
                 if where is None:
                     return None
-                dirs[id(node)] = where
+                dirs[id(site)] = where
         return dirs
 
     async def _send(self, cell: SessionCell, dirs: dict[int, str]) -> list[Link]:
@@ -388,7 +388,7 @@ class Session(RankGroup):
         self.current = cell
         links = self._ranks.of(self.attempt)
         for link in links:
-            run_dir = dirs[id(self.book.node(link.r))]
+            run_dir = dirs[id(self.book.site(link.r))]
             await link.send(
                 protocol.sessions.Run(kind=protocol.sessions.RUN, cell=cell.id, run_dir=run_dir)
             )

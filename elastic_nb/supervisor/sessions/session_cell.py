@@ -157,7 +157,7 @@ class SessionCell:
                 group.spec.stop_grace,
             )
         ]
-        collector = EvidenceCollector(group.rd, group.book.node, self.source, self.rd.cell)
+        collector = EvidenceCollector(group.rd, group.book.site, self.source, self.rd.cell)
         watch = DesyncWatch(collector) if len(links) > 1 else None
         look_at = math.inf
         watchdog_seen = False

@@ -1,5 +1,5 @@
-"""The supervisor's side of a join agent (supervisor/nodes/remote_node.py, cluster.py), below the
-channel: what a bug of ours or a silent agent may cost is one message, one task or one node's
+"""The supervisor's side of a join agent (supervisor/nodes/remote_site.py, cluster.py), below the
+channel: what a bug of ours or a silent agent may cost is one message, one task or one site's
 answer, never the supervisor (whose teardowns need the cluster's tasks to hear their agents).
 The agents themselves, over the real channel, are tests/test_multinode.py's."""
 
@@ -20,16 +20,16 @@ from elastic_nb.common import machine
 from elastic_nb.common.rank_state import RankState
 from elastic_nb.common.rundir import RunDir
 from elastic_nb.kernel.flags import job_spec
-from elastic_nb.supervisor.nodes import remote_node
+from elastic_nb.supervisor.nodes import remote_site
 from elastic_nb.supervisor.nodes.agent_link import JoinAgentLink
 from elastic_nb.supervisor.nodes.cluster import Cluster
-from elastic_nb.supervisor.nodes.remote_node import RemoteNode
-from elastic_nb.supervisor.processes.node import Work
+from elastic_nb.supervisor.nodes.remote_site import RemoteSite
+from elastic_nb.supervisor.processes.site import Work
 
 pytestmark = pytest.mark.unit
 
 
-async def _node(tmp_path: Path, sent: list[Any], attempt: int = 0) -> RemoteNode:
+async def _site(tmp_path: Path, sent: list[Any], attempt: int = 0) -> RemoteSite:
     """Round `attempt` of group g1 started on an agent that opens the round it is ordered to
     and answers no other order (`sent`: every order it took)."""
 
@@ -44,7 +44,7 @@ async def _node(tmp_path: Path, sent: list[Any], attempt: int = 0) -> RemoteNode
         return True
 
     link = JoinAgentLink(send, lambda *a: None, b"peer", 1, machine.describe("10.0.0.2", ""), "x:1")
-    node = RemoteNode(RunDir(str(tmp_path)), link, 0, None, {})
+    site = RemoteSite(RunDir(str(tmp_path)), link, 0, None, {})
     spec = job_spec({"nproc": "2", "nnodes": "1:2", "log_dir": str(tmp_path)}, cwd=str(tmp_path))
     plan = protocol.launcher.LaunchRound(
         attempt=attempt,
@@ -56,17 +56,17 @@ async def _node(tmp_path: Path, sent: list[Any], attempt: int = 0) -> RemoteNode
         key="00",
     )
     with anyio.fail_after(10):
-        assert await node.start(Work("g1", spec, {}, plan)) is False  # a cold launcher took it
-    assert node.launcher_pid == 4242 and node.launcher_alive()
-    return node
+        assert await site.start(Work("g1", spec, {}, plan)) is False  # a cold launcher took it
+    assert site.launcher_pid == 4242 and site.launcher_alive()
+    return site
 
 
-def _said(node: RemoteNode, msg: dict[str, Any], round: int = 0) -> None:
-    """The agent tells what the node's launcher said in `round`."""
+def _said(site: RemoteSite, msg: dict[str, Any], round: int = 0) -> None:
+    """The agent tells what the site's launcher said in `round`."""
     said = protocol.agents.LauncherSaid(
         kind=protocol.agents.LAUNCHER, group="g1", round=round, msg=msg
     )
-    node.link.dispatch(said, None)
+    site.link.dispatch(said, None)
 
 
 def _started(rank: int, attempt: int = 0) -> dict[str, Any]:
@@ -79,17 +79,17 @@ def test_a_rounds_news_that_nobody_reads_any_more_is_dropped(tmp_path: Path) -> 
     what it said is still known: the rank it started goes with its node."""
 
     async def main() -> None:
-        node = await _node(tmp_path, [])
-        reader = node.messages()
-        _said(node, _started(1))
+        site = await _site(tmp_path, [])
+        reader = site.messages()
+        _said(site, _started(1))
         assert await reader.__anext__() == _started(1)  # the group's reader took it
         await reader.aclose()  # the group's reader ended
-        _said(node, _started(0))  # raised BrokenResourceError
-        node.link.gone("lost", "connection lost")
+        _said(site, _started(0))  # raised BrokenResourceError
+        site.link.gone("lost", "connection lost")
         r = RankState(0, 0, pid=100)
         with anyio.fail_after(5):
-            gone_at, _ = await node.wait_gone(r)
-        assert gone_at == node.link.last_heard_wall and not node.alive(r)
+            gone_at, _ = await site.wait_gone(r)
+        assert gone_at == site.link.last_heard_wall and not site.alive(r)
         assert r.lost == "its node left: connection lost"
 
     anyio.run(main)
@@ -101,12 +101,12 @@ def test_a_closed_rounds_late_news_is_not_taken_as_the_next_rounds(tmp_path: Pat
     opened the next there. Taken as the new launcher's exit, it failed a round that had just
     begun ("torchelastic gave up: launcher received SIGTERM", the old launcher's end) and spent
     a restart (test_notebooks, once in a full run). Each piece of news names its round; another
-    round's is dropped, the node's own is taken."""
+    round's is dropped, the site's own is taken."""
 
     async def main() -> None:
         # the round after a join: the agent still tells of round 1
-        node = await _node(tmp_path, [], attempt=2)
-        link, group = node.link, "g1"
+        site = await _site(tmp_path, [], attempt=2)
+        link, group = site.link, "g1"
         late: list[protocol.agents.NodeNews] = [
             protocol.agents.LauncherSaid(
                 kind=protocol.agents.LAUNCHER, group=group, round=1, msg=_started(1, attempt=1)
@@ -153,14 +153,14 @@ def test_a_closed_rounds_late_news_is_not_taken_as_the_next_rounds(tmp_path: Pat
             protocol.agents.Beat(kind=protocol.agents.BEAT, t=0.0, groups={group: beat}), None
         )
         log = tmp_path / "launcher.log"
-        outcome = node.launcher_outcome(log)
-        assert node.launcher_alive() and outcome[0] == "failed"
+        outcome = site.launcher_outcome(log)
+        assert site.launcher_alive() and outcome[0] == "failed"
         assert "never reported" in outcome[1], outcome
         r = RankState(1, 1, pid=100)
-        assert node.alive(r)  # its going, told late, is none of this round's
+        assert site.alive(r)  # its going, told late, is none of this round's
         # No beat of round 1 taken: no zombie, no OOM count, the launcher as the open left it
-        assert not node.unreaped(r) and node.oom_kills() is None and node.running()
-        assert node.read_memory([r]).rss == {}
+        assert not site.unreaped(r) and site.oom_kills() is None and site.running()
+        assert site.read_memory([r]).rss == {}
 
         own = protocol.agents.LauncherExit(
             kind=protocol.agents.LAUNCHER_EXIT,
@@ -171,12 +171,12 @@ def test_a_closed_rounds_late_news_is_not_taken_as_the_next_rounds(tmp_path: Pat
         )
         link.dispatch(own, None)
         with anyio.fail_after(5):
-            await node.launcher_exited()
-            told = [msg async for msg in node.messages()]
+            await site.launcher_exited()
+            told = [msg async for msg in site.messages()]
         assert told == []  # nothing of round 1 reached the group's reader, its start neither
-        assert not node.launcher_alive() and node.launcher_outcome(log) == (
+        assert not site.launcher_alive() and site.launcher_outcome(log) == (
             "succeeded",
-            f"{node.label}: every rank finished",
+            f"{site.label}: every rank finished",
         )
 
     anyio.run(main)
@@ -187,14 +187,14 @@ def test_a_stop_the_agent_never_answers_is_bounded(
 ) -> None:
     """A teardown is shielded from cancellation: a stop waiting forever on an agent that takes
     the order and never answers would hold the supervisor forever."""
-    monkeypatch.setattr(remote_node, "ANSWER_S", 0.2)
+    monkeypatch.setattr(remote_site, "ANSWER_S", 0.2)
 
     async def main() -> None:
         sent: list[Any] = []
-        node = await _node(tmp_path, sent)
+        site = await _site(tmp_path, sent)
         started = time.monotonic()
         with anyio.fail_after(10, shield=True):  # as a teardown's; failing, not hanging
-            survivors = await node.stop(0.1, lambda sig, pids: None)
+            survivors = await site.stop(0.1, lambda sig, pids: None)
         assert survivors == []
         assert [m["kind"] for m in sent] == [protocol.agents.OPEN, protocol.agents.STOP]
         assert time.monotonic() - started < 5
@@ -332,8 +332,8 @@ def test_a_node_writes_only_the_files_of_the_ranks_its_launcher_started(tmp_path
     their own files are taken, and rank 0's once that node says its launcher started it."""
 
     async def main() -> None:
-        node = await _node(tmp_path, [])  # its run directory is the group's, as the open left it
-        link = node.link
+        site = await _site(tmp_path, [])  # its run directory is the group's, as the open left it
+        link = site.link
 
         def file(rel: str, data: bytes = b"x") -> None:
             chunk = protocol.agents.FileChunk(
@@ -342,7 +342,7 @@ def test_a_node_writes_only_the_files_of_the_ranks_its_launcher_started(tmp_path
             link.dispatch(chunk, data)
 
         def started(rank: int) -> None:
-            _said(node, _started(rank))
+            _said(site, _started(rank))
 
         started(2)
         started(3)
@@ -420,7 +420,7 @@ def test_a_relayed_rank_hello_is_taken_only_for_a_rank_of_that_machine(
             pass
 
     async def main() -> None:
-        there = await _node(tmp_path, [])
+        there = await _site(tmp_path, [])
         here: Any = SimpleNamespace(number=0, label="this machine")  # what the check reads
         book = RankBook(RunDir(str(tmp_path)))
         r0 = book.add(0, 0, 4242, time.time(), here)
@@ -431,7 +431,7 @@ def test_a_relayed_rank_hello_is_taken_only_for_a_rank_of_that_machine(
 
         changed: list[None] = []
         links = RankLinks("s1", book, until, lambda: changed.append(None), lambda *a: None)
-        with anyio.fail_after(5):  # each connection, relayed (its node) or here (None)
+        with anyio.fail_after(5):  # each connection, relayed (its site) or here (None)
             await links.serve(Hello(0), 4242, there)
             await links.serve(Hello(2), 4242, None)
             assert not links.linked(r0) and not links.linked(r2) and changed == []

@@ -1,16 +1,17 @@
-"""Nodes: where a rank group's ranks run, and every operation on them there.
+"""Sites: one machine's part in one rank group, and every operation on its ranks there.
 
-A rank group (a one-off job, a session) runs its ranks on nodes. Everything the supervisor does to
-a rank or to its launcher goes through the node it runs on: give a launcher the group's work, hear
-what its agent says, see a rank go and read how it ended, signal it, ask it for its stacks or its
-flight recorder, count the OOM killer's kills, end the process tree. Jobs, sessions and every
-diagnosis are written once, against `Node`.
+A rank group (a one-off job, a session) runs its ranks on machines (nodes); its part on each is a
+site. Everything the supervisor does to a rank or to its launcher goes through the site it runs
+at: give a launcher the group's work, hear what its agent says, see a rank go and read how it
+ended, signal it, ask it for its stacks or its flight recorder, count the OOM killer's kills, end
+the process tree. Jobs, sessions and every diagnosis are written once, against `Site`.
 
 The seam follows jupyter_client's kernel provisioner (provisioning/provisioner_base.py: launch,
 poll, wait, send_signal, kill, cleanup; one instance per kernel, the manager calling only it): one
-`Node` per rank group and machine, holding that group's processes there. `LocalNode` is this
-machine (local_node.py). A join agent on another machine, reached over an authenticated channel, is a second
-implementation of the same interface, not a second path through the job.
+`Site` per rank group and machine (for a round, or on one machine for the group's life), holding
+that group's processes there. `LocalSite` is this machine's (local_site.py). A join agent on
+another machine, reached over an authenticated channel, is a second implementation of the same
+interface (nodes/remote_site.py), not a second path through the job.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from elastic_nb.common.spec import JobSpec
 from elastic_nb.protocol.records import Survivor
 from elastic_nb.supervisor.forensics.watchdogs import TorchAgent
 
-__all__ = ["MemoryReading", "Node", "StackDump", "Survivor", "Work", "stacks_of"]
+__all__ = ["MemoryReading", "Site", "StackDump", "Survivor", "Work", "stacks_of"]
 
 
 @dataclass
@@ -47,12 +48,12 @@ class StackDump:
 
 @dataclass(frozen=True)
 class MemoryReading:
-    """What a node reads of its ranks' memory without asking them."""
+    """What a site reads of its ranks' memory without asking them."""
 
     rss: dict[int, int]  # rank -> resident bytes
     gpu: dict[int, protocol.records.GpuShare]  # rank -> NVML's figures, for ranks it sees on a GPU
-    limit: MemoryLimit | None  # what bounds the host memory of the node's ranks
-    gpus: bool  # the node has GPUs NVML can see: its ranks may hold CUDA memory
+    limit: MemoryLimit | None  # what bounds the host memory of the site's ranks
+    gpus: bool  # its machine has GPUs NVML can see: its ranks may hold CUDA memory
 
     def of(self, ranks: list[RankState]) -> MemoryReading:
         """The same reading, for these ranks alone."""
@@ -67,18 +68,18 @@ class MemoryReading:
 
 @dataclass(frozen=True)
 class Work:
-    """What a node's launcher is given for a group (a job or a session)."""
+    """What a site's launcher is given for a group (a job or a session)."""
 
     group: str  # the group's id: its processes' marker
     spec: JobSpec
     env: dict[str, str]  # the ranks' environment
-    # A multi-node group's round (the node fills in its own endpoint, address and interface).
+    # A multi-node group's round (the site fills in its own endpoint, address and interface).
     plan: protocol.launcher.LaunchRound | None = None
 
 
-class Node(ABC):
+class Site(ABC):
     """One machine's part of a rank group: its launcher, its ranks, the end of its processes.
-    `rd` is the group's run directory, where the node keeps what its ranks leave."""
+    `rd` is the group's run directory, where the site keeps what its ranks leave."""
 
     name = "this machine"
 
@@ -87,18 +88,18 @@ class Node(ABC):
         self.number = number  # 0: the notebook's machine; a join agent's, in join order
         self.host = host or socket.gethostname()
         self.oom_base: int | None = None  # the OOM killer's count when the group started here
-        self.clock_offset = 0.0  # add to this node's wall clock for ours (0: it is ours)
+        self.clock_offset = 0.0  # add to its machine's wall clock for ours (0: it is ours)
 
     @property
     def label(self) -> str:
-        """How messages name it: 'node 1 (gpu-b)'."""
+        """How messages name it, by its machine: 'node 1 (gpu-b)'."""
         return f"node {self.number} ({self.host})"
 
     # ---- the launcher --------------------------------------------------------------------------
 
     @abstractmethod
     async def start(self, work: Work) -> bool:
-        """Give a launcher the group's work (the run directory is the node's); True if the
+        """Give a launcher the group's work (the run directory is the site's); True if the
         launcher was started ahead of it (warm)."""
 
     @abstractmethod
@@ -115,7 +116,7 @@ class Node(ABC):
 
     @abstractmethod
     async def launcher_exited(self) -> None:
-        """Until the launcher has exited, within a bound of the node's (a process in D state may
+        """Until the launcher has exited, within a bound of the site's (a process in D state may
         take its time)."""
 
     @abstractmethod
@@ -126,14 +127,14 @@ class Node(ABC):
     def torch_agent(self) -> TorchAgent:
         """torchelastic's agent now, for the zombie watchdog."""
 
-    def ranks_up(self, spec: JobSpec) -> None:  # noqa: B027 - a hint a node may ignore
-        """Every rank of the first attempt runs: a moment for the node to get ready for the next
+    def ranks_up(self, spec: JobSpec) -> None:  # noqa: B027 - a hint a site may ignore
+        """Every rank of the first attempt runs: a moment for the site to get ready for the next
         group (a warm launcher)."""
 
     async def cell_dir(self, cell_id: str, rd: RunDir) -> str | None:
-        """A session cell's run directory as this node's ranks reach it (on this machine, the
-        cell's own; another machine's node sends the cell's files there first); None when the
-        node has gone."""
+        """A session cell's run directory as this site's ranks reach it (on this machine, the
+        cell's own; another machine's site sends the cell's files there first); None when its
+        machine has gone."""
         return str(rd.path)
 
     # ---- ranks -----------------------------------------------------------------------------
@@ -141,7 +142,7 @@ class Node(ABC):
     @abstractmethod
     async def wait_gone(self, r: RankState) -> tuple[float, float]:
         """Until the rank's process has ended; returns when it was seen gone (time.time(),
-        time.monotonic()). Sets `r.exit_code` when the node can read it at once."""
+        time.monotonic()). Sets `r.exit_code` when the site can read it at once."""
 
     @abstractmethod
     def alive(self, r: RankState) -> bool:
@@ -204,20 +205,20 @@ class Node(ABC):
     @abstractmethod
     def close(self, ended: bool = True) -> None:
         """The group's round has ended here (`ended`: the group itself): its logs kept in its
-        run directory, what the node holds for it freed."""
+        run directory, what the site holds for it freed."""
 
 
 async def stacks_of(
-    ranks: list[RankState], node_of: Callable[[RankState], Node], wait_s: float
+    ranks: list[RankState], site_of: Callable[[RankState], Site], wait_s: float
 ) -> dict[int, StackDump]:
-    """Every given live rank's stack, each asked through its node, all nodes at once."""
+    """Every given live rank's stack, each asked through its site, all sites at once."""
     out: dict[int, StackDump] = {}
-    nodes = {id(node_of(r)): node_of(r) for r in ranks}
+    sites = {id(site_of(r)): site_of(r) for r in ranks}
 
-    async def ask(node: Node) -> None:
-        out.update(await node.stacks([r for r in ranks if node_of(r) is node], wait_s))
+    async def ask(site: Site) -> None:
+        out.update(await site.stacks([r for r in ranks if site_of(r) is site], wait_s))
 
     async with anyio.create_task_group() as tg:
-        for node in nodes.values():
-            tg.start_soon(ask, node)
+        for site in sites.values():
+            tg.start_soon(ask, site)
     return out

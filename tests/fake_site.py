@@ -1,4 +1,4 @@
-"""A node with no processes, for unit tests of what a rank group decides: the test plays the
+"""A site with no processes, for unit tests of what a rank group decides: the test plays the
 launcher (what it says) and the ranks (when each goes, how it ended, what its stack and flight
 recorder show), waits until the group has taken in what the launcher said (`heard`), and reads
 what the group did to them (signals, the teardown)."""
@@ -18,12 +18,12 @@ from elastic_nb import protocol
 from elastic_nb.common.rank_state import RankState
 from elastic_nb.common.rundir import RunDir
 from elastic_nb.supervisor.forensics.watchdogs import TorchAgent
-from elastic_nb.supervisor.processes.node import MemoryReading, Node, StackDump, Survivor, Work
+from elastic_nb.supervisor.processes.site import MemoryReading, Site, StackDump, Survivor, Work
 
 LAUNCHER_PID = 4242
 
 
-class FakeNode(Node):
+class FakeSite(Site):
     name = "a fake machine"
 
     def __init__(self, rd: RunDir) -> None:
@@ -77,7 +77,7 @@ class FakeNode(Node):
         self._event(attempt, rank).set()
 
     def rank_died_unseen(self, attempt: int, rank: int, code: int) -> None:
-        """The rank has ended (`code`), but its node sees it only at the teardown (a loaded
+        """The rank has ended (`code`), but its site sees it only at the teardown (a loaded
         machine reaps late): the teardown's signal finds it gone."""
         self._codes[(attempt, rank)] = code
 

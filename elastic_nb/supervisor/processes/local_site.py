@@ -1,4 +1,4 @@
-"""This machine as a node (processes.node.Node): its launcher taken from the supervisor's pool (a
+"""This machine's site (processes.site.Site): its launcher taken from the supervisor's pool (a
 warm fork of the zygote), its ranks watched by pidfd, signalled, asked for their stacks and flight
 recorders through their probe FIFOs, its memory read from /proc, cgroups and NVML, and its
 process tree ended by the teardown's steps.
@@ -26,10 +26,10 @@ from elastic_nb.common.spec import JobSpec
 from elastic_nb.supervisor.forensics.watchdogs import TorchAgent
 from elastic_nb.supervisor.processes.launcher_pool import LauncherPool
 from elastic_nb.supervisor.processes.launcher_process import Launcher
-from elastic_nb.supervisor.processes.node import MemoryReading, Node, StackDump, Survivor, Work
 from elastic_nb.supervisor.processes.process_tree import ProcessTree
+from elastic_nb.supervisor.processes.site import MemoryReading, Site, StackDump, Survivor, Work
 
-__all__ = ["LocalNode"]
+__all__ = ["LocalSite"]
 
 POLL_S = 0.05  # how often a rank without a pidfd is looked at
 STACK_POLL_S = 0.02
@@ -40,7 +40,7 @@ PROBE_POLL_S = (0.001, 0.01)  # a probe's answer is looked for after 1 ms, 2, 4,
 _TAIL = 1024  # bytes: enough for a dump's last line
 
 
-class LocalNode(Node):
+class LocalSite(Site):
     """This machine: a launcher from the supervisor's pool, the ranks it starts, found by what they
     are (pids through pidfds, the job's marker, the launcher's process group)."""
 
@@ -103,7 +103,7 @@ class LocalNode(Node):
         self._pool.job_running(spec)
 
     def _started(self) -> Launcher:
-        assert self._launcher is not None, "the node has no launcher yet"
+        assert self._launcher is not None, "the site has no launcher yet"
         return self._launcher
 
     # ---- ranks -----------------------------------------------------------------------------

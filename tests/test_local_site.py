@@ -1,4 +1,4 @@
-"""This machine as a node, with real processes: the end of a process tree (SIGTERM, the grace,
+"""This machine's site, with real processes: the end of a process tree (SIGTERM, the grace,
 SIGKILL, nothing left) and a live rank's stack dump, read whole."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from elastic_nb.common import procs
 from elastic_nb.common.rank_state import RankState
 from elastic_nb.common.rundir import RunDir
 from elastic_nb.supervisor.processes.launcher_pool import LauncherPool
-from elastic_nb.supervisor.processes.local_node import LocalNode
+from elastic_nb.supervisor.processes.local_site import LocalSite
 from elastic_nb.supervisor.processes.process_tree import ProcessTree
 from elastic_nb.supervisor.ranks.evidence import EvidenceCollector
 
@@ -81,8 +81,8 @@ def test_a_stack_dump_is_read_whole_when_its_rank_pauses_in_the_middle(tmp_path:
     try:
         assert rank.stdout is not None and rank.stdout.readline() == "armed\n"
         r = RankState(0, 0, pid=rank.pid, started_at=time.time())
-        node = LocalNode(rd, LauncherPool(str(tmp_path / "pool")), list, lambda: None)
-        where = anyio.run(EvidenceCollector(rd, lambda _: node, "x = 1\n")._where, [r])[0]
+        site = LocalSite(rd, LauncherPool(str(tmp_path / "pool")), list, lambda: None)
+        where = anyio.run(EvidenceCollector(rd, lambda _: site, "x = 1\n")._where, [r])[0]
         assert where.how == "live" and where.frames[0].file == cell, where
     finally:
         rank.kill()
@@ -98,12 +98,12 @@ def test_a_rank_seen_gone_is_not_alive_while_its_exit_status_is_on_its_way(tmp_p
     rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         r = RankState(0, 0, pid=rank.pid, started_at=time.time())
-        node = LocalNode(rd, LauncherPool(str(tmp_path / "pool")), list, lambda: None)
-        assert node.alive(r)
+        site = LocalSite(rd, LauncherPool(str(tmp_path / "pool")), list, lambda: None)
+        assert site.alive(r)
         rank.kill()
-        anyio.run(node.wait_gone, r)
-        assert r.died_at is None and not node.alive(r)
-        assert not node.signal(r, signal.SIGTERM)  # its pid may be another process's by now
+        anyio.run(site.wait_gone, r)
+        assert r.died_at is None and not site.alive(r)
+        assert not site.signal(r, signal.SIGTERM)  # its pid may be another process's by now
     finally:
         rank.kill()
         rank.wait()

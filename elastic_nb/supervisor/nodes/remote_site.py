@@ -1,13 +1,13 @@
-"""A node on another machine: one group's round on a join agent (`RemoteNode`), through the
+"""A site on another machine: one group's round on a join agent (`RemoteSite`), through the
 agent's link (agent_link.JoinAgentLink).
 
-The second implementation of `processes.node.Node`: the group asks it what it asks a
-`LocalNode`, and the agent answers with its own `LocalNode` there. What the group must know at
+The second implementation of `processes.site.Site`: the group asks it what it asks a
+`LocalSite`, and the agent answers with its own `LocalSite` there. What the group must know at
 once (is a rank alive, a zombie, how the launcher is doing, its ranks' memory) comes in the
 agent's heartbeat and news and is read here without asking; what takes the ranks' answer (their
 stacks, a flight-recorder probe) or the agent's action (a signal, the teardown) is an order. The
 ranks' files are mirrored into the group's run directory as they grow, so the run directory's
-readers need no node at all.
+readers need no site at all.
 
 When the agent is lost, every rank it ran for the group is gone at the moment it was last
 heard from, marked as lost with the reason: a departure is a failure of that node's ranks, and
@@ -35,21 +35,21 @@ from elastic_nb.common.spec import JobSpec
 from elastic_nb.supervisor.forensics.watchdogs import TorchAgent
 from elastic_nb.supervisor.nodes.agent_link import ANSWER_S, JoinAgentLink, NodeLost
 from elastic_nb.supervisor.nodes.files import INPUTS, pack
-from elastic_nb.supervisor.processes.node import MemoryReading, Node, StackDump, Survivor, Work
+from elastic_nb.supervisor.processes.site import MemoryReading, Site, StackDump, Survivor, Work
 
-__all__ = ["RemoteNode"]
+__all__ = ["RemoteSite"]
 
 R = TypeVar("R")  # an answer's data
 
 
-# A session rank's relayed connection: the stream, its pid as the agent saw it, the node.
-SessionStreams = Callable[[ByteStream, int | None, Node], Awaitable[None]]
+# A session rank's relayed connection: the stream, its pid as the agent saw it, the site.
+SessionStreams = Callable[[ByteStream, int | None, Site], Awaitable[None]]
 
 
 log = logging.getLogger(__name__)
 
 
-class RemoteNode(Node):
+class RemoteSite(Site):
     def __init__(
         self,
         rd: RunDir,
@@ -91,14 +91,14 @@ class RemoteNode(Node):
 
     async def start(self, work: Work) -> bool:
         group, spec, plan = work.group, work.spec, work.plan
-        assert plan is not None, "a node on another machine runs multi-node rounds only"
+        assert plan is not None, "a site on another machine runs multi-node rounds only"
         self._group, self.round = group, plan["attempt"]
         agent = self.link
         files = b""
         if (group, "") not in agent.dirs:  # the agent has not served this group yet
             files = await anyio.to_thread.run_sync(pack, self._ship)
             agent.dirs[(group, "")] = self.rd.path
-        agent.nodes[group] = self
+        agent.sites[group] = self
         self.clock_offset = agent.clock_offset or 0.0
         order = protocol.agents.Open(
             kind=protocol.agents.OPEN,
@@ -228,7 +228,7 @@ class RemoteNode(Node):
     async def _ask(
         self, order: protocol.agents.Request, answer: type[R], wait_s: float
     ) -> R | None:
-        """The agent's answer to an order about this node's ranks that takes up to `wait_s`
+        """The agent's answer to an order about this site's ranks that takes up to `wait_s`
         there; None if none came (the agent is lost, did not answer, or failed): the callers
         then do without, as for a rank that cannot be asked."""
         try:
@@ -300,8 +300,8 @@ class RemoteNode(Node):
         group = self._group
         if group is None:
             return
-        if self.link.nodes.get(group) is self:
-            del self.link.nodes[group]
+        if self.link.sites.get(group) is self:
+            del self.link.sites[group]
         # Its run directories stay known: the agent sends what is left of the group's files
         # (its launcher's last lines) as it closes it.
         self._order(protocol.agents.Close(kind=protocol.agents.CLOSE, group=group, ended=ended))
@@ -419,8 +419,8 @@ class RemoteNode(Node):
         await stream.aclose()
 
 
-# A group's news from its agent, by kind: RemoteNode's handler of each (agent_link routes only
-# these kinds to a node)
+# A group's news from its agent, by kind: RemoteSite's handler of each (agent_link routes only
+# these kinds to a site)
 _NEWS = {
     protocol.agents.LAUNCHER: "_launcher_said",
     protocol.agents.LAUNCHER_EXIT: "_launcher_exit",

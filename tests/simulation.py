@@ -34,7 +34,9 @@ from elastic_nb.supervisor.runs.placement import InRounds, OneMachine
 KILL_WINDOW_S = 0.5  # RankBook's kill_window for the default --stop-grace (2 s): min(2, 1) / 2
 SEEN_LATE_S = 0.4  # a loaded machine's site sees a death up to this late (within the kill window)
 AGENT_WORD_LATE_S = 2.5  # torch's agent's word comes up to this late (within AGENT_WORD_S)
-STORIES = ("succeeds", "raises", "oom", "exit0", "own_kill", "hang", "agent", "lost", "stop")
+STORIES = (
+    "succeeds", "raises", "oom", "exit0", "own_kill", "hang", "agent", "lost", "stop", "outside",
+)  # fmt: skip
 
 
 class Broken(AssertionError):
@@ -71,6 +73,7 @@ class Sim:
         self.attempt = -1  # the world's newest attempt
         self.gone: set[tuple[int, int]] = set()  # ranks whose process has ended
         self.hung: dict[int, int] = {}  # attempt -> the rank that sleeps while others time out
+        self.outside: dict[int, int] = {}  # attempt -> the rank a peer outside the job died under
         self.torch_ended: set[int] = set()  # attempts torch's agent has ended
         self.ended_rounds: set[int] = set()  # attempts a new round replaces
         self.closed: set[int] = set()  # attempts whose RoundEnded the core has heard
@@ -163,6 +166,14 @@ class Sim:
             return
         if truth.story == "agent":
             self.at(T, "torch's agent fails", lambda: self.agent_fails(a, ranks))
+            return
+        if truth.story == "outside":
+            # A process outside the job (a helper the cell started) dies under rank k: its peer
+            # error, its exit; torch's agent then stops the others (SIGTERM).
+            self.outside[a] = k
+            self.at(
+                T, f"a peer outside the job dies under rank {k}", lambda: self.peer_error(ranks[k])
+            )
             return
         truth.culprits = {k}
         if truth.story in ("raises", "oom"):
@@ -412,7 +423,7 @@ class Sim:
         if core.restarts > self.max_restarts:
             raise Broken(f"{core.restarts} restarts spent, the budget is {self.max_restarts}")
         for a in self.restarted:
-            if not self.truths[a].culprits and self.truths[a].story != "agent":
+            if not self.truths[a].culprits and self.truths[a].story not in ("agent", "outside"):
                 raise Broken(
                     f"attempt {a} ('{self.truths[a].story}') was restarted: no rank of it failed"
                 )
@@ -451,6 +462,11 @@ class Sim:
         elif truth.story == "agent" and "agent" not in core.outcome[1] and outcome == "failed":
             raise Broken(
                 f"torch's agent failed in attempt {final}; the job says: {core.outcome[1]}"
+            )
+        elif truth.story == "outside" and root is not None and root != self.outside[final]:
+            raise Broken(
+                f"a peer outside the job died under rank {self.outside[final]} in attempt {final};"
+                f" the verdict names rank {root} ({verdict.cause})"
             )
         elif truth.story in ("agent", "stop") and root is not None:
             raise Broken(

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from elastic_nb.common.rank_state import RankState
+from elastic_nb.supervisor.forensics import verdict
 from elastic_nb.supervisor.forensics.verdict import Verdict
 from elastic_nb.supervisor.runs import decider
 from elastic_nb.supervisor.runs.cell_rules import CellRules
@@ -69,6 +70,7 @@ def test_the_worlds_cover_every_story_on_both_placements() -> None:
         "agent",
         "lost",
         "stop",
+        "outside",
     }
     assert {(True, s) for s in stories} | {(False, s) for s in stories - {"lost"}} == seen
     assert restarts > 100
@@ -278,3 +280,15 @@ def test_a_machine_lost_mid_stop_blamed_is_found(monkeypatch: pytest.MonkeyPatch
     found = first_broken()
     assert found is not None and "(node_lost)" in found[1], found
     assert "lost mid-stop" in "\n".join(found[2]), found[1]
+
+
+def test_a_rank_torch_stopped_after_a_peer_outside_the_job_died_blamed_is_found(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found this stop (test_promises, in a full run): a process outside the job died under
+    rank 0, which raised a peer's error and exited; torch's agent then SIGTERMed rank 1, and
+    the verdict named rank 1 "killed by SIGTERM" once the core waited for the death the peer's
+    error reports. A SIGTERM seen after the peer's own exit is torch's stop."""
+    monkeypatch.setattr(verdict, "stopped_after_a_peer_went", lambda r, peers: False)
+    found = first_broken()
+    assert found is not None and "a peer outside the job died under rank" in found[1], found

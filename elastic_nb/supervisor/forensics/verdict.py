@@ -17,7 +17,7 @@ from typing import Any
 from elastic_nb.common.rank_state import RankState
 from elastic_nb.common.report import signal_name
 
-__all__ = ["FAILED", "Verdict", "analyze"]
+__all__ = ["FAILED", "Verdict", "analyze", "stopped_after_a_peer_went"]
 
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGKILL)
 # A rank's own failure, as opposed to a consequence of another rank's.
@@ -45,6 +45,17 @@ class Verdict:
     others: list[dict[str, Any]]  # one per other rank: rank, kind, text, delay
 
 
+def stopped_after_a_peer_went(r: RankState, peers: list[RankState]) -> bool:
+    """`r` was SIGTERMed or SIGINTed once a rank that reported a peer's error had exited: torch's
+    agent stopping the others (a peer outside the job died under that rank)."""
+    gone = [p.died_at for p in peers if p.died_at is not None]
+    return (
+        bool(gone)
+        and r.exit_code in (-signal.SIGTERM, -signal.SIGINT)
+        and min(gone) <= (r.died_at or 0.0)
+    )
+
+
 def analyze(
     ranks: list[RankState],
     teardown_at: float | None,
@@ -61,14 +72,17 @@ def analyze(
     real = [r for r in by_time if kinds[r.rank] in _REAL]
     # A rank killed by SIGTERM/SIGINT/SIGKILL after another rank failed (on its own, or timing
     # out in a collective) was stopped by the agent: a consequence. Not after a peer error: a
-    # peer sees a death before our clock does, so that death may well be its cause.
+    # peer sees a death before our clock does, so that death may well be its cause; but a
+    # SIGTERM or SIGINT seen after the peer's own exit is torch's agent stopping the others once
+    # a rank has gone (a peer outside the job died under it).
     stopped = [
         r for r in real if kinds[r.rank] == "signal" and -(r.exit_code or 0) in _STOP_SIGNALS
     ]
     failures = [r for r in by_time if kinds[r.rank] in (*_REAL, "collective_timeout")]
     first = next((r for r in failures if r not in stopped), None)
     for r in stopped:
-        if first is not None and (first.failed_at or 0.0) <= (r.failed_at or 0.0):
+        after_first = first is not None and (first.failed_at or 0.0) <= (r.failed_at or 0.0)
+        if after_first or stopped_after_a_peer_went(r, peers):
             kinds[r.rank] = "agent"
     real = [r for r in real if kinds[r.rank] != "agent"]
     # NCCL aborts every rank (SIGABRT) once a collective timed out: after the first timeout,

@@ -14,9 +14,6 @@ the world is quiet. `CellSim(seed).run()` returns the story and the first broken
 
 from __future__ import annotations
 
-import heapq
-import itertools
-import random
 import re
 import signal
 from collections.abc import Callable
@@ -26,7 +23,7 @@ from elastic_nb.common.rank_state import RankState
 from elastic_nb.supervisor.runs import cell_rules as c
 from elastic_nb.supervisor.runs import decider as d
 from elastic_nb.supervisor.runs.placement import OneMachine
-from tests.simulation import Broken, _words
+from tests.simulation import Broken, World, _words
 
 FATES = ("finishes", "raises", "waits", "prompt", "dies")
 CELL = "ce11"
@@ -35,10 +32,10 @@ SEEN_LATE_S = 0.4  # a death is seen up to this late
 COLLECTIVE_TIMEOUT_S = 4.0  # when a rank that waits in a collective raises, if nothing came first
 
 
-class CellSim:
+class CellSim(World):
     def __init__(self, seed: int, core: Callable[..., d.Decider] = d.Decider) -> None:
-        self.seed = seed
-        self.rng = rng = random.Random(seed)
+        super().__init__(seed)
+        rng = self.rng
         self.n = rng.randint(2, 4)
         self.max_restarts = rng.randint(0, 2)
         # A session on one machine: an exit(0) restarts it (Session.restarts_from).
@@ -48,10 +45,6 @@ class CellSim:
         self.fates = {rank: rng.choice(FATES) for rank in range(self.n)}
         if rng.random() < 0.3:  # a cell every rank finishes
             self.fates = dict.fromkeys(range(self.n), "finishes")
-        self.now = 0.0
-        self._queue: list[tuple[float, int, str, Callable[[], None]]] = []
-        self._seq = itertools.count()
-        self.story: list[str] = []
         self.ranks = {
             rank: RankState(0, rank, pid=1000 + rank, started_at=0.0) for rank in range(self.n)
         }
@@ -73,38 +66,6 @@ class CellSim:
         self.decided: d.Decide | None = None
         self.blamed: list[int] = []  # ranks an attempt's failure was pinned on
 
-    # ---- the clock -------------------------------------------------------------------------
-
-    def at(self, delay: float, what: str, do: Callable[[], None]) -> None:
-        heapq.heappush(self._queue, (self.now + delay, next(self._seq), what, do))
-
-    def run(self, limit: int = 2000) -> tuple[list[str], str | None]:
-        self.say(
-            f"{self.n} ranks {self.fates}, --max-restarts {self.max_restarts}, "
-            f"grace {self.grace:g} s, --timeout {self.timeout and round(self.timeout, 3)}"
-        )
-        try:
-            self.begin()
-            for _ in range(limit):
-                if not self._queue:
-                    break
-                self.now, _, what, do = heapq.heappop(self._queue)
-                if what:
-                    self.say(what)
-                do()
-            else:
-                raise Broken("the world never went quiet")
-            self.check_end()
-        except Broken as e:
-            return self.story, str(e)
-        return self.story, None
-
-    def t(self) -> float:
-        return self.now + 1e-6
-
-    def say(self, line: str) -> None:
-        self.story.append(f"{self.now:7.3f}  {line}")
-
     # ---- the core --------------------------------------------------------------------------
 
     def hear(self, event: d.AnyEvent) -> None:
@@ -125,6 +86,10 @@ class CellSim:
     # ---- the world ---------------------------------------------------------------------------
 
     def begin(self) -> None:
+        self.say(
+            f"{self.n} ranks {self.fates}, --max-restarts {self.max_restarts}, "
+            f"grace {self.grace:g} s, --timeout {self.timeout and round(self.timeout, 3)}"
+        )
         rng = self.rng
         self.hear(d.AttemptOpened(self.t(), 0, self.n, counted=False))
         for r in self.ranks.values():

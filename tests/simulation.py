@@ -51,48 +51,31 @@ class Truth:
     culprits: set[int] = field(default_factory=set)  # who failed on its own (any of them)
 
 
-class Sim:
-    def __init__(self, seed: int, core: Callable[..., d.Decider] = d.Decider) -> None:
+class World:
+    """A seeded world on a virtual clock: what happens is queued at its time, run in order
+    until nothing is left (`run`); `begin` starts it, `check_end` judges it once it is quiet."""
+
+    def __init__(self, seed: int) -> None:
         self.seed = seed
-        self.rng = rng = random.Random(seed)
-        self.rounds = rng.random() < 0.4
-        self.n = rng.randint(2, 4)
-        self.max_restarts = rng.randint(0, 2)
-        where = InRounds if self.rounds else OneMachine
-        self.core = core(self.max_restarts, where.final, where.awaited)
-        self.book = RankBook(RunDir(Path("/nonexistent")), kill_window=KILL_WINDOW_S)
+        self.rng = random.Random(seed)
         self.now = 0.0
         self._queue: list[tuple[float, int, str, Callable[[], None]]] = []
         self._seq = itertools.count()
         self.story: list[str] = []
-        self.truths: dict[int, Truth] = {}
-        self.behind: dict[int, list[int]] = {}  # attempt -> ranks a desync finding blamed
-        self.chips: dict[tuple[int, int], str] = {}  # the last chip state shown, per rank
-        self.restarted: list[int] = []  # attempts a Restart was asked for
-        self.torch_restarts = 0  # torch's own count, on one machine
-        self.attempt = -1  # the world's newest attempt
-        self.gone: set[tuple[int, int]] = set()  # ranks whose process has ended
-        self.hung: dict[int, int] = {}  # attempt -> the rank that sleeps while others time out
-        self.outside: dict[int, int] = {}  # attempt -> the rank a peer outside the job died under
-        self.torch_ended: set[int] = set()  # attempts torch's agent has ended
-        self.ended_rounds: set[int] = set()  # attempts a new round replaces
-        self.closed: set[int] = set()  # attempts whose RoundEnded the core has heard
-        self.last_seen = 0.0  # when the site saw its latest death
-        self.pinned: dict[int, tuple[int, str]] = {}  # attempt -> the rank its failure names
 
-    # ---- the clock -------------------------------------------------------------------------
+    def begin(self) -> None:
+        raise NotImplementedError
+
+    def check_end(self) -> None:
+        raise NotImplementedError
 
     def at(self, delay: float, what: str, do: Callable[[], None]) -> None:
         heapq.heappush(self._queue, (self.now + delay, next(self._seq), what, do))
 
     def run(self, limit: int = 2000) -> tuple[list[str], str | None]:
         """Until the world is quiet; returns the story and the first broken invariant."""
-        self.say(
-            f"{'rounds' if self.rounds else 'one machine'}, {self.n} ranks, "
-            f"--max-restarts {self.max_restarts}"
-        )
         try:
-            self.open_attempt(counted=False)
+            self.begin()
             for _ in range(limit):
                 if not self._queue:
                     break
@@ -114,6 +97,39 @@ class Sim:
 
     def say(self, line: str) -> None:
         self.story.append(f"{self.now:7.3f}  {line}")
+
+
+class Sim(World):
+    def __init__(self, seed: int, core: Callable[..., d.Decider] = d.Decider) -> None:
+        super().__init__(seed)
+        rng = self.rng
+        self.rounds = rng.random() < 0.4
+        self.n = rng.randint(2, 4)
+        self.max_restarts = rng.randint(0, 2)
+        where = InRounds if self.rounds else OneMachine
+        self.core = core(self.max_restarts, where.final, where.awaited)
+        self.book = RankBook(RunDir(Path("/nonexistent")), kill_window=KILL_WINDOW_S)
+        self.truths: dict[int, Truth] = {}
+        self.behind: dict[int, list[int]] = {}  # attempt -> ranks a desync finding blamed
+        self.chips: dict[tuple[int, int], str] = {}  # the last chip state shown, per rank
+        self.restarted: list[int] = []  # attempts a Restart was asked for
+        self.torch_restarts = 0  # torch's own count, on one machine
+        self.attempt = -1  # the world's newest attempt
+        self.gone: set[tuple[int, int]] = set()  # ranks whose process has ended
+        self.hung: dict[int, int] = {}  # attempt -> the rank that sleeps while others time out
+        self.outside: dict[int, int] = {}  # attempt -> the rank a peer outside the job died under
+        self.torch_ended: set[int] = set()  # attempts torch's agent has ended
+        self.ended_rounds: set[int] = set()  # attempts a new round replaces
+        self.closed: set[int] = set()  # attempts whose RoundEnded the core has heard
+        self.last_seen = 0.0  # when the site saw its latest death
+        self.pinned: dict[int, tuple[int, str]] = {}  # attempt -> the rank its failure names
+
+    def begin(self) -> None:
+        self.say(
+            f"{'rounds' if self.rounds else 'one machine'}, {self.n} ranks, "
+            f"--max-restarts {self.max_restarts}"
+        )
+        self.open_attempt(counted=False)
 
     # ---- the core --------------------------------------------------------------------------
 

@@ -1062,6 +1062,32 @@ def _chaos_schedule(rng: random.Random) -> list[str]:
     return out
 
 
+class _Machines:
+    """The other machines of a chaos run: those serving, those lost; `nodes` counts this one."""
+
+    def __init__(self, lab: machines.Lab, k: Kernel, rng: random.Random) -> None:
+        self.serving, self.lost = list(lab.machines[:2]), list[machines.Machine]()
+        self.k, self.rng = k, rng
+
+    @property
+    def nodes(self) -> int:
+        return 1 + len(self.serving)
+
+    def lose(self) -> None:
+        """A serving machine is lost: SIGKILL to its namespace, no goodbye."""
+        gone = self.rng.choice(self.serving)
+        self.serving.remove(gone)
+        self.lost.append(gone)
+        gone.kill()
+
+    def back(self) -> None:
+        """A lost machine joins again (its agent anew)."""
+        back = self.lost.pop(self.rng.randrange(len(self.lost)))
+        back.stop()
+        back.join(self.k.join_line)  # type: ignore[attr-defined]
+        self.serving.append(back)
+
+
 @pytest.mark.alone
 def test_faults_thrown_at_a_real_job_across_machines_keep_every_invariant(
     mn_kernel: Kernel, lab: machines.Lab, tmp_path: Path
@@ -1084,36 +1110,26 @@ def test_faults_thrown_at_a_real_job_across_machines_keep_every_invariant(
     steps = _CHAOS_STEPS.replace("FLAG", repr(str(flag)))
     cell = f"%%elastic --nnodes 1:3 --nproc 1 --max-restarts {budget}" + steps
     msg_id, ex = k.start(cell)
-    attempt, nodes, spent = 0, 3, 0
+    attempt, spent, m = 0, 0, _Machines(lab, k, rng)
     killed: dict[int, int] = {}  # attempt -> the rank killed in it
-    others = list(lab.machines[:2])
-    lost: list[machines.Machine] = []
     for fault in schedule:
         k.collect(
             msg_id,
             ex,
             timeout=90,
-            until=lambda e, a=attempt, n=nodes: len(_said(e.stdout, a)) == n,
+            until=lambda e, a=attempt, n=m.nodes: len(_said(e.stdout, a)) == n,
         )
         ranks = _said(ex.stdout, attempt)
-        assert {w for _, w, _ in ranks.values()} == {nodes}, f"{where}: {ranks}"
+        assert {w for _, w, _ in ranks.values()} == {m.nodes}, f"{where}: {ranks}"
         if fault == "kill":
             mine = sorted(r for r, (_, _, host) in ranks.items() if host == _here())
             rank = rng.choice(mine)
             os.kill(ranks[rank][0], signal.SIGKILL)
             killed[attempt] = rank
         elif fault == "lose":
-            gone = rng.choice(others)
-            others.remove(gone)
-            lost.append(gone)
-            gone.kill()
-            nodes -= 1
+            m.lose()
         else:
-            back = lost.pop(rng.randrange(len(lost)))
-            back.stop()
-            back.join(k.join_line)  # type: ignore[attr-defined]
-            others.append(back)
-            nodes += 1
+            m.back()
         attempt += 1
         if fault != "arrive":
             spent += 1
@@ -1124,7 +1140,7 @@ def test_faults_thrown_at_a_real_job_across_machines_keep_every_invariant(
             msg_id,
             ex,
             timeout=90,
-            until=lambda e, a=attempt, n=nodes: len(_said(e.stdout, a)) == n,
+            until=lambda e, a=attempt, n=m.nodes: len(_said(e.stdout, a)) == n,
         )
         flag.touch()
     k.collect(msg_id, ex, timeout=120)
@@ -1155,6 +1171,13 @@ _LOCKSTEP = (
     "%%elastic\nimport time\nprint('stepping', flush=True)\n"
     "while True:\n    dist.all_reduce(torch.ones(1))\n    time.sleep(0.05)\n"
 )
+
+
+def _stepping(k: Kernel, nodes: int) -> tuple[str, Any]:
+    """A cell stepping in lockstep on every rank of the session's `nodes` nodes, under way."""
+    msg_id, ex = k.start(_LOCKSTEP)
+    k.collect(msg_id, ex, timeout=60, until=lambda e: e.stdout.count("stepping") == nodes)
+    return msg_id, ex
 
 
 def _count(k: Kernel, counter: int, nodes: int, where: str) -> None:
@@ -1200,9 +1223,7 @@ def test_faults_thrown_at_a_real_session_across_machines_keep_every_invariant(
     m = _SESSION_UP.search(up.stdout)
     assert m, up.stdout
     session = m.group(1)
-    nodes, counter, spent = 3, 0, 0
-    others = list(lab.machines[:2])
-    lost: list[machines.Machine] = []
+    counter, spent, m = 0, 0, _Machines(lab, k, rng)
     try:
         k.ok(
             "%%elastic\nimport torch, torch.distributed as dist\n"
@@ -1212,7 +1233,7 @@ def test_faults_thrown_at_a_real_session_across_machines_keep_every_invariant(
         for fault in schedule:
             counter += 1
             k.ok("%%elastic\ncounter += 1\n", timeout=120)
-            _count(k, counter, nodes, where)
+            _count(k, counter, m.nodes, where)
             if fault in ("kill", "kill mid-cell"):
                 who = k.ok(
                     "%%elastic\nimport os, socket\n"
@@ -1224,13 +1245,7 @@ def test_faults_thrown_at_a_real_session_across_machines_keep_every_invariant(
                 if fault == "kill":
                     os.kill(pid, signal.SIGKILL)
                 else:
-                    msg_id, ex = k.start(_LOCKSTEP)
-                    k.collect(
-                        msg_id,
-                        ex,
-                        timeout=60,
-                        until=lambda e, n=nodes: e.stdout.count("stepping") == n,
-                    )
+                    msg_id, ex = _stepping(k, m.nodes)
                     os.kill(pid, signal.SIGKILL)
                     k.collect(msg_id, ex, timeout=60)
                     assert ex.ename == "JobFailed", f"{where}: {ex.ename}\n{ex.traceback}"
@@ -1239,27 +1254,16 @@ def test_faults_thrown_at_a_real_session_across_machines_keep_every_invariant(
                     )
                 spent += 1
             elif fault == "interrupt":
-                msg_id, ex = k.start(_LOCKSTEP)
-                k.collect(
-                    msg_id, ex, timeout=60, until=lambda e, n=nodes: e.stdout.count("stepping") == n
-                )
+                msg_id, ex = _stepping(k, m.nodes)
                 k.interrupt()
                 k.collect(msg_id, ex, timeout=60)
                 assert ex.ename == "KeyboardInterrupt", f"{where}: {ex.ename}\n{ex.traceback}"
             elif fault == "lose":
-                gone = rng.choice(others)
-                others.remove(gone)
-                lost.append(gone)
-                gone.kill()
-                nodes -= 1
+                m.lose()
                 spent += 1
             else:
-                back = lost.pop()
-                back.stop()
-                back.join(k.join_line)  # type: ignore[attr-defined]
-                others.append(back)
-                nodes += 1
-            _count(k, counter, nodes, where)
+                m.back()
+            _count(k, counter, m.nodes, where)
         info = k.ok("%elastic session").stdout
         assert f"restarts {spent}/{spending}" in info, f"{where}\n{info}"
     finally:

@@ -20,9 +20,10 @@ actions): its ranks' answers, stops and findings by its rules, and the group's j
 death or its end as soon as the group decides it.
 
 Who failed first is judged with evidence, not by arrival: a collective timeout waits for every
-live rank's stack (`Diagnose`), a peer's error across machines for the rank that went and the
-flight recorders, a SIGTERM elastic_nb did not send for torch's agent's word (`Wait`). A failure
-that comes while a diagnosis is under way waits for it, and so does a launcher's last word.
+live rank's stack (`Diagnose`), a peer's error for the rank that went to be seen gone (across
+machines, and the flight recorders), a SIGTERM elastic_nb did not send for torch's agent's
+word (`Wait`). A failure that comes while a diagnosis is under way waits for it, and so does a
+launcher's last word.
 """
 
 from __future__ import annotations
@@ -480,7 +481,7 @@ class Decider:
             self._out += self.cell.end(e.t, f"the session ended: {self.outcome[1]}", False)
         elif e.attempt in self.failed:
             r = self.pinned.get(e.attempt)
-            self._end_cell(e.t, e.attempt, f"rank {r.rank} {r.failure_summary()}" if r else None)
+            self._end_cell(e.t, e.attempt, _cell_words(r) if r else None)
         else:
             self._cell_decides(e)
 
@@ -585,7 +586,7 @@ class Decider:
             self._decide(t, "failed", self._spent(why))
         else:
             self._out.append(Restart(attempt, why, r, kind))
-            self._end_cell(t, attempt, f"rank {r.rank} {r.failure_summary()}")
+            self._end_cell(t, attempt, _cell_words(r))
 
     def _await_gone(self, t: float, r: RankState) -> None:
         """A peer's error read before the death it reports was seen (the poll found its record
@@ -658,6 +659,11 @@ class Decider:
         restarts)."""
         if self.cell is not None and self.cell.attempt == attempt:
             self._out += self.cell.end(t, why or "its attempt failed", True)
+
+
+def _cell_words(r: RankState) -> str:
+    """A cell's words for the rank its attempt's failure is pinned on."""
+    return f"rank {r.rank} {r.failure_summary()}"
 
 
 # Each event's handler, by name (a test may stand in for one: tests/test_simulation.py)

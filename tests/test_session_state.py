@@ -91,11 +91,12 @@ def test_a_session_moves_as_its_life_goes_and_the_kernel_hears_each_move(tmp_pat
     async def main() -> None:
         s = _session(tmp_path)
         s.prepare()
+        assert s.state == s.report.state == "starting" and not s.ready()
         with anyio.fail_after(20):
             async with anyio.create_task_group() as tg:
                 tg.start_soon(s.run)
-                await anyio.wait_all_tasks_blocked()
-                assert s.state == s.report.state == "starting" and not s.ready()
+                await anyio.lowlevel.checkpoint()  # its run has begun
+                assert s.state == "starting"
                 s.request_stop("interrupt")  # its outcome decided
                 assert s.state == s.report.state == "ending"
                 s.down()  # a second decision changes nothing

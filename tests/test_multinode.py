@@ -1208,8 +1208,10 @@ def test_faults_thrown_at_a_real_session_across_machines_keep_every_invariant(
     steps, a cell interrupted, a machine lost, a lost machine joining again. After each, a
     cell finds the state the successful cells built on as many nodes as there are (the
     restarts replayed the journal); a cell a kill ended names the rank killed; an interrupted
-    cell restarts nothing; each kill and loss spent one restart and an arrival none; after
-    %elastic down no process of the session is left on any machine."""
+    cell keeps the session, unless a rank was inside a collective, where no interrupt reaches
+    (it is ended, says so, and the session restarts: the budget allows for it); each kill and
+    loss spent one restart, an arrival none; after %elastic down no process of the session is
+    left on any machine."""
     k, rng = mn_kernel, random.Random(CHAOS_SEED + 1)
     _ensure_agents(k, lab, 2)
     schedule = [rng.choice(["kill", "kill mid-cell", "interrupt"]) for _ in range(2)]
@@ -1217,9 +1219,9 @@ def test_faults_thrown_at_a_real_session_across_machines_keep_every_invariant(
     rng.shuffle(schedule)
     while schedule.index("arrive") < schedule.index("lose"):
         rng.shuffle(schedule)
-    spending = sum(f in ("kill", "kill mid-cell", "lose") for f in schedule)
+    budget = sum(f in ("kill", "kill mid-cell", "lose", "interrupt") for f in schedule)
     where = f"seed {CHAOS_SEED + 1}: {schedule}"
-    up = k.ok(f"%elastic up --nnodes 1:3 --nproc 1 --max-restarts {spending}", timeout=120)
+    up = k.ok(f"%elastic up --nnodes 1:3 --nproc 1 --max-restarts {budget}", timeout=120)
     m = _SESSION_UP.search(up.stdout)
     assert m, up.stdout
     session = m.group(1)
@@ -1258,6 +1260,8 @@ def test_faults_thrown_at_a_real_session_across_machines_keep_every_invariant(
                 k.interrupt()
                 k.collect(msg_id, ex, timeout=60)
                 assert ex.ename == "KeyboardInterrupt", f"{where}: {ex.ename}\n{ex.traceback}"
+                # A rank inside the all_reduce cannot take it: ended, and the session restarts.
+                spent += "could not be interrupted" in ex.stdout + ex.stderr
             elif fault == "lose":
                 m.lose()
                 spent += 1
@@ -1265,7 +1269,7 @@ def test_faults_thrown_at_a_real_session_across_machines_keep_every_invariant(
                 m.back()
             _count(k, counter, m.nodes, where)
         info = k.ok("%elastic session").stdout
-        assert f"restarts {spent}/{spending}" in info, f"{where}\n{info}"
+        assert f"restarts {spent}/{budget}" in info, f"{where}\n{info}"
     finally:
         k.ok("%elastic down", timeout=60)
     _nothing_left(session, lab)

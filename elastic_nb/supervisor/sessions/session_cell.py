@@ -38,11 +38,6 @@ if TYPE_CHECKING:
 
 __all__ = ["Decision", "SessionCell", "failure_words"]
 
-# After the first failure, how long the other ranks' own answers may take before they are
-# interrupted: a cell that raises on every rank (a typo) fails on each of them within
-# milliseconds, and each should be reported with its own error, not as interrupted.
-SETTLE_S = 0.1
-
 
 # (outcome, reason, when interrupting began, whether the session restarts)
 Decision = tuple[str, str, float | None, bool]
